@@ -1,0 +1,91 @@
+# Shared helpers for scripts/*: dependency installation, paths, logging.
+# Sourced, not executed.  Everything here is idempotent and quiet when done.
+
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+VENV=${NVMEOF_FUSE_VENV:-$REPO/.venv}
+STATE=${NVMEOF_FUSE_STATE:-$REPO/.testbed}
+
+APT_PACKAGES=(
+  qemu-system-x86 busybox-static kmod udev iproute2 rdma-core ibverbs-utils
+  ibverbs-providers libibverbs1 librdmacm1 rdmacm-utils perftest nvme-cli
+  fuse3 libfuse3-dev pkg-config fio e2fsprogs jq bsdextrautils procps
+)
+BACKPORTS_SUITE=bookworm-backports
+
+log() { printf '%s\n' "$*" >&2; }
+die() { printf '%s: %s\n' "$(basename "$0")" "$*" >&2; exit 1; }
+
+# The backports kernel (6.12): on 6.1, kernel nvme-tcp writes at QD16 hung
+# and rxe was slower.  We add the backports suite to the Debian apt source
+# that is already configured, reusing its URIs (never naming a host here).
+ensure_backports_source() {
+  local list=/etc/apt/sources.list.d/nvmeof-fuse-backports.sources
+  [[ -e $list ]] && return 0
+  local uris
+  uris=$(awk '/^URIs:/ && $2 !~ /security/ {print $2; exit}' /etc/apt/sources.list.d/debian.sources 2>/dev/null)
+  [[ -n $uris ]] || uris=$(awk '$1=="deb" && $3 ~ /^bookworm$/ {print $2; exit}' /etc/apt/sources.list 2>/dev/null)
+  [[ -n $uris ]] || die "cannot find a configured Debian apt source to add $BACKPORTS_SUITE to"
+  cat >"$list" <<SRC
+Types: deb
+URIs: $uris
+Suites: $BACKPORTS_SUITE
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+SRC
+  APT_UPDATED=
+}
+
+# Newest installed Debian kernel image of at least 6.12 (the backports one,
+# e.g. /boot/vmlinuz-6.12.95+deb12-amd64); empty when there is none.
+testbed_kernel() {
+  local k
+  k=$(ls -1 /boot/vmlinuz-*-amd64 2>/dev/null | sort -V | tail -n 1)
+  [[ -n $k ]] || return 0
+  printf '%s\n' "${k#/boot/vmlinuz-}" 6.12 | sort -V -C && return 0
+  printf '%s\n' "$k"
+}
+
+apt_missing() {
+  local p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || echo "$p"
+  done
+}
+
+ensure_apt() {
+  local missing
+  mapfile -t missing < <(apt_missing "${APT_PACKAGES[@]}")
+  if [[ -z $(testbed_kernel) ]]; then
+    ensure_backports_source
+  fi
+  if [[ ${#missing[@]} -gt 0 || -z $(testbed_kernel) ]]; then
+    log "installing system packages (${missing[*]:-} kernel)..."
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >/dev/null
+    if [[ ${#missing[@]} -gt 0 ]]; then
+      apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    fi
+    if [[ -z $(testbed_kernel) ]]; then
+      apt-get install -y -qq --no-install-recommends -t "$BACKPORTS_SUITE" linux-image-amd64 >/dev/null
+    fi
+    [[ -n $(testbed_kernel) ]] || die "no $BACKPORTS_SUITE kernel under /boot after install"
+  fi
+}
+
+# The venv holds the project (editable), its test extra and virtme-ng.
+ensure_venv() {
+  local stamp=$VENV/.nvmeof-fuse-stamp want
+  want=$(cat "$REPO/pyproject.toml" | sha1sum | cut -c1-12)
+  [[ -f $stamp && $(cat "$stamp") == "$want" ]] && return 0
+  log "preparing python venv in $VENV..."
+  [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
+  "$VENV/bin/pip" install -q -e "$REPO[test]" virtme-ng >/dev/null
+  echo "$want" >"$stamp"
+}
+
+ensure_deps() {
+  ensure_apt
+  ensure_venv
+  export PATH=$VENV/bin:$PATH
+}
