@@ -1,0 +1,40 @@
+"""Exceptions shared by every layer.
+
+Every error a user can cause derives from :class:`NVMeoFError` and carries a
+one-line message that names the problem; the CLI prints ``str(exc)`` and
+exits non-zero, never a traceback.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class NVMeoFError(Exception):
+    """Base of all nvmeof-fuse errors; ``errno`` is what the filesystem returns."""
+
+    errno: int = _errno.EIO
+
+
+class ConnectError(NVMeoFError):
+    """A queue or controller could not be connected (address, route, NQN, refusal)."""
+
+    errno = _errno.ENOTCONN
+
+
+class CommandTimeout(NVMeoFError):
+    """A command got no completion within its timeout."""
+
+    errno = _errno.ETIMEDOUT
+
+
+class TransportError(NVMeoFError):
+    """The transport failed (a failed work completion, a lost connection)."""
+
+    errno = _errno.EIO
+
+
+class InvalidArgument(NVMeoFError):
+    """A caller passed a bad value (an out-of-range LBA, a misaligned buffer)."""
+
+    errno = _errno.EINVAL
