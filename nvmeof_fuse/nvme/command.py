@@ -1,0 +1,302 @@
+"""64-byte submission queue entries, one short builder per command.
+
+Every builder returns a fresh ``bytearray(64)`` with command ID 0; the queue
+stamps its own CID with :func:`set_command_id`. All commands use SGLs (PSDT
+01b, flags byte 0x40) with the descriptor in DPTR, bytes 24..39.
+
+Common layout (NVMe Base 2.0, "Common Command Format"): byte 0 opcode, byte 1
+flags, 2..3 CID, 4..7 NSID, 24..39 DPTR, 40..63 CDW10..CDW15. Fabrics commands
+(NVMe Base 2.0, "Fabrics Command") put FCTYPE in byte 4 instead of an NSID.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from collections.abc import Iterable
+
+from ._fields import BytesLike, in_range, uint
+from .constants import (
+    CNTLID_DYNAMIC,
+    CONNECT_DATA_SIZE,
+    NQN_MAX_BYTES,
+    NSID_ALL,
+    OPC_FABRICS,
+    PSDT_SGL_METABUF,
+    SGL_DESC_SIZE,
+    SQE_SIZE,
+    AdminOpcode,
+    FabricsType,
+    IoOpcode,
+)
+from .sgl import NULL_SGL
+
+MAX_NLB = 65536
+"""Most logical blocks one Read/Write/Write Zeroes can move (16-bit 0's based NLB)."""
+MAX_DSM_RANGES = 256
+
+
+def _sqe(opcode: int, nsid: int = 0, sgl: BytesLike = NULL_SGL) -> bytearray:
+    if len(sgl) != SGL_DESC_SIZE:
+        raise ValueError(f"an SGL descriptor is {SGL_DESC_SIZE} bytes, got {len(sgl)}")
+    sqe = bytearray(SQE_SIZE)
+    sqe[0] = opcode
+    sqe[1] = PSDT_SGL_METABUF
+    struct.pack_into("<I", sqe, 4, uint("nsid", nsid, 32))
+    sqe[24:40] = sgl
+    return sqe
+
+
+def _fabrics(fctype: FabricsType, sgl: BytesLike = NULL_SGL) -> bytearray:
+    sqe = _sqe(OPC_FABRICS, 0, sgl)
+    sqe[4] = fctype
+    return sqe
+
+
+def _io_nsid(nsid: int) -> int:
+    return in_range("nsid", nsid, 1, NSID_ALL - 1)
+
+
+def _nlb(nlb: int) -> int:
+    """Natural block count -> 0's based NLB field."""
+    return in_range("number of logical blocks", nlb, 1, MAX_NLB) - 1
+
+
+def set_command_id(sqe: bytearray | memoryview, cid: int) -> None:
+    """Stamp command identifier ``cid`` into CDW0 bytes 2..3."""
+    struct.pack_into("<H", sqe, 2, uint("command id", cid, 16))
+
+
+def command_id(sqe: BytesLike) -> int:
+    """The command identifier in CDW0 bytes 2..3."""
+    return int.from_bytes(sqe[2:4], "little")
+
+
+def command_name(sqe: BytesLike, admin: bool) -> str:
+    """A readable name for the command in ``sqe`` ("Read", "Identify", "Connect", ...)."""
+    opcode = sqe[0]
+    try:
+        if opcode == OPC_FABRICS:
+            return FabricsType(sqe[4]).name.replace("_", " ").title()
+        kind = AdminOpcode if admin else IoOpcode
+        return kind(opcode).name.replace("_", " ").title()
+    except ValueError:
+        return f"{'Admin' if admin else 'I/O'} command {opcode:#04x}"
+
+
+# --- Admin commands ---------------------------------------------------------------------
+
+
+def identify(cns: int, nsid: int = 0, cntid: int = 0, *, sgl: BytesLike) -> bytearray:
+    """Identify: CDW10 = CNS (bits 7:0) | CNTID (bits 31:16); 4096 bytes come back."""
+    sqe = _sqe(AdminOpcode.IDENTIFY, nsid, sgl)
+    struct.pack_into("<BxH", sqe, 40, uint("cns", cns, 8), uint("cntid", cntid, 16))
+    return sqe
+
+
+def get_log_page(
+    lid: int,
+    numd_bytes: int,
+    offset: int = 0,
+    nsid: int = NSID_ALL,
+    lsp: int = 0,
+    rae: bool = False,
+    *,
+    sgl: BytesLike,
+) -> bytearray:
+    """Get Log Page for ``numd_bytes`` bytes starting ``offset`` bytes into log ``lid``.
+
+    CDW10: LID 7:0, LSP 14:8, RAE 15, NUMDL 31:16; CDW11: NUMDU 15:0;
+    CDW12/13: LPOL/LPOU. NUMD is the dword count, 0's based.
+    """
+    if numd_bytes <= 0 or numd_bytes % 4:
+        raise ValueError(f"log page length must be a positive multiple of 4, got {numd_bytes}")
+    if offset % 4:
+        raise ValueError(f"log page offset must be a multiple of 4, got {offset}")
+    numd = uint("log page dword count", numd_bytes // 4 - 1, 32)
+    cdw10 = uint("lid", lid, 8) | uint("lsp", lsp, 7) << 8 | int(rae) << 15 | (numd & 0xFFFF) << 16
+    sqe = _sqe(AdminOpcode.GET_LOG_PAGE, nsid, sgl)
+    struct.pack_into("<IIQ", sqe, 40, cdw10, numd >> 16, uint("log page offset", offset, 64))
+    return sqe
+
+
+def set_features(
+    fid: int, cdw11: int, save: bool = False, *, sgl: BytesLike = NULL_SGL
+) -> bytearray:
+    """Set Features: CDW10 = FID (7:0) | SV (bit 31); CDW11 is feature specific."""
+    sqe = _sqe(AdminOpcode.SET_FEATURES, 0, sgl)
+    cdw10 = uint("fid", fid, 8) | int(save) << 31
+    struct.pack_into("<II", sqe, 40, cdw10, uint("cdw11", cdw11, 32))
+    return sqe
+
+
+def get_features(fid: int, sel: int = 0, cdw11: int = 0, *, sgl: BytesLike = NULL_SGL) -> bytearray:
+    """Get Features: CDW10 = FID (7:0) | SEL (10:8: 0 current, 1 default, 2 saved, 3 caps)."""
+    sqe = _sqe(AdminOpcode.GET_FEATURES, 0, sgl)
+    cdw10 = uint("fid", fid, 8) | uint("sel", sel, 3) << 8
+    struct.pack_into("<II", sqe, 40, cdw10, uint("cdw11", cdw11, 32))
+    return sqe
+
+
+def keep_alive() -> bytearray:
+    """Keep Alive: no fields."""
+    return _sqe(AdminOpcode.KEEP_ALIVE)
+
+
+def async_event_request() -> bytearray:
+    """Asynchronous Event Request: no fields; completes when the controller has an event."""
+    return _sqe(AdminOpcode.ASYNC_EVENT_REQUEST)
+
+
+# --- NVM I/O commands (NVM Command Set 1.0) ---------------------------------------------
+
+
+def read(nsid: int, slba: int, nlb: int, sgl: BytesLike) -> bytearray:
+    """Read ``nlb`` blocks from ``slba``: CDW10/11 = SLBA, CDW12 bits 15:0 = NLB - 1."""
+    sqe = _sqe(IoOpcode.READ, _io_nsid(nsid), sgl)
+    struct.pack_into("<QH", sqe, 40, uint("slba", slba, 64), _nlb(nlb))
+    return sqe
+
+
+def write(nsid: int, slba: int, nlb: int, sgl: BytesLike, fua: bool = False) -> bytearray:
+    """Write ``nlb`` blocks at ``slba``; ``fua`` sets Force Unit Access (CDW12 bit 30)."""
+    sqe = _sqe(IoOpcode.WRITE, _io_nsid(nsid), sgl)
+    cdw12 = _nlb(nlb) | int(fua) << 30
+    struct.pack_into("<QI", sqe, 40, uint("slba", slba, 64), cdw12)
+    return sqe
+
+
+def flush(nsid: int) -> bytearray:
+    """Flush the volatile write cache of ``nsid`` (NSID_ALL: every namespace)."""
+    return _sqe(IoOpcode.FLUSH, in_range("nsid", nsid, 1, NSID_ALL))
+
+
+def write_zeroes(nsid: int, slba: int, nlb: int, deallocate: bool = False) -> bytearray:
+    """Write Zeroes over ``nlb`` blocks; ``deallocate`` sets DEAC (CDW12 bit 25)."""
+    sqe = _sqe(IoOpcode.WRITE_ZEROES, _io_nsid(nsid))
+    cdw12 = _nlb(nlb) | int(deallocate) << 25
+    struct.pack_into("<QI", sqe, 40, uint("slba", slba, 64), cdw12)
+    return sqe
+
+
+def dataset_management(
+    nsid: int, nr_ranges: int, deallocate: bool = True, *, sgl: BytesLike
+) -> bytearray:
+    """Dataset Management over ``nr_ranges`` ranges (from :func:`dsm_ranges`).
+
+    CDW10 bits 7:0 = NR (0's based); CDW11 bit 2 = AD (deallocate, i.e. trim).
+    """
+    sqe = _sqe(IoOpcode.DATASET_MANAGEMENT, _io_nsid(nsid), sgl)
+    nr = in_range("number of DSM ranges", nr_ranges, 1, MAX_DSM_RANGES) - 1
+    struct.pack_into("<II", sqe, 40, nr, int(deallocate) << 2)
+    return sqe
+
+
+def dsm_ranges(ranges: Iterable[tuple[int, int]]) -> bytes:
+    """Range list for Dataset Management: 16 bytes per ``(slba, nlb)``.
+
+    Each range: bytes 0..3 context attributes (0), 4..7 length in blocks (not
+    0's based), 8..15 starting LBA (NVM Command Set 1.0, "Dataset Management Range").
+    """
+    out = bytearray()
+    for slba, nlb in ranges:
+        nlb = in_range("DSM range length", nlb, 1, 0xFFFFFFFF)
+        out += struct.pack("<IIQ", 0, nlb, uint("DSM range slba", slba, 64))
+    in_range("number of DSM ranges", len(out) // 16, 1, MAX_DSM_RANGES)
+    return bytes(out)
+
+
+# --- Fabrics commands (NVMe Base 2.0 "Fabrics Command Set"; NVMe-oF 1.1) ----------------
+
+
+def connect(
+    qid: int, sqsize: int, kato_ms: int = 0, cattr: int = 0, *, sgl: BytesLike
+) -> bytearray:
+    """Connect queue ``qid`` with ``sqsize`` entries; the 1024-byte data is behind ``sgl``.
+
+    Bytes 40..41 RECFMT (0), 42..43 QID, 44..45 SQSIZE (0's based), 46 CATTR,
+    48..51 KATO in milliseconds (admin queue only; 0 disables keep alive).
+    """
+    sqe = _fabrics(FabricsType.CONNECT, sgl)
+    struct.pack_into(
+        "<HHHBxI",
+        sqe,
+        40,
+        0,
+        uint("qid", qid, 16),
+        in_range("queue size", sqsize, 2, 65536) - 1,
+        uint("cattr", cattr, 8),
+        uint("kato_ms", kato_ms, 32),
+    )
+    return sqe
+
+
+def _nqn(name: str, nqn: str) -> bytes:
+    raw = nqn.encode("utf-8")
+    if not raw or len(raw) > NQN_MAX_BYTES:
+        raise ValueError(f"{name} must be 1..{NQN_MAX_BYTES} bytes of UTF-8, got {len(raw)}")
+    if b"\0" in raw:
+        raise ValueError(f"{name} must not contain NUL")
+    return raw
+
+
+def connect_data(hostid: uuid.UUID, cntlid: int, subnqn: str, hostnqn: str) -> bytes:
+    """The 1024-byte Connect data: HOSTID 0..15, CNTLID 16..17, SUBNQN at 256, HOSTNQN at 512.
+
+    Use ``CNTLID_DYNAMIC`` (0xFFFF) on the admin queue of a dynamic controller
+    subsystem; I/O queues pass the CNTLID the admin Connect returned.
+    """
+    data = bytearray(CONNECT_DATA_SIZE)
+    data[0:16] = hostid.bytes
+    struct.pack_into("<H", data, 16, uint("cntlid", cntlid, 16))
+    sub, host = _nqn("subsystem NQN", subnqn), _nqn("host NQN", hostnqn)
+    data[256 : 256 + len(sub)] = sub
+    data[512 : 512 + len(host)] = host
+    return bytes(data)
+
+
+def property_get(offset: int, size8: bool) -> bytearray:
+    """Property Get: byte 40 ATTRIB (bits 2:0 = 1 for 8 bytes), bytes 44..47 OFST."""
+    sqe = _fabrics(FabricsType.PROPERTY_GET)
+    struct.pack_into("<B3xI", sqe, 40, int(size8), uint("property offset", offset, 32))
+    return sqe
+
+
+def property_set(offset: int, value: int, size8: bool) -> bytearray:
+    """Property Set: as Property Get plus the value at bytes 48..55."""
+    sqe = _fabrics(FabricsType.PROPERTY_SET)
+    value = uint("property value", value, 64 if size8 else 32)
+    struct.pack_into("<B3xIQ", sqe, 40, int(size8), uint("property offset", offset, 32), value)
+    return sqe
+
+
+def disconnect() -> bytearray:
+    """Disconnect the I/O queue this command is sent on (RECFMT 0)."""
+    return _fabrics(FabricsType.DISCONNECT)
+
+
+__all__ = [
+    "CNTLID_DYNAMIC",
+    "MAX_DSM_RANGES",
+    "MAX_NLB",
+    "async_event_request",
+    "command_id",
+    "command_name",
+    "connect",
+    "connect_data",
+    "dataset_management",
+    "disconnect",
+    "dsm_ranges",
+    "flush",
+    "get_features",
+    "get_log_page",
+    "identify",
+    "keep_alive",
+    "property_get",
+    "property_set",
+    "read",
+    "set_command_id",
+    "set_features",
+    "write",
+    "write_zeroes",
+]
