@@ -1,0 +1,74 @@
+"""Sans-I/O NVMe and NVMe-oF wire layer: builders give bytes, parsers give typed objects.
+
+``command`` builds 64-byte SQEs, ``sgl`` the 16-byte data descriptors,
+``completion`` parses CQEs, ``status`` names and maps status codes, ``fabrics``
+decodes controller properties, ``identify`` and ``logpage`` parse returned data.
+Nothing here does I/O.
+"""
+
+from . import command, constants, sgl
+from .command import set_command_id
+from .completion import Completion
+from .constants import (
+    CNTLID_DYNAMIC,
+    DISCOVERY_NQN,
+    NSID_ALL,
+    AdminOpcode,
+    Cns,
+    FabricsType,
+    FeatureId,
+    IoOpcode,
+    LogPageId,
+    Property,
+)
+from .fabrics import (
+    Capabilities,
+    ConnectResult,
+    ControllerStatus,
+    cc_enable_value,
+    cc_shutdown_value,
+    decode_version,
+)
+from .identify import IdentifyController, IdentifyNamespace, LbaFormat, parse_active_ns_list
+from .logpage import DiscoveryLogEntry, DiscoveryLogPage, ErrorLogEntry, SmartLog
+from .sgl import NULL_SGL, in_capsule_data, keyed_data_block
+from .status import NVMeStatusError, connect_invalid_parameter, status_errno, status_name
+
+__all__ = [
+    "CNTLID_DYNAMIC",
+    "DISCOVERY_NQN",
+    "NSID_ALL",
+    "NULL_SGL",
+    "AdminOpcode",
+    "Capabilities",
+    "Cns",
+    "Completion",
+    "ConnectResult",
+    "ControllerStatus",
+    "DiscoveryLogEntry",
+    "DiscoveryLogPage",
+    "ErrorLogEntry",
+    "FabricsType",
+    "FeatureId",
+    "IdentifyController",
+    "IdentifyNamespace",
+    "IoOpcode",
+    "LbaFormat",
+    "LogPageId",
+    "NVMeStatusError",
+    "Property",
+    "SmartLog",
+    "cc_enable_value",
+    "cc_shutdown_value",
+    "command",
+    "connect_invalid_parameter",
+    "constants",
+    "decode_version",
+    "in_capsule_data",
+    "keyed_data_block",
+    "parse_active_ns_list",
+    "set_command_id",
+    "sgl",
+    "status_errno",
+    "status_name",
+]

@@ -1,0 +1,241 @@
+"""Identify data: controller (CNS 01h), namespace (CNS 00h), active namespace list (CNS 02h).
+
+Offsets: NVMe Base 2.0 "Identify Controller Data Structure" and NVM Command
+Set 1.0 "Identify Namespace Data Structure" (Linux ``struct nvme_id_ctrl`` /
+``struct nvme_id_ns``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ._fields import BytesLike, buffer, le, text
+from .constants import IDENTIFY_DATA_SIZE
+from .fabrics import decode_version
+
+
+def _view(name: str, data: BytesLike) -> memoryview:
+    return buffer(f"Identify {name} data", data, IDENTIFY_DATA_SIZE)
+
+
+@dataclass(frozen=True, slots=True)
+class IdentifyController:
+    """The fields of Identify Controller an NVMe-oF initiator uses or shows."""
+
+    vid: int
+    ssvid: int
+    sn: str
+    mn: str
+    fr: str
+    rab: int
+    ieee: int
+    cmic: int
+    mdts: int
+    """Max data transfer as a power of two of CAP.MPSMIN pages; 0 means no limit."""
+    cntlid: int
+    ver: int
+    oaes: int
+    ctratt: int
+    cntrltype: int
+    oacs: int
+    acl: int
+    aerl: int
+    frmw: int
+    lpa: int
+    elpe: int
+    npss: int
+    kas: int
+    """Keep Alive Support granularity, in 100 ms units (0: keep alive not supported)."""
+    sqes: int
+    cqes: int
+    maxcmd: int
+    nn: int
+    oncs: int
+    fuses: int
+    fna: int
+    vwc: int
+    awun: int
+    awupf: int
+    sgls: int
+    subnqn: str
+    ioccsz: int
+    """I/O command capsule size in 16-byte units (fabrics)."""
+    iorcsz: int
+    icdoff: int
+    fcatt: int
+    msdbd: int
+    ofcs: int
+
+    @classmethod
+    def from_bytes(cls, data: BytesLike) -> IdentifyController:
+        v = _view("Controller", data)
+
+        def u8(off: int) -> int:
+            return v[off]
+
+        def u16(off: int) -> int:
+            return le(v, off, 2)
+
+        def u32(off: int) -> int:
+            return le(v, off, 4)
+
+        return cls(
+            vid=u16(0),
+            ssvid=u16(2),
+            sn=text(v, 4, 20),
+            mn=text(v, 24, 40),
+            fr=text(v, 64, 8),
+            rab=u8(72),
+            ieee=le(v, 73, 3),
+            cmic=u8(76),
+            mdts=u8(77),
+            cntlid=u16(78),
+            ver=u32(80),
+            oaes=u32(92),
+            ctratt=u32(96),
+            cntrltype=u8(111),
+            oacs=u16(256),
+            acl=u8(258),
+            aerl=u8(259),
+            frmw=u8(260),
+            lpa=u8(261),
+            elpe=u8(262),
+            npss=u8(263),
+            kas=u16(320),
+            sqes=u8(512),
+            cqes=u8(513),
+            maxcmd=u16(514),
+            nn=u32(516),
+            oncs=u16(520),
+            fuses=u16(522),
+            fna=u8(524),
+            vwc=u8(525),
+            awun=u16(526),
+            awupf=u16(528),
+            sgls=u32(536),
+            subnqn=text(v, 768, 256),
+            ioccsz=u32(1792),
+            iorcsz=u32(1796),
+            icdoff=u16(1800),
+            fcatt=u8(1802),
+            msdbd=u8(1803),
+            ofcs=u16(1804),
+        )
+
+    def max_transfer_bytes(self, page_size: int) -> int | None:
+        """MDTS in bytes for CAP.MPSMIN ``page_size``; None when unlimited (MDTS 0)."""
+        return page_size << self.mdts if self.mdts else None
+
+    @property
+    def version(self) -> str:
+        return decode_version(self.ver)
+
+    @property
+    def keyed_sgl_supported(self) -> bool:
+        """SGLS bit 2: Keyed SGL Data Block descriptors (needed for NVMe/RDMA)."""
+        return bool(self.sgls & 0x4)
+
+    @property
+    def in_capsule_data_bytes(self) -> int:
+        """Data bytes an I/O command capsule may carry after its 64-byte SQE."""
+        return max(self.ioccsz * 16 - 64, 0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "version": self.version}
+
+
+@dataclass(frozen=True, slots=True)
+class LbaFormat:
+    """One LBA Format entry: metadata bytes, LBA data size as a power of two, relative perf."""
+
+    ms: int
+    lbads: int
+    rp: int
+
+
+@dataclass(frozen=True, slots=True)
+class IdentifyNamespace:
+    """Size and format of a namespace (all zero for an inactive NSID)."""
+
+    nsze: int
+    ncap: int
+    nuse: int
+    nsfeat: int
+    nlbaf: int
+    """Number of LBA formats, 0's based (as on the wire)."""
+    flbas: int
+    mc: int
+    dpc: int
+    dps: int
+    nmic: int
+    nguid: bytes
+    eui64: bytes
+    lbaf: tuple[LbaFormat, ...]
+
+    @classmethod
+    def from_bytes(cls, data: BytesLike) -> IdentifyNamespace:
+        v = _view("Namespace", data)
+        count = min(v[25] + 1, 64)
+        lbaf = tuple(LbaFormat(*struct.unpack_from("<HBB", v, 128 + 4 * i)) for i in range(count))
+        return cls(
+            nsze=le(v, 0, 8),
+            ncap=le(v, 8, 8),
+            nuse=le(v, 16, 8),
+            nsfeat=v[24],
+            nlbaf=v[25],
+            flbas=v[26],
+            mc=v[27],
+            dpc=v[28],
+            dps=v[29],
+            nmic=v[30],
+            nguid=bytes(v[104:120]),
+            eui64=bytes(v[120:128]),
+            lbaf=lbaf,
+        )
+
+    @property
+    def format_index(self) -> int:
+        """Current LBA format: FLBAS bits 3:0, plus bits 6:5 as the high bits (>16 formats)."""
+        return (self.flbas & 0x0F) | (self.flbas & 0x60) >> 1
+
+    @property
+    def current_format(self) -> LbaFormat:
+        index = self.format_index
+        if index >= len(self.lbaf):
+            raise ValueError(f"FLBAS selects LBA format {index}, only {len(self.lbaf)} exist")
+        return self.lbaf[index]
+
+    @property
+    def lba_size(self) -> int:
+        """Bytes per logical block of the current format."""
+        return 1 << self.current_format.lbads
+
+    @property
+    def metadata_size(self) -> int:
+        return self.current_format.ms
+
+    @property
+    def active(self) -> bool:
+        return self.nsze != 0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["nguid"] = self.nguid.hex()
+        d["eui64"] = self.eui64.hex()
+        if self.active:
+            d["lba_size"] = self.lba_size
+        return d
+
+
+def parse_active_ns_list(data: BytesLike) -> list[int]:
+    """Active Namespace ID list (CNS 02h): ascending NSIDs, ended by the first zero."""
+    v = _view("active namespace list", data)
+    nsids = []
+    for (nsid,) in struct.iter_unpack("<I", v):
+        if nsid == 0:
+            break
+        nsids.append(nsid)
+    return nsids
