@@ -1,0 +1,249 @@
+"""Byte-addressed reads and writes over a device that only moves whole LBAs.
+
+Partial first/last LBAs of a write are read-modify-written. Concurrent writers
+must never lose each other's bytes, so every write holds a range lock on the
+LBAs it touches for its whole duration:
+
+* the edge LBAs it read-modify-writes are held *exclusively*: nobody else may
+  write them between our read and our write;
+* its aligned middle is held *shared*: aligned writes do not conflict with each
+  other (each LBA ends up as one of the writers' data, as on any block device),
+  but they must not overlap an edge LBA somebody is read-modify-writing, or the
+  RMW's stale copy would overwrite the aligned data (or vice versa).
+
+Requests are granted in arrival order (a request waits only for earlier
+conflicting ones), which is deadlock- and starvation-free. Reads take no lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import trio
+
+from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
+
+if TYPE_CHECKING:
+    from nvmeof_fuse.host.stats import IoStats
+
+
+class NoSpace(NVMeoFError):
+    """A write reaches past the end of the device."""
+
+    errno = errno.ENOSPC
+
+
+class LbaDevice(Protocol):
+    """What ByteRangeIO needs: whole-LBA reads and writes."""
+
+    lba_size: int
+    nlb: int
+
+    async def read_lbas(self, slba: int, nlb: int) -> bytes: ...
+
+    async def write_lbas(self, slba: int, data: bytes | memoryview) -> None: ...
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A partially covered LBA: caller bytes ``data`` go at ``start`` inside ``lba``."""
+
+    lba: int
+    start: int
+    data: slice
+
+
+@dataclass(frozen=True)
+class Split:
+    """A byte range cut at LBA boundaries; slices index the caller's buffer."""
+
+    head: Edge | None
+    middle_slba: int
+    middle_nlb: int
+    middle: slice
+    tail: Edge | None
+
+    @property
+    def first_lba(self) -> int:
+        return self.head.lba if self.head else self.middle_slba
+
+    @property
+    def nlb(self) -> int:
+        """Number of LBAs touched, edges included."""
+        return self.middle_nlb + (self.head is not None) + (self.tail is not None)
+
+    def edges(self) -> Iterator[Edge]:
+        yield from (e for e in (self.head, self.tail) if e is not None)
+
+
+def split_range(offset: int, length: int, lba_size: int) -> Split:
+    """Cut ``[offset, offset+length)`` into partial head LBA, aligned middle, partial tail."""
+    if offset < 0 or length < 0 or lba_size <= 0:
+        raise InvalidArgument(
+            f"bad byte range: offset {offset}, length {length}, LBA size {lba_size}"
+        )
+    head = None
+    pos = offset
+    if length:
+        start = offset % lba_size
+        n = min(length, lba_size - start)
+        if n < lba_size:
+            head = Edge(offset // lba_size, start, slice(0, n))
+            pos += n
+    end = offset + length
+    mid_nlb = (end - pos) // lba_size
+    mid_end = pos + mid_nlb * lba_size
+    middle = slice(pos - offset, mid_end - offset)
+    tail = None
+    if mid_end < end:
+        tail = Edge(mid_end // lba_size, 0, slice(mid_end - offset, length))
+    return Split(head, pos // lba_size, mid_nlb, middle, tail)
+
+
+@dataclass(eq=False)
+class _Request:
+    parts: list[tuple[int, int, bool]]  # (first LBA, end LBA, exclusive)
+    granted: trio.Event = field(default_factory=trio.Event)
+
+    def conflicts(self, other: _Request) -> bool:
+        return any(
+            (ex1 or ex2) and s1 < e2 and s2 < e1
+            for s1, e1, ex1 in self.parts
+            for s2, e2, ex2 in other.parts
+        )
+
+
+class LbaRangeLock:
+    """FIFO range lock over LBAs with shared and exclusive parts per request."""
+
+    def __init__(self) -> None:
+        self._queue: list[_Request] = []  # held and waiting, in arrival order
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    @asynccontextmanager
+    async def hold(self, parts: list[tuple[int, int, bool]]) -> AsyncIterator[None]:
+        req = _Request(parts)
+        self._queue.append(req)
+        try:
+            self._grant()
+            await req.granted.wait()
+            yield
+        finally:
+            self._queue.remove(req)
+            self._grant()
+
+    def _grant(self) -> None:
+        for i, req in enumerate(self._queue):
+            if not req.granted.is_set() and not any(
+                req.conflicts(earlier) for earlier in self._queue[:i]
+            ):
+                req.granted.set()
+
+
+class ByteRangeIO:
+    """Reads and writes at any byte offset and length over an :class:`LbaDevice`."""
+
+    def __init__(self, device: LbaDevice, stats: IoStats | None = None) -> None:
+        self.device = device
+        self.stats = stats
+        self.lock = LbaRangeLock()
+
+    @property
+    def size(self) -> int:
+        return self.device.lba_size * self.device.nlb
+
+    async def read(self, offset: int, length: int) -> bytes:
+        """Read up to ``length`` bytes; short at the end, ``b""`` at or past it."""
+        if offset < 0 or length < 0:
+            raise InvalidArgument(f"bad read: offset {offset}, length {length}")
+        length = max(0, min(length, self.size - offset))
+        if not length:
+            return b""
+        ls = self.device.lba_size
+        first, last = offset // ls, (offset + length - 1) // ls
+        with self._record("read", length):
+            data = await self.device.read_lbas(first, last - first + 1)
+        skip = offset - first * ls
+        if skip == 0 and len(data) == length:
+            return bytes(data)
+        return bytes(memoryview(data)[skip : skip + length])
+
+    async def write(self, offset: int, data: bytes | memoryview) -> int:
+        """Write all of ``data`` at ``offset``; raises :class:`NoSpace` past the end."""
+        buf = memoryview(data).cast("B")
+        if offset < 0:
+            raise InvalidArgument(f"bad write: negative offset {offset}")
+        if offset + len(buf) > self.size:
+            raise NoSpace(
+                f"write of {len(buf)} bytes at offset {offset} extends past the end "
+                f"of the device ({self.size} bytes)"
+            )
+        if not buf:
+            return 0
+        sp = split_range(offset, len(buf), self.device.lba_size)
+        parts = [(e.lba, e.lba + 1, True) for e in sp.edges()]
+        if sp.middle_nlb:
+            parts.append((sp.middle_slba, sp.middle_slba + sp.middle_nlb, False))
+        with self._record("write", len(buf)):
+            async with self.lock.hold(parts):
+                await self._write_pieces(sp, buf)
+        return len(buf)
+
+    async def _write_pieces(self, sp: Split, buf: memoryview) -> None:
+        """Issue the edge RMWs and the middle write concurrently."""
+        jobs = [functools.partial(self._rmw, e, buf[e.data]) for e in sp.edges()]
+        if sp.middle_nlb:
+            jobs.append(functools.partial(self.device.write_lbas, sp.middle_slba, buf[sp.middle]))
+        if len(jobs) == 1:
+            await jobs[0]()
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                for job in jobs:
+                    nursery.start_soon(job)
+        except BaseExceptionGroup as group:
+            first = _first_error(group)
+            if first is None:
+                raise
+            raise first from None
+
+    async def _rmw(self, edge: Edge, data: memoryview) -> None:
+        """Merge ``data`` into one LBA; the caller holds the LBA exclusively."""
+        block = bytearray(await self.device.read_lbas(edge.lba, 1))
+        block[edge.start : edge.start + len(data)] = data
+        await self.device.write_lbas(edge.lba, block)
+        if self.stats is not None:
+            self.stats.add("rmw_lbas", 1)
+
+    @contextmanager
+    def _record(self, op: str, nbytes: int) -> Iterator[None]:
+        if self.stats is None:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        except Exception:
+            self.stats.record(op, 0, time.perf_counter() - start, ok=False)
+            raise
+        self.stats.record(op, nbytes, time.perf_counter() - start, ok=True)
+
+
+def _first_error(group: BaseExceptionGroup) -> BaseException | None:
+    """The first leaf of ``group`` that is not a cancellation."""
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found = _first_error(exc)
+            if found is not None:
+                return found
+        elif not isinstance(exc, trio.Cancelled):
+            return exc
+    return None
