@@ -1,0 +1,5 @@
+"""The FUSE view of a controller: one file per namespace plus a ``.nvmeof`` info dir."""
+
+from nvmeof_fuse.fs.options import MountOptions
+
+__all__ = ["MountOptions"]

@@ -1,0 +1,109 @@
+"""Contents of the files under ``.nvmeof/``: controller, namespace and stats reports."""
+
+from __future__ import annotations
+
+import enum
+import json
+from typing import Any, Protocol
+
+from nvmeof_fuse.host.stats import IoStats
+
+
+class NamespaceLike(Protocol):
+    nsid: int
+    lba_size: int
+    nlb: int
+    size: int
+    identify: Any  # .to_dict()
+    stats: IoStats
+
+    async def read(self, offset: int, length: int) -> bytes: ...
+
+    async def write(self, offset: int, data: bytes | memoryview) -> int: ...
+
+    async def flush(self) -> None: ...
+
+
+class ControllerLike(Protocol):
+    identify: Any  # .to_dict(), .mn .sn .fr .subnqn .cntlid
+    namespaces: dict[int, Any]  # NamespaceLike by NSID
+
+    def describe(self) -> dict: ...
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.name
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value).hex()
+    if isinstance(value, set | frozenset | tuple):
+        return list(value)
+    if hasattr(value, "to_dict"):
+        return value.to_dict()
+    return str(value)
+
+
+def to_json(obj: Any) -> bytes:
+    return (json.dumps(obj, indent=2, default=_json_default) + "\n").encode()
+
+
+def _text(title: str, sections: dict[str, dict]) -> bytes:
+    lines = [title]
+    for name, fields in sections.items():
+        lines.append(f"\n[{name}]")
+        width = max((len(k) for k in fields), default=0)
+        for key, value in fields.items():
+            if isinstance(value, dict | list | tuple):
+                value = json.dumps(value, default=_json_default)
+            elif isinstance(value, enum.Enum):
+                value = value.name
+            elif isinstance(value, bytes | bytearray):
+                value = bytes(value).hex()
+            lines.append(f"{key.ljust(width)} : {value}")
+    return ("\n".join(lines) + "\n").encode()
+
+
+def namespace_summary(ns: NamespaceLike) -> dict[str, int]:
+    return {"nsid": ns.nsid, "size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
+
+
+def controller_dict(ctrl: ControllerLike) -> dict[str, Any]:
+    return {
+        "controller": ctrl.describe(),
+        "identify": ctrl.identify.to_dict(),
+        "namespaces": [namespace_summary(ctrl.namespaces[n]) for n in sorted(ctrl.namespaces)],
+    }
+
+
+def controller_text(ctrl: ControllerLike) -> bytes:
+    ident = ctrl.identify
+    title = f"{ident.mn} (serial {ident.sn}, firmware {ident.fr}), {ident.subnqn}"
+    namespaces = {
+        f"n{n}": f"{ns.size} bytes, {ns.nlb} LBAs of {ns.lba_size} bytes"
+        for n, ns in sorted(ctrl.namespaces.items())
+    }
+    return _text(
+        title,
+        {"connection": ctrl.describe(), "namespaces": namespaces, "identify": ident.to_dict()},
+    )
+
+
+def namespace_dict(ns: NamespaceLike) -> dict[str, Any]:
+    return {**namespace_summary(ns), "identify": ns.identify.to_dict()}
+
+
+def namespace_text(ns: NamespaceLike) -> bytes:
+    title = f"namespace {ns.nsid}: {ns.size} bytes, {ns.nlb} LBAs of {ns.lba_size} bytes"
+    return _text(title, {"identify": ns.identify.to_dict()})
+
+
+def stats_dict(ctrl: ControllerLike) -> dict[str, Any]:
+    return {f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())}
+
+
+def stats_text(ctrl: ControllerLike) -> bytes:
+    parts = []
+    for n, ns in sorted(ctrl.namespaces.items()):
+        body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
+        parts.append(f"n{n}:\n  {body}\n")
+    return "\n".join(parts).encode()

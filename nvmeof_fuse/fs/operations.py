@@ -1,0 +1,272 @@
+"""pyfuse3 operations: namespaces as fixed-size files, plus a read-only ``.nvmeof`` dir.
+
+Namespace files behave like block devices: their size never changes, writes
+past the end get ENOSPC, truncation to another size fails with EINVAL, and
+O_TRUNC at open is ignored (libfuse 3 negotiates atomic_o_trunc, so the kernel
+passes O_TRUNC to ``open`` instead of sending a size-0 setattr).
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import pyfuse3
+from pyfuse3 import FUSEError
+
+from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.fs import info
+from nvmeof_fuse.fs.info import ControllerLike, NamespaceLike
+from nvmeof_fuse.fs.options import MountOptions
+
+log = logging.getLogger(__name__)
+
+INFO_DIR = b".nvmeof"
+_STATIC_TIMEOUT = 60.0  # s: namespace sizes and the tree never change while mounted
+
+
+@dataclass
+class _Dir:
+    inode: int
+    entries: dict[bytes, int] = field(default_factory=dict)
+    parent: int = pyfuse3.ROOT_INODE
+
+
+@dataclass
+class _NsFile:
+    inode: int
+    ns: NamespaceLike
+
+
+@dataclass
+class _InfoFile:
+    inode: int
+    render: Callable[[], bytes]
+
+
+_Node = _Dir | _NsFile | _InfoFile
+
+
+@dataclass
+class _Handle:
+    node: _NsFile | _InfoFile
+    writable: bool
+    content: bytes = b""  # info files: rendered once at open
+
+
+@contextmanager
+def _fuse_errors(what: str) -> Iterator[None]:
+    """Turn NVMeoFError into FUSEError(errno), logging its one-line message."""
+    try:
+        yield
+    except NVMeoFError as exc:
+        log.warning("%s: %s", what, exc)
+        raise FUSEError(exc.errno) from None
+
+
+async def _deny(*_args: object, **_kwargs: object) -> None:
+    raise FUSEError(errno.EPERM)
+
+
+class NamespaceFS(pyfuse3.Operations):
+    """One file ``n<NSID>`` per active namespace and ``.nvmeof/`` with reports."""
+
+    def __init__(self, controller: ControllerLike, options: MountOptions | None = None) -> None:
+        super().__init__()
+        self.controller = controller
+        self.options = options or MountOptions()
+        self.uid = os.getuid() if self.options.uid is None else self.options.uid
+        self.gid = os.getgid() if self.options.gid is None else self.options.gid
+        self.mount_ns = time.time_ns()
+        self.nodes: dict[int, _Node] = {}
+        self.handles: dict[int, _Handle] = {}
+        self._fh = itertools.count(1)
+        self._build_tree()
+
+    # --- tree -----------------------------------------------------------------
+
+    def _build_tree(self) -> None:
+        inodes = itertools.count(pyfuse3.ROOT_INODE + 1)
+        root = self._add(_Dir(pyfuse3.ROOT_INODE, parent=pyfuse3.ROOT_INODE))
+        infodir = self._add(_Dir(next(inodes)))
+        root.entries[INFO_DIR] = infodir.inode
+        ctrl = self.controller
+
+        def add_info(name: str, render: Callable[[], bytes]) -> None:
+            node = self._add(_InfoFile(next(inodes), render))
+            infodir.entries[name.encode()] = node.inode
+
+        add_info("controller", lambda: info.controller_text(ctrl))
+        add_info("controller.json", lambda: info.to_json(info.controller_dict(ctrl)))
+        add_info("stats", lambda: info.stats_text(ctrl))
+        add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl)))
+        for nsid in sorted(ctrl.namespaces):
+            ns = ctrl.namespaces[nsid]
+            root.entries[f"n{nsid}".encode()] = self._add(_NsFile(next(inodes), ns)).inode
+            add_info(f"n{nsid}", lambda ns=ns: info.namespace_text(ns))
+            add_info(f"n{nsid}.json", lambda ns=ns: info.to_json(info.namespace_dict(ns)))
+        infodir.parent = root.inode
+
+    def _add(self, node: _Node) -> _Node:
+        self.nodes[node.inode] = node
+        return node
+
+    def _node(self, inode: int) -> _Node:
+        try:
+            return self.nodes[inode]
+        except KeyError:
+            raise FUSEError(errno.ENOENT) from None
+
+    # --- attributes -------------------------------------------------------------
+
+    def _attr(self, node: _Node) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = node.inode
+        a.st_uid, a.st_gid = self.uid, self.gid
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = self.mount_ns
+        a.entry_timeout = a.attr_timeout = _STATIC_TIMEOUT
+        a.st_blksize = 4096
+        if isinstance(node, _Dir):
+            a.st_mode = stat.S_IFDIR | 0o555
+            a.st_nlink = 2 + sum(isinstance(self.nodes[i], _Dir) for i in node.entries.values())
+        elif isinstance(node, _NsFile):
+            mode = self.options.mode & 0o7777
+            if self.options.read_only:
+                mode &= ~0o222
+            a.st_mode = stat.S_IFREG | mode
+            a.st_nlink = 1
+            a.st_size = node.ns.size
+            a.st_blksize = node.ns.lba_size
+            a.st_blocks = (node.ns.size + 511) // 512
+        else:
+            a.st_mode = stat.S_IFREG | 0o444
+            a.st_nlink = 1
+            a.st_size = len(node.render())  # a hint only: opened with direct_io
+            a.st_blocks = (a.st_size + 511) // 512
+            a.attr_timeout = 0
+        return a
+
+    async def getattr(self, inode, ctx=None):
+        return self._attr(self._node(inode))
+
+    async def lookup(self, parent_inode, name, ctx=None):
+        parent = self._node(parent_inode)
+        if not isinstance(parent, _Dir):
+            raise FUSEError(errno.ENOTDIR)
+        if name == b".":
+            return self._attr(parent)
+        if name == b"..":
+            return self._attr(self._node(parent.parent))
+        if name not in parent.entries:
+            raise FUSEError(errno.ENOENT)
+        return self._attr(self._node(parent.entries[name]))
+
+    async def setattr(self, inode, attr, fields, fh, ctx):
+        node = self._node(inode)
+        if fields.update_mode or fields.update_uid or fields.update_gid:
+            raise FUSEError(errno.EPERM)  # fixed by mount options
+        if fields.update_size:
+            if not isinstance(node, _NsFile):
+                raise FUSEError(errno.EPERM)
+            if self.options.read_only:
+                raise FUSEError(errno.EROFS)
+            if attr.st_size != node.ns.size:
+                log.debug("refused resize of n%d to %d bytes", node.ns.nsid, attr.st_size)
+                raise FUSEError(errno.EINVAL)  # a namespace has a fixed size
+        return self._attr(node)  # atime/mtime updates are accepted and ignored
+
+    async def statfs(self, ctx):
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = 4096
+        total = sum(ns.size for ns in self.controller.namespaces.values())
+        s.f_blocks = total // 4096
+        s.f_files = len(self.nodes)
+        s.f_namemax = 255
+        return s
+
+    # --- directories ------------------------------------------------------------
+
+    async def opendir(self, inode, ctx):
+        if not isinstance(self._node(inode), _Dir):
+            raise FUSEError(errno.ENOTDIR)
+        return inode
+
+    async def readdir(self, fh, start_id, token):
+        node = self._node(fh)
+        assert isinstance(node, _Dir)
+        entries = list(node.entries.items())
+        for i in range(start_id, len(entries)):
+            name, inode = entries[i]
+            if not pyfuse3.readdir_reply(token, name, self._attr(self._node(inode)), i + 1):
+                break
+
+    async def releasedir(self, fh):
+        pass
+
+    # --- files --------------------------------------------------------------------
+
+    async def open(self, inode, flags, ctx):
+        node = self._node(inode)
+        if isinstance(node, _Dir):
+            raise FUSEError(errno.EISDIR)
+        writable = flags & os.O_ACCMODE != os.O_RDONLY
+        if writable and isinstance(node, _InfoFile):
+            raise FUSEError(errno.EACCES)
+        if writable and self.options.read_only:
+            raise FUSEError(errno.EROFS)
+        fh = next(self._fh)
+        if isinstance(node, _InfoFile):
+            self.handles[fh] = _Handle(node, False, node.render())
+            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+        # O_TRUNC is deliberately ignored, as on a block device.
+        self.handles[fh] = _Handle(node, writable)
+        direct = bool(flags & os.O_DIRECT)
+        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
+
+    async def read(self, fh, off, size):
+        h = self.handles[fh]
+        if isinstance(h.node, _InfoFile):
+            return h.content[off : off + size]
+        ns = h.node.ns
+        with _fuse_errors(f"read of {size} bytes at offset {off} of n{ns.nsid}"):
+            return await ns.read(off, size)
+
+    async def write(self, fh, off, buf):
+        h = self.handles[fh]
+        if not isinstance(h.node, _NsFile) or not h.writable:
+            raise FUSEError(errno.EBADF)
+        ns = h.node.ns
+        if off >= ns.size:
+            raise FUSEError(errno.ENOSPC)
+        # Like a block device: a write straddling the end is cut short there.
+        data = memoryview(buf)[: ns.size - off]
+        with _fuse_errors(f"write of {len(data)} bytes at offset {off} of n{ns.nsid}"):
+            return await ns.write(off, data)
+
+    async def flush(self, fh):
+        h = self.handles[fh]
+        if h.writable and isinstance(h.node, _NsFile):
+            await self._flush(h.node.ns)
+
+    async def fsync(self, fh, datasync):
+        h = self.handles[fh]
+        if isinstance(h.node, _NsFile):
+            await self._flush(h.node.ns)
+
+    async def _flush(self, ns: NamespaceLike) -> None:
+        with _fuse_errors(f"flush of n{ns.nsid}"):
+            await ns.flush()
+
+    async def release(self, fh):
+        self.handles.pop(fh, None)
+
+    # The tree is fixed: creating, removing and renaming entries is not permitted.
+    create = mknod = mkdir = symlink = link = _deny  # type: ignore[assignment]
+    unlink = rmdir = rename = _deny  # type: ignore[assignment]

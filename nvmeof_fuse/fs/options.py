@@ -1,0 +1,19 @@
+"""How a controller is presented: permissions and ownership of the namespace files."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MODE = 0o660
+
+
+@dataclass(frozen=True)
+class MountOptions:
+    """Mount settings; ``uid``/``gid`` default to the mounting user, ``mode`` to 0660."""
+
+    read_only: bool = False
+    allow_other: bool = False
+    uid: int | None = None
+    gid: int | None = None
+    mode: int = DEFAULT_MODE
+    debug: bool = False  # also pass libfuse's ``debug`` (a trace of every request on stderr)

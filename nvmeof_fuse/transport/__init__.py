@@ -1,0 +1,1 @@
+"""Transports: one module per fabric (``rdma``, ``tcp``)."""
