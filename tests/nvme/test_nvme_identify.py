@@ -1,0 +1,128 @@
+"""Identify data built field by field at the offsets of NVMe Base 2.0 "Identify Controller
+Data Structure" (incl. the Fabrics fields at 1792..) and NVM Command Set 1.0 "Identify
+Namespace Data Structure" (LBA formats at 128, FLBAS bits 3:0 and 6:5)."""
+
+import json
+import struct
+
+import pytest
+
+from nvmeof_fuse.nvme.identify import (
+    IdentifyController,
+    IdentifyNamespace,
+    parse_active_ns_list,
+)
+
+
+def controller_buffer(mdts=5):
+    b = bytearray(4096)
+    struct.pack_into("<HH", b, 0, 0x1B36, 0x1AF4)  # VID, SSVID
+    b[4:24] = b"SN0123456789".ljust(20)  # SN, ASCII space padded
+    b[24:64] = b"Linux NVMe-oF target".ljust(40)  # MN
+    b[64:72] = b"6.8.0".ljust(8)  # FR
+    b[72] = 6  # RAB
+    b[73:76] = bytes([0x14, 0x25, 0x00])  # IEEE OUI, little endian
+    b[76] = 0x0B  # CMIC
+    b[77] = mdts  # MDTS
+    struct.pack_into("<HI", b, 78, 0x0007, 0x00020000)  # CNTLID, VER
+    struct.pack_into("<I", b, 92, 0x900)  # OAES
+    struct.pack_into("<I", b, 96, 0x8000)  # CTRATT
+    b[111] = 1  # CNTRLTYPE: I/O controller
+    struct.pack_into("<HBBBBBB", b, 256, 0x0008, 3, 3, 0x03, 0x07, 127, 0)  # OACS..NPSS
+    struct.pack_into("<H", b, 320, 100)  # KAS, 100 ms units
+    struct.pack_into("<BBHIHHBBHH", b, 512, 0x66, 0x44, 128, 1024, 0x5D, 1, 0, 1, 0, 0)
+    struct.pack_into("<I", b, 536, 0x0010_0005)  # SGLS
+    nqn = b"nqn.2014-08.org.example:sub"
+    b[768 : 768 + len(nqn)] = nqn  # SUBNQN, NUL padded
+    struct.pack_into("<IIHBB", b, 1792, 260, 1, 0, 0, 1)  # IOCCSZ, IORCSZ, ICDOFF, FCATT, MSDBD
+    struct.pack_into("<H", b, 1804, 0x1)  # OFCS
+    return bytes(b)
+
+
+def test_identify_controller_fields():
+    c = IdentifyController.from_bytes(controller_buffer())
+    assert (c.vid, c.ssvid) == (0x1B36, 0x1AF4)
+    assert (c.sn, c.mn, c.fr) == ("SN0123456789", "Linux NVMe-oF target", "6.8.0")
+    assert (c.rab, c.ieee, c.cmic, c.mdts) == (6, 0x002514, 0x0B, 5)
+    assert (c.cntlid, c.ver, c.version) == (7, 0x00020000, "2.0")
+    assert (c.oaes, c.ctratt, c.cntrltype) == (0x900, 0x8000, 1)
+    assert (c.oacs, c.acl, c.aerl, c.frmw, c.lpa, c.elpe, c.npss) == (8, 3, 3, 3, 7, 127, 0)
+    assert c.kas == 100
+    assert (c.sqes, c.cqes, c.maxcmd, c.nn) == (0x66, 0x44, 128, 1024)
+    assert (c.oncs, c.fuses, c.fna, c.vwc, c.awun, c.awupf) == (0x5D, 1, 0, 1, 0, 0)
+    assert c.sgls == 0x0010_0005 and c.keyed_sgl_supported
+    assert c.subnqn == "nqn.2014-08.org.example:sub"
+    assert (c.ioccsz, c.iorcsz, c.icdoff, c.fcatt, c.msdbd, c.ofcs) == (260, 1, 0, 0, 1, 1)
+    assert c.in_capsule_data_bytes == 260 * 16 - 64
+
+
+def test_max_transfer_bytes():
+    assert IdentifyController.from_bytes(controller_buffer(5)).max_transfer_bytes(4096) == 131072
+    assert IdentifyController.from_bytes(controller_buffer(0)).max_transfer_bytes(4096) is None
+
+
+def test_identify_controller_to_dict_is_json():
+    d = IdentifyController.from_bytes(controller_buffer()).to_dict()
+    assert d["mn"] == "Linux NVMe-oF target" and d["version"] == "2.0"
+    json.dumps(d)
+
+
+def test_identify_wrong_length():
+    with pytest.raises(ValueError, match="Identify Controller data needs 4096 bytes, got 4095"):
+        IdentifyController.from_bytes(bytes(4095))
+    with pytest.raises(ValueError, match="Identify Namespace data needs 4096 bytes"):
+        IdentifyNamespace.from_bytes(b"")
+
+
+def namespace_buffer(nlbaf, flbas, formats):
+    b = bytearray(4096)
+    struct.pack_into("<QQQ", b, 0, 2_097_152, 2_097_152, 1000)  # NSZE, NCAP, NUSE
+    b[24:30] = bytes([0x1, nlbaf, flbas, 0x3, 0x1F, 0x0])  # NSFEAT NLBAF FLBAS MC DPC DPS
+    b[30] = 1  # NMIC
+    b[104:120] = bytes(range(16))  # NGUID
+    b[120:128] = bytes(range(0xA0, 0xA8))  # EUI64
+    for i, (ms, lbads, rp) in formats.items():
+        struct.pack_into("<HBB", b, 128 + 4 * i, ms, lbads, rp)  # LBAF i: MS, LBADS, RP
+    return bytes(b)
+
+
+def test_identify_namespace_fields():
+    ns = IdentifyNamespace.from_bytes(namespace_buffer(1, 0x01, {0: (0, 9, 2), 1: (8, 12, 0)}))
+    assert (ns.nsze, ns.ncap, ns.nuse) == (2_097_152, 2_097_152, 1000)
+    assert (ns.nsfeat, ns.nlbaf, ns.flbas, ns.mc, ns.dpc, ns.dps, ns.nmic) == (1, 1, 1, 3, 31, 0, 1)
+    assert len(ns.lbaf) == 2  # NLBAF is 0's based
+    assert (ns.lbaf[0].ms, ns.lbaf[0].lbads, ns.lbaf[0].rp) == (0, 9, 2)
+    assert ns.format_index == 1
+    assert ns.lba_size == 4096 and ns.metadata_size == 8
+    assert ns.nguid == bytes(range(16)) and ns.eui64 == bytes(range(0xA0, 0xA8))
+    d = ns.to_dict()
+    assert d["nguid"] == bytes(range(16)).hex() and d["lba_size"] == 4096
+    json.dumps(d)
+
+
+def test_flbas_upper_bits_select_formats_above_16():
+    # FLBAS bits 6:5 are the most significant bits of the format index (NLBAF > 16).
+    ns = IdentifyNamespace.from_bytes(namespace_buffer(19, 0x20 | 0x01, {17: (0, 13, 0)}))
+    assert ns.format_index == 17
+    assert ns.lba_size == 8192
+
+
+def test_flbas_beyond_nlbaf():
+    ns = IdentifyNamespace.from_bytes(namespace_buffer(0, 0x02, {0: (0, 9, 0)}))
+    with pytest.raises(ValueError, match="FLBAS selects LBA format 2, only 1 exist"):
+        _ = ns.lba_size
+
+
+def test_inactive_namespace():
+    ns = IdentifyNamespace.from_bytes(bytes(4096))
+    assert not ns.active
+    assert "lba_size" not in ns.to_dict()
+
+
+def test_active_ns_list():
+    b = bytearray(4096)
+    struct.pack_into("<III", b, 0, 1, 2, 5)
+    assert parse_active_ns_list(b) == [1, 2, 5]
+    assert parse_active_ns_list(bytes(4096)) == []
+    full = struct.pack("<1024I", *range(1, 1025))
+    assert parse_active_ns_list(full)[-1] == 1024
