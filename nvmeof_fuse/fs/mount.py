@@ -1,0 +1,197 @@
+"""Mount a controller with pyfuse3 and serve it until unmounted or cancelled."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+import pyfuse3
+import trio
+
+from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.fs.info import ControllerLike
+from nvmeof_fuse.fs.operations import NamespaceFS
+from nvmeof_fuse.fs.options import MountOptions
+
+__all__ = ["MountError", "MountOptions", "check_mountpoint", "serve"]
+
+log = logging.getLogger(__name__)
+
+FSNAME = "nvmeof-fuse"
+SUBTYPE = "nvmeof"  # mounts show up as fstype fuse.nvmeof
+CHECK_TIMEOUT = 10.0  # s for stat()s of the mountpoint: a hung FUSE mount blocks them
+DRAIN_TIMEOUT = 30.0  # s for in-flight requests to finish once asked to stop
+
+_serving = False
+
+
+class MountError(NVMeoFError):
+    """The mountpoint is unusable or the kernel refused the mount."""
+
+    errno = errno.EBUSY
+
+
+@dataclass(frozen=True)
+class MountInfo:
+    mountpoint: str
+    fstype: str
+    source: str
+
+
+def _unescape(field: str) -> str:
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
+
+
+def read_mountinfo(path: str = "/proc/self/mountinfo") -> list[MountInfo]:
+    """Mounts of this process's namespace (see proc(5))."""
+    mounts = []
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rfields = left.split(), right.split()
+            if len(fields) >= 5 and len(rfields) >= 2:
+                mounts.append(MountInfo(_unescape(fields[4]), rfields[0], _unescape(rfields[1])))
+    return mounts
+
+
+def _find_mount(path: str) -> MountInfo | None:
+    path = os.path.abspath(path)
+    found = [m for m in read_mountinfo() if m.mountpoint == path]
+    return found[-1] if found else None
+
+
+def stale_message(path: str) -> str:
+    path = os.path.abspath(path)
+    m = _find_mount(path)
+    if m is None or m.source == FSNAME or m.fstype == f"fuse.{SUBTYPE}":
+        what = "stale mount from a dead nvmeof-fuse daemon"
+    else:
+        what = f"stale {m.fstype} mount (its daemon is gone)"
+    return f"{what} at {path}; clear it with: fusermount3 -u {path}"
+
+
+def check_mountpoint(path: str) -> str:
+    """Return ``path`` made absolute, or raise MountError saying why it can't be mounted on."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MountError(f"mountpoint {path} does not exist") from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MountError(stale_message(path)) from None
+        raise MountError(f"cannot use mountpoint {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MountError(f"mountpoint {path} is not a directory")
+    real = os.path.realpath(path)
+    if os.path.ismount(path) or _find_mount(real) is not None:
+        raise MountError(f"{path} is already a mountpoint; unmount it first")
+    return os.path.abspath(path)
+
+
+def fuse_options(options: MountOptions) -> set[str]:
+    opts = set(pyfuse3.default_options) | {f"fsname={FSNAME}", f"subtype={SUBTYPE}"}
+    opts.add("default_permissions")
+    if options.allow_other:
+        opts.add("allow_other")
+    if options.read_only:
+        opts.add("ro")
+    if options.debug:
+        opts.add("debug")
+    return opts
+
+
+async def _checked_mountpoint(path: str) -> str:
+    with trio.move_on_after(CHECK_TIMEOUT):
+        return await trio.to_thread.run_sync(check_mountpoint, path, abandon_on_cancel=True)
+    raise MountError(f"mountpoint {path} does not respond (a hung FUSE daemon?)")
+
+
+def _init(ops: NamespaceFS, path: str, options: MountOptions) -> None:
+    try:
+        pyfuse3.init(ops, path, fuse_options(options))
+    except RuntimeError as exc:
+        if "mount" in str(exc):  # the session exists: destroy it
+            pyfuse3.close(unmount=False)
+        hint = ""
+        if options.allow_other and os.geteuid() != 0:
+            hint = " (allow_other needs user_allow_other in /etc/fuse.conf)"
+        raise MountError(f"cannot mount at {path}: {exc}{hint}") from None
+
+
+async def serve(
+    controller: ControllerLike,
+    mountpoint: str,
+    options: MountOptions,
+    *,
+    drain_timeout: float = DRAIN_TIMEOUT,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Mount ``controller`` at ``mountpoint`` and serve until unmounted or cancelled.
+
+    ``task_status.started()`` is called once the mount exists. On cancellation no
+    new requests are taken, in-flight ones get ``drain_timeout`` seconds to
+    finish, then the filesystem is unmounted; after an external unmount
+    (``fusermount3 -u``) serve just cleans up and returns.
+    """
+    global _serving
+    if _serving:
+        raise MountError("this process already serves a mount (pyfuse3 allows one per process)")
+    path = await _checked_mountpoint(mountpoint)
+    _init(NamespaceFS(controller, options), path, options)
+    _serving = True
+    unmounted = False
+    log.info("mounted at %s", path)
+    try:
+        unmounted = await _run_main(drain_timeout, task_status)
+    except BaseExceptionGroup as group:
+        raise _unwrap(group) from None
+    finally:
+        pyfuse3.close(unmount=not unmounted)
+        _serving = False
+        log.info("unmounted %s", path)
+
+
+async def _run_main(drain_timeout: float, task_status: trio.TaskStatus[None]) -> bool:
+    """Run pyfuse3.main; True once the kernel unmounted us, drain and re-raise if cancelled."""
+    done = trio.Event()
+    main_scope = trio.CancelScope(shield=True)  # outer cancellation drains instead
+
+    async def run_main() -> None:
+        try:
+            with main_scope:
+                await pyfuse3.main()
+        finally:
+            done.set()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run_main)
+        task_status.started()
+        try:
+            await done.wait()
+        finally:
+            if not done.is_set():
+                await _drain(done, main_scope, drain_timeout)
+    return True
+
+
+async def _drain(done: trio.Event, main_scope: trio.CancelScope, timeout: float) -> None:
+    log.info("stopping: waiting for in-flight requests")
+    pyfuse3.terminate()  # workers finish their current request, then exit
+    with trio.move_on_after(timeout, shield=True):
+        await done.wait()
+    if not done.is_set():
+        log.warning("in-flight requests did not finish within %g s; abandoning them", timeout)
+        main_scope.cancel()
+
+
+def _unwrap(group: BaseExceptionGroup) -> BaseException:
+    """The first error that is not a cancellation (or the group itself)."""
+    for exc in group.exceptions:
+        inner = _unwrap(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        if not isinstance(inner, trio.Cancelled | BaseExceptionGroup):
+            return inner
+    return group

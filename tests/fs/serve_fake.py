@@ -1,0 +1,46 @@
+"""Mount a fake controller: ``python tests/fs/serve_fake.py MOUNTPOINT [--read-only]``.
+
+Prints ``READY`` once mounted and, after unmount or SIGTERM/SIGINT, a JSON line
+with the namespaces' flush counts. Used by the host-side mount tests.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fakes import make_controller  # noqa: E402
+
+from nvmeof_fuse.fs.mount import MountOptions, serve  # noqa: E402
+
+
+async def main(mountpoint: str, read_only: bool) -> None:
+    ctrl = make_controller((1, 512, 8192), (2, 4096, 64))
+    ctrl.namespaces[2].device.data[:] = bytes(range(256)) * (4096 * 64 // 256)
+    opts = MountOptions(read_only=read_only, mode=0o640)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+
+            async def stop_on_signal() -> None:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+
+            async def serve_then_stop(task_status=trio.TASK_STATUS_IGNORED) -> None:
+                await serve(ctrl, mountpoint, opts, task_status=task_status)
+                nursery.cancel_scope.cancel()  # unmounted from outside
+
+            nursery.start_soon(stop_on_signal)
+            await nursery.start(serve_then_stop)
+            print("READY", flush=True)
+    print(json.dumps({f"n{n}": ns.flushes for n, ns in ctrl.namespaces.items()}), flush=True)
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="serve_fake: %(levelname)s: %(message)s")
+    trio.run(main, sys.argv[1], "--read-only" in sys.argv[2:])

@@ -1,0 +1,200 @@
+import errno
+import json
+import logging
+import os
+import stat
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pyfuse3
+import pytest
+import trio
+
+from nvmeof_fuse.errors import CommandTimeout
+from nvmeof_fuse.fs.operations import NamespaceFS
+from nvmeof_fuse.fs.options import MountOptions
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fakes import make_controller  # noqa: E402
+
+
+def call(fn, *args):
+    return trio.run(fn, *args)
+
+
+@pytest.fixture
+def ctrl():
+    return make_controller((1, 512, 64), (7, 4096, 4))
+
+
+@pytest.fixture
+def fs(ctrl):
+    return NamespaceFS(ctrl, MountOptions(uid=1000, gid=100, mode=0o600))
+
+
+def lookup(fs, *names):
+    inode = pyfuse3.ROOT_INODE
+    for name in names:
+        inode = call(fs.lookup, inode, name.encode(), None).st_ino
+    return inode
+
+
+def listdir(fs, inode, monkeypatch):
+    got = []
+
+    def reply(token, name, attr, next_id):
+        got.append(name.decode())
+        return True
+
+    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
+    call(fs.readdir, call(fs.opendir, inode, None), 0, None)
+    return got
+
+
+def read_all(fs, inode, flags=os.O_RDONLY):
+    fi = call(fs.open, inode, flags, None)
+    out, off = b"", 0
+    while chunk := call(fs.read, fi.fh, off, 4096):
+        out += chunk
+        off += len(chunk)
+    call(fs.release, fi.fh)
+    return out, fi
+
+
+def fields(**set_):
+    names = ("atime", "mtime", "ctime", "mode", "uid", "gid", "size")
+    return SimpleNamespace(**{f"update_{n}": set_.get(n, False) for n in names})
+
+
+def test_tree(fs, monkeypatch):
+    assert listdir(fs, pyfuse3.ROOT_INODE, monkeypatch) == [".nvmeof", "n1", "n7"]
+    infodir = lookup(fs, ".nvmeof")
+    assert listdir(fs, infodir, monkeypatch) == [
+        "controller",
+        "controller.json",
+        "stats",
+        "stats.json",
+        "n1",
+        "n1.json",
+        "n7",
+        "n7.json",
+    ]
+    assert call(fs.lookup, infodir, b"..", None).st_ino == pyfuse3.ROOT_INODE
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        call(fs.lookup, pyfuse3.ROOT_INODE, b"n2", None)
+    assert e.value.errno == errno.ENOENT
+
+
+def test_namespace_attributes(fs):
+    a = call(fs.getattr, lookup(fs, "n7"), None)
+    assert stat.S_ISREG(a.st_mode) and stat.S_IMODE(a.st_mode) == 0o600
+    assert (a.st_size, a.st_blksize, a.st_blocks) == (16384, 4096, 32)
+    assert (a.st_uid, a.st_gid) == (1000, 100)
+    assert a.st_mtime_ns == fs.mount_ns
+
+
+def test_read_only_clears_write_bits_and_refuses_writes(ctrl):
+    fs = NamespaceFS(ctrl, MountOptions(read_only=True, mode=0o664))
+    inode = lookup(fs, "n1")
+    assert stat.S_IMODE(call(fs.getattr, inode, None).st_mode) == 0o444
+    for flags in (os.O_WRONLY, os.O_RDWR):
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            call(fs.open, inode, flags, None)
+        assert e.value.errno == errno.EROFS
+
+
+def test_read_write_round_trip_and_bounds(fs, ctrl):
+    fi = call(fs.open, lookup(fs, "n1"), os.O_RDWR | os.O_TRUNC, None)
+    assert not fi.direct_io
+    assert call(fs.write, fi.fh, 1000, b"hello") == 5
+    assert call(fs.read, fi.fh, 998, 9) == b"\0\0hello\0\0"
+    assert ctrl.namespaces[1].device.data[1000:1005] == b"hello"  # O_TRUNC ignored
+    size = ctrl.namespaces[1].size
+    assert call(fs.read, fi.fh, size - 3, 100) == b"\0" * 3
+    assert call(fs.read, fi.fh, size, 100) == b""
+    # straddling the end: cut short like a block device; at or past it: ENOSPC
+    assert call(fs.write, fi.fh, size - 3, b"abcdef") == 3
+    for off in (size, size + 4096):
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            call(fs.write, fi.fh, off, b"x")
+        assert e.value.errno == errno.ENOSPC
+    call(fs.flush, fi.fh)
+    call(fs.fsync, fi.fh, True)
+    assert ctrl.namespaces[1].flushes == 2
+    call(fs.release, fi.fh)
+    assert fs.handles == {}
+
+
+def test_read_only_open_does_not_flush_on_close(fs, ctrl):
+    fi = call(fs.open, lookup(fs, "n1"), os.O_RDONLY, None)
+    call(fs.flush, fi.fh)
+    assert ctrl.namespaces[1].flushes == 0
+
+
+def test_o_direct_open_gets_direct_io(fs):
+    fi = call(fs.open, lookup(fs, "n1"), os.O_RDONLY | os.O_DIRECT, None)
+    assert fi.direct_io and not fi.keep_cache
+
+
+def test_nvme_errors_become_errno_and_a_warning(fs, ctrl, caplog):
+    ctrl.namespaces[1].device.fail = CommandTimeout("Read timed out after 30 s (qid 1, cid 7)")
+    fi = call(fs.open, lookup(fs, "n1"), os.O_RDWR, None)
+    with caplog.at_level(logging.WARNING), pytest.raises(pyfuse3.FUSEError) as e:
+        call(fs.read, fi.fh, 0, 512)
+    assert e.value.errno == errno.ETIMEDOUT
+    assert "read of 512 bytes at offset 0 of n1: Read timed out" in caplog.text
+
+
+def test_setattr_size(fs, ctrl):
+    inode = lookup(fs, "n1")
+    attr = pyfuse3.EntryAttributes()
+    attr.st_size = ctrl.namespaces[1].size
+    assert call(fs.setattr, inode, attr, fields(size=True), None, None).st_size == attr.st_size
+    for size in (0, 100, attr.st_size + 512):
+        attr.st_size = size
+        with pytest.raises(pyfuse3.FUSEError) as e:
+            call(fs.setattr, inode, attr, fields(size=True), None, None)
+        assert e.value.errno == errno.EINVAL
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        call(fs.setattr, inode, attr, fields(mode=True), None, None)
+    assert e.value.errno == errno.EPERM
+    call(fs.setattr, inode, attr, fields(atime=True, mtime=True), None, None)  # touch is fine
+
+
+def test_tree_cannot_change(fs):
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        call(fs.create, pyfuse3.ROOT_INODE, b"x", 0o644, os.O_RDWR, None)
+    assert e.value.errno == errno.EPERM
+    with pytest.raises(pyfuse3.FUSEError):
+        call(fs.unlink, pyfuse3.ROOT_INODE, b"n1", None)
+
+
+def test_info_files(fs, ctrl):
+    text, fi = read_all(fs, lookup(fs, ".nvmeof", "controller"))
+    assert fi.direct_io
+    assert b"Fake NVMe Controller" in text and b"n7 : 16384 bytes" in text
+    doc = json.loads(read_all(fs, lookup(fs, ".nvmeof", "controller.json"))[0])
+    assert doc["controller"]["traddr"] == "192.0.2.1"
+    assert doc["identify"]["sn"] == "FAKE0001"
+    assert doc["namespaces"][1] == {"nsid": 7, "size": 16384, "lba_size": 4096, "nlb": 4}
+    ns = json.loads(read_all(fs, lookup(fs, ".nvmeof", "n7.json"))[0])
+    assert ns["identify"]["nsze"] == 4
+    assert b"namespace 1: 32768 bytes" in read_all(fs, lookup(fs, ".nvmeof", "n1"))[0]
+    with pytest.raises(pyfuse3.FUSEError):
+        call(fs.open, lookup(fs, ".nvmeof", "stats"), os.O_WRONLY, None)
+
+
+def test_stats_are_regenerated_at_each_open(fs, ctrl):
+    inode = lookup(fs, ".nvmeof", "stats.json")
+    assert json.loads(read_all(fs, inode)[0])["n1"]["ops"] == {}
+    fi = call(fs.open, lookup(fs, "n1"), os.O_RDONLY, None)
+    call(fs.read, fi.fh, 0, 1024)
+    assert json.loads(read_all(fs, inode)[0])["n1"]["ops"]["read"]["bytes"] == 1024
+    text = read_all(fs, lookup(fs, ".nvmeof", "stats"))[0].decode()
+    assert text.startswith("n1:\n") and "read" in text and "n7:" in text
+
+
+def test_statfs(fs):
+    s = call(fs.statfs, None)
+    assert s.f_bsize * s.f_blocks == 32768 + 16384
