@@ -132,60 +132,93 @@ async def serve(
 ) -> None:
     """Mount ``controller`` at ``mountpoint`` and serve until unmounted or cancelled.
 
-    ``task_status.started()`` is called once the mount exists. On cancellation no
-    new requests are taken, in-flight ones get ``drain_timeout`` seconds to
-    finish, then the filesystem is unmounted; after an external unmount
-    (``fusermount3 -u``) serve just cleans up and returns.
+    ``task_status.started()`` is called once the mount exists. After an external
+    unmount (``fusermount3 -u``) serve cleans up and returns. On cancellation
+    the mount is detached at once (lazy unmount: no new opens), files still
+    open get up to ``drain_timeout`` seconds to be closed, in-flight requests
+    finish, then serve re-raises.
     """
     global _serving
     if _serving:
         raise MountError("this process already serves a mount (pyfuse3 allows one per process)")
     path = await _checked_mountpoint(mountpoint)
-    _init(NamespaceFS(controller, options), path, options)
+    ops = NamespaceFS(controller, options)
+    _init(ops, path, options)
     _serving = True
-    unmounted = False
+    session = _Session(ops, path, drain_timeout)
     log.info("mounted at %s", path)
     try:
-        unmounted = await _run_main(drain_timeout, task_status)
+        await session.run(task_status)
     except BaseExceptionGroup as group:
         raise _unwrap(group) from None
     finally:
-        pyfuse3.close(unmount=not unmounted)
+        pyfuse3.close(unmount=not session.gone)
         _serving = False
         log.info("unmounted %s", path)
 
 
-async def _run_main(drain_timeout: float, task_status: trio.TaskStatus[None]) -> bool:
-    """Run pyfuse3.main; True once the kernel unmounted us, drain and re-raise if cancelled."""
-    done = trio.Event()
-    main_scope = trio.CancelScope(shield=True)  # outer cancellation drains instead
+class _Session:
+    """pyfuse3.main in a shielded task, so that cancelling us drains instead of aborting."""
 
-    async def run_main() -> None:
+    def __init__(self, ops: NamespaceFS, path: str, drain_timeout: float) -> None:
+        self.ops = ops
+        self.path = path
+        self.drain_timeout = drain_timeout
+        self.done = trio.Event()
+        self.main_scope = trio.CancelScope(shield=True)
+        self.gone = False  # the mount no longer exists: nothing left to unmount
+
+    async def _main(self) -> None:
         try:
-            with main_scope:
+            with self.main_scope:
                 await pyfuse3.main()
         finally:
-            done.set()
+            self.done.set()
 
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run_main)
-        task_status.started()
-        try:
-            await done.wait()
-        finally:
-            if not done.is_set():
-                await _drain(done, main_scope, drain_timeout)
-    return True
+    async def run(self, task_status: trio.TaskStatus[None]) -> None:
+        """Serve until the kernel ends the session (unmount), or drain when cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._main)
+            task_status.started()
+            try:
+                await self.done.wait()
+            except BaseException:
+                await self._drain()
+                raise
+            self.gone = True
+
+    async def _drain(self) -> None:
+        with trio.move_on_after(self.drain_timeout, shield=True):
+            self.gone = await _lazy_unmount(self.path)
+            if self.ops.handles:
+                log.info(
+                    "stopping: waiting up to %g s for %d open file(s) on %s to be closed",
+                    self.drain_timeout,
+                    len(self.ops.handles),
+                    self.path,
+                )
+            await self.ops.wait_idle()
+        if not self.done.is_set():
+            pyfuse3.terminate()  # workers finish their current request, then exit
+            with trio.move_on_after(self.drain_timeout, shield=True):
+                await self.done.wait()
+        if not self.done.is_set():
+            log.warning("requests still in flight after %g s; abandoning them", self.drain_timeout)
+            self.main_scope.cancel()
 
 
-async def _drain(done: trio.Event, main_scope: trio.CancelScope, timeout: float) -> None:
-    log.info("stopping: waiting for in-flight requests")
-    pyfuse3.terminate()  # workers finish their current request, then exit
-    with trio.move_on_after(timeout, shield=True):
-        await done.wait()
-    if not done.is_set():
-        log.warning("in-flight requests did not finish within %g s; abandoning them", timeout)
-        main_scope.cancel()
+async def _lazy_unmount(path: str) -> bool:
+    """Detach the mount (``fusermount3 -u -z``) so no new opens can start; True if done."""
+    try:
+        result = await trio.run_process(
+            ["fusermount3", "-u", "-z", path], check=False, capture_stderr=True
+        )
+    except OSError as exc:
+        log.warning("cannot run fusermount3 to detach %s: %s", path, exc)
+        return False
+    if result.returncode != 0:
+        log.warning("fusermount3 -u -z %s failed: %s", path, result.stderr.decode().strip())
+    return result.returncode == 0
 
 
 def _unwrap(group: BaseExceptionGroup) -> BaseException:

@@ -19,6 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import pyfuse3
+import trio
 from pyfuse3 import FUSEError
 
 from nvmeof_fuse.errors import NVMeoFError
@@ -88,6 +89,8 @@ class NamespaceFS(pyfuse3.Operations):
         self.nodes: dict[int, _Node] = {}
         self.handles: dict[int, _Handle] = {}
         self._fh = itertools.count(1)
+        self._idle = trio.Event()  # set while no file is open
+        self._idle.set()
         self._build_tree()
 
     # --- tree -----------------------------------------------------------------
@@ -222,6 +225,8 @@ class NamespaceFS(pyfuse3.Operations):
         if writable and self.options.read_only:
             raise FUSEError(errno.EROFS)
         fh = next(self._fh)
+        if self._idle.is_set():
+            self._idle = trio.Event()
         if isinstance(node, _InfoFile):
             self.handles[fh] = _Handle(node, False, node.render())
             return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
@@ -266,6 +271,13 @@ class NamespaceFS(pyfuse3.Operations):
 
     async def release(self, fh):
         self.handles.pop(fh, None)
+        if not self.handles:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no file is open (after the last release)."""
+        while not self._idle.is_set():
+            await self._idle.wait()
 
     # The tree is fixed: creating, removing and renaming entries is not permitted.
     create = mknod = mkdir = symlink = link = _deny  # type: ignore[assignment]

@@ -1,4 +1,4 @@
-"""Mount a fake controller: ``python tests/fs/serve_fake.py MOUNTPOINT [--read-only]``.
+"""Mount a fake controller: ``serve_fake.py MOUNTPOINT [--read-only] [--hold-reads]``.
 
 Prints ``READY`` once mounted and, after unmount or SIGTERM/SIGINT, a JSON line
 with the namespaces' flush counts. Used by the host-side mount tests.
@@ -20,15 +20,27 @@ from fakes import make_controller  # noqa: E402
 from nvmeof_fuse.fs.mount import MountOptions, serve  # noqa: E402
 
 
-async def main(mountpoint: str, read_only: bool) -> None:
+async def main(mountpoint: str, read_only: bool, hold_reads: bool) -> None:
     ctrl = make_controller((1, 512, 8192), (2, 4096, 64))
     ctrl.namespaces[2].device.data[:] = bytes(range(256)) * (4096 * 64 // 256)
+    release = trio.Event()
+    if hold_reads:  # n2 reads block until a signal arrives: tests draining on stop
+        n2 = ctrl.namespaces[2]
+        plain_read = n2.read
+
+        async def held_read(offset: int, length: int) -> bytes:
+            print("INFLIGHT", flush=True)
+            await release.wait()
+            return await plain_read(offset, length)
+
+        n2.read = held_read
     opts = MountOptions(read_only=read_only, mode=0o640)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
 
             async def stop_on_signal() -> None:
                 async for _ in signals:
+                    release.set()
                     nursery.cancel_scope.cancel()
 
             async def serve_then_stop(task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -43,4 +55,4 @@ async def main(mountpoint: str, read_only: bool) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="serve_fake: %(levelname)s: %(message)s")
-    trio.run(main, sys.argv[1], "--read-only" in sys.argv[2:])
+    trio.run(main, sys.argv[1], "--read-only" in sys.argv[2:], "--hold-reads" in sys.argv[2:])
