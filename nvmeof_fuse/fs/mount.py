@@ -17,7 +17,14 @@ from nvmeof_fuse.fs.info import ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.options import MountOptions
 
-__all__ = ["MountError", "MountOptions", "check_mountpoint", "serve"]
+__all__ = [
+    "MountError",
+    "MountOptions",
+    "check_mountpoint",
+    "check_mountpoint_async",
+    "serve",
+    "stale_message",
+]
 
 log = logging.getLogger(__name__)
 
@@ -104,7 +111,8 @@ def fuse_options(options: MountOptions) -> set[str]:
     return opts
 
 
-async def _checked_mountpoint(path: str) -> str:
+async def check_mountpoint_async(path: str) -> str:
+    """check_mountpoint in a thread, bounded: a hung FUSE mount blocks stat()."""
     with trio.move_on_after(CHECK_TIMEOUT):
         return await trio.to_thread.run_sync(check_mountpoint, path, abandon_on_cancel=True)
     raise MountError(f"mountpoint {path} does not respond (a hung FUSE daemon?)")
@@ -141,7 +149,7 @@ async def serve(
     global _serving
     if _serving:
         raise MountError("this process already serves a mount (pyfuse3 allows one per process)")
-    path = await _checked_mountpoint(mountpoint)
+    path = await check_mountpoint_async(mountpoint)
     ops = NamespaceFS(controller, options)
     _init(ops, path, options)
     _serving = True

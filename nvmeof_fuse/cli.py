@@ -1,0 +1,461 @@
+"""``nvmeof-fuse``: mount an NVMe-oF controller's namespaces as files, discover, list.
+
+Option names follow nvme-cli. Errors are one line on stderr and exit status 1
+(2 for usage errors caught by argparse); ``--debug`` adds tracebacks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import json
+import logging
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import trio
+
+from nvmeof_fuse.errors import NVMeoFError
+
+PROG = "nvmeof-fuse"
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+DAEMON_READY_TIMEOUT = 120.0  # s the --daemon parent waits for the mount
+FLUSH_TIMEOUT = 30.0  # s for the final flush of each namespace
+LIST_TIMEOUT = 10.0  # s for reading a mount's .nvmeof files
+
+log = logging.getLogger(PROG)
+
+
+class UsageError(Exception):
+    """A bad option value; reported like any other error (exit 1)."""
+
+
+# --- option values ------------------------------------------------------------
+
+
+def _int(name: str, value: str | None, lo: int, hi: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(value, 0)
+    except ValueError:
+        raise UsageError(f"{name} {value!r} is not an integer") from None
+    if not lo <= n <= hi:
+        raise UsageError(f"{name} {value} is out of range ({lo}-{hi})")
+    return n
+
+
+def _seconds(name: str, value: str) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise UsageError(f"{name} {value!r} is not a number of seconds") from None
+    if not 0 <= s <= 65535:
+        raise UsageError(f"{name} {value} is out of range (0-65535 s)")
+    return s
+
+
+def _mode(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        raise UsageError(f"--mode {value!r} is not an octal mode like 0660") from None
+    if not 0 <= mode <= 0o777:
+        raise UsageError(f"--mode {value} is out of range (0000-0777)")
+    return mode
+
+
+def _nqn(name: str, value: str | None) -> str | None:
+    if value is not None and (not value.startswith("nqn.") or len(value.encode()) > 223):
+        raise UsageError(f"{name} {value!r} is not an NQN (nqn.YYYY-MM.domain:..., <= 223 bytes)")
+    return value
+
+
+def _hostid(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise UsageError(f"--hostid {value!r} is not a UUID") from None
+
+
+def _mount_flags(values: list[str]) -> set[str]:
+    flags = {f.strip() for v in values for f in v.split(",") if f.strip()}
+    unknown = flags - {"allow_other"}
+    if unknown:
+        raise UsageError(
+            f"unsupported -o option(s): {', '.join(sorted(unknown))} (known: allow_other)"
+        )
+    return flags
+
+
+def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) -> Any:
+    """ConnectOptions from the parsed nvme-cli style options."""
+    from nvmeof_fuse.host.controller import ConnectOptions
+
+    kwargs: dict[str, Any] = {
+        "traddr": args.traddr,
+        "nqn": _nqn("--nqn", nqn),
+        "transport": args.transport,
+        "trsvcid": _int("--trsvcid", args.trsvcid, 1, 65535) or default_port,
+        "host_traddr": args.host_traddr,
+        "hostnqn": _nqn("--hostnqn", args.hostnqn),
+        "hostid": _hostid(args.hostid),
+    }
+    if args.command == "mount":
+        kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
+        kwargs["nr_io_queues"] = _int("--nr-io-queues", args.nr_io_queues, 1, 65535)
+        queue_size = _int("--queue-size", args.queue_size, 2, 65536)
+        if queue_size is not None:
+            kwargs["queue_size"] = queue_size
+    opts = ConnectOptions(**kwargs)
+    validate = getattr(opts, "validate", None)
+    if validate is not None:
+        validate()
+    return opts
+
+
+def mount_options(args: argparse.Namespace) -> Any:
+    from nvmeof_fuse.fs.options import DEFAULT_MODE, MountOptions
+
+    mode = _mode(args.mode)
+    return MountOptions(
+        read_only=args.read_only,
+        allow_other="allow_other" in _mount_flags(args.options),
+        uid=_int("--uid", args.uid, 0, 2**32 - 2),
+        gid=_int("--gid", args.gid, 0, 2**32 - 2),
+        mode=DEFAULT_MODE if mode is None else mode,
+        debug=args.debug,
+    )
+
+
+# --- argument parser ------------------------------------------------------------
+
+
+def _add_connection(p: argparse.ArgumentParser, *, port_help: str) -> None:
+    p.add_argument("-t", "--transport", choices=["rdma", "tcp"], default="rdma")
+    p.add_argument("-a", "--traddr", required=True, help="target address")
+    p.add_argument("-s", "--trsvcid", help=port_help)
+    p.add_argument("-w", "--host-traddr", help="local address to connect from")
+    p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)")
+    p.add_argument("-I", "--hostid", help="host UUID (default: /etc/nvme/hostid)")
+    p.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG, description="Mount NVMe-oF namespaces as files; discover; list mounts."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    m = sub.add_parser("mount", help="connect and mount the namespaces as files")
+    _add_connection(m, port_help="transport service id (default 4420)")
+    m.add_argument("-n", "--nqn", required=True, help="subsystem NQN")
+    m.add_argument("-i", "--nr-io-queues", help="number of I/O queues")
+    m.add_argument("-Q", "--queue-size", help="I/O queue size (default 128)")
+    m.add_argument("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)")
+    m.add_argument("--read-only", action="store_true", help="refuse writes (EROFS)")
+    m.add_argument("-o", dest="options", action="append", default=[], metavar="allow_other")
+    m.add_argument("--uid", help="owner of the namespace files (default: you)")
+    m.add_argument("--gid", help="group of the namespace files (default: yours)")
+    m.add_argument("--mode", help="octal mode of the namespace files (default 0660)")
+    m.add_argument("--daemon", action="store_true", help="detach once mounted")
+    m.add_argument("--log-file", help="with --daemon: where its logs go (default: none)")
+    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("mountpoint")
+
+    d = sub.add_parser("discover", help="print a discovery controller's log page")
+    _add_connection(d, port_help="transport service id (default 8009 tcp, 4420 rdma)")
+    d.add_argument("-o", "--output-format", choices=["normal", "json"], default="normal")
+
+    ls = sub.add_parser("list", help="show the controller mounted at MOUNTPOINT")
+    ls.add_argument("-o", "--output-format", choices=["normal", "json"], default="normal")
+    ls.add_argument("--debug", action="store_true", help="tracebacks on errors")
+    ls.add_argument("mountpoint")
+    return parser
+
+
+# --- mount ------------------------------------------------------------------------
+
+
+async def _stop_on_signal(signals: Any, scope: trio.CancelScope) -> None:
+    async for signum in signals:
+        log.info("%s: unmounting", signal.Signals(signum).name)
+        scope.cancel()
+
+
+async def _flush_all(ctrl: Any) -> None:
+    for nsid, ns in sorted(ctrl.namespaces.items()):
+        with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
+            try:
+                await ns.flush()
+            except NVMeoFError as exc:
+                log.warning("final flush of n%d failed: %s", nsid, exc)
+        if scope.cancelled_caught:
+            log.warning("final flush of n%d timed out after %g s", nsid, FLUSH_TIMEOUT)
+
+
+async def run_mount(
+    conn: Any, mopts: Any, mountpoint: str, ready: Callable[[], None], connect: Any = None
+) -> None:
+    """Connect, mount, serve until unmounted or SIGINT/SIGTERM, then flush and disconnect."""
+    from nvmeof_fuse.fs.mount import check_mountpoint_async, serve
+
+    if connect is None:
+        from nvmeof_fuse.host.controller import connect
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope)
+            path = await check_mountpoint_async(mountpoint)  # fail before connecting
+            async with connect(conn) as ctrl:
+                try:
+                    async with trio.open_nursery() as inner:
+                        await inner.start(serve, ctrl, path, mopts)
+                        names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
+                        log.info("mounted %s at %s", names or "no namespaces", path)
+                        ready()
+                finally:
+                    await _flush_all(ctrl)
+            nursery.cancel_scope.cancel()
+
+
+def _report(fd: int | None, message: str) -> None:
+    """Tell a waiting --daemon parent how the mount went (once)."""
+    if fd is None:
+        return
+    try:
+        os.write(fd, message.encode() + b"\n")
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    conn = connect_options(args, nqn=args.nqn, default_port=4420)
+    mopts = mount_options(args)
+    if args.daemon:
+        return spawn_daemon(daemon_command(args, argv), args.log_file)
+    fd = args.ready_fd
+    try:
+        trio.run(run_mount, conn, mopts, args.mountpoint, lambda: _report(fd, "ready"))
+    except BaseException as exc:
+        _report(fd, "error: " + _one_line(exc))
+        raise
+    return 0
+
+
+def daemon_command(args: argparse.Namespace, argv: Sequence[str]) -> list[str]:
+    """This command line in foreground form, with an absolute mountpoint (it runs in /)."""
+    rest = [a for a in argv if a != "--daemon"]
+    i = len(rest) - 1 - rest[::-1].index(args.mountpoint)
+    rest[i] = os.path.abspath(args.mountpoint)
+    return [sys.executable, "-m", "nvmeof_fuse.cli", *rest]
+
+
+def spawn_daemon(
+    cmd: list[str], log_file: str | None, timeout: float = DAEMON_READY_TIMEOUT
+) -> int:
+    """Run ``cmd --ready-fd N`` detached; 0 once it reports ready, else raise its error."""
+    rfd, wfd = os.pipe()
+    try:
+        with open(log_file or os.devnull, "ab") as out:
+            proc = subprocess.Popen(
+                [*cmd, "--ready-fd", str(wfd)],
+                pass_fds=(wfd,),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                cwd="/",
+            )
+    finally:
+        os.close(wfd)
+    try:
+        status = _read_line(rfd, timeout)
+    finally:
+        os.close(rfd)
+    if status == "ready":
+        return 0
+    if status is None:
+        proc.terminate()
+        raise UsageError(
+            f"the daemon did not report the mount ready within {timeout:g} s; stopped it"
+        )
+    if status.startswith("error: "):
+        raise UsageError(status.removeprefix("error: "))
+    try:
+        rc = proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        rc = None
+    where = f"; see {log_file}" if log_file else "; run without --daemon to see why"
+    raise UsageError(f"the daemon exited (status {rc}) before the mount was ready{where}")
+
+
+def _read_line(fd: int, timeout: float) -> str | None:
+    """The first line written to ``fd``; "" at EOF, None after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while b"\n" not in data:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+    return data.decode(errors="replace").split("\n")[0]
+
+
+# --- discover and list --------------------------------------------------------------
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )
+
+
+def format_discovery(page: Any) -> str:
+    doc = page.to_dict()
+    records = doc.get("records", [])
+    head = f"Discovery Log Number of Records {doc.get('numrec', len(records))}, "
+    head += f"Generation counter {doc.get('genctr', 0)}"
+    cols = ["trtype", "adrfam", "subtype", "portid", "trsvcid", "traddr", "subnqn"]
+    rows = [["#", *cols]] + [
+        [str(i)] + [str(r.get(c, "")) for c in cols] for i, r in enumerate(records)
+    ]
+    return head + "\n" + _table(rows)
+
+
+def cmd_discover(args: argparse.Namespace) -> int:
+    from nvmeof_fuse.host.discovery import discover
+
+    port = 8009 if args.transport == "tcp" else 4420
+    conn = connect_options(args, nqn=DISCOVERY_NQN, default_port=port)
+    page = trio.run(discover, conn)
+    if args.output_format == "json":
+        print(json.dumps(page.to_dict(), indent=2))
+    else:
+        print(format_discovery(page))
+    return 0
+
+
+def read_mount_info(mountpoint: str) -> dict[str, Any]:
+    """The controller.json of an nvmeof-fuse mount (blocking; may hang on a hung mount)."""
+    from nvmeof_fuse.fs.mount import MountError, stale_message
+
+    path = os.path.join(mountpoint, ".nvmeof", "controller.json")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        if not os.path.isdir(mountpoint):
+            raise MountError(
+                f"mountpoint {mountpoint} does not exist or is not a directory"
+            ) from None
+        raise MountError(
+            f"{mountpoint} is not an nvmeof-fuse mount (no .nvmeof/controller.json)"
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise MountError(stale_message(mountpoint)) from None
+        raise MountError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise MountError(f"{path} is not valid JSON: {exc}") from None
+
+
+async def _read_mount_info(mountpoint: str) -> dict[str, Any]:
+    with trio.move_on_after(LIST_TIMEOUT):
+        return await trio.to_thread.run_sync(read_mount_info, mountpoint, abandon_on_cancel=True)
+    raise UsageError(f"{mountpoint} does not respond within {LIST_TIMEOUT:g} s (a hung daemon?)")
+
+
+def format_list(mountpoint: str, doc: dict[str, Any]) -> str:
+    c, ident = doc.get("controller", {}), doc.get("identify", {})
+    lines = [
+        f"{mountpoint}: {ident.get('mn', '?')} (serial {ident.get('sn', '?')}, "
+        f"firmware {ident.get('fr', '?')})",
+        f"  {c.get('transport', '?')} {c.get('traddr', '?')}:{c.get('trsvcid', '?')} "
+        f"{c.get('subnqn', ident.get('subnqn', '?'))} cntlid {c.get('cntlid', '?')}",
+    ]
+    rows = [["Node", "NSID", "Size (bytes)", "LBA size", "LBAs"]]
+    for ns in doc.get("namespaces", []):
+        node = os.path.join(mountpoint, f"n{ns['nsid']}")
+        rows.append([node, str(ns["nsid"]), str(ns["size"]), str(ns["lba_size"]), str(ns["nlb"])])
+    return "\n".join(lines) + "\n" + _table(rows)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    doc = trio.run(_read_mount_info, args.mountpoint)
+    if args.output_format == "json":
+        print(json.dumps({"mountpoint": os.path.abspath(args.mountpoint), **doc}, indent=2))
+    else:
+        print(format_list(args.mountpoint, doc))
+    return 0
+
+
+# --- entry point -----------------------------------------------------------------------
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    """The first interesting exception inside (nested) exception groups."""
+    while isinstance(exc, BaseExceptionGroup):
+        inner = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
+        exc = (inner or exc.exceptions)[0]
+    return exc
+
+
+def _one_line(exc: BaseException) -> str:
+    exc = _leaf(exc)
+    if isinstance(exc, NVMeoFError | UsageError):
+        text = str(exc)
+    elif isinstance(exc, OSError):
+        text = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split()) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    debug = getattr(args, "debug", False)
+    logging.basicConfig(
+        level=logging.DEBUG
+        if debug
+        else logging.INFO
+        if args.command == "mount"
+        else logging.WARNING,
+        format=f"{PROG}: %(message)s"
+        if not debug
+        else f"{PROG}: %(name)s: %(levelname)s: %(message)s",
+    )
+    try:
+        if args.command == "mount":
+            return cmd_mount(args, argv)
+        if args.command == "discover":
+            return cmd_discover(args)
+        return cmd_list(args)
+    except BaseException as exc:
+        leaf = _leaf(exc)
+        if isinstance(leaf, KeyboardInterrupt):
+            return 130
+        if debug or isinstance(leaf, SystemExit):
+            raise
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,312 @@
+import contextlib
+import errno
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import types
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from nvmeof_fuse import cli
+from nvmeof_fuse.errors import ConnectError
+from nvmeof_fuse.fs.mount import read_mountinfo
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fakes import make_controller  # noqa: E402
+
+STEP = 20  # s: bound on any wait
+
+
+@dataclass
+class FakeConnectOptions:
+    traddr: str
+    nqn: str
+    transport: str = "rdma"
+    trsvcid: int = 4420
+    host_traddr: str | None = None
+    hostnqn: str | None = None
+    hostid: str | None = None
+    nr_io_queues: int | None = None
+    queue_size: int = 128
+    keep_alive_tmo: float = 5.0
+    timeout: float = 30.0
+
+
+@pytest.fixture
+def host(monkeypatch):
+    """Fake nvmeof_fuse.host.controller / .discovery modules; records connects."""
+    state = types.SimpleNamespace(connects=[], error=None, page=None)
+
+    @contextlib.asynccontextmanager
+    async def connect(opts):
+        state.connects.append(opts)
+        if state.error:
+            raise state.error
+        yield make_controller((1, 512, 64))
+
+    async def discover(opts):
+        state.connects.append(opts)
+        return state.page
+
+    ctrl_mod = types.ModuleType("nvmeof_fuse.host.controller")
+    ctrl_mod.ConnectOptions, ctrl_mod.connect = FakeConnectOptions, connect
+    disc_mod = types.ModuleType("nvmeof_fuse.host.discovery")
+    disc_mod.discover = discover
+    monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.controller", ctrl_mod)
+    monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.discovery", disc_mod)
+    return state
+
+
+MOUNT = ["mount", "-t", "rdma", "-a", "192.0.2.1", "-n", "nqn.2014-08.org.example:s1"]
+
+
+def one_line_error(capsys, argv, match):
+    assert cli.main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("nvmeof-fuse: error: ") and match in err, err
+    return err
+
+
+def test_help_and_usage_errors(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    with pytest.raises(SystemExit) as e:
+        cli.main(["mount", "-n", "nqn.x:y", "/mnt"])  # no -a
+    assert e.value.code == 2
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["-s", "abc"], "--trsvcid 'abc' is not an integer"),
+        (["-s", "70000"], "--trsvcid 70000 is out of range"),
+        (["--mode", "999"], "--mode '999' is not an octal mode"),
+        (["--mode", "1777"], "--mode 1777 is out of range"),
+        (["-o", "allow_other,exec"], "unsupported -o option(s): exec"),
+        (["--uid", "-1"], "--uid -1 is out of range"),
+        (["-I", "not-a-uuid"], "--hostid 'not-a-uuid' is not a UUID"),
+        (["-q", "host1"], "--hostnqn 'host1' is not an NQN"),
+        (["-k", "soon"], "--keep-alive-tmo 'soon' is not a number"),
+        (["-Q", "1"], "--queue-size 1 is out of range"),
+        (["-i", "0"], "--nr-io-queues 0 is out of range"),
+    ],
+)
+def test_bad_option_values_are_one_line(capsys, host, tmp_path, extra, match):
+    one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
+    assert host.connects == []
+
+
+def test_missing_mountpoint(capsys, host, tmp_path):
+    one_line_error(capsys, [*MOUNT, str(tmp_path / "nope")], "does not exist")
+    assert host.connects == []
+
+
+def test_mountpoint_not_a_directory(capsys, host, tmp_path):
+    (tmp_path / "f").write_text("x")
+    one_line_error(capsys, [*MOUNT, str(tmp_path / "f")], "is not a directory")
+
+
+def test_mountpoint_already_mounted(capsys, host):
+    one_line_error(capsys, [*MOUNT, "/proc"], "/proc is already a mountpoint")
+
+
+def test_stale_mountpoint(capsys, host, tmp_path, monkeypatch):
+    real_stat = os.stat
+
+    def stat(path, *a, **kw):
+        if os.fspath(path) == str(tmp_path):
+            raise OSError(errno.ENOTCONN, "Transport endpoint is not connected")
+        return real_stat(path, *a, **kw)
+
+    monkeypatch.setattr(os, "stat", stat)
+    err = one_line_error(capsys, [*MOUNT, str(tmp_path)], "stale mount")
+    assert f"dead nvmeof-fuse daemon at {tmp_path}; clear it with: fusermount3 -u {tmp_path}" in err
+
+
+def test_connect_error_is_one_line(capsys, host, tmp_path):
+    host.error = ConnectError("cannot connect to 192.0.2.1:4420: connection refused")
+    one_line_error(capsys, [*MOUNT, str(tmp_path)], "connection refused")
+    assert host.connects[0].traddr == "192.0.2.1" and host.connects[0].keep_alive_tmo == 5.0
+
+
+def test_debug_shows_the_traceback(host, tmp_path):
+    host.error = ConnectError("refused")
+    with pytest.raises(BaseException) as e:
+        cli.main([*MOUNT, "--debug", str(tmp_path)])
+    assert "refused" in str(cli._leaf(e.value))
+
+
+# --- --daemon ------------------------------------------------------------------------
+
+
+def child(code):
+    return [sys.executable, "-c", "import os, sys, time\nfd = int(sys.argv[-1])\n" + code]
+
+
+def test_daemon_ready():
+    assert cli.spawn_daemon(child("os.write(fd, b'ready\\n')"), None, timeout=STEP) == 0
+
+
+def test_daemon_error_is_relayed():
+    with pytest.raises(cli.UsageError, match="^mountpoint /x does not exist$"):
+        cli.spawn_daemon(
+            child("os.write(fd, b'error: mountpoint /x does not exist\\n'); sys.exit(1)"),
+            None,
+            timeout=STEP,
+        )
+
+
+def test_daemon_dying_silently(tmp_path):
+    log = tmp_path / "daemon.log"
+    with pytest.raises(cli.UsageError, match=f"exited \\(status 3\\).*see {log}"):
+        cli.spawn_daemon(child("print('boom'); sys.exit(3)"), str(log), timeout=STEP)
+    assert log.read_text() == "boom\n"
+
+
+def test_daemon_timeout_stops_the_child(tmp_path):
+    pidfile = tmp_path / "pid"
+    code = f"open({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(600)"
+    with pytest.raises(cli.UsageError, match="did not report the mount ready within 1 s"):
+        cli.spawn_daemon(child(code), None, timeout=1)
+    pid = int(pidfile.read_text())
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, 0)  # terminated: reaped here (bounded: SIGTERM was sent)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_daemon_command_is_foreground_with_absolute_mountpoint(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    argv = [*MOUNT, "--daemon", "mnt"]
+    args = cli.build_parser().parse_args(argv)
+    cmd = cli.daemon_command(args, argv)
+    assert cmd[:3] == [sys.executable, "-m", "nvmeof_fuse.cli"]
+    assert cmd[3:] == [*MOUNT, str(tmp_path / "mnt")]
+
+
+# --- discover and list ------------------------------------------------------------------
+
+
+class FakePage:
+    def to_dict(self):
+        rec = {
+            "trtype": "rdma",
+            "adrfam": "ipv4",
+            "subtype": "nvme subsystem",
+            "treq": "not specified",
+            "portid": 1,
+            "trsvcid": "4420",
+            "subnqn": "nqn.2014-08.org.example:s1",
+            "traddr": "192.0.2.1",
+        }
+        return {"genctr": 5, "numrec": 1, "recfmt": 0, "records": [rec]}
+
+
+def test_discover_table_and_json(capsys, host):
+    host.page = FakePage()
+    assert cli.main(["discover", "-t", "tcp", "-a", "192.0.2.1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "Discovery Log Number of Records 1, Generation counter 5"
+    assert out[1].split() == [
+        "#",
+        "trtype",
+        "adrfam",
+        "subtype",
+        "portid",
+        "trsvcid",
+        "traddr",
+        "subnqn",
+    ]
+    assert "nqn.2014-08.org.example:s1" in out[2] and out[2].startswith("0  rdma")
+    assert host.connects[0].trsvcid == 8009 and host.connects[0].nqn == cli.DISCOVERY_NQN
+    assert cli.main(["discover", "-a", "192.0.2.1", "-o", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["records"][0]["portid"] == 1
+    assert host.connects[1].trsvcid == 4420
+
+
+def test_list(capsys, tmp_path):
+    (tmp_path / ".nvmeof").mkdir()
+    doc = {
+        "controller": {"transport": "rdma", "traddr": "192.0.2.1", "trsvcid": 4420, "cntlid": 3},
+        "identify": {"mn": "Model X", "sn": "SN1", "fr": "1.2", "subnqn": "nqn.x:y"},
+        "namespaces": [{"nsid": 1, "size": 4096, "lba_size": 512, "nlb": 8}],
+    }
+    (tmp_path / ".nvmeof" / "controller.json").write_text(json.dumps(doc))
+    assert cli.main(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "Model X (serial SN1, firmware 1.2)" in out and "rdma 192.0.2.1:4420 nqn.x:y" in out
+    assert f"{tmp_path}/n1  1     4096" in out
+    assert cli.main(["list", "-o", "json", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["identify"]["sn"] == "SN1"
+
+
+def test_list_errors(capsys, tmp_path):
+    one_line_error(capsys, ["list", str(tmp_path / "nope")], "does not exist")
+    one_line_error(capsys, ["list", str(tmp_path)], "is not an nvmeof-fuse mount")
+
+
+# --- the whole mount command through the kernel -------------------------------------------
+
+FOREGROUND = """
+import sys, types
+sys.path.insert(0, {tests!r})
+import test_cli, fakes
+from nvmeof_fuse import cli
+mod = types.ModuleType("nvmeof_fuse.host.controller")
+mod.ConnectOptions = test_cli.FakeConnectOptions
+import contextlib
+@contextlib.asynccontextmanager
+async def connect(opts):
+    ctrl = fakes.make_controller((1, 512, 64), (2, 4096, 8))
+    try:
+        yield ctrl
+    finally:
+        print("flushes", {{n: ns.flushes for n, ns in ctrl.namespaces.items()}}, flush=True)
+mod.connect = connect
+sys.modules[mod.__name__] = mod
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.skipif(
+    not os.access("/dev/fuse", os.W_OK) or shutil.which("fusermount3") is None,
+    reason="needs /dev/fuse and fusermount3",
+)
+def test_foreground_mount_until_sigint(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    rfd, wfd = os.pipe()
+    script = FOREGROUND.format(tests=str(Path(__file__).resolve().parent))
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script, *MOUNT, "--ready-fd", str(wfd), str(mnt)],
+        pass_fds=(wfd,),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(wfd)
+    try:
+        status = cli._read_line(rfd, STEP)
+        os.close(rfd)
+        assert status == "ready", proc.stderr.read() if status == "" else status
+        assert sorted(os.listdir(mnt)) == [".nvmeof", "n1", "n2"]
+        assert cli.main(["list", str(mnt)]) == 0
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=STEP)
+        assert proc.returncode == 0, err
+        assert "flushes {1: 1, 2: 1}" in out  # final flush before disconnect
+        assert "SIGINT: unmounting" in err and "Traceback" not in err
+        assert not any(m.mountpoint == str(mnt) for m in read_mountinfo())
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=STEP)
+        if any(m.mountpoint == str(mnt) for m in read_mountinfo()):  # also when stale
+            subprocess.run(["fusermount3", "-uz", str(mnt)], timeout=STEP, check=False)
