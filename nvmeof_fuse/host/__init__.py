@@ -1,0 +1,1 @@
+"""The host side: controller, namespaces, memory, statistics (like ``drivers/nvme/host``)."""

@@ -1,0 +1,363 @@
+"""A controller on trio: connect, enable, identify, I/O queues, keep-alive, orderly shutdown.
+
+Follows the kernel's ``drivers/nvme/host`` flow: the fabrics Connect on the
+admin queue, CC.EN then CSTS.RDY within CAP.TO, Identify, Set Features Number
+of Queues, one fabrics Connect per I/O queue, and at the end CC.SHN, CSTS.SHST,
+then the transport teardown.  Everything runs inside :func:`connect`'s nursery
+and is released when it exits, also after errors and cancellation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import trio
+
+from .. import nvme
+from ..errors import CommandTimeout, ConnectError, InvalidArgument, NVMeoFError
+from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
+from ..nvme import command as cmd
+from ..transport.base import Queue, Transport
+from .hostid import host_identity
+from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
+
+log = logging.getLogger(__name__)
+
+ADMIN_QUEUE_SIZE = 32  # NVME_AQ_DEPTH
+MAX_DEFAULT_IO_QUEUES = 8
+BOUNCE_CHUNK_MAX = 1 << 20
+BOUNCE_BUFFERS = 32
+SCRATCH_BYTES = 8192
+
+
+@dataclass
+class ConnectOptions:
+    """What to connect to and how; the names follow nvme-cli's options."""
+
+    traddr: str
+    nqn: str
+    transport: str = "rdma"
+    trsvcid: int = 4420
+    host_traddr: str | None = None
+    hostnqn: str | None = None
+    hostid: str | None = None
+    nr_io_queues: int | None = None
+    queue_size: int = 128
+    keep_alive_tmo: float = 5.0
+    timeout: float = 30.0
+    """Per-command timeout in seconds."""
+    connect_timeout: float = 10.0
+
+    def validate(self) -> None:
+        if self.transport not in ("rdma",):
+            raise InvalidArgument(f"--transport {self.transport!r} is not supported yet "
+                                  "(supported: rdma)")
+        if not 0 < self.trsvcid < 65536:
+            raise InvalidArgument(f"--trsvcid {self.trsvcid} is not a port number (1-65535)")
+        if self.nr_io_queues is not None and not 1 <= self.nr_io_queues <= 65535:
+            raise InvalidArgument(f"--nr-io-queues {self.nr_io_queues} must be 1-65535")
+        if not 2 <= self.queue_size <= 65536:
+            raise InvalidArgument(f"--queue-size {self.queue_size} must be 2-65536")
+        if not 0 <= self.keep_alive_tmo <= 65535:
+            raise InvalidArgument(f"--keep-alive-tmo {self.keep_alive_tmo} must be 0-65535 s")
+        if not self.nqn:
+            raise InvalidArgument("--nqn is required")
+
+
+def make_transport(options: ConnectOptions) -> Transport:
+    if options.transport == "rdma":
+        from ..transport.rdma import RdmaTransport
+
+        return RdmaTransport(options.traddr, options.trsvcid, options.host_traddr,
+                             connect_timeout=options.connect_timeout)
+    raise InvalidArgument(f"--transport {options.transport!r} is not supported yet")
+
+
+class Controller:
+    """A connected, enabled controller with its admin and I/O queues and namespaces."""
+
+    def __init__(self, options: ConnectOptions, transport: Transport,
+                 nursery: trio.Nursery) -> None:
+        self.options = options
+        self.transport = transport
+        self._nursery = nursery
+        self.identity = host_identity(options.hostnqn, options.hostid)
+        self.admin: Queue | None = None
+        self.io_queues: list[Queue] = []
+        self.cntlid = 0
+        self.cap: nvme.Capabilities | None = None
+        self.version = ""
+        self.identify: nvme.IdentifyController | None = None
+        self.namespaces: dict = {}
+        self.max_transfer = BOUNCE_CHUNK_MAX
+        self.bounce: BouncePool | None = None
+        self._scratch: Region | None = None
+        self._scratch_lock = trio.Lock()
+        self._regions: list[Region] = []
+        self._next_queue = 0
+        self._cc = 0
+
+    # -- commands -------------------------------------------------------------------------------
+
+    async def admin_command(self, sqe: bytearray, data: DataRef | None = None, *,
+                            to_controller: bool = False, fabrics: bool = False) -> Completion:
+        """Run an admin command; a non-zero status raises :class:`NVMeStatusError`."""
+        assert self.admin is not None
+        name = nvme.command.command_name(sqe, admin=True)
+        completion = await self.admin.execute(sqe, data, to_controller=to_controller,
+                                              timeout=self.options.timeout)
+        completion.raise_for_status(name, fabrics=fabrics)
+        return completion
+
+    def pick_queue(self) -> Queue:
+        """The I/O queue with the most free slots (round-robin among equals)."""
+        queues = self.io_queues
+        self._next_queue = (self._next_queue + 1) % len(queues)
+        best = queues[self._next_queue]
+        for queue in queues:
+            if queue.available > best.available:
+                best = queue
+        return best
+
+    async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
+                         to_controller: bool = False) -> Completion:
+        """Run an NVM command on the least busy I/O queue (waits when all are full)."""
+        name = nvme.command.command_name(sqe, admin=False)
+        completion = await self.pick_queue().execute(sqe, data, to_controller=to_controller,
+                                                      timeout=self.options.timeout)
+        completion.raise_for_status(name)
+        return completion
+
+    @contextlib.asynccontextmanager
+    async def scratch(self, length: int) -> AsyncIterator[DataRef]:
+        """A registered host buffer for small admin data (serialized)."""
+        async with self._scratch_lock:
+            assert self._scratch is not None and self._scratch.view is not None
+            ref = self._scratch.ref(0, length)
+            self._scratch.view[:length] = bytes(length)
+            yield ref
+
+    async def property_get(self, offset: int, size8: bool = False) -> int:
+        completion = await self.admin_command(cmd.property_get(offset, size8), fabrics=True)
+        return completion.result if size8 else completion.dw0
+
+    async def property_set(self, offset: int, value: int) -> None:
+        await self.admin_command(cmd.property_set(offset, value, False), fabrics=True)
+
+    async def identify_raw(self, cns: int, nsid: int = 0) -> bytes:
+        async with self.scratch(4096) as ref:
+            await self.admin_command(cmd.identify(cns, nsid, sgl=nvme.NULL_SGL), ref)
+            return bytes(ref.region.view[:4096])
+
+    async def get_log_page(self, lid: int, length: int, offset: int = 0) -> bytes:
+        """Read ``length`` bytes of log page ``lid`` (in registered memory of its own)."""
+        buf = host_buffer(self.transport.register, max(length, 4))
+        try:
+            await self.admin_command(
+                cmd.get_log_page(lid, length, offset, sgl=nvme.NULL_SGL), buf.ref(0, length))
+            return bytes(buf.view[:length])
+        finally:
+            buf.close()
+
+    async def set_features(self, fid: int, cdw11: int) -> int:
+        return (await self.admin_command(cmd.set_features(fid, cdw11))).dw0
+
+    async def get_features(self, fid: int) -> int:
+        return (await self.admin_command(cmd.get_features(fid))).dw0
+
+    # -- memory ---------------------------------------------------------------------------------
+
+    def register(self, obj) -> Region:
+        """Register caller memory (numpy array, host tensor, writable buffer) on every queue."""
+        addr, length, owner = buffer_address(obj)
+        if length == 0:
+            raise InvalidArgument("cannot register an empty buffer")
+        region = Region(addr, length, self.transport.register(addr, length, owner), owner)
+        self._regions.append(region)
+        return region
+
+    def unregister(self, region: Region) -> None:
+        if region in self._regions:
+            self._regions.remove(region)
+        region.close()
+
+    def allocate(self, length: int) -> Region:
+        """Registered, page-aligned host memory owned by this controller."""
+        region = host_buffer(self.transport.register, length)
+        self._regions.append(region)
+        return region
+
+    # -- bring-up -------------------------------------------------------------------------------
+
+    async def _fabrics_connect(self, queue: Queue, kato_ms: int = 0) -> None:
+        """The fabrics Connect that binds a transport queue to this host and controller."""
+        qid = queue.qid
+        data = cmd.connect_data(self.identity.hostid,
+                                self.cntlid if qid else nvme.CNTLID_DYNAMIC,
+                                self.options.nqn, self.identity.hostnqn)
+        where = f"{self.transport.address} ({self.options.nqn})"
+        async with self.scratch(len(data)) as ref:
+            ref.region.view[:len(data)] = data
+            try:
+                completion = await queue.execute(
+                    cmd.connect(qid, queue.size, kato_ms, sgl=nvme.NULL_SGL), ref,
+                    to_controller=True, timeout=self.options.timeout)
+                completion.raise_for_status("Connect", fabrics=True)
+            except NVMeStatusError as exc:
+                raise ConnectError(f"connect to {where} failed: {exc}") from exc
+            except CommandTimeout as exc:
+                raise ConnectError(f"connect to {where}: no answer to Connect: {exc}") from exc
+        result = nvme.ConnectResult.from_dw0(completion.dw0)
+        if qid == 0:
+            if result.authentication_required:
+                raise ConnectError(f"{where} requires in-band authentication, "
+                                   "which nvmeof-fuse does not support yet")
+            self.cntlid = result.cntlid
+
+    async def _enable(self) -> None:
+        self.cap = nvme.Capabilities.from_int(await self.property_get(Property.CAP, True))
+        self.version = nvme.decode_version(await self.property_get(Property.VS))
+        self._cc = nvme.cc_enable_value()
+        await self.property_set(Property.CC, self._cc)
+        await self._wait_csts(lambda s: s.rdy, "CSTS.RDY after CC.EN",
+                              self.cap.timeout_ms / 1000)
+
+    async def _wait_csts(self, done, what: str, limit: float) -> None:
+        with trio.move_on_after(max(limit, 0.5)):
+            while True:
+                status = nvme.ControllerStatus.from_int(await self.property_get(Property.CSTS))
+                if status.cfs:
+                    raise ConnectError(f"controller reported a fatal status (CSTS.CFS) "
+                                       f"waiting for {what}")
+                if done(status):
+                    return
+                await trio.sleep(0.01)
+        raise CommandTimeout(f"controller did not set {what} within {limit:g} s")
+
+    def _io_queue_count(self, granted: int) -> int:
+        wanted = self.options.nr_io_queues or min(MAX_DEFAULT_IO_QUEUES,
+                                                  max(2, os.cpu_count() or 1))
+        return max(1, min(wanted, granted))
+
+    async def start(self) -> None:
+        opts = self.options
+        kato_ms = int(opts.keep_alive_tmo * 1000)
+        admin = await self.transport.connect_queue(self._nursery, 0, ADMIN_QUEUE_SIZE)
+        self._scratch = host_buffer(self.transport.register, SCRATCH_BYTES)  # needs the PD
+        await self._fabrics_connect(admin, kato_ms)
+        self.admin = admin
+        await self._enable()
+        self.identify = nvme.IdentifyController.from_bytes(await self.identify_raw(Cns.CONTROLLER))
+        if self.identify.subnqn and self.identify.subnqn != opts.nqn:
+            log.warning("controller reports subsystem %s, connected as %s",
+                        self.identify.subnqn, opts.nqn)
+        if self.identify.cntrltype == 2:  # discovery controller: admin queue only
+            return
+        if not self.identify.keyed_sgl_supported:
+            raise ConnectError(f"{self.transport.address}: the controller does not support "
+                               "keyed SGL data blocks, which NVMe/RDMA requires")
+        page = self.cap.min_page_size
+        self.max_transfer = min(self.identify.max_transfer_bytes(page) or BOUNCE_CHUNK_MAX,
+                                BOUNCE_CHUNK_MAX)
+        requested = self._io_queue_count(0xFFFF)
+        dw0 = await self.set_features(FeatureId.NUMBER_OF_QUEUES,
+                                      (requested - 1) | (requested - 1) << 16)
+        granted = min(dw0 & 0xFFFF, dw0 >> 16) + 1
+        count = self._io_queue_count(granted)
+        size = min(opts.queue_size, self.cap.max_queue_entries)
+        if self.identify.maxcmd:
+            size = min(size, self.identify.maxcmd)
+        in_capsule = self.identify.in_capsule_data_bytes if not self.identify.icdoff else 0
+        for qid in range(1, count + 1):
+            queue = await self.transport.connect_queue(self._nursery, qid, size, in_capsule,
+                                                       cntlid=self.cntlid)
+            await self._fabrics_connect(queue)
+            self.io_queues.append(queue)
+        if kato_ms:
+            self._nursery.start_soon(self._keep_alive, kato_ms / 1000)
+        self.bounce = BouncePool(self.transport.register, self.max_transfer, BOUNCE_BUFFERS)
+        await self._identify_namespaces()
+
+    async def _identify_namespaces(self) -> None:
+        from .namespace import Namespace
+
+        nsids = nvme.parse_active_ns_list(await self.identify_raw(Cns.ACTIVE_NS_LIST))
+        for nsid in nsids:
+            ident = nvme.IdentifyNamespace.from_bytes(await self.identify_raw(Cns.NAMESPACE, nsid))
+            if ident.nsze:
+                self.namespaces[nsid] = Namespace(self, nsid, ident)
+
+    async def _keep_alive(self, kato: float) -> None:
+        """Send Keep Alive at half the negotiated timeout, as the kernel does."""
+        while True:
+            await trio.sleep(kato / 2)
+            try:
+                await self.admin_command(cmd.keep_alive())
+            except NVMeoFError as exc:
+                log.error("keep-alive failed: %s", exc)
+
+    async def shutdown(self) -> None:
+        """CC.SHN, then wait for CSTS.SHST complete (bounded by CAP.TO)."""
+        if self.admin is None or self.cap is None:
+            return
+        try:
+            await self.property_set(Property.CC, nvme.cc_shutdown_value(self._cc))
+            await self._wait_csts(lambda s: s.shutdown_complete, "CSTS.SHST complete",
+                                  self.cap.timeout_ms / 1000)
+        except NVMeoFError as exc:
+            log.warning("orderly shutdown failed: %s", exc)
+
+    def release(self) -> None:
+        """Free the memory this controller registered, then the transport."""
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+        if self.bounce is not None:
+            self.bounce.close()
+        if self._scratch is not None:
+            self._scratch.close()
+        self.transport.close()
+
+    def describe(self) -> dict:
+        ident = self.identify
+        return {
+            "transport": self.transport.name,
+            "traddr": self.options.traddr,
+            "trsvcid": self.options.trsvcid,
+            "subnqn": self.options.nqn,
+            "hostnqn": self.identity.hostnqn,
+            "hostid": str(self.identity.hostid),
+            "cntlid": self.cntlid,
+            "version": self.version,
+            "model": ident.mn if ident else "",
+            "serial": ident.sn if ident else "",
+            "firmware": ident.fr if ident else "",
+            "io_queues": len(self.io_queues),
+            "queue_size": self.io_queues[0].size if self.io_queues else 0,
+            "max_transfer_bytes": self.max_transfer,
+            "keep_alive_tmo": self.options.keep_alive_tmo,
+            "namespaces": sorted(self.namespaces),
+        }
+
+
+@contextlib.asynccontextmanager
+async def connect(options: ConnectOptions) -> AsyncIterator[Controller]:
+    """Connect and enable a controller; on exit shut it down and release every resource."""
+    options.validate()
+    transport = make_transport(options)
+    try:
+        async with trio.open_nursery() as nursery:
+            controller = Controller(options, transport, nursery)
+            try:
+                await controller.start()
+                yield controller
+            finally:
+                with trio.CancelScope(shield=True):
+                    await controller.shutdown()
+                nursery.cancel_scope.cancel()
+    finally:
+        controller.release()

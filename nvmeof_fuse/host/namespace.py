@@ -1,0 +1,180 @@
+"""Namespace I/O: LBA ranges over registered memory, split at MDTS across queues.
+
+``read_into``/``write_from`` move data straight between the target and caller
+memory registered with the controller (no host copy).  ``read_lbas`` and
+``write_lbas`` go through the controller's bounce buffers, and ``read``/
+``write`` take any byte offset and length (partial LBAs by read-modify-write).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
+
+import trio
+
+from .. import nvme
+from ..errors import InvalidArgument
+from ..nvme import command as cmd
+from .byterange import ByteRangeIO
+from .memory import DataRef
+from .stats import IoStats
+
+if TYPE_CHECKING:
+    from .controller import Controller
+
+
+async def _run_all(jobs: list[Callable[[], Awaitable[None]]]) -> None:
+    """Run ``jobs`` concurrently; re-raise the first failure as itself, not a group."""
+    if len(jobs) == 1:
+        await jobs[0]()
+        return
+    try:
+        async with trio.open_nursery() as nursery:
+            for job in jobs:
+                nursery.start_soon(job)
+    except BaseExceptionGroup as group:
+        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
+        if leaves:
+            raise leaves[0] from None
+        raise
+
+
+def _leaves(group: BaseExceptionGroup):
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            yield from _leaves(exc)
+        else:
+            yield exc
+
+
+class Namespace:
+    """One active namespace of a connected controller."""
+
+    def __init__(self, controller: Controller, nsid: int,
+                 identify: nvme.IdentifyNamespace) -> None:
+        self.controller = controller
+        self.nsid = nsid
+        self.identify = identify
+        self.lba_size = identify.lba_size
+        self.nlb = identify.nsze
+        self.size = self.nlb * self.lba_size
+        self.stats = IoStats()
+        self._bytes = ByteRangeIO(self, self.stats)
+
+    def __repr__(self) -> str:
+        return f"<Namespace {self.nsid}: {self.nlb} x {self.lba_size} B>"
+
+    # -- checks and splitting ------------------------------------------------------------------
+
+    def check_range(self, slba: int, nlb: int) -> None:
+        if slba < 0 or nlb <= 0 or slba + nlb > self.nlb:
+            raise InvalidArgument(
+                f"LBA range {slba}..{slba + nlb - 1} is outside namespace {self.nsid} "
+                f"(LBAs 0..{self.nlb - 1})")
+
+    def _chunks(self, slba: int, nlb: int):
+        """(slba, nlb, byte offset) pieces no larger than the controller's transfer limit."""
+        per = max(1, min(self.controller.max_transfer // self.lba_size, cmd.MAX_NLB))
+        for start in range(0, nlb, per):
+            yield slba + start, min(per, nlb - start), start * self.lba_size
+
+    # -- zero-copy I/O on registered memory ----------------------------------------------------
+
+    async def read_into(self, slba: int, nlb: int, dest: DataRef) -> None:
+        """Read ``nlb`` LBAs at ``slba`` straight into registered memory ``dest``."""
+        await self._transfer(slba, nlb, dest, write=False)
+
+    async def write_from(self, slba: int, nlb: int, src: DataRef) -> None:
+        """Write ``nlb`` LBAs at ``slba`` straight from registered memory ``src``."""
+        await self._transfer(slba, nlb, src, write=True)
+
+    async def _transfer(self, slba: int, nlb: int, ref: DataRef, write: bool) -> None:
+        self.check_range(slba, nlb)
+        if ref.length != nlb * self.lba_size:
+            raise InvalidArgument(f"buffer of {ref.length} bytes does not hold {nlb} LBAs "
+                                  f"of {self.lba_size} bytes")
+        build = cmd.write if write else cmd.read
+
+        def job(lba: int, n: int, at: int):
+            async def run() -> None:
+                piece = ref.region.ref(ref.offset + at, n * self.lba_size)
+                await self.controller.io_command(build(self.nsid, lba, n, nvme.NULL_SGL), piece,
+                                                 to_controller=write)
+            return run
+
+        await _run_all([job(*c) for c in self._chunks(slba, nlb)])
+
+    # -- bounce-buffered LBA I/O (the LbaDevice of ByteRangeIO) ----------------------------------
+
+    async def read_lbas(self, slba: int, nlb: int) -> bytes:
+        self.check_range(slba, nlb)
+        out = bytearray(nlb * self.lba_size)
+        pool = self.controller.bounce
+        assert pool is not None
+
+        def job(lba: int, n: int, at: int):
+            async def run() -> None:
+                length = n * self.lba_size
+                async with pool.borrow() as buf:
+                    await self.read_into(lba, n, buf.ref(0, length))
+                    out[at:at + length] = buf.view[:length]
+            return run
+
+        await _run_all([job(*c) for c in self._chunks(slba, nlb)])
+        return bytes(out)
+
+    async def write_lbas(self, slba: int, data: bytes | memoryview) -> None:
+        src = memoryview(data).cast("B")
+        if len(src) % self.lba_size:
+            raise InvalidArgument(f"write of {len(src)} bytes is not a whole number of "
+                                  f"{self.lba_size}-byte LBAs")
+        nlb = len(src) // self.lba_size
+        self.check_range(slba, nlb)
+        pool = self.controller.bounce
+        assert pool is not None
+
+        def job(lba: int, n: int, at: int):
+            async def run() -> None:
+                length = n * self.lba_size
+                async with pool.borrow() as buf:
+                    buf.view[:length] = src[at:at + length]
+                    await self.write_from(lba, n, buf.ref(0, length))
+            return run
+
+        await _run_all([job(*c) for c in self._chunks(slba, nlb)])
+
+    # -- byte-addressed I/O ----------------------------------------------------------------------
+
+    async def read(self, offset: int, length: int) -> bytes:
+        """Read at any byte offset; short at the end of the namespace."""
+        return await self._bytes.read(offset, length)
+
+    async def write(self, offset: int, data: bytes | memoryview) -> int:
+        """Write at any byte offset; partial LBAs by read-modify-write."""
+        return await self._bytes.write(offset, data)
+
+    # -- other commands --------------------------------------------------------------------------
+
+    async def flush(self) -> None:
+        await self.controller.io_command(cmd.flush(self.nsid))
+
+    async def write_zeroes(self, slba: int, nlb: int, deallocate: bool = False) -> None:
+        self.check_range(slba, nlb)
+        jobs = []
+        for start in range(slba, slba + nlb, cmd.MAX_NLB):
+            n = min(cmd.MAX_NLB, slba + nlb - start)
+            jobs.append(lambda s=start, n=n: self.controller.io_command(
+                cmd.write_zeroes(self.nsid, s, n, deallocate)))
+        await _run_all(jobs)
+
+    async def deallocate(self, ranges: list[tuple[int, int]]) -> None:
+        """Dataset Management with the Deallocate attribute over ``[(slba, nlb), ...]``."""
+        for slba, nlb in ranges:
+            self.check_range(slba, nlb)
+        payload = cmd.dsm_ranges(ranges)
+        async with self.controller.scratch(len(payload)) as ref:
+            ref.region.view[:len(payload)] = payload
+            await self.controller.io_command(
+                cmd.dataset_management(self.nsid, len(ranges), sgl=nvme.NULL_SGL), ref,
+                to_controller=True)

@@ -1,0 +1,56 @@
+"""What the host core needs from a transport (like the kernel's ``nvme_ctrl_ops``).
+
+A transport connects queues and registers memory; the host core builds
+commands with :mod:`nvmeof_fuse.nvme` and runs them through
+:meth:`Queue.execute`, which stamps the command ID and the data pointer.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import trio
+
+from ..host.memory import DataRef, Registration
+from ..nvme import Completion
+
+
+class Queue(Protocol):
+    """One connected submission/completion queue pair."""
+
+    qid: int
+    size: int
+    """Entries in the queue; at most ``size - 1`` commands are outstanding."""
+    available: int
+    """Free command slots right now."""
+
+    async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
+                      to_controller: bool = False, timeout: float) -> Completion:
+        """Send ``sqe`` (with ``data`` read or written) and return its completion.
+
+        Cancellation waits for the command to finish (bounded by ``timeout``),
+        since the target may still be moving data into ``data``.
+        """
+        ...
+
+    def close(self) -> None: ...
+
+
+class Transport(Protocol):
+    """Connects a controller's queues; owns the fabric resources they share."""
+
+    name: str
+    in_capsule_data: bool
+    """Whether small writes may travel inside the command capsule."""
+
+    address: str
+    """Where the controller is, for messages: ``rdma 10.0.0.1:4420``."""
+
+    async def connect_queue(self, nursery: trio.Nursery, qid: int, size: int,
+                            in_capsule_bytes: int = 0, cntlid: int = 0) -> Queue:
+        """Connect queue ``qid`` at the transport level; its tasks run in ``nursery``."""
+        ...
+
+    def register(self, addr: int, length: int, owner: object) -> Registration: ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,438 @@
+"""NVMe/RDMA transport over the PyPI ``ibverbs`` bindings (NVMe/RDMA transport spec).
+
+Wire formats first (RDMA-CM private data and the command-slot bookkeeping are
+plain code), then the I/O: one RC queue pair per NVMe queue, connected through
+RDMA-CM, all in one protection domain so a buffer registered once is valid on
+every queue.  Data travels by keyed SGL (the target RDMA-READs/WRITEs our
+registered memory) or, for small writes, inside the command capsule.
+Completions wake trio through the completion channel's fd; while completions
+keep coming the reaper polls without sleeping.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+from dataclasses import dataclass, field
+
+import trio
+
+from ..errors import CommandTimeout, ConnectError, TransportError
+from ..host.memory import DataRef, Region, host_buffer
+from ..nvme import Completion, set_command_id
+from ..nvme.sgl import in_capsule_data, keyed_data_block
+
+SQE_BYTES = 64
+CQE_BYTES = 16
+CM_PRIVATE_DATA_BYTES = 32
+_CM_REQUEST = struct.Struct("<HHHHH22x")  # recfmt, qid, hrqsize, hsqsize, cntlid
+_CM_ACCEPT = struct.Struct("<HH28x")  # recfmt, crqsize
+_SEND, _RECV = 1 << 62, 1 << 61
+_INDEX = (1 << 32) - 1
+
+
+# --- wire formats -------------------------------------------------------------------------------
+
+def cm_request(qid: int, size: int, cntlid: int = 0) -> bytes:
+    """RDMA-CM connect private data (NVMe/RDMA spec, "RDMA_CM_REQUEST"): 32 bytes.
+
+    HRQSIZE is the queue's entry count; HSQSIZE is 0's based.
+    """
+    return _CM_REQUEST.pack(0, qid, size, size - 1, cntlid)
+
+
+def parse_cm_accept(data: bytes) -> int:
+    """The controller's receive queue size (CRQSIZE) from "RDMA_CM_ACCEPT" private data."""
+    if len(data) < _CM_ACCEPT.size:
+        raise ConnectError(f"RDMA-CM accept carried {len(data)} bytes of private data, "
+                           f"expected {_CM_ACCEPT.size}")
+    recfmt, crqsize = _CM_ACCEPT.unpack_from(data)
+    if recfmt != 0:
+        raise ConnectError(f"RDMA-CM accept has record format {recfmt}, expected 0")
+    return crqsize
+
+
+@dataclass(eq=False)
+class Request:
+    """One command in flight: done once both its capsule SEND and its response completed."""
+
+    cid: int
+    data: DataRef | None
+    done: trio.Event = field(default_factory=trio.Event)
+    sent: bool = False
+    completion: Completion | None = None
+    error: Exception | None = None
+    abandoned: bool = False
+
+
+class CommandSlots:
+    """Command IDs of one queue and the requests holding them (no I/O)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
+        self.pending: dict[int, Request] = {}
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    def allocate(self, data: DataRef | None) -> Request:
+        request = Request(self._free.pop(), data)
+        self.pending[request.cid] = request
+        return request
+
+    def release(self, request: Request) -> None:
+        """Give back a request's slot without finishing it (it was never sent)."""
+        del self.pending[request.cid]
+        self._free.append(request.cid)
+
+    def send_completed(self, cid: int) -> None:
+        request = self._lookup(cid, "send completion")
+        request.sent = True
+        self._maybe_finish(request)
+
+    def response(self, completion: Completion) -> None:
+        request = self._lookup(completion.command_id, "response")
+        request.completion = completion
+        self._maybe_finish(request)
+
+    def fail_all(self, error: Exception) -> None:
+        for request in list(self.pending.values()):
+            request.error = error
+            self._finish(request)
+
+    def _lookup(self, cid: int, what: str) -> Request:
+        try:
+            return self.pending[cid]
+        except KeyError:
+            raise TransportError(f"{what} for command ID {cid}, which is not in flight") from None
+
+    def _maybe_finish(self, request: Request) -> None:
+        if request.sent and request.completion is not None:
+            self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        del self.pending[request.cid]
+        self._free.append(request.cid)
+        request.done.set()
+
+
+# --- I/O ------------------------------------------------------------------------------------------
+
+def _verbs():
+    import ibverbs
+
+    return ibverbs
+
+
+def _access(ib) -> int:
+    flags = ib.AccessFlags
+    return int(flags.LOCAL_WRITE | flags.REMOTE_WRITE | flags.REMOTE_READ)
+
+
+class RdmaTransport:
+    """The RDMA side of one controller: RDMA-CM endpoints, one PD, every queue's QP."""
+
+    name = "rdma"
+    in_capsule_data = True
+
+    def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
+                 connect_timeout: float = 10.0) -> None:
+        self.traddr = traddr
+        self.trsvcid = trsvcid
+        self.host_traddr = host_traddr
+        self.connect_timeout = connect_timeout
+        self.pd = None
+        self._queues: list[RdmaQueue] = []
+        self._cm_ids: list = []
+
+    @property
+    def address(self) -> str:
+        return f"rdma {self.traddr}:{self.trsvcid}"
+
+    def register(self, addr: int, length: int, owner: object):
+        """Register ``[addr, addr+length)`` in the controller's PD (valid on every queue)."""
+        if self.pd is None:
+            raise TransportError("the RDMA transport is not connected")
+        try:
+            return self.pd.reg_mr(addr, length, _access(_verbs()))._keepalive(owner)
+        except OSError as exc:
+            raise TransportError(f"cannot register {length} bytes of memory for RDMA: "
+                                 f"{exc.strerror or exc}") from exc
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int):
+        """Register a dma-buf (a GPU allocation exported by its driver) in the PD."""
+        if self.pd is None:
+            raise TransportError("the RDMA transport is not connected")
+        try:
+            return self.pd.reg_dmabuf_mr(offset, length, iova, fd, _access(_verbs()))
+        except OSError as exc:
+            raise TransportError(f"cannot register a {length}-byte dma-buf for RDMA: "
+                                 f"{exc.strerror or exc}") from exc
+
+    async def _resolve(self):
+        ib = _verbs()
+
+        def resolve():
+            return ib.CMID.resolve(self.traddr, self.trsvcid, source=self.host_traddr)
+
+        try:
+            with trio.fail_after(self.connect_timeout):
+                return await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
+        except trio.TooSlowError:
+            raise ConnectError(f"no RDMA route to {self.traddr}:{self.trsvcid} within "
+                               f"{self.connect_timeout:g} s") from None
+        except OSError as exc:
+            raise ConnectError(f"cannot reach {self.traddr}:{self.trsvcid} over RDMA: "
+                               f"{exc.strerror or exc}") from None
+
+    async def connect_queue(self, nursery: trio.Nursery, qid: int, size: int,
+                            in_capsule_bytes: int = 0, cntlid: int = 0) -> RdmaQueue:
+        """Connect queue ``qid`` of ``size`` entries and start its completion reaper."""
+        cm = await self._resolve()
+        self._cm_ids.append(cm)
+        if self.pd is None:
+            self.pd = cm.context.alloc_pd()
+        else:
+            _adopt_context(cm, self.pd.context)
+        queue = RdmaQueue(self, cm, qid, size, in_capsule_bytes)
+        self._queues.append(queue)
+        await queue.connect(cntlid)
+        await nursery.start(queue.reap)
+        return queue
+
+    def close(self) -> None:
+        """Tear down every queue, then the PD, then the RDMA-CM endpoints (in that order)."""
+        for queue in reversed(self._queues):
+            queue.close()
+        self._queues.clear()
+        if self.pd is not None:
+            _close_quietly(self.pd)
+            self.pd = None
+        for cm in reversed(self._cm_ids):
+            _close_quietly(cm)
+        self._cm_ids.clear()
+
+
+def _adopt_context(cm, context) -> None:
+    """Make ``cm`` use ``context``, the wrapper the controller's PD was allocated from.
+
+    librdmacm opens each device once, so every endpoint on a device shares one
+    ``ibv_context``; but ``ibverbs`` wraps it in a new Python object per
+    endpoint and ``CMID.create_qp`` insists, by object identity, that the PD
+    come from the endpoint's own wrapper.  One PD per controller (a buffer
+    registered once is valid on every queue) needs the endpoints to share the
+    wrapper, and its ``context`` attribute is read-only, so we swap the
+    reference in place after checking both wrap the same device context (the
+    async event fd is unique to an open ``ibv_context``).  Both wrappers are
+    borrowed from RDMA-CM, so dropping one closes nothing.
+    """
+    import ctypes
+
+    old = cm.context
+    if old is context:
+        return
+    if old.name != context.name or old.async_fd != context.async_fd:
+        raise TransportError(f"queue routed through RDMA device {old.name}, but the "
+                             f"controller's protection domain is on {context.name}")
+    for offset in range(ctypes.sizeof(ctypes.c_void_p) * 2, type(cm).__basicsize__, 8):
+        slot = ctypes.c_void_p.from_address(id(cm) + offset)
+        if slot.value == id(old):
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
+            slot.value = id(context)
+            ctypes.pythonapi.Py_DecRef(ctypes.py_object(old))
+            assert cm.context is context
+            return
+    raise TransportError("cannot share one RDMA protection domain across queues with this "
+                         "version of the ibverbs package")
+
+
+def _close_quietly(resource) -> None:
+    try:
+        resource.close()
+    except OSError:
+        pass
+
+
+class RdmaQueue:
+    """One NVMe queue over an RC QP: command capsules out, 16-byte responses in."""
+
+    def __init__(self, transport: RdmaTransport, cm, qid: int, size: int,
+                 in_capsule_bytes: int) -> None:
+        ib = _verbs()
+        self.transport = transport
+        self.qid = qid
+        self.size = size
+        self.in_capsule_bytes = in_capsule_bytes
+        self._cm = cm
+        self._slots = CommandSlots(size)
+        self._slot_waiters = trio.lowlevel.ParkingLot()
+        self._failed: TransportError | None = None
+        self.channel = cm.context.create_comp_channel()
+        self.cq = cm.context.create_cq(2 * size + 1, self.channel)
+        self.qp = cm.create_qp(transport.pd, ib.QPInitAttr(
+            send_cq=self.cq, recv_cq=self.cq, qp_type=ib.QPType.RC,
+            max_send_wr=size, max_recv_wr=size, max_send_sge=2, max_recv_sge=1))
+        register = transport.register
+        self.capsules: Region = host_buffer(register, SQE_BYTES * size)
+        self.responses: Region = host_buffer(register, CQE_BYTES * size)
+
+    @property
+    def name(self) -> str:
+        return "admin queue" if self.qid == 0 else f"I/O queue {self.qid}"
+
+    @property
+    def available(self) -> int:
+        """Free command slots: callers pick the least busy queue by this."""
+        return self._slots.available
+
+    async def connect(self, cntlid: int) -> None:
+        ib = _verbs()
+        device = self._cm.context.query_device()
+        request = cm_request(self.qid, self.size, cntlid)
+
+        def connect():
+            return self._cm.connect(request,
+                                    responder_resources=min(255, device.max_qp_rd_atom),
+                                    initiator_depth=0)
+
+        self.qp.post_recv([self._recv_wr(ib, slot) for slot in range(self.size)])
+        where = f"{self.transport.traddr}:{self.transport.trsvcid}"
+        try:
+            with trio.fail_after(self.transport.connect_timeout):
+                accept = await trio.to_thread.run_sync(connect, abandon_on_cancel=True)
+        except trio.TooSlowError:
+            raise ConnectError(f"NVMe/RDMA {self.name} connect to {where} timed out after "
+                               f"{self.transport.connect_timeout:g} s") from None
+        except OSError as exc:
+            reason = ("refused: is an NVMe/RDMA port listening there?"
+                      if exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET)
+                      else exc.strerror or str(exc))
+            raise ConnectError(f"NVMe/RDMA {self.name} connect to {where} {reason}") from None
+        crqsize = parse_cm_accept(accept)
+        if crqsize < self.size - 1:
+            raise ConnectError(f"{where} accepted a receive queue of {crqsize} entries for "
+                               f"{self.name}, fewer than the {self.size - 1} commands we send")
+
+    def _recv_wr(self, ib, slot: int):
+        return ib.RecvWR(wr_id=_RECV | slot,
+                         sg_list=[ib.SGE(self.responses.addr + slot * CQE_BYTES, CQE_BYTES,
+                                         self.responses.lkey)])
+
+    def data_pointer(self, data: DataRef | None, to_controller: bool) -> tuple[bytes, list]:
+        """The SGL for ``data`` and the extra send SGEs (in-capsule data) it needs."""
+        if data is None or data.length == 0:
+            return keyed_data_block(0, 0, 0), []
+        if to_controller and data.length <= self.in_capsule_bytes:
+            ib = _verbs()
+            return in_capsule_data(0, data.length), [ib.SGE(data.addr, data.length,
+                                                            data.region.lkey)]
+        return keyed_data_block(data.addr, data.length, data.region.rkey), []
+
+    async def _allocate(self, data: DataRef | None, timeout: float) -> Request:
+        if self._failed:
+            raise self._failed
+        with trio.move_on_after(timeout):
+            while not self._slots.available and not self._failed:
+                await self._slot_waiters.park()
+        if self._failed:
+            raise self._failed
+        if not self._slots.available:
+            raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
+        return self._slots.allocate(data)
+
+    async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
+                      to_controller: bool = False, timeout: float) -> Completion:
+        ib = _verbs()
+        request = await self._allocate(data, timeout)
+        sgl, extra = self.data_pointer(data, to_controller)
+        sqe[24:40] = sgl
+        set_command_id(sqe, request.cid)
+        offset = request.cid * SQE_BYTES
+        self.capsules.view[offset:offset + SQE_BYTES] = sqe
+        send = ib.SendWR(
+            wr_id=_SEND | request.cid, opcode=ib.WROpcode.SEND,
+            send_flags=ib.SendFlags.SIGNALED,
+            sg_list=[ib.SGE(self.capsules.addr + offset, SQE_BYTES, self.capsules.lkey), *extra])
+        try:
+            self.qp.post_send([send])
+        except OSError as exc:
+            self._slots.release(request)
+            raise TransportError(f"{self.name}: cannot post a command: {exc}") from exc
+        # The target may still be moving data: cancellation waits for the command.
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(timeout):
+                await request.done.wait()
+        if not request.done.is_set():
+            request.abandoned = True  # its slot stays taken until the target answers
+            raise CommandTimeout(f"{self.name}: command {request.cid} got no completion "
+                                 f"within {timeout:g} s")
+        if request.error is not None:
+            raise request.error
+        assert request.completion is not None
+        return request.completion
+
+    async def reap(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Dispatch completions: poll while they come, sleep on the channel fd when idle."""
+        os.set_blocking(self.channel.fd, False)
+        self.cq.req_notify()
+        task_status.started()
+        try:
+            while True:
+                if self._drain():
+                    await trio.sleep(0)
+                    continue
+                self.cq.req_notify()
+                if self._drain():  # a completion raced the re-arm
+                    continue
+                await trio.lowlevel.wait_readable(self.channel.fd)
+                try:
+                    self.channel.get_cq_event()
+                except OSError as exc:
+                    if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                        raise
+                    continue
+                self.cq.ack_events(1)
+        except TransportError as exc:
+            self._fail(exc)
+        except OSError as exc:
+            self._fail(TransportError(f"{self.name}: completion queue failed: {exc}"))
+
+    def _drain(self) -> bool:
+        ib = _verbs()
+        wcs = self.cq.poll(2 * self.size + 1)
+        for wc in wcs:
+            if not wc.is_success:
+                raise TransportError(f"{self.name}: work request failed: {wc.status_str} "
+                                     f"(vendor error {wc.vendor_err:#x})")
+            if wc.wr_id & _SEND:
+                self._slots.send_completed(wc.wr_id & _INDEX)
+            elif wc.wr_id & _RECV:
+                slot = wc.wr_id & _INDEX
+                at = slot * CQE_BYTES
+                completion = Completion.from_bytes(bytes(self.responses.view[at:at + CQE_BYTES]))
+                self.qp.post_recv([self._recv_wr(ib, slot)])
+                self._slots.response(completion)
+        if wcs and self._slots.available:
+            self._slot_waiters.unpark(count=self._slots.available)
+        return bool(wcs)
+
+    def _fail(self, error: TransportError) -> None:
+        self._failed = error
+        self._slots.fail_all(error)
+        self._slot_waiters.unpark_all()
+
+    def close(self) -> None:
+        """Disconnect and destroy the QP, CQ, channel and queue buffers (not the CM id)."""
+        if self._failed is None:
+            self._failed = TransportError(f"{self.name} is closed")
+        self._slots.fail_all(self._failed)
+        if getattr(self._cm, "connected", False):
+            try:
+                self._cm.disconnect()
+            except OSError:
+                pass
+        for resource in (self.qp, self.capsules, self.responses, self.cq, self.channel):
+            _close_quietly(resource)
