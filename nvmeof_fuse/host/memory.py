@@ -124,6 +124,8 @@ def buffer_address(obj: Any) -> tuple[int, int, object]:
                               "pass a numpy array, a tensor or a writable buffer") from None
     if view.readonly or not view.c_contiguous:
         raise InvalidArgument("buffer must be writable and contiguous to be registered")
+    if not view.nbytes:  # ctypes cannot take the address of an empty buffer
+        raise InvalidArgument("cannot register an empty buffer")
     addr = ctypes.addressof(ctypes.c_char.from_buffer(view))
     return addr, view.nbytes, obj
 
