@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
+from nvmeof_fuse.concurrency import unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.info import ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
@@ -156,9 +157,8 @@ async def serve(
     session = _Session(ops, path, drain_timeout)
     log.info("mounted at %s", path)
     try:
-        await session.run(task_status)
-    except BaseExceptionGroup as group:
-        raise _unwrap(group) from None
+        with unwrap_groups():
+            await session.run(task_status)
     finally:
         pyfuse3.close(unmount=not session.gone)
         _serving = False
@@ -227,12 +227,3 @@ async def _lazy_unmount(path: str) -> bool:
     if result.returncode != 0:
         log.warning("fusermount3 -u -z %s failed: %s", path, result.stderr.decode().strip())
     return result.returncode == 0
-
-
-def _unwrap(group: BaseExceptionGroup) -> BaseException:
-    """The first error that is not a cancellation (or the group itself)."""
-    for exc in group.exceptions:
-        inner = _unwrap(exc) if isinstance(exc, BaseExceptionGroup) else exc
-        if not isinstance(inner, trio.Cancelled | BaseExceptionGroup):
-            return inner
-    return group

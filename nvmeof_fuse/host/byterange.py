@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import trio
 
+from nvmeof_fuse.concurrency import run_all
 from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
 
 if TYPE_CHECKING:
@@ -202,18 +203,7 @@ class ByteRangeIO:
         jobs = [functools.partial(self._rmw, e, buf[e.data]) for e in sp.edges()]
         if sp.middle_nlb:
             jobs.append(functools.partial(self.device.write_lbas, sp.middle_slba, buf[sp.middle]))
-        if len(jobs) == 1:
-            await jobs[0]()
-            return
-        try:
-            async with trio.open_nursery() as nursery:
-                for job in jobs:
-                    nursery.start_soon(job)
-        except BaseExceptionGroup as group:
-            first = _first_error(group)
-            if first is None:
-                raise
-            raise first from None
+        await run_all(jobs)
 
     async def _rmw(self, edge: Edge, data: memoryview) -> None:
         """Merge ``data`` into one LBA; the caller holds the LBA exclusively."""
@@ -235,15 +225,3 @@ class ByteRangeIO:
             self.stats.record(op, 0, time.perf_counter() - start, ok=False)
             raise
         self.stats.record(op, nbytes, time.perf_counter() - start, ok=True)
-
-
-def _first_error(group: BaseExceptionGroup) -> BaseException | None:
-    """The first leaf of ``group`` that is not a cancellation."""
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            found = _first_error(exc)
-            if found is not None:
-                return found
-        elif not isinstance(exc, trio.Cancelled):
-            return exc
-    return None

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import trio
 
 from .. import nvme
+from ..concurrency import unwrap_groups
 from ..errors import CommandTimeout, ConnectError, InvalidArgument, NVMeoFError
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
@@ -349,15 +350,20 @@ async def connect(options: ConnectOptions) -> AsyncIterator[Controller]:
     """Connect and enable a controller; on exit shut it down and release every resource."""
     options.validate()
     transport = make_transport(options)
+    controller = None
     try:
-        async with trio.open_nursery() as nursery:
-            controller = Controller(options, transport, nursery)
-            try:
-                await controller.start()
-                yield controller
-            finally:
-                with trio.CancelScope(shield=True):
-                    await controller.shutdown()
-                nursery.cancel_scope.cancel()
+        with unwrap_groups():
+            async with trio.open_nursery() as nursery:
+                controller = Controller(options, transport, nursery)
+                try:
+                    await controller.start()
+                    yield controller
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await controller.shutdown()
+                    nursery.cancel_scope.cancel()
     finally:
-        controller.release()
+        if controller is not None:
+            controller.release()
+        else:
+            transport.close()

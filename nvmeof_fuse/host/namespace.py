@@ -8,12 +8,10 @@ memory registered with the controller (no host copy).  ``read_lbas`` and
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
-import trio
-
 from .. import nvme
+from ..concurrency import run_all
 from ..errors import InvalidArgument
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO
@@ -22,30 +20,6 @@ from .stats import IoStats
 
 if TYPE_CHECKING:
     from .controller import Controller
-
-
-async def _run_all(jobs: list[Callable[[], Awaitable[None]]]) -> None:
-    """Run ``jobs`` concurrently; re-raise the first failure as itself, not a group."""
-    if len(jobs) == 1:
-        await jobs[0]()
-        return
-    try:
-        async with trio.open_nursery() as nursery:
-            for job in jobs:
-                nursery.start_soon(job)
-    except BaseExceptionGroup as group:
-        leaves = [e for e in _leaves(group) if not isinstance(e, trio.Cancelled)]
-        if leaves:
-            raise leaves[0] from None
-        raise
-
-
-def _leaves(group: BaseExceptionGroup):
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            yield from _leaves(exc)
-        else:
-            yield exc
 
 
 class Namespace:
@@ -103,7 +77,7 @@ class Namespace:
                                                  to_controller=write)
             return run
 
-        await _run_all([job(*c) for c in self._chunks(slba, nlb)])
+        await run_all([job(*c) for c in self._chunks(slba, nlb)])
 
     # -- bounce-buffered LBA I/O (the LbaDevice of ByteRangeIO) ----------------------------------
 
@@ -121,7 +95,7 @@ class Namespace:
                     out[at:at + length] = buf.view[:length]
             return run
 
-        await _run_all([job(*c) for c in self._chunks(slba, nlb)])
+        await run_all([job(*c) for c in self._chunks(slba, nlb)])
         return bytes(out)
 
     async def write_lbas(self, slba: int, data: bytes | memoryview) -> None:
@@ -142,7 +116,7 @@ class Namespace:
                     await self.write_from(lba, n, buf.ref(0, length))
             return run
 
-        await _run_all([job(*c) for c in self._chunks(slba, nlb)])
+        await run_all([job(*c) for c in self._chunks(slba, nlb)])
 
     # -- byte-addressed I/O ----------------------------------------------------------------------
 
@@ -166,7 +140,7 @@ class Namespace:
             n = min(cmd.MAX_NLB, slba + nlb - start)
             jobs.append(lambda s=start, n=n: self.controller.io_command(
                 cmd.write_zeroes(self.nsid, s, n, deallocate)))
-        await _run_all(jobs)
+        await run_all(jobs)
 
     async def deallocate(self, ranges: list[tuple[int, int]]) -> None:
         """Dataset Management with the Deallocate attribute over ``[(slba, nlb), ...]``."""
