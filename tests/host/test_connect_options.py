@@ -1,0 +1,40 @@
+"""ConnectOptions.validate: every bad value gets a message naming its option."""
+
+import dataclasses
+
+import pytest
+
+from nvmeof_fuse.errors import InvalidArgument
+from nvmeof_fuse.host.controller import ConnectOptions
+
+
+def options(**changes) -> ConnectOptions:
+    return dataclasses.replace(ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t"), **changes)
+
+
+@pytest.mark.parametrize("changes", [
+    {}, {"trsvcid": 1}, {"trsvcid": 65535}, {"nr_io_queues": 1}, {"nr_io_queues": 65535},
+    {"queue_size": 2}, {"queue_size": 65536}, {"keep_alive_tmo": 0}, {"keep_alive_tmo": 65535},
+])
+def test_valid_options(changes):
+    options(**changes).validate()
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"transport": "fc"}, "--transport 'fc' is not supported yet"),
+    ({"transport": "RDMA"}, "--transport 'RDMA' is not supported yet"),
+    ({"trsvcid": 0}, "--trsvcid 0 is not a port number (1-65535)"),
+    ({"trsvcid": 65536}, "--trsvcid 65536 is not a port number"),
+    ({"nr_io_queues": 0}, "--nr-io-queues 0 must be 1-65535"),
+    ({"nr_io_queues": 65536}, "--nr-io-queues 65536 must be 1-65535"),
+    ({"queue_size": 1}, "--queue-size 1 must be 2-65536"),
+    ({"queue_size": 65537}, "--queue-size 65537 must be 2-65536"),
+    ({"keep_alive_tmo": -1}, "--keep-alive-tmo -1 must be 0-65535 s"),
+    ({"keep_alive_tmo": 70000.5}, "--keep-alive-tmo 70000.5 must be 0-65535 s"),
+    ({"nqn": ""}, "--nqn is required"),
+])
+def test_bad_option_message(changes, message):
+    with pytest.raises(InvalidArgument) as info:
+        options(**changes).validate()
+    assert str(info.value).startswith(message)
+    assert "\n" not in str(info.value)

@@ -1,0 +1,236 @@
+"""Namespace I/O over a fake controller: splitting, range checks and bounce-buffered round trips."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from nvmeof_fuse.errors import CommandTimeout, InvalidArgument
+from nvmeof_fuse.host.memory import BouncePool, DataRef, host_buffer
+from nvmeof_fuse.host.namespace import Namespace
+from nvmeof_fuse.nvme import command as cmd
+
+OPC_FLUSH, OPC_WRITE, OPC_READ, OPC_WRITE_ZEROES = 0x00, 0x01, 0x02, 0x08
+
+
+class FakeRegistration:
+    lkey = rkey = 1
+
+    def close(self) -> None:
+        pass
+
+
+def fake_register(addr: int, length: int, owner: object) -> FakeRegistration:
+    return FakeRegistration()
+
+
+class FakeController:
+    """Just what Namespace needs: ``max_transfer``, ``bounce`` and ``io_command``.
+
+    ``io_command`` decodes the SQE and copies between ``disk`` and the DataRef's
+    region view, yielding first so concurrent chunks interleave.
+    """
+
+    def __init__(self, lba_size: int, nlb: int, max_transfer: int, buffers: int = 4) -> None:
+        self.lba_size = lba_size
+        self.max_transfer = max_transfer
+        self.bounce = BouncePool(fake_register, max_transfer, buffers)
+        size = lba_size * nlb
+        self.disk = bytearray(random.Random(1).randbytes(size) if size <= 1 << 20 else size)
+        self.commands: list[tuple[int, int, int]] = []  # opcode, slba, nlb
+        self.fail: Exception | None = None
+
+    async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
+                         to_controller: bool = False) -> None:
+        opcode = sqe[0]
+        assert int.from_bytes(sqe[4:8], "little") == 1  # nsid
+        slba = int.from_bytes(sqe[40:48], "little")
+        nlb = int.from_bytes(sqe[48:50], "little") + 1
+        self.commands.append((opcode, slba, nlb))
+        await trio.sleep(0)
+        if self.fail is not None:
+            raise self.fail
+        if opcode not in (OPC_READ, OPC_WRITE):
+            assert data is None
+            return
+        assert to_controller == (opcode == OPC_WRITE)
+        length = nlb * self.lba_size
+        assert data is not None and data.length == length
+        assert length <= self.max_transfer
+        at = slba * self.lba_size
+        view = data.region.view[data.offset:data.offset + length]
+        if opcode == OPC_READ:
+            view[:] = self.disk[at:at + length]
+        else:
+            self.disk[at:at + length] = view
+
+
+def namespace(lba_size: int = 512, nlb: int = 64, max_transfer: int = 2048,
+              buffers: int = 4) -> Namespace:
+    controller = FakeController(lba_size, nlb, max_transfer, buffers)
+    return Namespace(controller, 1, SimpleNamespace(lba_size=lba_size, nsze=nlb))
+
+
+# --- splitting and checks -------------------------------------------------------------------------
+
+
+def test_chunks_split_at_max_transfer():
+    ns = namespace(max_transfer=4096)
+    assert list(ns._chunks(10, 20)) == [(10, 8, 0), (18, 8, 4096), (26, 4, 8192)]
+
+
+def test_chunks_single_piece():
+    ns = namespace(max_transfer=4096)
+    assert list(ns._chunks(0, 8)) == [(0, 8, 0)]
+    assert list(ns._chunks(3, 1)) == [(3, 1, 0)]
+
+
+def test_chunks_round_max_transfer_down_to_whole_lbas():
+    ns = namespace(max_transfer=4096 + 100)
+    assert [n for _, n, _ in ns._chunks(0, 17)] == [8, 8, 1]
+
+
+def test_chunks_split_at_max_nlb():
+    ns = namespace(lba_size=512, nlb=4 * cmd.MAX_NLB, max_transfer=512)
+    ns.controller.max_transfer = 1 << 40
+    nlb = 2 * cmd.MAX_NLB + 5
+    assert list(ns._chunks(7, nlb)) == [
+        (7, cmd.MAX_NLB, 0),
+        (7 + cmd.MAX_NLB, cmd.MAX_NLB, cmd.MAX_NLB * 512),
+        (7 + 2 * cmd.MAX_NLB, 5, 2 * cmd.MAX_NLB * 512),
+    ]
+
+
+def test_chunks_at_least_one_lba():
+    ns = namespace(lba_size=4096, max_transfer=4096)
+    ns.controller.max_transfer = 512
+    assert list(ns._chunks(0, 2)) == [(0, 1, 0), (1, 1, 4096)]
+
+
+def test_check_range_accepts_the_whole_namespace():
+    ns = namespace(nlb=64)
+    ns.check_range(0, 64)
+    ns.check_range(63, 1)
+
+
+@pytest.mark.parametrize(("slba", "nlb", "shown"),
+                         [(-1, 1, "-1..-1"), (0, 65, "0..64"), (63, 2, "63..64"),
+                          (64, 1, "64..64"), (5, 0, "5..4"), (5, -3, "5..1")])
+def test_check_range_message(slba, nlb, shown):
+    with pytest.raises(InvalidArgument,
+                       match=rf"^LBA range {shown} is outside namespace 1 \(LBAs 0\.\.63\)$"):
+        namespace(nlb=64).check_range(slba, nlb)
+
+
+def test_repr():
+    assert repr(namespace(nlb=64)) == "<Namespace 1: 64 x 512 B>"
+
+
+# --- bounce-buffered I/O --------------------------------------------------------------------------
+
+
+def test_read_lbas_splits_and_returns_disk_contents():
+    ns = namespace(max_transfer=2048)
+    disk = ns.controller.disk
+
+    data = trio.run(ns.read_lbas, 3, 13)
+    assert data == bytes(disk[3 * 512:16 * 512])
+    assert sorted(ns.controller.commands) == [(OPC_READ, 3, 4), (OPC_READ, 7, 4),
+                                              (OPC_READ, 11, 4), (OPC_READ, 15, 1)]
+
+
+def test_write_then_read_round_trip_with_more_chunks_than_buffers():
+    ns = namespace(nlb=64, max_transfer=1024, buffers=2)
+    payload = random.Random(2).randbytes(40 * 512)
+    before = bytes(ns.controller.disk)
+
+    async def main():
+        await ns.write_lbas(10, payload)
+        return await ns.read_lbas(10, 40)
+
+    assert trio.run(main) == payload
+    disk = ns.controller.disk
+    assert disk[:10 * 512] == before[:10 * 512] and disk[50 * 512:] == before[50 * 512:]
+    writes = [c for c in ns.controller.commands if c[0] == OPC_WRITE]
+    assert sorted(writes) == [(OPC_WRITE, lba, 2) for lba in range(10, 50, 2)]
+
+
+def test_write_lbas_accepts_a_memoryview():
+    ns = namespace()
+    payload = bytearray(range(256)) * 4
+    trio.run(ns.write_lbas, 0, memoryview(payload))
+    assert ns.controller.disk[:1024] == payload
+
+
+def test_write_lbas_needs_whole_lbas():
+    with pytest.raises(InvalidArgument, match="write of 513 bytes is not a whole number of "
+                                              "512-byte LBAs"):
+        trio.run(namespace().write_lbas, 0, bytes(513))
+
+
+def test_lba_io_checks_the_range_before_any_command():
+    ns = namespace(nlb=64)
+    with pytest.raises(InvalidArgument, match="LBA range 60..67"):
+        trio.run(ns.read_lbas, 60, 8)
+    with pytest.raises(InvalidArgument, match="LBA range 63..64"):
+        trio.run(ns.write_lbas, 63, bytes(1024))
+    assert ns.controller.commands == []
+
+
+def test_command_error_surfaces_as_itself():
+    ns = namespace(max_transfer=1024)
+    ns.controller.fail = CommandTimeout("I/O queue 1: command 3 got no completion")
+    with pytest.raises(CommandTimeout, match="command 3 got no completion"):
+        trio.run(ns.read_lbas, 0, 8)
+
+
+# --- zero-copy and byte-addressed I/O -------------------------------------------------------------
+
+
+def test_read_into_and_write_from_registered_memory():
+    ns = namespace(max_transfer=1024)
+    region = host_buffer(fake_register, 8192)
+    region.view[100:100 + 3 * 512] = b"\xab" * (3 * 512)
+
+    async def main():
+        await ns.write_from(20, 3, region.ref(100, 3 * 512))
+        await ns.read_into(19, 5, region.ref(4096, 5 * 512))
+
+    trio.run(main)
+    assert ns.controller.disk[20 * 512:23 * 512] == b"\xab" * (3 * 512)
+    assert region.view[4096:4096 + 5 * 512] == ns.controller.disk[19 * 512:24 * 512]
+
+
+def test_transfer_length_must_match():
+    ns = namespace()
+    region = host_buffer(fake_register, 4096)
+    with pytest.raises(InvalidArgument,
+                       match="buffer of 1000 bytes does not hold 2 LBAs of 512 bytes"):
+        trio.run(ns.read_into, 0, 2, region.ref(0, 1000))
+
+
+def test_byte_read_and_write_at_any_offset():
+    ns = namespace(nlb=16, max_transfer=1024)
+
+    async def main():
+        assert await ns.write(700, b"hello, nvme") == 11
+        return await ns.read(695, 20)
+
+    expected = bytes(ns.controller.disk[695:700]) + b"hello, nvme"
+    got = trio.run(main)
+    assert got[:16] == expected and got[16:] == ns.controller.disk[711:715]
+
+
+def test_flush_and_write_zeroes_commands():
+    ns = namespace(nlb=3 * cmd.MAX_NLB)
+
+    async def main():
+        await ns.flush()
+        await ns.write_zeroes(1, cmd.MAX_NLB + 2)
+
+    trio.run(main)
+    commands = ns.controller.commands
+    assert commands[0] == (OPC_FLUSH, 0, 1)
+    assert sorted(commands[1:]) == [(OPC_WRITE_ZEROES, 1, cmd.MAX_NLB),
+                                    (OPC_WRITE_ZEROES, 1 + cmd.MAX_NLB, 2)]
