@@ -1,0 +1,264 @@
+"""A blocking handle on a controller for callers outside trio (scripts, notebooks, threads).
+
+The controller lives on a thread of its own running ``trio.run``; every method
+hands its work to that loop through :mod:`trio.from_thread` and blocks until it
+is done.  Any number of threads may call in at once.
+
+    with SyncController(ConnectOptions("10.0.0.1", nqn)) as ctrl:
+        data = ctrl.namespaces[1].read(0, 4096)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any, TypeVar
+
+import trio
+
+from ..concurrency import first_error
+from ..errors import CommandTimeout, ConnectError
+from . import controller as _controller
+from .controller import ConnectOptions
+from .memory import DataRef, Region
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+Connect = Callable[[ConnectOptions], AbstractAsyncContextManager[Any]]
+SHUTDOWN_GRACE = 10.0
+"""Seconds allowed for the orderly shutdown on top of draining in-flight calls."""
+
+
+def _unwrap(exc: BaseException) -> BaseException:
+    """A nursery's group as its first real error (the caller sees ConnectError, not a group)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return first_error(exc) or exc
+    return exc
+
+
+class SyncNamespace:
+    """Blocking view of one :class:`~nvmeof_fuse.host.namespace.Namespace`."""
+
+    def __init__(self, owner: SyncController, namespace: Any) -> None:
+        self._owner = owner
+        self._namespace = namespace
+        self.nsid: int = namespace.nsid
+        self.lba_size: int = namespace.lba_size
+        self.nlb: int = namespace.nlb
+        self.size: int = namespace.size
+
+    def __repr__(self) -> str:
+        return f"<SyncNamespace {self.nsid}: {self.nlb} x {self.lba_size} B>"
+
+    def read(self, offset: int, length: int) -> bytes:
+        """Read at any byte offset; short at the end of the namespace."""
+        return self._owner.call(self._namespace.read, offset, length)
+
+    def write(self, offset: int, data: bytes | memoryview) -> int:
+        """Write at any byte offset; returns the bytes written."""
+        return self._owner.call(self._namespace.write, offset, data)
+
+    def flush(self) -> None:
+        self._owner.call(self._namespace.flush)
+
+    def read_into(self, slba: int, nlb: int, ref: DataRef) -> None:
+        """Read ``nlb`` LBAs at ``slba`` straight into registered memory."""
+        self._owner.call(self._namespace.read_into, slba, nlb, ref)
+
+    def write_from(self, slba: int, nlb: int, ref: DataRef) -> None:
+        """Write ``nlb`` LBAs at ``slba`` straight from registered memory."""
+        self._owner.call(self._namespace.write_from, slba, nlb, ref)
+
+
+class SyncController:
+    """Connects on a background trio thread at construction; use as a context manager.
+
+    ``connect`` substitutes :func:`nvmeof_fuse.host.controller.connect` (tests).
+    """
+
+    def __init__(self, options: ConnectOptions, *, connect: Connect | None = None) -> None:
+        self.options = options
+        self._connect = connect
+        self._where = (f"{options.transport} {options.traddr}:{options.trsvcid} "
+                       f"({options.nqn})")
+        self._lock = threading.Lock()
+        self._settled = threading.Event()  # connected, or the loop has ended
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._stop: trio.Event | None = None
+        self._scope: trio.CancelScope | None = None
+        self._controller: Any = None
+        self._namespaces: dict[int, SyncNamespace] = {}
+        self._error: BaseException | None = None
+        self._error_raised = False
+        self._closed = False
+        self._inflight = 0
+        self._idle: trio.Event | None = None
+        self._thread = threading.Thread(target=self._main, daemon=True,
+                                        name=f"nvmeof {options.traddr}:{options.trsvcid}")
+        self._thread.start()
+
+    # -- the trio thread ----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # handed to the caller's thread
+            self._error = _unwrap(exc)
+        finally:
+            self._settled.set()
+
+    async def _serve(self) -> None:
+        self._stop = trio.Event()
+        self._scope = trio.CancelScope()
+        with self._lock:
+            if self._closed:
+                return
+            self._token = trio.lowlevel.current_trio_token()
+        connect = self._connect or _controller.connect
+        with self._scope:
+            async with connect(self.options) as controller:
+                self._namespaces = {nsid: SyncNamespace(self, ns)
+                                    for nsid, ns in controller.namespaces.items()}
+                self._controller = controller
+                self._settled.set()
+                await self._stop.wait()
+                await self._drain()
+
+    async def _drain(self) -> None:
+        """Let calls already running finish (bounded) before the controller goes away."""
+        if self._inflight:
+            self._idle = trio.Event()
+            with trio.move_on_after(self.options.timeout):
+                await self._idle.wait()
+
+    def _request_stop(self) -> None:
+        assert self._stop is not None and self._scope is not None
+        self._stop.set()
+        if self._controller is None:  # still connecting: give up on it
+            self._scope.cancel()
+
+    def _admit(self) -> None:
+        if self._stop is None or self._stop.is_set():
+            raise self._closed_error()
+        self._inflight += 1
+
+    def _leave(self) -> None:
+        self._inflight -= 1
+        if not self._inflight and self._idle is not None:
+            self._idle.set()
+
+    async def _guarded(self, fn: Callable[..., Awaitable[T]], args: tuple) -> T:
+        self._admit()
+        try:
+            return await fn(*args)
+        finally:
+            self._leave()
+
+    def _guarded_sync(self, fn: Callable[..., T], args: tuple) -> T:
+        self._admit()
+        try:
+            return fn(*args)
+        finally:
+            self._leave()
+
+    # -- the caller's thread --------------------------------------------------------------------
+
+    def _closed_error(self) -> ConnectError:
+        if self._error is not None:
+            return ConnectError(f"controller {self._where} stopped: {self._error}")
+        return ConnectError(f"controller {self._where} is closed")
+
+    def _wait_connected(self) -> None:
+        limit = self.options.connect_timeout + self.options.timeout
+        if not self._settled.wait(limit):
+            self._shutdown(quiet=True)
+            raise ConnectError(f"controller {self._where}: not connected within {limit:g} s")
+        if self._controller is None:  # the connect failed or was abandoned
+            self._shutdown(quiet=True)
+            if self._error is not None and not self._error_raised:
+                self._error_raised = True
+                raise self._error
+            raise self._closed_error()
+
+    def _live_token(self) -> trio.lowlevel.TrioToken:
+        if self._closed:
+            raise self._closed_error()
+        self._wait_connected()
+        assert self._token is not None
+        return self._token
+
+    def call(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``await async_fn(*args)`` on the controller's loop and return its result."""
+        token = self._live_token()
+        try:
+            return trio.from_thread.run(self._guarded, async_fn, args, trio_token=token)
+        except (trio.RunFinishedError, trio.Cancelled):
+            raise self._closed_error() from None
+
+    def _call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run ``fn(*args)`` on the controller's loop (it may touch loop-owned state)."""
+        token = self._live_token()
+        try:
+            return trio.from_thread.run_sync(self._guarded_sync, fn, args, trio_token=token)
+        except trio.RunFinishedError:
+            raise self._closed_error() from None
+
+    def describe(self) -> dict:
+        return self._call_sync(lambda: self._controller.describe())
+
+    @property
+    def namespaces(self) -> dict[int, SyncNamespace]:
+        self._live_token()
+        return dict(self._namespaces)
+
+    def register(self, obj: Any) -> Region:
+        """Register caller memory (numpy array, host tensor, writable buffer) for I/O."""
+        return self._call_sync(lambda: self._controller.register(obj))
+
+    def unregister(self, region: Region) -> None:
+        self._call_sync(lambda: self._controller.unregister(region))
+
+    def allocate(self, length: int) -> Region:
+        """Registered, page-aligned host memory owned by the controller."""
+        return self._call_sync(lambda: self._controller.allocate(length))
+
+    # -- lifetime -------------------------------------------------------------------------------
+
+    def _shutdown(self, quiet: bool = False) -> None:
+        """Ask the loop to exit, wait for the thread; raise its error once unless ``quiet``."""
+        with self._lock:
+            first = not self._closed
+            self._closed = True
+            token = self._token
+        if first and token is not None:
+            try:
+                trio.from_thread.run_sync(self._request_stop, trio_token=token)
+            except trio.RunFinishedError:
+                pass
+        limit = self.options.timeout + SHUTDOWN_GRACE
+        self._thread.join(limit)
+        if self._thread.is_alive():
+            raise CommandTimeout(f"controller {self._where} did not shut down within {limit:g} s")
+        if not quiet and self._error is not None and not self._error_raised:
+            self._error_raised = True
+            raise self._error
+
+    def close(self) -> None:
+        """Disconnect (orderly shutdown) and re-raise the loop's error, if any; idempotent."""
+        self._shutdown()
+
+    def __enter__(self) -> SyncController:
+        self._live_token()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # keep the body's exception, not a shutdown error on top of it
+            self.close()
+        except Exception as error:
+            log.warning("closing controller %s after an error: %s", self._where, error)
