@@ -1,0 +1,352 @@
+"""Read/write throughput of one namespace: our core, the ``nvmeof`` library; a side-by-side table.
+
+  python -m nvmeof_fuse.bench core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
+  python -m nvmeof_fuse.bench nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
+  python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F [--out DIR]
+
+``core`` and ``nvmeof`` print figures (MB = 10^6 bytes); ``table`` reads their ``--json`` output
+and fio ``--output-format=json`` files (jobs named as in :data:`FIO_JOBS`).  A missing input
+file, or one with a ``.err`` companion, shows as ``n/a`` with the reason.  Nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+MIB = 1 << 20
+SMALL = 4096
+
+# metric key -> (row label, unit)
+METRICS: dict[str, tuple[str, str]] = {
+    "seq_read": ("1 MiB seq read QD16", "MB/s"),
+    "seq_read_bounce": ("1 MiB seq read QD16, bounce (read_lbas)", "MB/s"),
+    "seq_write": ("1 MiB seq write QD16", "MB/s"),
+    "rand_read_qd1": ("4 KiB randread QD1", "IOPS"),
+    "rand_read_qd16": ("4 KiB randread QD16", "IOPS"),
+}
+FIO_JOBS = {"seqread": "seq_read", "seqwrite": "seq_write",
+            "randread1": "rand_read_qd1", "randread16": "rand_read_qd16"}
+COLUMNS = ("kernel", "core", "nvmeof", "fuse")
+TITLES = {"kernel": "kernel (fio)", "core": "our core", "nvmeof": "nvmeof lib",
+          "fuse": "FUSE file (fio)"}
+RATIOS = (("core", "kernel"), ("core", "nvmeof"), ("fuse", "kernel"))
+
+
+@dataclass
+class Job:
+    """One measurement: ``size``-byte I/Os at queue depth ``qd``, sequential or random."""
+
+    key: str
+    size: int
+    qd: int
+    sequential: bool
+    write: bool = False
+
+
+JOBS = [Job("seq_read", MIB, 16, True), Job("seq_write", MIB, 16, True, write=True),
+        Job("rand_read_qd1", SMALL, 1, False), Job("rand_read_qd16", SMALL, 16, False)]
+
+
+def figure(job: Job, ios: int, elapsed: float) -> float:
+    """MB/s for 1 MiB jobs, IOPS for small ones."""
+    return ios * job.size / elapsed / 1e6 if job.size >= MIB else ios / elapsed
+
+
+class Cursor:
+    """Where the next I/O of a job goes: one shared sequential stream, or uniform random."""
+
+    def __init__(self, job: Job, lba_size: int, nlb_total: int) -> None:
+        self.nlb = job.size // lba_size
+        self.slots = nlb_total // self.nlb
+        self.sequential = job.sequential
+        self.pos = 0
+
+    def next(self) -> int:
+        if self.sequential:
+            self.pos = (self.pos + 1) % self.slots
+            return self.pos * self.nlb
+        return random.randrange(self.slots) * self.nlb
+
+
+# -- our core -------------------------------------------------------------------------------------
+
+async def _core(args: argparse.Namespace) -> dict:
+    import trio
+
+    from nvmeof_fuse.host.controller import ConnectOptions, connect
+
+    results: dict = {"initiator": "core", "metrics": {}, "errors": {}}
+    jobs = [*JOBS, Job("seq_read_bounce", MIB, 16, True)]
+    options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
+                             connect_timeout=args.connect_timeout)
+    async with connect(options) as ctrl:
+        ns = ctrl.namespaces.get(args.nsid)
+        if ns is None:
+            raise SystemExit(f"bench: namespace {args.nsid} not found "
+                             f"(have {sorted(ctrl.namespaces)})")
+        region = ctrl.allocate(16 * MIB)
+        for job in jobs:
+            cur = Cursor(job, ns.lba_size, ns.nlb)
+            count = 0
+
+            async def worker(i: int, deadline: float, job: Job = job, cur: Cursor = cur) -> None:
+                nonlocal count
+                ref = region.ref(i * job.size, job.size)
+                while time.monotonic() < deadline:
+                    slba = cur.next()
+                    if job.key == "seq_read_bounce":
+                        await ns.read_lbas(slba, cur.nlb)
+                    elif job.write:
+                        await ns.write_from(slba, cur.nlb, ref)
+                    else:
+                        await ns.read_into(slba, cur.nlb, ref)
+                    count += 1
+
+            try:
+                with trio.fail_after(args.seconds + 60):
+                    start = time.monotonic()
+                    deadline = start + args.seconds
+                    async with trio.open_nursery() as nursery:
+                        for i in range(job.qd):
+                            nursery.start_soon(worker, i, deadline)
+                    elapsed = time.monotonic() - start
+                results["metrics"][job.key] = figure(job, count, elapsed)
+            except Exception as e:  # noqa: BLE001 - one failed job shows as n/a
+                results["errors"][job.key] = _reason(e)
+        results["notes"] = {"queues": len(ctrl.io_queues),
+                            "path": "read_into/write_from on registered buffers; "
+                                    "bounce = read_lbas"}
+    return results
+
+
+def run_core(args: argparse.Namespace) -> dict:
+    import trio
+
+    return trio.run(_core, args)
+
+
+# -- the nvmeof library (synchronous, one I/O queue) ---------------------------------------------
+
+def run_nvmeof(args: argparse.Namespace) -> dict:
+    """The ``nvmeof`` library: QD1 via ``Namespace.read/write``; QD16 via its exported
+    ``RDMAQueue.submit``/``poll`` on the controller's single I/O queue (busy polling)."""
+    try:
+        import nvmeof
+        from nvmeof import protocol as p
+    except ImportError as e:
+        raise SystemExit(f"bench: the nvmeof library is not installed ({e})") from None
+    results: dict = {"initiator": "nvmeof", "metrics": {}, "errors": {},
+                     "notes": {"version": nvmeof.__version__,
+                               "qd1": "Namespace.read (sync)",
+                               "qd16": "RDMAQueue.submit/poll on its one I/O queue"}}
+    with nvmeof.Controller.connect(args.traddr, args.nqn, port=args.trsvcid,
+                                   timeout=args.connect_timeout) as ctrl:
+        ns = ctrl.namespace(args.nsid)
+        buf = ctrl.allocate(16 * MIB)
+        try:
+            for job in JOBS:
+                cur = Cursor(job, ns.lba_size, ns.info.size_lbas)
+                opcode = p.OPC_WRITE if job.write else p.OPC_READ
+                try:
+                    if job.qd == 1:
+                        def one(cur: Cursor = cur, job: Job = job) -> None:
+                            (ns.write if job.write else ns.read)(buf, cur.next(), cur.nlb)
+                        count, elapsed = _sync_loop(one, args.seconds)
+                    else:
+                        count, elapsed = _queued(ctrl, ns, buf, job, cur, opcode, args.seconds)
+                    results["metrics"][job.key] = figure(job, count, elapsed)
+                except Exception as e:  # noqa: BLE001 - one failed job shows as n/a
+                    results["errors"][job.key] = _reason(e)
+        finally:
+            buf.close()
+    return results
+
+
+def _sync_loop(one: Callable[[], None], seconds: float) -> tuple[int, float]:
+    count = 0
+    start = time.monotonic()
+    deadline = start + seconds
+    while time.monotonic() < deadline:
+        one()
+        count += 1
+    return count, time.monotonic() - start
+
+
+def _queued(ctrl, ns, buf, job: Job, cur: Cursor, opcode: int,
+            seconds: float) -> tuple[int, float]:
+    """Keep ``job.qd`` commands in flight on the library's queue for ``seconds``."""
+    from nvmeof import protocol as p
+
+    io = ctrl.io
+    if job.size > ctrl.max_transfer_bytes:
+        raise ValueError(f"{job.size} B exceeds the controller's {ctrl.max_transfer_bytes} B MDTS")
+    qd = min(job.qd, io.depth - 1)
+    free = list(range(qd))
+    slot_of: dict[int, int] = {}
+    count = 0
+    start = time.monotonic()
+    deadline = start + seconds
+    hard = deadline + 30
+    while True:
+        now = time.monotonic()
+        while free and now < deadline:
+            slot = free.pop()
+            cmd = p.rw_command(opcode, ns.nsid, cur.next(), cur.nlb, buf,
+                               lba_size=ns.lba_size, buffer_offset=slot * job.size)
+            slot_of[id(io.submit(cmd, data_owner=buf))] = slot
+        if not slot_of:
+            break
+        if now > hard:
+            raise TimeoutError(f"{len(slot_of)} commands still outstanding 30 s after the run")
+        for req in io.poll():
+            req.response.raise_for_status()
+            free.append(slot_of.pop(id(req)))
+            count += 1
+    return count, time.monotonic() - start
+
+
+# -- the table ------------------------------------------------------------------------------------
+
+def _reason(e: BaseException) -> str:
+    while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
+        e = e.exceptions[0]
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}".rstrip(": ")[:120]
+
+
+def load(path: str | None) -> tuple[dict[str, float], dict[str, str]]:
+    """(metrics, errors) from one of our JSON outputs or a fio JSON file."""
+    if not path:
+        return {}, {"*": "not run"}
+    err = path + ".err"
+    if os.path.exists(err):
+        with open(err) as f:
+            return {}, {"*": (f.read().strip().splitlines() or ["failed"])[-1][:120]}
+    try:
+        with open(path) as f:
+            text = f.read()
+        data = json.loads(text[text.index("{"):])  # fio may print notes before the JSON
+    except (OSError, ValueError) as e:
+        return {}, {"*": _reason(e)}
+    if "jobs" not in data:
+        return data.get("metrics", {}), data.get("errors", {})
+    metrics: dict[str, float] = {}
+    for j in data["jobs"]:
+        key = FIO_JOBS.get(j.get("jobname", ""))
+        if key is None:
+            continue
+        side = j["write"] if key == "seq_write" else j["read"]
+        if j.get("error"):
+            continue
+        metrics[key] = side["bw_bytes"] / 1e6 if METRICS[key][1] == "MB/s" else side["iops"]
+    return metrics, {}
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
+
+
+def table(sources: dict[str, str | None]) -> tuple[str, dict]:
+    """The side-by-side table text and a JSON-able dict of every figure and failure."""
+    loaded = {c: load(sources.get(c)) for c in COLUMNS}
+    heads = ["metric", *(TITLES[c] for c in COLUMNS), *(f"{a}/{b}" for a, b in RATIOS)]
+    rows = []
+    for key, (label, unit) in METRICS.items():
+        vals = {c: loaded[c][0].get(key) for c in COLUMNS}
+        ratios = [vals[a] / vals[b] if vals[a] and vals[b] else None for a, b in RATIOS]
+        rows.append([f"{label} ({unit})", *(_fmt(vals[c]) for c in COLUMNS),
+                     *("n/a" if r is None else f"{r:.2f}" for r in ratios)])
+    widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads))]
+    line = "  ".join
+
+    def fmt(r: list[str]) -> str:
+        return line(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
+                    for i in range(len(r)))
+
+    out = [fmt(heads), line("-" * w for w in widths), *(fmt(r) for r in rows)]
+    notes = []
+    for c in COLUMNS:
+        errs = loaded[c][1]
+        if "*" in errs:
+            notes.append(f"n/a {TITLES[c]}: {errs['*']}")
+        notes += [f"n/a {TITLES[c]}, {METRICS[k][0]}: {v}" for k, v in errs.items() if k != "*"]
+    blank = [METRICS[k][0] for k in METRICS if k not in loaded["core"][0]
+             and k not in loaded["core"][1] and "*" not in loaded["core"][1]]
+    if blank:
+        notes.append(f"n/a our core: not measured: {', '.join(blank)}")
+    out += ["", "MB = 10^6 bytes.", *notes]
+    data = {"figures": {c: loaded[c][0] for c in COLUMNS},
+            "errors": {c: loaded[c][1] for c in COLUMNS}, "sources": sources}
+    return "\n".join(out) + "\n", data
+
+
+# -- command line ---------------------------------------------------------------------------------
+
+def _print(results: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(results, indent=2))
+        return
+    for key, v in results["metrics"].items():
+        label, unit = METRICS[key]
+        print(f"{results['initiator']:7} {label:42} {_fmt(v):>10} {unit}")
+    for key, why in results["errors"].items():
+        print(f"{results['initiator']:7} {METRICS[key][0]:42} {'n/a':>10} ({why})")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="what", required=True)
+    for name in ("core", "nvmeof"):
+        s = sub.add_parser(name, help=f"benchmark {name} on one namespace")
+        s.add_argument("-a", "--traddr", required=True)
+        s.add_argument("-s", "--trsvcid", type=int, default=4420)
+        s.add_argument("-n", "--nqn", required=True)
+        s.add_argument("--nsid", type=int, default=2)
+        s.add_argument("--seconds", type=float, default=5.0, help="per job (default 5)")
+        s.add_argument("--connect-timeout", type=float, default=60.0)
+        s.add_argument("--json", action="store_true", help="print JSON")
+    t = sub.add_parser("table", help="side-by-side table of saved results")
+    for c in COLUMNS:
+        t.add_argument(f"--{c}", metavar="FILE")
+    t.add_argument("--out", metavar="DIR", help="also write DIR/bench.txt and DIR/bench.json")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.what == "table":
+        text, data = table({c: getattr(args, c) for c in COLUMNS})
+        print(text, end="")
+        if args.out:
+            with open(os.path.join(args.out, "bench.txt"), "w") as f:
+                f.write(text)
+            with open(os.path.join(args.out, "bench.json"), "w") as f:
+                json.dump(data, f, indent=2)
+        return 0
+    if args.seconds <= 0 or not 0 < args.trsvcid < 65536 or args.nsid <= 0:
+        print("bench: --seconds, --trsvcid and --nsid must be positive (port < 65536)",
+              file=sys.stderr)
+        return 2
+    try:
+        results = (run_core if args.what == "core" else run_nvmeof)(args)
+    except SystemExit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - one line, not a traceback
+        if isinstance(e, KeyboardInterrupt):
+            raise
+        print(f"bench {args.what}: {_reason(e)}", file=sys.stderr)
+        return 1
+    _print(results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
