@@ -280,7 +280,8 @@ class Controller:
             self.io_queues.append(queue)
         if kato_ms:
             self._nursery.start_soon(self._keep_alive, kato_ms / 1000)
-        self.bounce = BouncePool(self.transport.register, self.max_transfer, BOUNCE_BUFFERS)
+        self.bounce = BouncePool(self.transport.register, self.max_transfer, BOUNCE_BUFFERS,
+                                 timeout=opts.timeout)
         await self._identify_namespaces()
 
     async def _identify_namespaces(self) -> None:

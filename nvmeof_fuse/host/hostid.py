@@ -40,12 +40,13 @@ def host_identity(hostnqn: str | None = None, hostid: str | None = None,
                   etc: Path = Path("/etc/nvme")) -> HostIdentity:
     """Options win; then /etc/nvme/hostnqn and /etc/nvme/hostid; then a stable generated pair."""
     hostnqn = hostnqn or _read(etc / "hostnqn")
+    source = "--hostid" if hostid else str(etc / "hostid")
     hostid = hostid or _read(etc / "hostid")
     if hostid is not None:
         try:
             host_uuid = uuid.UUID(hostid)
         except ValueError:
-            raise InvalidArgument(f"--hostid {hostid!r} is not a UUID") from None
+            raise InvalidArgument(f"{source}: {hostid!r} is not a UUID") from None
     elif hostnqn is not None and hostnqn.startswith(NQN_UUID_PREFIX):
         try:
             host_uuid = uuid.UUID(hostnqn.removeprefix(NQN_UUID_PREFIX))

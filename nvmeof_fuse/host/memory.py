@@ -138,15 +138,20 @@ class BouncePool:
     handed out again.
     """
 
-    def __init__(self, register: Register, chunk: int, count: int) -> None:
+    def __init__(self, register: Register, chunk: int, count: int,
+                 timeout: float = 30.0) -> None:
         self.chunk = chunk
+        self.timeout = timeout
         self._free = [host_buffer(register, chunk) for _ in range(count)]
         self._all = list(self._free)
         self._available = trio.Semaphore(count)
 
     @contextlib.asynccontextmanager
     async def borrow(self) -> AsyncIterator[Region]:
-        await self._available.acquire()
+        with trio.move_on_after(self.timeout) as waited:
+            await self._available.acquire()
+        if waited.cancelled_caught:
+            raise CommandTimeout(f"no bounce buffer came free within {self.timeout:g} s")
         region = self._free.pop()
         try:
             yield region

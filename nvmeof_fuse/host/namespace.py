@@ -42,7 +42,9 @@ class Namespace:
     # -- checks and splitting ------------------------------------------------------------------
 
     def check_range(self, slba: int, nlb: int) -> None:
-        if slba < 0 or nlb <= 0 or slba + nlb > self.nlb:
+        if nlb <= 0:
+            raise InvalidArgument(f"an I/O needs at least one LBA, got {nlb}")
+        if slba < 0 or slba + nlb > self.nlb:
             raise InvalidArgument(
                 f"LBA range {slba}..{slba + nlb - 1} is outside namespace {self.nsid} "
                 f"(LBAs 0..{self.nlb - 1})")

@@ -62,7 +62,10 @@ def probe(host: str, port: int, timeout: float = 10.0) -> ICResp:
                 reply += chunk
     except OSError as exc:
         raise ConnectError(f"NVMe/TCP probe of {host}:{port} failed: {exc}") from exc
-    return parse_icresp(reply)
+    try:
+        return parse_icresp(reply)
+    except ValueError as exc:
+        raise ConnectError(f"{host}:{port} answered with {exc}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,8 +77,14 @@ def test_hostnqn_generated_from_given_hostid(etc):
 
 
 def test_bad_hostid_names_it(etc):
-    with pytest.raises(InvalidArgument, match=r"--hostid 'nope' is not a UUID"):
+    with pytest.raises(InvalidArgument, match=r"--hostid: 'nope' is not a UUID"):
         host_identity(hostid="nope", etc=etc)
+
+
+def test_bad_hostid_file_names_the_file(etc):
+    (etc / "hostid").write_text("garbage\n")
+    with pytest.raises(InvalidArgument, match=r"/hostid: 'garbage' is not a UUID"):
+        host_identity(etc=etc)
 
 
 def fake_sources(monkeypatch, files):
