@@ -1,0 +1,144 @@
+"""The FUSE mount over RDMA against the real target, cross-checked by the kernel initiator."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import subprocess
+import threading
+
+import pytest
+from kernel_initiator import connected, pread_direct, pwrite_direct
+
+MNT = "/tmp/nvmeof-test"
+TIMEOUT = 120
+
+
+def sh(*cmd: str, check: bool = True, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=check)
+
+
+def mount_args(testbed, *extra: str, nqn: str | None = None, addr: str | None = None):
+    return ["nvmeof-fuse", "mount", "-t", "rdma", "-a", addr or testbed.rdma_addr,
+            "-s", str(testbed.port), "-n", nqn or testbed.nqn, *extra]
+
+
+@pytest.fixture(scope="module")
+def mnt(testbed):
+    os.makedirs(MNT, exist_ok=True)
+    sh(*mount_args(testbed, "--daemon", MNT))
+    yield MNT
+    sh("fusermount3", "-u", MNT, check=False)
+
+
+def test_ls_and_stat_show_the_namespaces(mnt):
+    listing = sh("ls", "-l", mnt).stdout
+    assert " n1" in listing and " n2" in listing
+    for name, blksize in (("n1", 512), ("n2", 4096)):
+        st = os.stat(f"{mnt}/{name}")
+        assert st.st_size == 256 << 20 and st.st_blksize == blksize
+    info = json.loads(open(f"{mnt}/.nvmeof/n2.json").read())
+    assert "4096" in json.dumps(info)
+
+
+def test_unaligned_writes_agree_with_the_kernel_initiator(testbed, mnt):
+    rng = random.Random(3)
+    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+        for nsid, lba in ((1, 512), (2, 4096)):
+            path = f"{mnt}/n{nsid}"
+            for _ in range(3):
+                # through the file at an unaligned offset, read back by the kernel
+                offset = rng.randrange(1 << 20, 100 << 20)
+                data = rng.randbytes(rng.randrange(1, 3 * lba + 7))
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    assert os.pwrite(fd, data, offset) == len(data)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                start = offset // lba * lba
+                span = -(-(offset + len(data)) // lba) * lba - start
+                got = pread_direct(kernel[nsid], start, span)
+                assert got[offset - start:offset - start + len(data)] == data
+                # written by the kernel, read through the file at an unaligned offset
+                block = rng.randbytes(4 * 4096)
+                pwrite_direct(kernel[nsid], start, block)
+                with open(path, "rb") as f:
+                    f.seek(start + 123)
+                    assert f.read(1000) == block[123:1123]
+
+
+@pytest.mark.parametrize("name", ["n1", "n2"])
+def test_fio_verify_random_writes_mixed_sizes(mnt, name):
+    out = sh("fio", "--name=verify", f"--filename={mnt}/{name}", "--rw=randwrite",
+             "--bssplit=4k/50:16k/30:128k/20", "--iodepth=16", "--ioengine=libaio",
+             "--direct=1", "--size=16M", "--verify=crc32c", "--do_verify=1",
+             "--verify_fatal=1", "--output-format=terse", timeout=600, check=False)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+
+
+def test_concurrent_writers_sharing_lbas_lose_nothing(mnt):
+    path = f"{mnt}/n1"
+    base, piece, writers = 5 << 20, 100, 40  # 40 x 100 B ranges across ~8 shared 512 B LBAs
+    chunks = [bytes([i + 1]) * piece for i in range(writers)]
+    barrier = threading.Barrier(writers)
+
+    def write(i: int) -> None:
+        fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+        try:
+            barrier.wait(timeout=30)
+            assert os.pwrite(fd, chunks[i], base + i * piece) == piece
+        finally:
+            os.close(fd)
+
+    threads = [threading.Thread(target=write, args=(i,)) for i in range(writers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=TIMEOUT)
+    with open(path, "rb") as f:
+        f.seek(base)
+        assert f.read(writers * piece) == b"".join(chunks)
+
+
+def test_mkfs_ext4_on_a_loop_device(mnt, tmp_path):
+    loop = sh("losetup", "-f", "--show", f"{mnt}/n2").stdout.strip()
+    fsdir = tmp_path / "ext4"
+    fsdir.mkdir()
+    try:
+        sh("mkfs.ext4", "-q", "-F", loop, timeout=600)
+        sh("mount", loop, str(fsdir))
+        sums = {}
+        for i in range(5):
+            data = os.urandom(random.Random(i).randrange(1, 3 << 20))
+            (fsdir / f"f{i}").write_bytes(data)
+            sums[f"f{i}"] = hashlib.sha256(data).hexdigest()
+        sh("umount", str(fsdir))
+        assert sh("e2fsck", "-fn", loop, check=False, timeout=600).returncode == 0
+        sh("mount", loop, str(fsdir))
+        assert {n: hashlib.sha256((fsdir / n).read_bytes()).hexdigest() for n in sums} == sums
+        sh("umount", str(fsdir))
+    finally:
+        sh("umount", str(fsdir), check=False)
+        sh("losetup", "-d", loop, check=False)
+
+
+@pytest.mark.parametrize("case", ["wrong nqn", "unreachable", "missing mountpoint", "in use"])
+def test_bad_mounts_fail_in_one_line(testbed, mnt, tmp_path, case):
+    target = str(tmp_path)
+    kw = {}
+    if case == "wrong nqn":
+        kw["nqn"] = "nqn.2026-11.io.no:such"
+    elif case == "unreachable":
+        kw["addr"] = "192.0.2.1"
+    elif case == "missing mountpoint":
+        target = str(tmp_path / "absent")
+    else:
+        target = mnt
+    out = sh(*mount_args(testbed, "--daemon", target, **kw), check=False, timeout=60)
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nvmeof-fuse: error:"), out.stderr
