@@ -79,8 +79,12 @@ ensure_venv() {
   [[ -f $stamp && $(cat "$stamp") == "$want" ]] && return 0
   log "preparing python venv in $VENV..."
   [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q --upgrade pip >/dev/null
-  "$VENV/bin/pip" install -q -e "$REPO[test]" virtme-ng >/dev/null
+  local piplog=$VENV/pip.log
+  if ! { "$VENV/bin/pip" install -q --upgrade pip && \
+         "$VENV/bin/pip" install -q -e "$REPO[test]" virtme-ng; } >"$piplog" 2>&1; then
+    tail -n 30 "$piplog" >&2
+    die "pip install failed (full log: $piplog)"
+  fi
   echo "$want" >"$stamp"
 }
 
