@@ -86,18 +86,7 @@ class Namespace:
     async def read_lbas(self, slba: int, nlb: int) -> bytes:
         self.check_range(slba, nlb)
         out = bytearray(nlb * self.lba_size)
-        pool = self.controller.bounce
-        assert pool is not None
-
-        def job(lba: int, n: int, at: int):
-            async def run() -> None:
-                length = n * self.lba_size
-                async with pool.borrow() as buf:
-                    await self.read_into(lba, n, buf.ref(0, length))
-                    out[at:at + length] = buf.view[:length]
-            return run
-
-        await run_all([job(*c) for c in self._chunks(slba, nlb)])
+        await self._bounced(slba, nlb, memoryview(out), write=False)
         return bytes(out)
 
     async def write_lbas(self, slba: int, data: bytes | memoryview) -> None:
@@ -107,15 +96,22 @@ class Namespace:
                                   f"{self.lba_size}-byte LBAs")
         nlb = len(src) // self.lba_size
         self.check_range(slba, nlb)
+        await self._bounced(slba, nlb, src, write=True)
+
+    async def _bounced(self, slba: int, nlb: int, host: memoryview, write: bool) -> None:
+        """Move ``host`` memory through registered bounce buffers, one chunk per command."""
         pool = self.controller.bounce
         assert pool is not None
 
         def job(lba: int, n: int, at: int):
             async def run() -> None:
                 length = n * self.lba_size
-                async with pool.borrow() as buf:
-                    buf.view[:length] = src[at:at + length]
-                    await self.write_from(lba, n, buf.ref(0, length))
+                async with pool.borrow() as bounce:
+                    if write:
+                        bounce.view[:length] = host[at:at + length]
+                    await self._transfer(lba, n, bounce.ref(0, length), write)
+                    if not write:
+                        host[at:at + length] = bounce.view[:length]
             return run
 
         await run_all([job(*c) for c in self._chunks(slba, nlb)])
