@@ -119,9 +119,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         if queue_size is not None:
             kwargs["queue_size"] = queue_size
     opts = ConnectOptions(**kwargs)
-    validate = getattr(opts, "validate", None)
-    if validate is not None:
-        validate()
+    opts.validate()
     return opts
 
 
