@@ -40,15 +40,16 @@ class Transport(Protocol):
     """Connects a controller's queues; owns the fabric resources they share."""
 
     name: str
-    in_capsule_data: bool
-    """Whether small writes may travel inside the command capsule."""
 
     address: str
     """Where the controller is, for messages: ``rdma 10.0.0.1:4420``."""
 
     async def connect_queue(self, nursery: trio.Nursery, qid: int, size: int,
                             in_capsule_bytes: int = 0, cntlid: int = 0) -> Queue:
-        """Connect queue ``qid`` at the transport level; its tasks run in ``nursery``."""
+        """Connect queue ``qid`` at the transport level; its tasks run in ``nursery``.
+
+        Writes of up to ``in_capsule_bytes`` may travel inside the command capsule.
+        """
         ...
 
     def register(self, addr: int, length: int, owner: object) -> Registration: ...

@@ -136,7 +136,6 @@ class RdmaTransport:
     """The RDMA side of one controller: RDMA-CM endpoints, one PD, every queue's QP."""
 
     name = "rdma"
-    in_capsule_data = True
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0) -> None:
