@@ -108,10 +108,11 @@ class Controller:
                             to_controller: bool = False, fabrics: bool = False) -> Completion:
         """Run an admin command; a non-zero status raises :class:`NVMeStatusError`."""
         assert self.admin is not None
-        name = nvme.command.command_name(sqe, admin=True)
         completion = await self.admin.execute(sqe, data, to_controller=to_controller,
                                               timeout=self.options.timeout)
-        completion.raise_for_status(name, fabrics=fabrics)
+        if not completion.ok:
+            completion.raise_for_status(nvme.command.command_name(sqe, admin=True),
+                                        fabrics=fabrics)
         return completion
 
     def pick_queue(self) -> Queue:
@@ -127,10 +128,10 @@ class Controller:
     async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
                          to_controller: bool = False) -> Completion:
         """Run an NVM command on the least busy I/O queue (waits when all are full)."""
-        name = nvme.command.command_name(sqe, admin=False)
         completion = await self.pick_queue().execute(sqe, data, to_controller=to_controller,
                                                       timeout=self.options.timeout)
-        completion.raise_for_status(name)
+        if not completion.ok:  # name the command only when it failed: this is the hot path
+            completion.raise_for_status(nvme.command.command_name(sqe, admin=False))
         return completion
 
     @contextlib.asynccontextmanager
