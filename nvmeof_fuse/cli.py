@@ -27,7 +27,6 @@ from nvmeof_fuse.errors import NVMeoFError
 PROG = "nvmeof-fuse"
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 DAEMON_READY_TIMEOUT = 120.0  # s the --daemon parent waits for the mount
-FLUSH_TIMEOUT = 30.0  # s for the final flush of each namespace
 LIST_TIMEOUT = 10.0  # s for reading a mount's .nvmeof files
 
 log = logging.getLogger(PROG)
@@ -192,38 +191,16 @@ async def _stop_on_signal(signals: Any, scope: trio.CancelScope) -> None:
         scope.cancel()
 
 
-async def _flush_all(ctrl: Any) -> None:
-    for nsid, ns in sorted(ctrl.namespaces.items()):
-        with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
-            try:
-                await ns.flush()
-            except NVMeoFError as exc:
-                log.warning("final flush of n%d failed: %s", nsid, exc)
-        if scope.cancelled_caught:
-            log.warning("final flush of n%d timed out after %g s", nsid, FLUSH_TIMEOUT)
-
-
 async def run_mount(
     conn: Any, mopts: Any, mountpoint: str, ready: Callable[[], None], connect: Any = None
 ) -> None:
-    """Connect, mount, serve until unmounted or SIGINT/SIGTERM, then flush and disconnect."""
-    from nvmeof_fuse.fs.mount import check_mountpoint_async, serve
+    """Serve the mount (see :func:`nvmeof_fuse.daemon.serve_mount`) until SIGINT/SIGTERM."""
+    from nvmeof_fuse.daemon import serve_mount
 
-    if connect is None:
-        from nvmeof_fuse.host.controller import connect
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope)
-            path = await check_mountpoint_async(mountpoint)  # fail before connecting
-            async with connect(conn) as ctrl:
-                try:
-                    async with trio.open_nursery() as inner:
-                        await inner.start(serve, ctrl, path, mopts)
-                        names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
-                        log.info("mounted %s at %s", names or "no namespaces", path)
-                        ready()
-                finally:
-                    await _flush_all(ctrl)
+            await serve_mount(conn, mopts, mountpoint, lambda _ctrl, _srv: ready(), connect)
             nursery.cancel_scope.cancel()
 
 

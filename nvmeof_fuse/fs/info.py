@@ -98,7 +98,19 @@ def namespace_text(ns: NamespaceLike) -> bytes:
 
 
 def stats_dict(ctrl: ControllerLike) -> dict[str, Any]:
-    return {f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())}
+    doc: dict[str, Any] = {
+        f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())
+    }
+    companion = getattr(ctrl, "companion", None)
+    if companion is not None:
+        doc["companion"] = companion.snapshot()
+    return doc
+
+
+def companion_dict(ctrl: ControllerLike) -> dict[str, Any]:
+    """Where companion clients (``nvmeof_fuse.File``) find this mount's daemon."""
+    companion = getattr(ctrl, "companion", None)
+    return companion.info() if companion is not None else {"socket": None}
 
 
 def stats_text(ctrl: ControllerLike) -> bytes:
@@ -106,4 +118,11 @@ def stats_text(ctrl: ControllerLike) -> bytes:
     for n, ns in sorted(ctrl.namespaces.items()):
         body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
         parts.append(f"n{n}:\n  {body}\n")
+    companion = getattr(ctrl, "companion", None)
+    if companion is not None:
+        fields = companion.snapshot()
+        fields.pop("sessions", None)
+        width = max(len(k) for k in fields)
+        body = "\n  ".join(f"{k.ljust(width)} : {v}" for k, v in fields.items())
+        parts.append(f"companion:\n  {body}\n")
     return "\n".join(parts).encode()

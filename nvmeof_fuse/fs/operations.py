@@ -110,6 +110,7 @@ class NamespaceFS(pyfuse3.Operations):
         add_info("controller.json", lambda: info.to_json(info.controller_dict(ctrl)))
         add_info("stats", lambda: info.stats_text(ctrl))
         add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl)))
+        add_info("companion.json", lambda: info.to_json(info.companion_dict(ctrl)))
         for nsid in sorted(ctrl.namespaces):
             ns = ctrl.namespaces[nsid]
             root.entries[f"n{nsid}".encode()] = self._add(_NsFile(next(inodes), ns)).inode

@@ -20,7 +20,7 @@ from __future__ import annotations
 import errno
 import functools
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -189,23 +189,40 @@ class ByteRangeIO:
             )
         if not buf:
             return 0
-        sp = split_range(offset, len(buf), self.device.lba_size)
+        ls = self.device.lba_size
+
+        async def write_middle(slba: int, nlb: int) -> None:
+            at = slba * ls - offset
+            await self.device.write_lbas(slba, buf[at:at + nlb * ls])
+
+        await self.write_placed(offset, len(buf), lambda edge: buf[edge.data], write_middle)
+        return len(buf)
+
+    async def write_placed(
+        self,
+        offset: int,
+        length: int,
+        edge_data: Callable[[Edge], bytes | memoryview],
+        write_middle: Callable[[int, int], Awaitable[None]],
+    ) -> None:
+        """Write a range whose whole LBAs ``write_middle(slba, nlb)`` moves itself.
+
+        The caller places the aligned middle (for example straight from registered
+        memory); ``edge_data(edge)`` gives the caller bytes of each partial LBA,
+        merged here by read-modify-write.  Locking is as for :meth:`write`.
+        """
+        sp = split_range(offset, length, self.device.lba_size)
         parts = [(e.lba, e.lba + 1, True) for e in sp.edges()]
         if sp.middle_nlb:
             parts.append((sp.middle_slba, sp.middle_slba + sp.middle_nlb, False))
-        with self._record("write", len(buf)):
-            async with self.lock.hold(parts):
-                await self._write_pieces(sp, buf)
-        return len(buf)
-
-    async def _write_pieces(self, sp: Split, buf: memoryview) -> None:
-        """Issue the edge RMWs and the middle write concurrently."""
-        jobs = [functools.partial(self._rmw, e, buf[e.data]) for e in sp.edges()]
+        jobs = [functools.partial(self._rmw, e, edge_data(e)) for e in sp.edges()]
         if sp.middle_nlb:
-            jobs.append(functools.partial(self.device.write_lbas, sp.middle_slba, buf[sp.middle]))
-        await run_all(jobs)
+            jobs.append(functools.partial(write_middle, sp.middle_slba, sp.middle_nlb))
+        with self._record("write", length):
+            async with self.lock.hold(parts):
+                await run_all(jobs)
 
-    async def _rmw(self, edge: Edge, data: memoryview) -> None:
+    async def _rmw(self, edge: Edge, data: bytes | memoryview) -> None:
         """Merge ``data`` into one LBA; the caller holds the LBA exclusively."""
         block = bytearray(await self.device.read_lbas(edge.lba, 1))
         block[edge.start : edge.start + len(data)] = data

@@ -14,6 +14,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -101,6 +102,7 @@ class Controller:
         self._regions: list[Region] = []
         self._next_queue = 0
         self._cc = 0
+        self.companion: Any = None  # the mount's companion server, while one serves
 
     # -- commands -------------------------------------------------------------------------------
 

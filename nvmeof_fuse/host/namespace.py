@@ -126,6 +126,10 @@ class Namespace:
         """Write at any byte offset; partial LBAs by read-modify-write."""
         return await self._bytes.write(offset, data)
 
+    async def write_placed(self, offset: int, length: int, edge_data, write_middle) -> None:
+        """A write whose whole LBAs the caller moves (see ByteRangeIO.write_placed)."""
+        await self._bytes.write_placed(offset, length, edge_data, write_middle)
+
     # -- other commands --------------------------------------------------------------------------
 
     async def flush(self) -> None:

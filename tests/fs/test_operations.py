@@ -75,6 +75,7 @@ def test_tree(fs, monkeypatch):
         "controller.json",
         "stats",
         "stats.json",
+        "companion.json",
         "n1",
         "n1.json",
         "n7",

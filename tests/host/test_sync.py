@@ -1,6 +1,7 @@
 """SyncController: a blocking handle on a fake controller served by a background trio thread."""
 
 import threading
+import time
 from contextlib import asynccontextmanager
 
 import pytest
@@ -218,6 +219,9 @@ def test_close_while_connecting_abandons_the_connect():
 def test_connect_that_never_finishes_times_out():
     fake = Fake(hang=True)
     ctrl = SyncController(options(connect_timeout=0.01, timeout=0.01), connect=fake)
+    deadline = time.monotonic() + WAIT
+    while "connect" not in fake.events and time.monotonic() < deadline:
+        time.sleep(0.001)  # a loaded machine may start the loop thread late
     with pytest.raises(ConnectError, match=r"not connected within 0\.02 s"):
         ctrl.__enter__()
     assert fake.events[-2:] == ["cancelled", "exit"]

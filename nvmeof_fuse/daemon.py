@@ -1,0 +1,62 @@
+"""A served mount: the controller, its companion socket and the FUSE filesystem together.
+
+:func:`serve_mount` is what ``nvmeof-fuse mount`` and :func:`nvmeof_fuse.mount`
+run: connect, listen for companion clients, mount, serve until unmounted or
+cancelled, then flush every namespace and disconnect.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from nvmeof_fuse.errors import NVMeoFError
+
+log = logging.getLogger("nvmeof-fuse")
+
+FLUSH_TIMEOUT = 30.0  # s for the final flush of each namespace
+
+Ready = Callable[[Any, Any], None]
+"""``ready(controller, companion_server)``: called once the mount exists."""
+
+
+async def flush_all(ctrl: Any) -> None:
+    """Flush every namespace, each bounded and shielded (runs while shutting down)."""
+    for nsid, ns in sorted(ctrl.namespaces.items()):
+        with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
+            try:
+                await ns.flush()
+            except NVMeoFError as exc:
+                log.warning("final flush of n%d failed: %s", nsid, exc)
+        if scope.cancelled_caught:
+            log.warning("final flush of n%d timed out after %g s", nsid, FLUSH_TIMEOUT)
+
+
+async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
+                      connect: Any = None) -> None:
+    """Serve ``conn``'s controller at ``mountpoint`` until unmounted or cancelled."""
+    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.fs.mount import check_mountpoint_async, serve
+
+    if connect is None:
+        from nvmeof_fuse.host.controller import connect
+    path = await check_mountpoint_async(mountpoint)  # fail before connecting
+    async with connect(conn) as ctrl:
+        try:
+            async with trio.open_nursery() as inner:
+                companion = CompanionServer(ctrl, read_only=mopts.read_only)
+                await inner.start(companion.serve)
+
+                async def filesystem(task_status: trio.TaskStatus[None]) -> None:
+                    await serve(ctrl, path, mopts, task_status=task_status)
+                    inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
+
+                await inner.start(filesystem)
+                names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
+                log.info("mounted %s at %s", names or "no namespaces", path)
+                ready(ctrl, companion)
+        finally:
+            await flush_all(ctrl)
