@@ -1,3 +1,19 @@
-"""nvmeof_fuse: a userspace NVMe over Fabrics initiator on trio, with a FUSE view of namespaces."""
+"""nvmeof_fuse: a userspace NVMe over Fabrics initiator on trio, with a FUSE view of namespaces.
+
+The companion API is importable from here: :func:`mount`, :class:`File`, :func:`empty`
+(see :mod:`nvmeof_fuse.companion`).
+"""
+
+from typing import Any
 
 __version__ = "0.1.0"
+
+_COMPANION = ("CompanionError", "File", "IOFuture", "Mount", "Registration", "empty", "mount")
+
+
+def __getattr__(name: str) -> Any:  # imported on first use: the CLI need not load it
+    if name in _COMPANION:
+        from . import companion
+
+        return getattr(companion, name)
+    raise AttributeError(f"module 'nvmeof_fuse' has no attribute {name!r}")

@@ -1,0 +1,468 @@
+"""``nvmeof_fuse.File``: kvikio-style reads and writes of a mounted namespace file.
+
+    arr = nvmeof_fuse.empty(64 << 20)              # memory the daemon can map
+    with nvmeof_fuse.File("/mnt/nvme/n1") as f:
+        f.read(arr, file_offset=12345)             # the target writes into arr by RDMA
+        fut = f.pwrite(arr, 4096, file_offset=0)   # futures: fut.get()
+
+Direct placement needs memory the daemon can register: an array from
+:func:`~nvmeof_fuse.empty` (or a view of one), a CUDA tensor whose memory
+exports as a dma-buf, or, in the process that mounted, any memory.  Anything
+else is staged through a shared bounce buffer and copied here, like kvikio's
+compat mode: it still works, it is logged once, and the daemon counts those
+bytes as staged.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import errno
+import json
+import logging
+import os
+import queue
+import re
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from ..errors import InvalidArgument, NVMeoFError
+from ..host.byterange import NoSpace
+from ..host.memory import buffer_address
+from . import gpu, shm
+from .channel import LocalChannel, SocketChannel
+from .protocol import CompanionError, Piece, chunks, plan_read, plan_write
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT = 60.0  # s per request, plus time for its bytes at MIN_RATE
+MIN_RATE = 5e6  # bytes/s assumed when bounding a large request
+STAGING_SLOT = 1 << 20
+STAGING_SLOTS = 4
+INFO_TIMEOUT = 10.0  # s for reading .nvmeof/companion.json (a hung mount blocks)
+_warned: set[str] = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message)
+
+
+def _read_info(path: str) -> dict:
+    """``.nvmeof/companion.json`` of a mount, read in a thread (a hung mount blocks)."""
+    result: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                result["info"] = json.load(f)
+        except BaseException as exc:  # handed to the caller
+            result["error"] = exc
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(INFO_TIMEOUT)
+    if reader.is_alive():
+        raise CompanionError(f"{path} does not respond within {INFO_TIMEOUT:g} s "
+                             "(a hung mount daemon?)", errno.ETIMEDOUT)
+    if "error" in result:
+        raise result["error"]
+    return result["info"]
+
+
+def locate(path: str) -> tuple[str, int, dict]:
+    """``(mountpoint, nsid, companion info)`` of a namespace file of an nvmeof-fuse mount."""
+    real = os.path.realpath(path)
+    match = re.fullmatch(r"n(\d+)", os.path.basename(real))
+    if not match:
+        raise InvalidArgument(f"{path} is not a namespace file of an nvmeof-fuse mount "
+                              "(expected MOUNTPOINT/nN)")
+    mountpoint = os.path.dirname(real)
+    info_path = os.path.join(mountpoint, ".nvmeof", "companion.json")
+    try:
+        info = _read_info(info_path)
+    except FileNotFoundError:
+        raise CompanionError(f"{mountpoint} is not an nvmeof-fuse mount "
+                             "(no .nvmeof/companion.json)", errno.ENODEV) from None
+    except PermissionError:
+        raise CompanionError(f"cannot read {info_path}: permission denied (the mount belongs "
+                             "to another user; only that user and root may use it)",
+                             errno.EACCES) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise CompanionError(f"stale mount at {mountpoint}: its daemon is gone; clear it "
+                                 f"with: fusermount3 -u {mountpoint}", errno.ENOTCONN) from None
+        raise CompanionError(f"cannot read {info_path}: {exc.strerror or exc}",
+                             exc.errno or errno.EIO) from None
+    except ValueError as exc:
+        raise CompanionError(f"{info_path} is not valid JSON: {exc}", errno.EPROTO) from None
+    if not info.get("socket"):
+        raise CompanionError(f"the mount at {mountpoint} serves no companion socket",
+                             errno.ENOTSUP)
+    return mountpoint, int(match.group(1)), info
+
+
+class IOFuture:
+    """The result of :meth:`File.pread` / :meth:`File.pwrite`: ``get()`` gives the bytes moved."""
+
+    def __init__(self, future: concurrent.futures.Future) -> None:
+        self._future = future
+
+    def get(self, timeout: float | None = None) -> int:
+        try:
+            return self._future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CompanionError(f"the transfer did not finish within {timeout:g} s",
+                                 errno.ETIMEDOUT) from None
+
+    def done(self) -> bool:
+        return self._future.done()
+
+
+class _Staging:
+    """Shared bounce memory registered once per file: slots borrowed per transfer."""
+
+    def __init__(self, channel: Any, slot: int, count: int, timeout: float) -> None:
+        self.slot = slot
+        self.timeout = timeout
+        self.mem = shm.allocate(slot * count)
+        self.view = memoryview(self.mem)
+        self.rid = channel.register_shared(self.mem, staging=True)
+        self._free: queue.Queue[int] = queue.Queue()
+        for i in range(count):
+            self._free.put(i * slot)
+
+    @contextmanager
+    def borrow(self) -> Iterator[int]:
+        try:
+            at = self._free.get(timeout=self.timeout)
+        except queue.Empty:
+            raise CompanionError(f"no staging buffer came free within {self.timeout:g} s",
+                                 errno.ETIMEDOUT) from None
+        try:
+            yield at
+        finally:
+            self._free.put(at)
+
+    def close(self) -> None:
+        self.view.release()
+
+
+class _Target:
+    """Caller memory for one transfer: a region (direct) or None (staged), plus copies."""
+
+    rid: int | None = None
+    offset = 0  # of the caller's first byte within region ``rid``
+    cleanup: Any = None
+
+    def put(self, at: int, data: memoryview) -> None: ...
+
+    def get(self, at: int, length: int) -> bytes: ...
+
+    def after_read(self) -> None: ...
+
+    def before_write(self) -> None: ...
+
+
+class _HostTarget(_Target):
+    def __init__(self, view: memoryview) -> None:
+        self.view = view
+
+    def put(self, at: int, data: memoryview) -> None:
+        self.view[at:at + len(data)] = data
+
+    def get(self, at: int, length: int) -> bytes:
+        return bytes(self.view[at:at + length])
+
+
+class _CudaTarget(_Target):
+    def __init__(self, cuda: gpu.CudaOps, tensor: Any, byte_offset: int) -> None:
+        self.cuda = cuda
+        self.tensor = tensor
+        self.base = byte_offset
+
+    def put(self, at: int, data: memoryview) -> None:
+        self.cuda.to_device(self.tensor, self.base + at, data)
+
+    def get(self, at: int, length: int) -> bytes:
+        out = bytearray(length)
+        self.cuda.to_host(self.tensor, self.base + at, memoryview(out))
+        return bytes(out)
+
+    def after_read(self) -> None:
+        if self.rid is not None:  # the target wrote GPU memory: make it visible to CUDA
+            self.cuda.flush_gpudirect_writes()
+
+    def before_write(self) -> None:
+        self.cuda.synchronize()  # work producing the tensor must be done before the NIC reads
+
+
+class File:
+    """A namespace file of a mounted controller, opened for direct placement."""
+
+    def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT,
+                 compat_mode: bool | None = None, workers: int = 4) -> None:
+        from . import inprocess
+
+        self.path = path
+        self.timeout = timeout
+        if compat_mode is None:
+            compat_mode = os.environ.get("NVMEOF_FUSE_COMPAT_MODE", "").upper() in {"ON", "1"}
+        self.compat_mode = compat_mode
+        self.mountpoint, self.nsid, info = locate(path)
+        local = inprocess.served_here(info["socket"])
+        address = "\0" + info["socket"][1:] if info["socket"].startswith("@") else info["socket"]
+        self._channel: Any = (LocalChannel(local, timeout) if local is not None
+                              else SocketChannel(address, timeout))
+        self._mount = local
+        self._regions: dict[int, int] = {}  # shared allocation key -> region
+        self._lock = threading.Lock()
+        self._closed = False
+        try:
+            hello = self._channel.hello()
+            ns = hello["namespaces"].get(str(self.nsid))
+            if ns is None:
+                raise CompanionError(f"{path}: namespace {self.nsid} is not on this mount",
+                                     errno.ENOENT)
+            self.nbytes: int = ns["size"]
+            self.lba_size: int = ns["lba_size"]
+            self.read_only: bool = hello.get("read_only", False)
+            slot = max(STAGING_SLOT, 2 * self.lba_size)
+            self._staging = _Staging(self._channel, slot, STAGING_SLOTS, timeout)
+        except BaseException:
+            self._channel.close()
+            raise
+        self._executor = concurrent.futures.ThreadPoolExecutor(workers, "nvmeof-fuse file")
+        shm.on_free(self._forget)
+
+    def __repr__(self) -> str:
+        return f"<nvmeof_fuse.File {self.path}: {self.nbytes} bytes>"
+
+    def __enter__(self) -> File:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Wait for pending futures, then release this file's registrations."""
+        if self._closed:
+            return
+        self._closed = True
+        shm.remove_on_free(self._forget)
+        self._executor.shutdown(wait=True)
+        self._staging.close()
+        self._channel.close()
+
+    def _forget(self, key: int) -> None:
+        """A shared allocation was freed: drop our registration of it (best effort)."""
+        with self._lock:
+            rid = self._regions.pop(key, None)
+        if rid is not None and not self._closed:
+            try:
+                self._channel.unregister(rid)
+            except NVMeoFError:
+                pass
+
+    def stats(self) -> dict:
+        """The daemon's companion counters (direct and staged bytes, clients, regions)."""
+        return self._channel.stats()
+
+    # -- caller memory ---------------------------------------------------------------------
+
+    def _span(self, buf: Any, size: int | None, buf_offset: int, cuda: Any) -> tuple[int, int]:
+        if cuda.is_cuda(buf):
+            _, total = cuda.span(buf)
+        else:
+            _, total, _ = buffer_address(buf)
+        if buf_offset < 0 or buf_offset > total:
+            raise InvalidArgument(f"buf_offset {buf_offset} is outside the {total}-byte buffer")
+        size = total - buf_offset if size is None else size
+        if size < 0 or buf_offset + size > total:
+            raise InvalidArgument(f"size {size} at buf_offset {buf_offset} overruns the "
+                                  f"{total}-byte buffer")
+        return size, total
+
+    @contextmanager
+    def _target(self, buf: Any, buf_offset: int, size: int) -> Iterator[_Target]:
+        cuda = gpu.ops()
+        if cuda.is_cuda(buf):
+            target: _Target = _CudaTarget(cuda, buf, buf_offset)
+            if not self.compat_mode:
+                self._place_cuda(target, buf, buf_offset, size, cuda)
+        else:
+            addr, _, owner = buffer_address(buf)
+            target = _HostTarget(_host_view(owner)[buf_offset:buf_offset + size])
+            if not self.compat_mode:
+                self._place_host(target, addr + buf_offset, size, owner)
+        if target.rid is None:
+            what = "compat mode is on" if self.compat_mode else (
+                "the buffer is not shared memory (use nvmeof_fuse.empty())")
+            _warn_once(f"staged:{what}", f"nvmeof_fuse: {what}; staging data through a "
+                       "bounce buffer (slower; the daemon counts it as staged)")
+        try:
+            yield target
+        finally:
+            if target.cleanup is not None:
+                target.cleanup()
+
+    def _place_host(self, target: _Target, addr: int, size: int, owner: Any) -> None:
+        if self._mount is not None:
+            found = self._mount.registered(addr, size)
+            if found is not None:
+                target.rid, target.offset = found
+                return
+            if size:
+                rid = self._channel.register_local(addr, size, owner)
+                target.rid, target.offset = rid, 0
+                target.cleanup = lambda: self._channel.unregister(rid)
+            return
+        found = shm.find(addr, size)
+        if found is None:
+            return
+        mem, offset = found
+        with self._lock:
+            rid = self._regions.get(mem.key)
+        if rid is None:
+            rid = self._channel.register_shared(mem)
+            with self._lock:
+                self._regions[mem.key] = rid
+        target.rid, target.offset = rid, offset
+
+    def _place_cuda(self, target: _Target, tensor: Any, buf_offset: int, size: int,
+                    cuda: gpu.CudaOps) -> None:
+        ptr, _ = cuda.span(tensor)
+        addr = ptr + buf_offset
+        if self._mount is not None:
+            found = self._mount.registered(addr, size)
+            if found is not None:
+                target.rid, target.offset = found
+                return
+        if not size:
+            return
+        base, offset, length = gpu.page_span(addr, size)
+        errors = []
+        try:
+            fd = cuda.export_dmabuf(base, length)
+            rid = self._channel.register_dmabuf(fd, offset, size, addr)
+        except (NVMeoFError, RuntimeError, OSError, ValueError) as exc:
+            errors.append(f"dma-buf: {exc}")
+            try:  # the peer-memory path (nvidia_peermem) works only in this process
+                rid = self._channel.register_local(addr, size, tensor)
+            except NVMeoFError as exc2:
+                errors.append(f"peer memory: {exc2}")
+                rid = None
+        if rid is None:
+            why = "; ".join(errors)
+            _warn_once("cuda:" + why,
+                       f"nvmeof_fuse: cannot place data in GPU memory directly ({why})")
+            return
+        target.rid, target.offset = rid, 0
+        target.cleanup = lambda: self._channel.unregister(rid)
+
+    # -- transfers ---------------------------------------------------------------------------
+
+    def _budget(self, nbytes: int) -> float:
+        return self.timeout + nbytes / MIN_RATE
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CompanionError(f"{self.path} is closed", errno.EBADF)
+
+    def read(self, buf: Any, size: int | None = None, file_offset: int = 0,
+             buf_offset: int = 0) -> int:
+        """Read into ``buf``; returns the bytes read (short at the end of the namespace)."""
+        self._check_open()
+        size, _ = self._span(buf, size, buf_offset, gpu.ops())
+        if file_offset < 0:
+            raise InvalidArgument(f"file_offset {file_offset} is negative")
+        size = max(0, min(size, self.nbytes - file_offset))
+        if not size:
+            return 0
+        with self._target(buf, buf_offset, size) as target:
+            if target.rid is not None:
+                self._read_direct(target, file_offset, size)
+                target.after_read()
+            else:
+                self._read_staged(target, file_offset, size)
+        return size
+
+    def _read_direct(self, target: _Target, file_offset: int, size: int) -> None:
+        staging = self._staging
+        with staging.borrow() as at:
+            plan = plan_read(file_offset, size, self.lba_size, target.rid, target.offset,
+                             staging.rid, at)
+            self._channel.read(self.nsid, plan.pieces, self._budget(size))
+            for edge in plan.edges:
+                target.put(edge.dest, staging.view[edge.staging:edge.staging + edge.length])
+
+    def _read_staged(self, target: _Target, file_offset: int, size: int) -> None:
+        staging, lba = self._staging, self.lba_size
+        for offset, length in chunks(file_offset, size, lba, staging.slot):
+            first = offset // lba
+            nlb = -(-(offset + length) // lba) - first
+            with staging.borrow() as at:
+                self._channel.read(self.nsid, [Piece(first, nlb, staging.rid, at)],
+                                   self._budget(nlb * lba))
+                skip = at + offset - first * lba
+                target.put(offset - file_offset, staging.view[skip:skip + length])
+
+    def write(self, buf: Any, size: int | None = None, file_offset: int = 0,
+              buf_offset: int = 0) -> int:
+        """Write ``buf`` at ``file_offset``; returns the bytes written."""
+        self._check_open()
+        size, _ = self._span(buf, size, buf_offset, gpu.ops())
+        if self.read_only:
+            raise CompanionError(f"{self.path} is mounted read-only", errno.EROFS)
+        if file_offset < 0:
+            raise InvalidArgument(f"file_offset {file_offset} is negative")
+        if file_offset + size > self.nbytes:
+            raise NoSpace(f"write of {size} bytes at offset {file_offset} extends past the "
+                          f"end of {self.path} ({self.nbytes} bytes)")
+        if not size:
+            return 0
+        with self._target(buf, buf_offset, size) as target:
+            target.before_write()
+            if target.rid is not None:
+                plan = plan_write(file_offset, size, self.lba_size)
+                head = target.get(plan.head.start, plan.head.stop - plan.head.start)
+                tail = target.get(plan.tail.start, plan.tail.stop - plan.tail.start)
+                self._channel.write(self.nsid, file_offset, size, target.rid, target.offset,
+                                    head, tail, self._budget(size))
+            else:
+                self._write_staged(target, file_offset, size)
+        return size
+
+    def _write_staged(self, target: _Target, file_offset: int, size: int) -> None:
+        staging = self._staging
+        for offset, length in chunks(file_offset, size, self.lba_size, staging.slot):
+            with staging.borrow() as at:
+                chunk = staging.view[at:at + length]
+                chunk[:] = target.get(offset - file_offset, length)
+                plan = plan_write(offset, length, self.lba_size)
+                self._channel.write(self.nsid, offset, length, staging.rid, at,
+                                    bytes(chunk[plan.head]), bytes(chunk[plan.tail]),
+                                    self._budget(length))
+
+    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
+              buf_offset: int = 0) -> IOFuture:
+        """Start :meth:`read`; the future's ``get()`` gives the bytes read."""
+        self._check_open()
+        return IOFuture(self._executor.submit(self.read, buf, size, file_offset, buf_offset))
+
+    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0,
+               buf_offset: int = 0) -> IOFuture:
+        """Start :meth:`write`; the future's ``get()`` gives the bytes written."""
+        self._check_open()
+        return IOFuture(self._executor.submit(self.write, buf, size, file_offset, buf_offset))
+
+
+def _host_view(obj: Any) -> memoryview:
+    """The bytes of a numpy array, CPU tensor or buffer (shares memory)."""
+    if hasattr(obj, "data_ptr"):  # a CPU tensor: its bytes through numpy
+        import torch
+
+        obj = obj.reshape(-1).view(torch.uint8).numpy()
+    return memoryview(obj).cast("B")

@@ -1,0 +1,242 @@
+"""``nvmeof_fuse.mount``: mount from Python, serve FUSE in the background, reach the controller.
+
+    with nvmeof_fuse.mount("/mnt/nvme", traddr="10.0.0.1", nqn=NQN) as m:
+        arr = numpy.zeros(1 << 20, dtype=numpy.uint8)
+        with m.register(arr):                       # one MR in the controller's PD
+            with nvmeof_fuse.File(m.path(1)) as f:
+                f.read(arr, file_offset=4096)       # straight into arr
+
+The mount runs on a thread of its own (``trio.run``); ``ls``, ``fio`` and other
+processes (through the companion socket) use it meanwhile.  Leaving the block
+drains, flushes, unmounts and disconnects.
+"""
+
+from __future__ import annotations
+
+import errno
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from ..concurrency import first_error
+from ..errors import InvalidArgument, NVMeoFError
+from ..host.memory import buffer_address
+from . import gpu
+from .protocol import CompanionError
+from .session import Session
+
+T = TypeVar("T")
+READY_TIMEOUT = 120.0  # s for connect + mount
+STOP_TIMEOUT = 90.0  # s for drain + flush + unmount + disconnect
+
+_served: dict[str, Mount] = {}  # companion socket name -> mount served by this process
+_served_lock = threading.Lock()
+
+
+def served_here(socket_name: str) -> Mount | None:
+    """The :class:`Mount` of this process publishing ``socket_name``, if any."""
+    with _served_lock:
+        return _served.get(socket_name)
+
+
+@dataclass(eq=False)
+class Registration:
+    """Memory registered on a mount; ``close()`` (or leaving ``with``) unregisters it."""
+
+    mount: Mount
+    region: int
+    addr: int
+    nbytes: int
+    obj: Any
+
+    def close(self) -> None:
+        self.mount._unregister(self)
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Mount:
+    """A controller mounted by this process; see :func:`mount`."""
+
+    def __init__(self, mountpoint: str, conn: Any, mopts: Any, *,
+                 ready_timeout: float = READY_TIMEOUT, connect: Any = None) -> None:
+        self.mountpoint = mountpoint
+        self._conn = conn
+        self._mopts = mopts
+        self._connect = connect
+        self._ready = threading.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._scope: trio.CancelScope | None = None
+        self._error: BaseException | None = None
+        self.controller: Any = None
+        self.server: Any = None
+        self.session: Session | None = None
+        self._registrations: list[Registration] = []
+        self._thread = threading.Thread(target=self._main, daemon=True,
+                                        name=f"nvmeof-fuse mount {mountpoint}")
+        self._thread.start()
+        if not self._ready.wait(ready_timeout):
+            self.close()
+            raise CompanionError(f"the mount at {mountpoint} was not ready within "
+                                 f"{ready_timeout:g} s", errno.ETIMEDOUT)
+        if self.controller is None:
+            self._thread.join(STOP_TIMEOUT)
+            raise self._error or CompanionError(f"mounting {mountpoint} failed")
+
+    # -- the mount's thread ----------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            trio.run(self._serve)
+        except BaseException as exc:  # handed to the caller's thread
+            self._error = first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            if isinstance(self._error, BaseExceptionGroup):
+                self._error = self._error.exceptions[0]
+        finally:
+            with _served_lock:
+                for name in [n for n, m in _served.items() if m is self]:
+                    del _served[name]
+            self._ready.set()
+
+    async def _serve(self) -> None:
+        from ..daemon import serve_mount
+
+        self._token = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as self._scope:
+            await serve_mount(self._conn, self._mopts, self.mountpoint, self._on_ready,
+                              self._connect)
+
+    def _on_ready(self, controller: Any, server: Any) -> None:
+        self.controller, self.server = controller, server
+        self.session = server.new_session("in-process")
+        with _served_lock:
+            _served[server.info()["socket"]] = self
+        self._ready.set()
+
+    # -- calls from other threads -------------------------------------------------------------
+
+    def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """``await fn(*args)`` on the mount's loop (callers bound it themselves)."""
+        return trio.from_thread.run(fn, *args, trio_token=self._live_token())
+
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        return trio.from_thread.run_sync(fn, *args, trio_token=self._live_token())
+
+    def _live_token(self) -> trio.lowlevel.TrioToken:
+        if self._token is None or not self._thread.is_alive():
+            raise CompanionError(f"the mount at {self.mountpoint} is closed", errno.ENOTCONN)
+        return self._token
+
+    @property
+    def namespaces(self) -> dict[int, Any]:
+        """Namespaces by NSID (``.size``, ``.lba_size``, ``.nlb``)."""
+        return dict(self.controller.namespaces)
+
+    def path(self, nsid: int) -> str:
+        if nsid not in self.controller.namespaces:
+            raise InvalidArgument(f"namespace {nsid} is not on the mount at {self.mountpoint}")
+        return f"{self.mountpoint}/n{nsid}"
+
+    def open(self, nsid: int, **kwargs: Any) -> Any:
+        """An :class:`~nvmeof_fuse.File` on namespace ``nsid``."""
+        from .client import File
+
+        return File(self.path(nsid), **kwargs)
+
+    def stats(self) -> dict:
+        """The companion counters (direct and staged bytes, clients, regions)."""
+        return self.run_sync(self.server.snapshot)
+
+    def register(self, obj: Any) -> Registration:
+        """Register a numpy array, a host tensor or a CUDA tensor with the controller.
+
+        CUDA memory is exported as a dma-buf; where that fails, the peer-memory
+        path (``nvidia_peermem``) registers the device address itself.
+        """
+        assert self.session is not None
+        session = self.session
+        cuda = gpu.ops()
+        if cuda.is_cuda(obj):
+            addr, nbytes = cuda.span(obj)
+            base, offset, length = gpu.page_span(addr, nbytes)
+            try:
+                fd = cuda.export_dmabuf(base, length)
+                rid = self.run_sync(session.register_dmabuf, fd, offset, nbytes, addr)
+            except (NVMeoFError, RuntimeError, OSError, ValueError) as dmabuf_error:
+                try:
+                    rid = self.run_sync(session.register_address, addr, nbytes, obj)
+                except NVMeoFError as peer_error:
+                    raise CompanionError(f"cannot register the CUDA tensor: dma-buf: "
+                                         f"{dmabuf_error}; peer memory: {peer_error}") from None
+        else:
+            addr, nbytes, owner = buffer_address(obj)
+            rid = self.run_sync(session.register_address, addr, nbytes, owner)
+        reg = Registration(self, rid, addr, nbytes, obj)
+        self._registrations.append(reg)
+        return reg
+
+    def _unregister(self, reg: Registration) -> None:
+        if reg in self._registrations:
+            self._registrations.remove(reg)
+            if self._thread.is_alive():
+                assert self.session is not None
+                self.run_sync(self.session.unregister, reg.region)
+
+    def registered(self, addr: int, nbytes: int) -> tuple[int, int] | None:
+        """``(region, offset)`` of a registration holding ``[addr, addr + nbytes)``."""
+        for reg in list(self._registrations):
+            if reg.addr <= addr and addr + nbytes <= reg.addr + reg.nbytes:
+                return reg.region, addr - reg.addr
+        return None
+
+    # -- stopping --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Drain, flush, unmount and disconnect (bounded); idempotent."""
+        token, scope = self._token, self._scope
+        if token is not None and scope is not None and self._thread.is_alive():
+            try:
+                trio.from_thread.run_sync(scope.cancel, trio_token=token)
+            except trio.RunFinishedError:
+                pass
+        self._thread.join(STOP_TIMEOUT)
+        if self._thread.is_alive():
+            raise CompanionError(f"the mount at {self.mountpoint} did not stop within "
+                                 f"{STOP_TIMEOUT:g} s", errno.ETIMEDOUT)
+
+    def __enter__(self) -> Mount:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
+          trsvcid: int = 4420, read_only: bool = False, allow_other: bool = False,
+          uid: int | None = None, gid: int | None = None, mode: int | None = None,
+          connect: Any = None, ready_timeout: float = READY_TIMEOUT, **options: Any) -> Mount:
+    """Mount ``nqn`` at ``traddr`` on ``mountpoint``; use as a context manager.
+
+    ``options`` are :class:`~nvmeof_fuse.host.controller.ConnectOptions` fields with
+    nvme-cli's names (``host_traddr``, ``hostnqn``, ``hostid``, ``nr_io_queues``,
+    ``queue_size``, ``keep_alive_tmo``, ``timeout``).
+    """
+    from ..fs.options import DEFAULT_MODE, MountOptions
+    from ..host.controller import ConnectOptions
+
+    try:
+        conn = ConnectOptions(traddr=traddr, nqn=nqn, transport=transport, trsvcid=trsvcid,
+                              **options)
+    except TypeError as exc:
+        raise InvalidArgument(f"mount: {exc}") from None
+    conn.validate()
+    mopts = MountOptions(read_only=read_only, allow_other=allow_other, uid=uid, gid=gid,
+                         mode=DEFAULT_MODE if mode is None else mode)
+    return Mount(mountpoint, conn, mopts, ready_timeout=ready_timeout, connect=connect)

@@ -1,0 +1,227 @@
+"""The mount daemon's companion socket: other processes of the same user register memory.
+
+The daemon listens on an abstract Unix ``SOCK_SEQPACKET`` socket whose name it
+publishes in ``MOUNT/.nvmeof/companion.json``.  A client of another uid (other
+than root) is refused with a one-line error.  Each accepted client gets a
+:class:`~nvmeof_fuse.companion.session.Session`; when the client closes or
+dies, its in-flight requests finish and its registrations are released.
+"""
+
+from __future__ import annotations
+
+import array
+import errno
+import logging
+import os
+import secrets
+import socket
+import struct
+from typing import Any
+
+import trio
+
+from ..errors import NVMeoFError
+from . import protocol
+from .protocol import Piece, ProtocolError
+from .session import CompanionStats, Registered, Session
+
+log = logging.getLogger(__name__)
+
+_CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
+
+
+class Refused(NVMeoFError):
+    errno = errno.EACCES
+
+
+def peer_allowed(peer_uid: int, owner_uid: int) -> bool:
+    """Same user as the daemon, or root."""
+    return peer_uid in (owner_uid, 0)
+
+
+def received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            arr = array.array("i")
+            arr.frombytes(data[:len(data) - len(data) % arr.itemsize])
+            fds.extend(arr)
+    return fds
+
+
+class CompanionServer:
+    """Serves companion clients of one mounted controller."""
+
+    def __init__(self, controller: Any, *, read_only: bool = False) -> None:
+        self.controller = controller
+        self.read_only = read_only
+        self.owner_uid = os.geteuid()
+        self.address = f"\0nvmeof-fuse/{os.getpid()}/{secrets.token_hex(8)}"
+        self.stats = CompanionStats()
+        self.sessions: set[Session] = set()
+        self.quarantine: list[Registered] = []  # regions whose command timed out
+
+    def info(self) -> dict[str, Any]:
+        """What ``.nvmeof/companion.json`` shows: where and whose the socket is."""
+        return {"socket": "@" + self.address[1:], "pid": os.getpid(), "uid": self.owner_uid,
+                "version": protocol.VERSION}
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.stats.snapshot(),
+                "sessions": [{"peer": s.peer, "regions": len(s.regions)} for s in self.sessions]}
+
+    def new_session(self, peer: str) -> Session:
+        session = Session(self.controller, self.stats, peer, read_only=self.read_only,
+                          quarantine=self.quarantine)
+        self.sessions.add(session)
+        self.stats.clients += 1
+        self.stats.clients_total += 1
+        return session
+
+    def end_session(self, session: Session) -> None:
+        session.close()
+        self.sessions.discard(session)
+        self.stats.clients -= 1
+
+    def close(self) -> None:
+        for session in list(self.sessions):
+            self.end_session(session)
+        for reg in self.quarantine:
+            reg.release()
+        self.quarantine.clear()
+
+    # -- the socket ------------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+                    ) -> None:
+        """Listen until cancelled; ``task_status.started()`` once clients can connect."""
+        listener = trio.socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            await listener.bind(self.address)
+            listener.listen(64)
+            self.controller.companion = self
+            task_status.started()
+            async with trio.open_nursery() as nursery:
+                while True:
+                    conn, _ = await listener.accept()
+                    nursery.start_soon(self._client, conn)
+        finally:
+            listener.close()
+            self.controller.companion = None
+            self.close()
+
+    async def _client(self, conn: trio.socket.SocketType) -> None:
+        with conn:
+            pid, uid, _gid = _CREDS.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDS.size))
+            if not peer_allowed(uid, self.owner_uid):
+                self.stats.refused += 1
+                log.warning("companion: refused pid %d of uid %d", pid, uid)
+                refusal = Refused(f"uid {uid} may not use this mount: it belongs to uid "
+                                  f"{self.owner_uid} (only that user and root may)")
+                with trio.move_on_after(1):
+                    await conn.send(protocol.reply_error(0, refusal))
+                return
+            session = self.new_session(f"pid {pid} uid {uid}")
+            log.info("companion: client pid %d connected", pid)
+            try:
+                await self._requests(conn, session)
+            finally:
+                self.end_session(session)
+                log.info("companion: client pid %d gone; its registrations are released", pid)
+
+    async def _requests(self, conn: trio.socket.SocketType, session: Session) -> None:
+        send_lock = trio.Lock()
+        async with trio.open_nursery() as nursery:  # exits once in-flight requests are done
+            while True:
+                try:
+                    data, ancdata, flags, _ = await conn.recvmsg(
+                        protocol.MAX_MESSAGE, socket.CMSG_SPACE(protocol.MAX_FDS * 4))
+                except OSError:
+                    return
+                fds = received_fds(ancdata)
+                if not data and not fds:
+                    return  # the client closed (or died)
+                if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                    for fd in fds:
+                        os.close(fd)
+                    log.warning("companion: %s sent an oversized message; closing", session.peer)
+                    return
+                nursery.start_soon(self._answer, conn, send_lock, session, data, fds)
+
+    async def _answer(self, conn: trio.socket.SocketType, send_lock: trio.Lock,
+                      session: Session, data: bytes, fds: list[int]) -> None:
+        request_id = 0
+        try:
+            header, payload = protocol.decode(data)
+            request_id = header.get("id") if isinstance(header.get("id"), int) else 0
+            self.stats.requests += 1
+            result = await self.dispatch(session, header, payload, fds)
+            fds = []  # dispatch took them
+            reply = protocol.reply_ok(request_id, **result)
+        except NVMeoFError as exc:
+            self.stats.errors += 1
+            reply = protocol.reply_error(request_id, exc)
+        except Exception as exc:  # a bug must not take the mount down
+            self.stats.errors += 1
+            log.exception("companion: request failed")
+            reply = protocol.reply_error(request_id, RuntimeError(f"internal error: {exc}"))
+        finally:
+            for fd in fds:
+                os.close(fd)
+        async with send_lock:
+            try:
+                await conn.send(reply)
+            except OSError:
+                pass  # the client is gone; its session ends with the connection
+
+    async def dispatch(self, session: Session, header: dict, payload: bytes,
+                       fds: list[int]) -> dict[str, Any]:
+        """Run one request; takes ownership of ``fds`` (closing them on error)."""
+        op = header.get("op")
+        f = protocol.field
+        if op == "register":
+            if len(fds) != 1:
+                raise ProtocolError(f"register needs one file descriptor, got {len(fds)}")
+            fd = fds.pop()
+            if header.get("kind") == "dmabuf":
+                rid = session.register_dmabuf(fd, f(header, "offset"), f(header, "length"),
+                                              f(header, "iova"))
+            else:
+                rid = session.register_memfd(fd, f(header, "length"),
+                                             bool(header.get("staging", False)))
+            return {"region": rid}
+        for fd in fds:
+            os.close(fd)
+        fds.clear()
+        if op == "hello":
+            return self.hello()
+        if op == "read":
+            pieces = [Piece.from_list(p) for p in f(header, "pieces", list)]
+            await session.read(f(header, "nsid"), pieces)
+            return {}
+        if op == "write":
+            head_len, tail_len = f(header, "head"), f(header, "tail")
+            if head_len < 0 or tail_len < 0 or head_len + tail_len != len(payload):
+                raise ProtocolError(f"write carries {len(payload)} edge bytes, "
+                                    f"not {head_len}+{tail_len}")
+            await session.write(f(header, "nsid"), f(header, "offset"), f(header, "length"),
+                                f(header, "region"), f(header, "region_offset"),
+                                payload[:head_len], payload[head_len:])
+            return {}
+        if op == "unregister":
+            session.unregister(f(header, "region"))
+            return {}
+        if op == "stats":
+            return {"stats": self.snapshot()}
+        raise ProtocolError(f"unknown companion request {op!r}")
+
+    def hello(self) -> dict[str, Any]:
+        ctrl = self.controller
+        return {
+            "version": protocol.VERSION,
+            "read_only": self.read_only,
+            "max_transfer": ctrl.max_transfer,
+            "namespaces": {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
+                           for n, ns in sorted(ctrl.namespaces.items())},
+        }

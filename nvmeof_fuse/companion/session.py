@@ -1,0 +1,253 @@
+"""One companion client's registrations and requests, inside the mount daemon.
+
+A :class:`Session` owns the memory a client registered with the mounted
+controller (memfd mappings, dma-bufs, or in-process addresses) and runs its
+reads and writes.  Data always moves between the target and that memory by
+RDMA: a read never copies payload in the daemon, and a write copies only the
+partial LBAs at its ends (read-modify-write under the namespace's range lock).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import mmap
+import os
+import stat
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..concurrency import run_all
+from ..errors import CommandTimeout, InvalidArgument, NVMeoFError, TransportError
+from ..host.byterange import NoSpace
+from ..host.memory import Region
+from . import protocol
+from .protocol import Piece
+
+log = logging.getLogger(__name__)
+
+
+class ReadOnly(NVMeoFError):
+    errno = errno.EROFS
+
+
+@dataclass
+class CompanionStats:
+    """Counters shown in ``.nvmeof/stats.json`` under ``companion``."""
+
+    clients: int = 0
+    clients_total: int = 0
+    refused: int = 0
+    regions: int = 0
+    requests: int = 0
+    errors: int = 0
+    direct_read_bytes: int = 0
+    direct_write_bytes: int = 0
+    staged_read_bytes: int = 0
+    staged_write_bytes: int = 0
+    daemon_copied_bytes: int = 0  # payload the daemon itself copied (write edges only)
+
+    def snapshot(self) -> dict[str, int]:
+        return dict(self.__dict__)
+
+
+@dataclass(eq=False)
+class Registered:
+    """A registered region and how to let go of it."""
+
+    region: Region
+    staging: bool  # a client's bounce memory: bytes through it count as staged
+    cleanup: list[Callable[[], None]] = field(default_factory=list)
+    busy: int = 0
+    doomed: bool = False  # unregister asked while busy
+    tainted: bool = False  # a command on it timed out: the target may still write it
+
+    def release(self) -> None:
+        self.region.close()
+        for step in self.cleanup:
+            step()
+        self.cleanup.clear()
+
+
+def _close_fd(fd: int) -> Callable[[], None]:
+    return lambda: os.close(fd)
+
+
+class Session:
+    """Registrations and requests of one client of a mounted controller."""
+
+    def __init__(self, controller: Any, stats: CompanionStats, peer: str, *,
+                 read_only: bool = False, quarantine: list[Registered] | None = None) -> None:
+        self.controller = controller
+        self.stats = stats
+        self.peer = peer
+        self.read_only = read_only
+        self.regions: dict[int, Registered] = {}
+        self._next = 1
+        self._quarantine = quarantine if quarantine is not None else []
+
+    # -- registration ---------------------------------------------------------------------
+
+    def _add(self, reg: Registered) -> int:
+        rid = self._next
+        self._next += 1
+        self.regions[rid] = reg
+        self.stats.regions += 1
+        return rid
+
+    def register_memfd(self, fd: int, length: int, staging: bool = False) -> int:
+        """Map a client's memfd (taking ownership of ``fd``) and register the mapping."""
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise InvalidArgument("register: the descriptor is not a memfd")
+            if not 0 < length <= st.st_size:
+                raise InvalidArgument(f"register: length {length} is outside the "
+                                      f"{st.st_size}-byte memfd")
+            mem = mmap.mmap(fd, length, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except BaseException:
+            os.close(fd)
+            raise
+        anchor = ctypes.c_char.from_buffer(mem)
+        addr = ctypes.addressof(anchor)
+        del anchor
+        try:
+            registration = self.controller.transport.register(addr, length, mem)
+        except BaseException:
+            mem.close()
+            os.close(fd)
+            raise
+        return self._add(Registered(Region(addr, length, registration, mem), staging,
+                                    [mem.close, _close_fd(fd)]))
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> int:
+        """Register a dma-buf (a GPU allocation) at ``iova``, taking ownership of ``fd``."""
+        try:
+            if length <= 0 or offset < 0 or iova < 0:
+                raise InvalidArgument(f"register: bad dma-buf range offset {offset} "
+                                      f"length {length} iova {iova:#x}")
+            try:
+                registration = self.controller.transport.register_dmabuf(fd, offset, length,
+                                                                         iova)
+            except NVMeoFError:
+                raise
+            except Exception as exc:  # the bindings' own errors: unsupported, bad fd
+                raise TransportError(f"cannot register the dma-buf: {exc}") from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return self._add(Registered(Region(iova, length, registration), False,
+                                    [_close_fd(fd)]))
+
+    def register_address(self, addr: int, length: int, owner: object,
+                         staging: bool = False) -> int:
+        """Register memory of this very process (the in-process API)."""
+        if length <= 0:
+            raise InvalidArgument("cannot register an empty buffer")
+        registration = self.controller.transport.register(addr, length, owner)
+        return self._add(Registered(Region(addr, length, registration, owner), staging))
+
+    def unregister(self, rid: int) -> None:
+        reg = self._get(rid)
+        del self.regions[rid]
+        self._drop(reg)
+
+    def _drop(self, reg: Registered) -> None:
+        self.stats.regions -= 1
+        if reg.tainted:
+            self._quarantine.append(reg)  # released with the controller, never reused
+        elif reg.busy:
+            reg.doomed = True
+        else:
+            reg.release()
+
+    def _get(self, rid: int) -> Registered:
+        try:
+            return self.regions[rid]
+        except KeyError:
+            raise InvalidArgument(f"region {rid} is not registered") from None
+
+    def close(self) -> None:
+        """Release every registration (the client closed or died)."""
+        for rid in list(self.regions):
+            self.unregister(rid)
+
+    # -- I/O --------------------------------------------------------------------------------
+
+    def _namespace(self, nsid: int) -> Any:
+        ns = self.controller.namespaces.get(nsid)
+        if ns is None:
+            raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
+        return ns
+
+    async def _using(self, reg: Registered, job: Callable[[], Any]) -> None:
+        reg.busy += 1
+        try:
+            await job()
+        except (CommandTimeout, TransportError):
+            reg.tainted = True
+            raise
+        finally:
+            reg.busy -= 1
+            if reg.doomed and not reg.busy:
+                reg.doomed = False
+                if reg.tainted:
+                    self._quarantine.append(reg)
+                else:
+                    reg.release()
+
+    def _count(self, reg: Registered, nbytes: int, write: bool) -> None:
+        name = ("staged_" if reg.staging else "direct_") + ("write" if write else "read")
+        setattr(self.stats, name + "_bytes", getattr(self.stats, name + "_bytes") + nbytes)
+
+    async def read(self, nsid: int, pieces: list[Piece]) -> None:
+        """Read each piece's LBAs straight into its registered region."""
+        ns = self._namespace(nsid)
+        jobs = []
+        for piece in pieces:
+            reg = self._get(piece.region)
+            ns.check_range(piece.slba, piece.nlb)
+            ref = reg.region.ref(piece.offset, piece.nlb * ns.lba_size)
+
+            def job(reg=reg, piece=piece, ref=ref):
+                async def run() -> None:
+                    await self._using(reg, lambda: ns.read_into(piece.slba, piece.nlb, ref))
+                    self._count(reg, ref.length, write=False)
+                return run
+            jobs.append(job())
+        await run_all(jobs)
+
+    async def write(self, nsid: int, offset: int, length: int, rid: int, region_offset: int,
+                    head: bytes, tail: bytes) -> None:
+        """Write ``length`` bytes at ``offset``: whole LBAs from the region, edges from bytes."""
+        if self.read_only:
+            raise ReadOnly("the namespace is mounted read-only")
+        ns = self._namespace(nsid)
+        if offset < 0 or length <= 0:
+            raise InvalidArgument(f"bad write: offset {offset}, length {length}")
+        if offset + length > ns.size:
+            raise NoSpace(f"write of {length} bytes at offset {offset} extends past the end "
+                          f"of namespace {nsid} ({ns.size} bytes)")
+        plan = protocol.plan_write(offset, length, ns.lba_size)
+        if len(head) != plan.head.stop - plan.head.start or \
+                len(tail) != plan.tail.stop - plan.tail.start:
+            raise InvalidArgument(f"write edges of {len(head)}+{len(tail)} bytes do not fit "
+                                  f"offset {offset} length {length}")
+        reg = self._get(rid)
+        middle = None
+        if plan.middle.stop > plan.middle.start:
+            middle = reg.region.ref(region_offset + plan.middle.start,
+                                    plan.middle.stop - plan.middle.start)
+
+        def edge_data(edge) -> bytes:  # the head edge is the one starting the range
+            return head if edge.data.start == 0 else tail
+
+        async def write_middle(slba: int, nlb: int) -> None:
+            assert middle is not None
+            await self._using(reg, lambda: ns.write_from(slba, nlb, middle))
+            self._count(reg, middle.length, write=True)
+
+        await ns.write_placed(offset, length, edge_data, write_middle)
+        self.stats.daemon_copied_bytes += len(head) + len(tail)

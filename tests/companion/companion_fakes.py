@@ -1,0 +1,171 @@
+"""A controller whose commands copy between an in-memory disk and real addresses.
+
+It stands in for the target's RDMA placement: a read command's data lands at
+the registered address (as the NIC would put it), so the companion server and
+client run unchanged over a real Unix socket.  dma-bufs are memfds here: the
+fake transport maps them and translates their IOVA to the mapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import mmap
+import random
+import threading
+from types import SimpleNamespace
+from typing import Any
+
+import trio
+
+from nvmeof_fuse.companion.server import CompanionServer
+from nvmeof_fuse.host.memory import BouncePool, DataRef
+from nvmeof_fuse.host.namespace import Namespace
+
+OPC_FLUSH, OPC_WRITE, OPC_READ = 0x00, 0x01, 0x02
+
+
+class FakeRegistration:
+    lkey = rkey = 1
+
+    def __init__(self, transport: FakeTransport, cleanup: Any = None) -> None:
+        self.transport = transport
+        self.cleanup = cleanup
+        transport.live += 1
+
+    def close(self) -> None:
+        self.transport.live -= 1
+        if self.cleanup:
+            self.cleanup()
+
+
+class FakeTransport:
+    def __init__(self) -> None:
+        self.live = 0  # registrations not yet closed
+        self.dmabufs: list[tuple[int, int, int]] = []  # iova, length, host address
+        self.dmabuf_error: Exception | None = None
+
+    def register(self, addr: int, length: int, owner: object) -> FakeRegistration:
+        return FakeRegistration(self)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> FakeRegistration:
+        if self.dmabuf_error is not None:
+            raise self.dmabuf_error
+        mem = mmap.mmap(fd, offset + length)
+        anchor = ctypes.c_char.from_buffer(mem)
+        host = ctypes.addressof(anchor) + offset
+        del anchor
+        entry = (iova, length, host)
+        self.dmabufs.append(entry)
+
+        def unmap() -> None:
+            self.dmabufs.remove(entry)
+            mem.close()
+        return FakeRegistration(self, unmap)
+
+    def translate(self, addr: int) -> int:
+        for iova, length, host in self.dmabufs:
+            if iova <= addr < iova + length:
+                return host + addr - iova
+        return addr
+
+
+class AddressController:
+    """What Namespace, the companion server and NamespaceFS need, with disks in memory."""
+
+    def __init__(self, specs=((1, 512, 16384), (2, 4096, 512)), max_transfer: int = 16384,
+                 seed: int = 1) -> None:
+        self.transport = FakeTransport()
+        self.max_transfer = max_transfer
+        self.bounce = BouncePool(self.transport.register, max_transfer, 4)
+        rng = random.Random(seed)
+        self.disks = {nsid: bytearray(rng.randbytes(ls * nlb)) for nsid, ls, nlb in specs}
+        self.namespaces = {}
+        for nsid, ls, nlb in specs:
+            ident = SimpleNamespace(lba_size=ls, nsze=nlb, to_dict=lambda: {})
+            self.namespaces[nsid] = Namespace(self, nsid, ident)
+        self.companion = None
+        self.commands = 0
+        self.on_command: Any = None  # called with each I/O command's opcode
+        self.identify = SimpleNamespace(mn="fake", sn="1", fr="1", subnqn="nqn.x:fake",
+                                        to_dict=lambda: {"mn": "fake"})
+
+    def describe(self) -> dict:
+        return {"transport": "fake"}
+
+    async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
+                         to_controller: bool = False) -> None:
+        opcode = sqe[0]
+        nsid = int.from_bytes(sqe[4:8], "little")
+        slba = int.from_bytes(sqe[40:48], "little")
+        nlb = int.from_bytes(sqe[48:50], "little") + 1
+        self.commands += 1
+        if self.on_command is not None:
+            self.on_command(opcode)
+        await trio.sleep(0)
+        if opcode == OPC_FLUSH:
+            return
+        ls = self.namespaces[nsid].lba_size
+        length = nlb * ls
+        assert data is not None and data.length == length <= self.max_transfer
+        disk = self.disks[nsid]
+        addr = self.transport.translate(data.addr)
+        at = slba * ls
+        if opcode == OPC_READ:
+            ctypes.memmove(addr, (ctypes.c_char * length).from_buffer(disk, at), length)
+        else:
+            assert opcode == OPC_WRITE and to_controller
+            disk[at:at + length] = ctypes.string_at(addr, length)
+
+
+@contextlib.contextmanager
+def serving(ctrl: AddressController, tmp_path: Any):
+    """Serve ``ctrl``'s companion socket on a trio thread; yields (server, mount dir)."""
+    server = CompanionServer(ctrl)
+    started = threading.Event()
+    state: dict[str, Any] = {}
+
+    async def main() -> None:
+        state["token"] = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as scope:
+            state["scope"] = scope
+            async with trio.open_nursery() as nursery:
+                await nursery.start(server.serve)
+                started.set()
+
+    def run() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # surfaced by the test
+            state["error"] = exc
+        finally:
+            started.set()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(10), "companion server did not start"
+    if "error" in state:
+        raise state["error"]
+    mnt = tmp_path / "mnt"
+    (mnt / ".nvmeof").mkdir(parents=True)
+    for nsid in ctrl.namespaces:
+        (mnt / f"n{nsid}").touch()
+    (mnt / ".nvmeof" / "companion.json").write_text(json.dumps(server.info()))
+    try:
+        yield server, mnt
+    finally:
+        trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
+        thread.join(10)
+        assert not thread.is_alive()
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()

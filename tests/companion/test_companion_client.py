@@ -1,0 +1,193 @@
+"""File over the real companion socket, with a controller that places data at addresses."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+
+import numpy as np
+import pytest
+from companion_fakes import AddressController, serving, wait_for
+
+import nvmeof_fuse
+from nvmeof_fuse.companion import protocol
+from nvmeof_fuse.companion.client import File, locate
+from nvmeof_fuse.companion.protocol import CompanionError
+from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
+
+
+@pytest.fixture
+def served(tmp_path):
+    ctrl = AddressController()
+    with serving(ctrl, tmp_path) as (server, mnt):
+        yield ctrl, server, mnt
+
+
+def stats(server) -> dict:
+    return server.snapshot()
+
+
+@pytest.mark.parametrize("nsid", [1, 2])
+def test_unaligned_read_lands_directly_in_a_shared_array(served, nsid):
+    ctrl, server, mnt = served
+    disk = ctrl.disks[nsid]
+    arr = nvmeof_fuse.empty(100_000)
+    with File(str(mnt / f"n{nsid}")) as f:
+        assert f.read(arr, 70_001, file_offset=12_345, buf_offset=7) == 70_001
+    assert bytes(arr[7:7 + 70_001]) == disk[12_345:12_345 + 70_001]
+    assert not arr[:7].any() and not arr[7 + 70_001:].any()  # nothing outside the range
+    s = stats(server)
+    lba = ctrl.namespaces[nsid].lba_size
+    assert s["direct_read_bytes"] == (12_345 + 70_001) // lba * lba - (-(-12_345 // lba) * lba)
+    assert s["staged_read_bytes"] == 2 * lba  # the two partial LBAs, copied by the client
+    assert s["daemon_copied_bytes"] == 0
+
+
+def test_plain_array_is_staged_and_reported(served, caplog):
+    ctrl, server, mnt = served
+    arr = np.zeros(3 << 20, dtype=np.uint8)  # bigger than one staging slot
+    with File(str(mnt / "n1")) as f:
+        assert f.read(arr, file_offset=1000) == len(arr)
+    assert bytes(arr) == ctrl.disks[1][1000:1000 + len(arr)]
+    s = stats(server)
+    assert s["direct_read_bytes"] == 0 and s["staged_read_bytes"] >= len(arr)
+    assert "staging data through a bounce buffer" in caplog.text
+
+
+def test_typed_array_views_and_futures(served):
+    ctrl, server, mnt = served
+    arr = nvmeof_fuse.empty((64, 16), dtype=np.float32)
+    with File(str(mnt / "n2")) as f:
+        futures = [f.pread(arr[i], file_offset=i * 4096) for i in range(64)]
+        assert [fut.get(10) for fut in futures] == [64] * 64
+    raw = arr.view(np.uint8)
+    for i in range(64):
+        assert bytes(raw[i]) == ctrl.disks[2][i * 4096:i * 4096 + 64]
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_unaligned_write_reaches_the_disk(served, shared):
+    ctrl, server, mnt = served
+    data = np.frombuffer(os.urandom(50_000), dtype=np.uint8)
+    buf = nvmeof_fuse.empty(len(data)) if shared else np.empty(len(data), dtype=np.uint8)
+    buf[:] = data
+    before = bytes(ctrl.disks[1])
+    with File(str(mnt / "n1")) as f:
+        assert f.pwrite(buf, file_offset=777).get(10) == len(data)
+    after = bytes(ctrl.disks[1])
+    assert after[777:777 + len(data)] == data.tobytes()
+    assert after[:777] == before[:777] and after[777 + len(data):] == before[777 + len(data):]
+    s = stats(server)
+    key = "direct_write_bytes" if shared else "staged_write_bytes"
+    assert s[key] > 0
+    assert s["daemon_copied_bytes"] == 512 - 777 % 512 + (777 + len(data)) % 512
+
+
+def test_end_of_namespace(served):
+    ctrl, server, mnt = served
+    size = len(ctrl.disks[1])
+    arr = nvmeof_fuse.empty(4096)
+    with File(str(mnt / "n1")) as f:
+        assert f.nbytes == size
+        assert f.read(arr, file_offset=size - 100) == 100
+        assert f.read(arr, file_offset=size) == 0
+        with pytest.raises(NVMeoFError, match="extends past the end") as exc:
+            f.write(arr, file_offset=size - 100)
+        assert exc.value.errno == errno.ENOSPC
+        with pytest.raises(InvalidArgument, match="overruns the 4096-byte buffer"):
+            f.read(arr, 5000)
+
+
+def test_close_releases_registrations(served):
+    ctrl, server, mnt = served
+    baseline = ctrl.transport.live
+    arr = nvmeof_fuse.empty(8192)
+    f = File(str(mnt / "n1"))
+    f.read(arr)
+    assert wait_for(lambda: stats(server)["regions"] == 2)  # staging + arr
+    f.close()
+    assert wait_for(lambda: stats(server)["clients"] == 0)
+    assert stats(server)["regions"] == 0 and ctrl.transport.live == baseline
+
+
+def test_a_vanished_client_is_cleaned_up(served):
+    ctrl, server, mnt = served
+    baseline = ctrl.transport.live
+    f = File(str(mnt / "n1"))
+    f.read(nvmeof_fuse.empty(4096))
+    f._channel._sock.shutdown(socket.SHUT_RDWR)  # as if the process died
+    assert wait_for(lambda: stats(server)["clients"] == 0)
+    assert ctrl.transport.live == baseline
+    with File(str(mnt / "n1")) as g:  # the daemon still serves
+        assert g.read(nvmeof_fuse.empty(10)) == 10
+
+
+def test_freed_shared_array_is_unregistered(served):
+    ctrl, server, mnt = served
+    with File(str(mnt / "n1")) as f:
+        arr = nvmeof_fuse.empty(8192)
+        f.read(arr)
+        assert wait_for(lambda: stats(server)["regions"] == 2)
+        del arr
+        assert wait_for(lambda: stats(server)["regions"] == 1)
+
+
+def test_malformed_requests_get_named_errors(served):
+    ctrl, server, mnt = served
+    with File(str(mnt / "n1")) as f:
+        ch = f._channel
+        with pytest.raises(CompanionError, match="unknown companion request 'bogus'"):
+            ch.call("bogus")
+        with pytest.raises(CompanionError, match="field 'nsid' must be int"):
+            ch.call("read", nsid="1", pieces=[])
+        with pytest.raises(CompanionError, match="region 99 is not registered"):
+            ch.call("read", nsid=1, pieces=[[0, 1, 99, 0]])
+        with pytest.raises(CompanionError, match="namespace 9 does not exist"):
+            ch.call("read", nsid=9, pieces=[])
+        with pytest.raises(CompanionError, match=r"LBA range 16383\.\.16384 is outside"):
+            ch.call("read", nsid=1, pieces=[[16383, 2, f._staging.rid, 0]])
+        with pytest.raises(CompanionError, match="outside the"):
+            ch.call("read", nsid=1, pieces=[[0, 1, f._staging.rid, len(f._staging.mem)]])
+        with pytest.raises(CompanionError, match="register needs one file descriptor"):
+            ch.call("register", kind="memfd", length=4096)
+        assert f.read(nvmeof_fuse.empty(10)) == 10  # the connection survives all of that
+    assert stats(server)["errors"] == 7
+
+
+def test_locate_names_what_is_wrong(tmp_path, served):
+    ctrl, server, mnt = served
+    with pytest.raises(InvalidArgument, match="not a namespace file"):
+        locate(str(mnt / ".nvmeof" / "companion.json"))
+    (tmp_path / "n1").touch()
+    with pytest.raises(CompanionError, match="is not an nvmeof-fuse mount"):
+        File(str(tmp_path / "n1"))
+    with pytest.raises(CompanionError, match="namespace 5 is not on this mount"):
+        (mnt / "n5").touch()
+        File(str(mnt / "n5"))
+
+
+def test_a_dead_daemon_is_reported(tmp_path):
+    ctrl = AddressController()
+    with serving(ctrl, tmp_path) as (server, mnt):
+        pass
+    with pytest.raises(CompanionError, match="cannot reach the mount daemon"):
+        File(str(mnt / "n1"))
+
+
+def test_peer_rule():
+    from nvmeof_fuse.companion.server import peer_allowed
+
+    assert peer_allowed(1000, 1000) and peer_allowed(0, 1000)
+    assert not peer_allowed(1001, 1000)
+
+
+def test_protocol_round_trip_and_limits():
+    header, payload = protocol.decode(protocol.encode({"op": "x", "id": 3}, b"ab"))
+    assert header == {"op": "x", "id": 3} and payload == b"ab"
+    with pytest.raises(protocol.ProtocolError, match="too short"):
+        protocol.decode(b"\0")
+    with pytest.raises(protocol.ProtocolError, match="overruns"):
+        protocol.decode(b"\0\0\0\x09{}")
+    with pytest.raises(InvalidArgument, match="exceeds"):
+        protocol.encode({}, bytes(protocol.MAX_MESSAGE))
