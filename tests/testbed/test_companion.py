@@ -1,0 +1,159 @@
+"""The companion API against the real target: another process reads and writes directly.
+
+One mount (RDMA, ``-o allow_other`` so that another uid can even try) serves the
+whole module.  The second process is a real one (``companion_child.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from kernel_initiator import connected, pread_direct
+
+from nvmeof_fuse.companion.channel import SocketChannel
+from nvmeof_fuse.companion.protocol import CompanionError
+
+MNT = "/tmp/nvmeof-companion"
+CHILD = os.path.join(os.path.dirname(__file__), "companion_child.py")
+SIZE = 64 << 20
+OFFSET = (8 << 20) + 12_345  # unaligned for both LBA sizes
+TIMEOUT = 600
+
+
+def sh(*cmd: str, timeout: float = 120) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          check=True).stdout
+
+
+def daemon_stats() -> dict:
+    with open(f"{MNT}/.nvmeof/stats.json") as f:
+        return json.load(f)["companion"]
+
+
+def wait_for(predicate, timeout: float = 60) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def rdma_objects(kind: str) -> int:
+    return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
+                if line.strip()])
+
+
+@pytest.fixture(scope="module")
+def cmnt(testbed):
+    os.makedirs(MNT, exist_ok=True)
+    sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
+       "-n", testbed.nqn, "-o", "allow_other", "--mode", "0666", "--daemon", MNT)
+    yield MNT
+    subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
+
+
+def test_another_process_reads_64mib_in_place_while_fio_runs(testbed, cmnt):
+    fio = subprocess.Popen(
+        ["fio", "--name=bg", f"--filename={cmnt}/n2", "--rw=randread", "--bs=4k",
+         "--iodepth=4", "--ioengine=libaio", "--direct=1", "--size=64M", "--time_based",
+         "--runtime=900"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        child = subprocess.run([sys.executable, CHILD, "roundtrip", f"{cmnt}/n1", str(OFFSET),
+                                str(SIZE)], capture_output=True, text=True, timeout=TIMEOUT)
+    finally:
+        fio.send_signal(signal.SIGINT)
+        fio_out = fio.communicate(timeout=120)[0]
+    assert child.returncode == 0, child.stderr
+    # fio ends on our SIGINT (status 0 or 128); what matters is that it ran without errors
+    assert re.search(r"err= 0:", fio_out) and re.search(r"read: IOPS=\d", fio_out), fio_out
+    result = json.loads(child.stdout.splitlines()[-1])
+    assert result["equal"]
+    before, after = result["before"], result["after"]
+    lba = 512
+    assert after["direct_read_bytes"] - before["direct_read_bytes"] >= SIZE - 2 * lba
+    assert after["staged_read_bytes"] - before["staged_read_bytes"] <= 2 * lba
+    assert after["daemon_copied_bytes"] == before["daemon_copied_bytes"]  # no payload copy
+
+    with open(f"{cmnt}/n1", "rb") as f:  # what the file shows
+        f.seek(OFFSET)
+        assert hashlib.sha256(f.read(SIZE)).hexdigest() == result["sha256"]
+    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+        start = OFFSET // 4096 * 4096
+        raw = pread_direct(kernel[1], start, SIZE + 8192)
+        skip = OFFSET - start
+        assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == result["sha256"]
+
+
+def _as_nobody(fn) -> str:
+    """Run ``fn()`` in a forked child as uid/gid 65534; its returned text comes back."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.setgroups([])
+            os.setgid(65534)
+            os.setuid(65534)
+            text = fn()
+        except BaseException as exc:
+            text = f"{type(exc).__name__}: {exc}"
+        os.write(w, text.encode())
+        os._exit(0)
+    os.close(w)
+    try:
+        with os.fdopen(r, "rb") as f:
+            return f.read().decode()
+    finally:
+        os.waitpid(pid, 0)
+
+
+def test_another_uid_is_refused(cmnt):
+    with open(f"{cmnt}/.nvmeof/companion.json") as f:
+        socket_name = json.load(f)["socket"]
+    refused_before = daemon_stats()["refused"]
+
+    def try_file() -> str:
+        import nvmeof_fuse
+
+        try:
+            nvmeof_fuse.File(f"{cmnt}/n1")
+        except CompanionError as exc:
+            return str(exc)
+        return "not refused"
+
+    def try_socket() -> str:
+        try:
+            SocketChannel("\0" + socket_name[1:], 30).hello()
+        except CompanionError as exc:
+            return str(exc)
+        return "not refused"
+
+    assert re.fullmatch(r"uid 65534 may not use this mount: it belongs to uid 0 \(only that "
+                        r"user and root may\)", _as_nobody(try_file))
+    assert "uid 65534 may not use this mount" in _as_nobody(try_socket)
+    assert daemon_stats()["refused"] == refused_before + 2
+
+
+def test_a_killed_client_leaves_the_daemon_healthy(cmnt):
+    mrs_before = rdma_objects("mr")
+    child = subprocess.Popen([sys.executable, CHILD, "loop", f"{cmnt}/n2", str(16 << 20)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "reading"
+        assert wait_for(lambda: daemon_stats()["clients"] == 1)
+        time.sleep(0.5)  # let it be in the middle of a transfer
+    finally:
+        child.kill()
+        child.wait(60)
+    assert wait_for(lambda: daemon_stats()["clients"] == 0 and daemon_stats()["regions"] == 0)
+    assert rdma_objects("mr") == mrs_before
+    with open(f"{cmnt}/n2", "rb") as f:  # the mount still serves
+        assert len(f.read(4096)) == 4096
