@@ -2,11 +2,15 @@
 
   python -m nvmeof_fuse.bench core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
   python -m nvmeof_fuse.bench nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
-  python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F [--out DIR]
+  python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--json]
+  python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
+      [--out DIR]
 
-``core`` and ``nvmeof`` print figures (MB = 10^6 bytes); ``table`` reads their ``--json`` output
-and fio ``--output-format=json`` files (jobs named as in :data:`FIO_JOBS`).  A missing input
-file, or one with a ``.err`` companion, shows as ``n/a`` with the reason.  Nothing is asserted.
+``core``, ``nvmeof`` and ``companion`` (``nvmeof_fuse.File`` on a mounted namespace, from this
+separate process, into ``nvmeof_fuse.empty`` arrays) print figures (MB = 10^6 bytes);
+``table`` reads their ``--json`` output and fio ``--output-format=json`` files (jobs named as
+in :data:`FIO_JOBS`).  A missing input file, or one with a ``.err`` file beside it, shows as
+``n/a`` with the reason.  Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -33,10 +37,10 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 FIO_JOBS = {"seqread": "seq_read", "seqwrite": "seq_write",
             "randread1": "rand_read_qd1", "randread16": "rand_read_qd16"}
-COLUMNS = ("kernel", "core", "nvmeof", "fuse")
+COLUMNS = ("kernel", "core", "nvmeof", "fuse", "companion")
 TITLES = {"kernel": "kernel (fio)", "core": "our core", "nvmeof": "nvmeof lib",
-          "fuse": "FUSE file (fio)"}
-RATIOS = (("core", "kernel"), ("core", "nvmeof"), ("fuse", "kernel"))
+          "fuse": "FUSE file (fio)", "companion": "companion API"}
+RATIOS = (("core", "kernel"), ("core", "nvmeof"), ("fuse", "kernel"), ("companion", "kernel"))
 
 
 @dataclass
@@ -212,6 +216,50 @@ def _queued(ctrl, ns, buf, job: Job, cur: Cursor, opcode: int,
     return count, time.monotonic() - start
 
 
+# -- the companion API (another process, through the mount daemon) -------------------------------
+
+def run_companion(args: argparse.Namespace) -> dict:
+    """``File.read``/``write`` from ``qd`` threads into ``nvmeof_fuse.empty`` arrays."""
+    import threading
+
+    import nvmeof_fuse
+
+    results: dict = {"initiator": "companion", "metrics": {}, "errors": {}}
+    with nvmeof_fuse.File(args.file, workers=1) as f:
+        bufs = nvmeof_fuse.empty((16, MIB))
+        for job in JOBS:
+            cur = Cursor(job, f.lba_size, f.nbytes // f.lba_size)
+            counts = [0] * job.qd
+            failures: list[BaseException] = []
+            deadline = time.monotonic() + args.seconds
+
+            def worker(i: int, job: Job = job, cur: Cursor = cur, counts: list[int] = counts,
+                       failures: list = failures, deadline: float = deadline) -> None:
+                move = f.write if job.write else f.read
+                try:
+                    while time.monotonic() < deadline:
+                        move(bufs[i], job.size, cur.next() * f.lba_size)
+                        counts[i] += 1
+                except BaseException as e:  # noqa: BLE001 - reported as n/a
+                    failures.append(e)
+
+            start = time.monotonic()
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(job.qd)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(args.seconds + 120)
+            if failures:
+                results["errors"][job.key] = _reason(failures[0])
+            else:
+                results["metrics"][job.key] = figure(job, sum(counts), time.monotonic() - start)
+        stats = f.stats()
+    results["notes"] = {"direct_read_bytes": stats["direct_read_bytes"],
+                        "staged_read_bytes": stats["staged_read_bytes"],
+                        "daemon_copied_bytes": stats["daemon_copied_bytes"]}
+    return results
+
+
 # -- the table ------------------------------------------------------------------------------------
 
 def _reason(e: BaseException) -> str:
@@ -313,6 +361,10 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--seconds", type=float, default=5.0, help="per job (default 5)")
         s.add_argument("--connect-timeout", type=float, default=60.0)
         s.add_argument("--json", action="store_true", help="print JSON")
+    c = sub.add_parser("companion", help="benchmark nvmeof_fuse.File on a mounted namespace")
+    c.add_argument("--file", required=True, help="a namespace file of a mount: MOUNT/nN")
+    c.add_argument("--seconds", type=float, default=5.0, help="per job (default 5)")
+    c.add_argument("--json", action="store_true", help="print JSON")
     t = sub.add_parser("table", help="side-by-side table of saved results")
     for c in COLUMNS:
         t.add_argument(f"--{c}", metavar="FILE")
@@ -330,6 +382,17 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(text)
             with open(os.path.join(args.out, "bench.json"), "w") as f:
                 json.dump(data, f, indent=2)
+        return 0
+    if args.what == "companion":
+        if args.seconds <= 0:
+            print("bench: --seconds must be positive", file=sys.stderr)
+            return 2
+        try:
+            results = run_companion(args)
+        except Exception as e:  # noqa: BLE001 - one line, not a traceback
+            print(f"bench companion: {_reason(e)}", file=sys.stderr)
+            return 1
+        _print(results, args.json)
         return 0
     if args.seconds <= 0 or not 0 < args.trsvcid < 65536 or args.nsid <= 0:
         print("bench: --seconds, --trsvcid and --nsid must be positive (port < 65536)",
