@@ -347,7 +347,7 @@ class File:
         try:
             fd = cuda.export_dmabuf(base, length)
             rid = self._channel.register_dmabuf(fd, offset, size, addr)
-        except (NVMeoFError, RuntimeError, OSError, ValueError) as exc:
+        except (NVMeoFError, RuntimeError, OSError, ValueError, ImportError) as exc:
             errors.append(f"dma-buf: {exc}")
             try:  # the peer-memory path (nvidia_peermem) works only in this process
                 rid = self._channel.register_local(addr, size, tensor)

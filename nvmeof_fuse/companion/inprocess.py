@@ -169,7 +169,7 @@ class Mount:
             try:
                 fd = cuda.export_dmabuf(base, length)
                 rid = self.run_sync(session.register_dmabuf, fd, offset, nbytes, addr)
-            except (NVMeoFError, RuntimeError, OSError, ValueError) as dmabuf_error:
+            except (NVMeoFError, RuntimeError, OSError, ValueError, ImportError) as dmabuf_error:
                 try:
                     rid = self.run_sync(session.register_address, addr, nbytes, obj)
                 except NVMeoFError as peer_error:
