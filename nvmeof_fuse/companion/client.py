@@ -218,7 +218,9 @@ class File:
                               else SocketChannel(address, timeout))
         self._mount = local
         self._regions: dict[int, int] = {}  # shared allocation key -> region
-        self._lock = threading.Lock()
+        self._stale: list[int] = []  # regions of freed allocations, unregistered on next use
+        self._lock = threading.Lock()  # guards _regions and _stale
+        self._register_lock = threading.Lock()  # one registration per allocation
         self._closed = False
         try:
             hello = self._channel.hello()
@@ -257,14 +259,20 @@ class File:
         self._channel.close()
 
     def _forget(self, key: int) -> None:
-        """A shared allocation was freed: drop our registration of it (best effort)."""
+        """A shared allocation was freed (a finalizer, any thread): unregister it later."""
         with self._lock:
             rid = self._regions.pop(key, None)
-        if rid is not None and not self._closed:
+            if rid is not None:
+                self._stale.append(rid)
+
+    def _unregister_stale(self) -> None:
+        with self._lock:
+            stale, self._stale = self._stale, []
+        for rid in stale:
             try:
                 self._channel.unregister(rid)
-            except NVMeoFError:
-                pass
+            except NVMeoFError as exc:
+                log.debug("unregistering a freed array's region %d: %s", rid, exc)
 
     def stats(self) -> dict:
         """The daemon's companion counters (direct and staged bytes, clients, regions)."""
@@ -323,12 +331,13 @@ class File:
         if found is None:
             return
         mem, offset = found
-        with self._lock:
-            rid = self._regions.get(mem.key)
-        if rid is None:
-            rid = self._channel.register_shared(mem)
+        with self._register_lock:
             with self._lock:
-                self._regions[mem.key] = rid
+                rid = self._regions.get(mem.key)
+            if rid is None:
+                rid = self._channel.register_shared(mem)
+                with self._lock:
+                    self._regions[mem.key] = rid
         target.rid, target.offset = rid, offset
 
     def _place_cuda(self, target: _Target, tensor: Any, buf_offset: int, size: int,
@@ -370,6 +379,8 @@ class File:
     def _check_open(self) -> None:
         if self._closed:
             raise CompanionError(f"{self.path} is closed", errno.EBADF)
+        if self._stale:
+            self._unregister_stale()
 
     def read(self, buf: Any, size: int | None = None, file_offset: int = 0,
              buf_offset: int = 0) -> int:
