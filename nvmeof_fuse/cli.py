@@ -185,10 +185,17 @@ def build_parser() -> argparse.ArgumentParser:
 # --- mount ------------------------------------------------------------------------
 
 
-async def _stop_on_signal(signals: Any, scope: trio.CancelScope) -> None:
+async def _stop_on_signal(signals: Any, stop: trio.Event, ready: trio.Event,
+                          scope: trio.CancelScope) -> None:
+    """First signal: unmount in order.  Before the mount is up, or a second time: abandon."""
     async for signum in signals:
-        log.info("%s: unmounting", signal.Signals(signum).name)
-        scope.cancel()
+        name = signal.Signals(signum).name
+        if ready.is_set() and not stop.is_set():
+            log.info("%s: unmounting", name)
+            stop.set()
+        else:
+            log.info("%s: giving up", name)
+            scope.cancel()
 
 
 async def run_mount(
@@ -197,10 +204,16 @@ async def run_mount(
     """Serve the mount (see :func:`nvmeof_fuse.daemon.serve_mount`) until SIGINT/SIGTERM."""
     from nvmeof_fuse.daemon import serve_mount
 
+    stop, mounted = trio.Event(), trio.Event()
+
+    def on_ready(_ctrl: Any, _server: Any) -> None:
+        mounted.set()
+        ready()
+
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope)
-            await serve_mount(conn, mopts, mountpoint, lambda _ctrl, _srv: ready(), connect)
+            nursery.start_soon(_stop_on_signal, signals, stop, mounted, nursery.cancel_scope)
+            await serve_mount(conn, mopts, mountpoint, on_ready, connect, stop)
             nursery.cancel_scope.cancel()
 
 

@@ -36,8 +36,14 @@ async def flush_all(ctrl: Any) -> None:
 
 
 async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
-                      connect: Any = None) -> None:
-    """Serve ``conn``'s controller at ``mountpoint`` until unmounted or cancelled."""
+                      connect: Any = None, stop: trio.Event | None = None) -> None:
+    """Serve ``conn``'s controller at ``mountpoint`` until unmounted or ``stop`` is set.
+
+    Setting ``stop`` is the orderly way out: the filesystem drains and unmounts and
+    the companion socket closes while the controller still runs, so the final
+    flush and the shutdown complete.  Cancelling instead tears everything down at
+    once (the controller's queues too), so use it only to abandon a mount.
+    """
     from nvmeof_fuse.companion.server import CompanionServer
     from nvmeof_fuse.fs.mount import check_mountpoint_async, serve
 
@@ -58,5 +64,8 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
                 log.info("mounted %s at %s", names or "no namespaces", path)
                 ready(ctrl, companion)
+                if stop is not None:
+                    await stop.wait()  # cancelled instead when unmounted from outside
+                    inner.cancel_scope.cancel()
         finally:
             await flush_all(ctrl)

@@ -74,6 +74,7 @@ class Mount:
         self._ready = threading.Event()
         self._token: trio.lowlevel.TrioToken | None = None
         self._scope: trio.CancelScope | None = None
+        self._stop: trio.Event | None = None
         self._error: BaseException | None = None
         self.controller: Any = None
         self.server: Any = None
@@ -109,9 +110,10 @@ class Mount:
         from ..daemon import serve_mount
 
         self._token = trio.lowlevel.current_trio_token()
+        self._stop = trio.Event()
         with trio.CancelScope() as self._scope:
             await serve_mount(self._conn, self._mopts, self.mountpoint, self._on_ready,
-                              self._connect)
+                              self._connect, self._stop)
 
     def _on_ready(self, controller: Any, server: Any) -> None:
         self.controller, self.server = controller, server
@@ -200,10 +202,13 @@ class Mount:
 
     def close(self) -> None:
         """Drain, flush, unmount and disconnect (bounded); idempotent."""
-        token, scope = self._token, self._scope
-        if token is not None and scope is not None and self._thread.is_alive():
+        token, scope, stop = self._token, self._scope, self._stop
+        if token is not None and scope is not None and stop is not None \
+                and self._thread.is_alive():
+            # mounted: stop in order (drain, flush, shut down); still connecting: abandon
+            leave = stop.set if self.controller is not None else scope.cancel
             try:
-                trio.from_thread.run_sync(scope.cancel, trio_token=token)
+                trio.from_thread.run_sync(leave, trio_token=token)
             except trio.RunFinishedError:
                 pass
         self._thread.join(STOP_TIMEOUT)

@@ -157,3 +157,29 @@ def test_a_killed_client_leaves_the_daemon_healthy(cmnt):
     assert rdma_objects("mr") == mrs_before
     with open(f"{cmnt}/n2", "rb") as f:  # the mount still serves
         assert len(f.read(4096)) == 4096
+
+
+def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
+    import numpy as np
+
+    import nvmeof_fuse
+
+    mnt = tmp_path / "inproc"
+    mnt.mkdir()
+    with nvmeof_fuse.mount(str(mnt), traddr=testbed.rdma_addr, trsvcid=testbed.port,
+                           nqn=testbed.nqn) as m:
+        arr = np.zeros(4 << 20, dtype=np.uint8)  # ordinary memory, registered as it is
+        data = np.frombuffer(os.urandom(len(arr)), dtype=np.uint8)
+        with m.register(arr), m.open(2) as f:
+            arr[:] = data
+            assert f.write(arr, file_offset=(3 << 20) + 100) == len(arr)
+            arr[:] = 0
+            assert f.read(arr, file_offset=(3 << 20) + 100) == len(arr)
+        assert bytes(arr) == data.tobytes()
+        with open(m.path(2), "rb") as fh:  # ls, cat and friends see it through FUSE
+            fh.seek((3 << 20) + 100)
+            assert fh.read(len(arr)) == data.tobytes()
+        stats = m.stats()
+        assert stats["direct_read_bytes"] >= len(arr) - 4096
+        assert stats["staged_read_bytes"] <= 2 * 4096
+    assert not os.path.ismount(mnt)
