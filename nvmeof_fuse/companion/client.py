@@ -252,9 +252,9 @@ class File:
         """Wait for pending futures, then release this file's registrations."""
         if self._closed:
             return
+        self._executor.shutdown(wait=True)  # new pread/pwrite calls fail from here on
         self._closed = True
         shm.remove_on_free(self._forget)
-        self._executor.shutdown(wait=True)
         self._staging.close()
         self._channel.close()
 
@@ -460,14 +460,19 @@ class File:
     def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
               buf_offset: int = 0) -> IOFuture:
         """Start :meth:`read`; the future's ``get()`` gives the bytes read."""
-        self._check_open()
-        return IOFuture(self._executor.submit(self.read, buf, size, file_offset, buf_offset))
+        return self._submit(self.read, buf, size, file_offset, buf_offset)
 
     def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0,
                buf_offset: int = 0) -> IOFuture:
         """Start :meth:`write`; the future's ``get()`` gives the bytes written."""
+        return self._submit(self.write, buf, size, file_offset, buf_offset)
+
+    def _submit(self, fn: Any, *args: Any) -> IOFuture:
         self._check_open()
-        return IOFuture(self._executor.submit(self.write, buf, size, file_offset, buf_offset))
+        try:
+            return IOFuture(self._executor.submit(fn, *args))
+        except RuntimeError:  # the executor is shutting down: close() was called
+            raise CompanionError(f"{self.path} is closed", errno.EBADF) from None
 
 
 def _host_view(obj: Any) -> memoryview:

@@ -41,16 +41,17 @@ class SharedMemory(mmap.mmap):
 
 _lock = threading.Lock()
 _live: dict[int, weakref.ref[SharedMemory]] = {}
-_on_free: list[Any] = []  # callables(key) told when an allocation is freed
+_on_free: list[weakref.WeakMethod] = []  # told (key) when an allocation is freed
 
 
 def _forget(key: int, fd: int) -> None:
     with _lock:
         _live.pop(key, None)
-        listeners = list(_on_free)
+        listeners = [ref() for ref in _on_free]
     os.close(fd)
     for listener in listeners:
-        listener(key)
+        if listener is not None:
+            listener(key)
 
 
 def allocate(nbytes: int) -> SharedMemory:
@@ -99,12 +100,14 @@ def find(addr: int, nbytes: int) -> tuple[SharedMemory, int] | None:
 
 
 def on_free(listener: Any) -> None:
-    """Call ``listener(key)`` whenever an allocation is freed (weakly held by callers)."""
+    """Call the bound method ``listener(key)`` whenever an allocation is freed.
+
+    It is held weakly, so an object that forgets to unsubscribe can still go away.
+    """
     with _lock:
-        _on_free.append(listener)
+        _on_free.append(weakref.WeakMethod(listener))
 
 
 def remove_on_free(listener: Any) -> None:
     with _lock:
-        if listener in _on_free:
-            _on_free.remove(listener)
+        _on_free[:] = [ref for ref in _on_free if ref() not in (None, listener)]
