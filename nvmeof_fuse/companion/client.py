@@ -305,7 +305,7 @@ class File:
             target = _HostTarget(_host_view(owner)[buf_offset:buf_offset + size])
             if not self.compat_mode:
                 self._place_host(target, addr + buf_offset, size, owner)
-        if target.rid is None:
+        if target.rid is None and (self.compat_mode or isinstance(target, _HostTarget)):
             what = "compat mode is on" if self.compat_mode else (
                 "the buffer is not shared memory (use nvmeof_fuse.empty())")
             _warn_once(f"staged:{what}", f"nvmeof_fuse: {what}; staging data through a "
@@ -366,7 +366,8 @@ class File:
         if rid is None:
             why = "; ".join(errors)
             _warn_once("cuda:" + why,
-                       f"nvmeof_fuse: cannot place data in GPU memory directly ({why})")
+                       f"nvmeof_fuse: cannot place data in GPU memory directly ({why}); "
+                       "staging it through host memory")
             return
         target.rid, target.offset = rid, 0
         target.cleanup = lambda: self._channel.unregister(rid)

@@ -2,6 +2,8 @@
 
     python companion_child.py roundtrip PATH OFFSET SIZE   write random data, read it back
     python companion_child.py loop PATH SIZE               read forever (to be killed)
+    python companion_child.py dmabuf PATH OFFSET SIZE      read into a "device" buffer that is
+                                                           exported as a real dma-buf (udmabuf)
 
 ``roundtrip`` prints one JSON line: the SHA-256 of what it wrote, whether the read
 matched, and the daemon's companion counters before and after the read.
@@ -9,9 +11,12 @@ matched, and the daemon's companion counters before and after the read.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
+import struct
 import sys
 
 import numpy as np
@@ -41,9 +46,75 @@ def loop(path: str, size: int) -> None:
             f.read(out, file_offset=511)
 
 
+class UdmabufDevice:
+    """The CUDA seam over host memory whose dma-buf comes from /dev/udmabuf.
+
+    No GPU here: this proves that a dma-buf fd crosses to the daemon and what the
+    daemon's verbs make of it (rxe has no dma-buf MRs, so the client must stage).
+    """
+
+    UDMABUF_CREATE = (1 << 30) | (24 << 16) | (ord("u") << 8) | 0x42  # _IOW('u', 0x42, 24)
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def is_cuda(self, obj) -> bool:
+        return isinstance(obj, np.ndarray) and obj.dtype == np.uint8 and obj.ndim == 1 \
+            and getattr(obj, "_device", False) is not False
+
+    def span(self, tensor):
+        return tensor.ctypes.data, tensor.nbytes
+
+    def export_dmabuf(self, base: int, length: int) -> int:
+        from nvmeof_fuse.companion import shm
+
+        self.calls.append("export")
+        mem, offset = shm.find(base, length)
+        request = bytearray(struct.pack("IIQQ", mem.fd, 1, offset, length))  # CLOEXEC
+        with open("/dev/udmabuf", "rb") as dev:  # a mutable request: ioctl returns the new fd
+            return fcntl.ioctl(dev.fileno(), self.UDMABUF_CREATE, request, True)
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
+
+    def flush_gpudirect_writes(self) -> None:
+        self.calls.append("flush")
+
+    def to_device(self, tensor, byte_offset, data) -> None:
+        self.calls.append("to_device")
+        tensor[byte_offset:byte_offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def to_host(self, tensor, byte_offset, out) -> None:
+        out[:] = tensor[byte_offset:byte_offset + len(out)].tobytes()
+
+
+class DeviceArray(np.ndarray):
+    _device = True
+
+
+def dmabuf(path: str, offset: int, size: int) -> None:
+    from nvmeof_fuse.companion import gpu
+
+    device = UdmabufDevice()
+    gpu.use(device)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("nvmeof_fuse").addHandler(handler)
+    tensor = nvmeof_fuse.empty(size).view(DeviceArray)
+    with nvmeof_fuse.File(path) as f:
+        before = f.stats()
+        assert f.read(tensor, file_offset=offset) == size
+        after = f.stats()
+    print(json.dumps({"sha256": hashlib.sha256(tensor).hexdigest(), "calls": device.calls,
+                      "log": records, "before": before, "after": after}))
+
+
 if __name__ == "__main__":
     mode, path, *numbers = sys.argv[1:]
     if mode == "roundtrip":
         roundtrip(path, int(numbers[0]), int(numbers[1]))
+    elif mode == "dmabuf":
+        dmabuf(path, int(numbers[0]), int(numbers[1]))
     else:
         loop(path, int(numbers[0]))

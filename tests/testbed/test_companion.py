@@ -93,6 +93,27 @@ def test_another_process_reads_64mib_in_place_while_fio_runs(testbed, cmnt):
         assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == result["sha256"]
 
 
+def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(cmnt):
+    """A real dma-buf (udmabuf over a memfd) stands in for a CUDA tensor's."""
+    size, offset = 8 << 20, (1 << 20) + 333
+    child = subprocess.run([sys.executable, CHILD, "dmabuf", f"{cmnt}/n2", str(offset),
+                            str(size)], capture_output=True, text=True, timeout=TIMEOUT)
+    assert child.returncode == 0, child.stderr
+    result = json.loads(child.stdout.splitlines()[-1])
+    with open(f"{cmnt}/n2", "rb") as f:
+        f.seek(offset)
+        assert hashlib.sha256(f.read(size)).hexdigest() == result["sha256"]
+    before, after = result["before"], result["after"]
+    assert result["calls"][0] == "export"
+    direct = after["direct_read_bytes"] - before["direct_read_bytes"]
+    if direct:  # the verbs provider registered the dma-buf: placed directly, then flushed
+        assert direct >= size - 8192 and result["calls"][-1] == "flush"
+    else:  # Soft-RoCE has no dma-buf MRs: the daemon says so and the client stages
+        assert any("cannot register" in line and "dma-buf" in line for line in result["log"])
+        assert after["staged_read_bytes"] - before["staged_read_bytes"] >= size
+        assert "to_device" in result["calls"] and "flush" not in result["calls"]
+
+
 def _as_nobody(fn) -> str:
     """Run ``fn()`` in a forked child as uid/gid 65534; its returned text comes back."""
     r, w = os.pipe()
