@@ -354,7 +354,7 @@ class RdmaQueue:
     @property
     def available(self) -> int:
         """Free command slots: callers pick the least busy queue by this."""
-        return len(self._slots._free)
+        return self._slots.available
 
     async def connect(self, cntlid: int) -> None:
         device = self._cm.context.query_device()
@@ -413,7 +413,7 @@ class RdmaQueue:
     async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False, timeout: float) -> Completion:
         slots = self._slots
-        if self._failed is None and slots._free:
+        if self._failed is None and slots.available:
             request = slots.allocate(data)
         else:
             request = await self._allocate(data, timeout)
@@ -529,8 +529,8 @@ class RdmaQueue:
                     if wc.status:
                         raise self._wc_error(wc)
                     slots.send_completed(wc.wr_id & _INDEX)
-        if self._slot_waiters and slots._free:
-            self._slot_waiters.unpark(count=len(slots._free))
+        if self._slot_waiters and slots.available:
+            self._slot_waiters.unpark(count=slots.available)
         return bool(sends or recvs)
 
     def _wc_error(self, wc) -> TransportError:
