@@ -119,7 +119,7 @@ class CommandSlots:
             self.awaiting_send -= 1
             self._retire(request)
             if request.inline:
-                self._finish(request)
+                self.finish(request)
 
     def response(self, completion: Completion) -> None:
         request = self._lookup(completion.command_id, "response")
@@ -132,14 +132,14 @@ class CommandSlots:
             self.awaiting_send += 1
             if request.inline:
                 return
-        self._finish(request)
+        self.finish(request)
 
     def fail_all(self, error: Exception) -> None:
         for request in list(self.pending.values()):
             request.error = error
             self._retire(request)
             if not request.finished:
-                self._finish(request)
+                self.finish(request)
         self.awaiting_send = 0
 
     def _lookup(self, cid: int, what: str) -> Request:
@@ -154,7 +154,8 @@ class CommandSlots:
         self._free.append(request.cid)
 
     @staticmethod
-    def _finish(request: Request) -> None:
+    def finish(request: Request) -> None:
+        """Let the caller of ``request`` go on (it reads ``completion`` or ``error``)."""
         request.finished = True
         task = request.task
         if task is not None:
@@ -180,6 +181,10 @@ def _verbs():
 def _uncancellable(raise_cancel) -> trio.lowlevel.Abort:
     # The target may still be moving data: a command is waited for, not cancelled.
     return trio.lowlevel.Abort.FAILED
+
+
+def _cancellable(raise_cancel) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.SUCCEEDED
 
 
 def _access(ib) -> int:
@@ -325,6 +330,10 @@ class RdmaQueue:
         self._slot_waiters = trio.lowlevel.ParkingLot()
         self._failed: TransportError | None = None
         self._watch: trio.CancelScope | None = None
+        self._poster = None  # the task posting queued capsules, once started
+        self._poster_woken = False
+        self._queued: list = []  # SendWRs waiting for the poster
+        self._queued_requests: list[Request] = []
         # Two CQs on one channel: responses always wake the reaper; capsule SEND
         # completions are picked up alongside them and wake it only when needed.
         self.channel = cm.context.create_comp_channel()
@@ -428,11 +437,20 @@ class RdmaQueue:
             wrs = [self._send_wr(cid, [self._capsule_sges[cid], *extra])]
         else:
             wrs = self._sends[cid]
-        try:
-            self.qp.post_send(wrs)
-        except OSError as exc:
-            slots.release(request)
-            raise TransportError(f"{self.name}: cannot post a command: {exc}") from exc
+        if len(slots.pending) > 1 and self._poster is not None:
+            # Others are in flight, so other callers are likely posting in this trio batch
+            # too: the poster hands them to the QP in one post_send (one syscall, one rxe run).
+            self._queued.extend(wrs)
+            self._queued_requests.append(request)
+            if not self._poster_woken:
+                self._poster_woken = True
+                trio.lowlevel.reschedule(self._poster)
+        else:
+            try:
+                self.qp.post_send(wrs)
+            except OSError as exc:
+                slots.release(request)
+                raise TransportError(f"{self.name}: cannot post a command: {exc}") from exc
         if not request.finished:
             request.task = trio.lowlevel.current_task()
             request.timeout = timeout
@@ -455,6 +473,7 @@ class RdmaQueue:
         os.set_blocking(self.channel.fd, False)
         async with trio.open_nursery() as nursery:
             await nursery.start(self._watchdog)
+            await nursery.start(self._post_queued)
             task_status.started()
             try:
                 await self._reap()
@@ -537,6 +556,29 @@ class RdmaQueue:
         return TransportError(f"{self.name}: work request failed: {wc.status_str} "
                               f"(vendor error {wc.vendor_err:#x})")
 
+    async def _post_queued(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Post the capsules queued during one trio batch with a single ``post_send``."""
+        self._poster = trio.lowlevel.current_task()
+        task_status.started()
+        try:
+            while True:
+                await trio.lowlevel.wait_task_rescheduled(_cancellable)
+                self._poster_woken = False
+                wrs, requests = self._queued, self._queued_requests
+                self._queued, self._queued_requests = [], []
+                if self._failed is not None:
+                    continue  # _fail already finished their requests
+                try:
+                    self.qp.post_send(wrs)
+                except OSError as exc:
+                    error = TransportError(f"{self.name}: cannot post a command: {exc}")
+                    for request in requests:
+                        self._slots.release(request)
+                        request.error = error
+                        self._slots.finish(request)
+        finally:
+            self._poster = None
+
     async def _watchdog(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Time out commands past their deadline; sleeps until the earliest one."""
         task_status.started()
@@ -560,6 +602,7 @@ class RdmaQueue:
 
     def _fail(self, error: TransportError) -> None:
         self._failed = error
+        self._queued, self._queued_requests = [], []  # never posted: failed with the rest
         self._slots.fail_all(error)
         self._slot_waiters.unpark_all()
 

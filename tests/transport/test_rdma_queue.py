@@ -96,8 +96,13 @@ class QP:
         self.send_cq, self.recv_cq = attr.send_cq, attr.recv_cq
         self.sent: dict[int, FakeWR] = {}  # cid -> capsule SEND
         self.recvs: collections.deque = collections.deque()
+        self.posts: list[int] = []  # WRs per post_send call
+        self.fail_posts = False
 
     def post_send(self, wrs) -> None:
+        if self.fail_posts:
+            raise OSError(errno.ENOMEM, "send queue full")
+        self.posts.append(len(wrs))
         for wr in wrs:
             self.sent[wr.wr_id & rdma._INDEX] = wr
 
@@ -292,3 +297,48 @@ async def test_stopping_the_reaper_fails_waiting_callers(queue):
             await trio.testing.wait_all_tasks_blocked()
             reaper.cancel_scope.cancel()
     assert errors and "stopped" in str(errors[0])
+
+
+@in_trio
+async def test_commands_posted_in_one_batch_share_one_post_send(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        done = []
+
+        async def one():
+            done.append(await queue.execute(read_command(), timeout=30))
+
+        for _ in range(4):
+            nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.qp.posts == [1, 3]  # the first alone (nothing in flight), then together
+        for cid in list(queue.qp.sent):
+            queue.qp.send_done(cid)
+            queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(done) == 4 and all(c.ok for c in done) and queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_a_failed_batched_post_fails_its_callers_and_frees_their_slots(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results = []
+
+        async def one():
+            try:
+                results.append(await queue.execute(read_command(), timeout=30))
+            except TransportError as exc:
+                results.append(exc)
+
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()  # one command in flight
+        queue.qp.fail_posts = True
+        nursery.start_soon(one)
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [str(r) for r in results] == ["I/O queue 1: cannot post a command: "
+                                             "[Errno 12] send queue full"] * 2
+        assert queue.available == 6  # only the first command holds a slot
+        nursery.cancel_scope.cancel()
