@@ -86,10 +86,13 @@ async def _core(args: argparse.Namespace) -> dict:
 
     from nvmeof_fuse.host.controller import ConnectOptions, connect
 
-    results: dict = {"initiator": "core", "metrics": {}, "errors": {}}
-    jobs = [*JOBS, Job("seq_read_bounce", MIB, 16, True)]
+    results: dict = {"initiator": "core", "metrics": {}, "errors": {}, "cpu_us_per_io": {},
+                     "sys_us_per_io": {}}
+    jobs = [job for job in [*JOBS, Job("seq_read_bounce", MIB, 16, True)]
+            if not args.jobs or job.key in args.jobs]
     options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
-                             connect_timeout=args.connect_timeout)
+                             connect_timeout=args.connect_timeout,
+                             nr_io_queues=getattr(args, "nr_io_queues", None))
     async with connect(options) as ctrl:
         ns = ctrl.namespaces.get(args.nsid)
         if ns is None:
@@ -115,13 +118,17 @@ async def _core(args: argparse.Namespace) -> dict:
 
             try:
                 with trio.fail_after(args.seconds + 60):
-                    start = time.monotonic()
+                    start, cpu = time.monotonic(), os.times()
                     deadline = start + args.seconds
                     async with trio.open_nursery() as nursery:
                         for i in range(job.qd):
                             nursery.start_soon(worker, i, deadline)
-                    elapsed = time.monotonic() - start
+                    elapsed, end = time.monotonic() - start, os.times()
                 results["metrics"][job.key] = figure(job, count, elapsed)
+                if count:  # our process's CPU: user (Python) and system (syscalls, rxe's work)
+                    user, system = end.user - cpu.user, end.system - cpu.system
+                    results["cpu_us_per_io"][job.key] = round((user + system) / count * 1e6)
+                    results["sys_us_per_io"][job.key] = round(system / count * 1e6)
             except Exception as e:  # noqa: BLE001 - one failed job shows as n/a
                 results["errors"][job.key] = _reason(e)
         results["notes"] = {"queues": len(ctrl.io_queues),
@@ -156,6 +163,8 @@ def run_nvmeof(args: argparse.Namespace) -> dict:
         buf = ctrl.allocate(16 * MIB)
         try:
             for job in JOBS:
+                if args.jobs and job.key not in args.jobs:
+                    continue
                 cur = Cursor(job, ns.lba_size, ns.info.size_lbas)
                 opcode = p.OPC_WRITE if job.write else p.OPC_READ
                 try:
@@ -341,11 +350,23 @@ def _print(results: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(results, indent=2))
         return
+    cpu = results.get("cpu_us_per_io", {})
     for key, v in results["metrics"].items():
         label, unit = METRICS[key]
-        print(f"{results['initiator']:7} {label:42} {_fmt(v):>10} {unit}")
+        extra = (f"  ({cpu[key]:,} us CPU per I/O, {results['sys_us_per_io'][key]:,} in the "
+                 "kernel)" if key in cpu else "")
+        print(f"{results['initiator']:7} {label:42} {_fmt(v):>10} {unit}{extra}")
     for key, why in results["errors"].items():
         print(f"{results['initiator']:7} {METRICS[key][0]:42} {'n/a':>10} ({why})")
+
+
+def _job_keys(text: str) -> list[str]:
+    keys = [k for k in text.split(",") if k]
+    unknown = [k for k in keys if k not in METRICS]
+    if unknown or not keys:
+        raise argparse.ArgumentTypeError(f"unknown job {', '.join(unknown) or repr(text)} "
+                                         f"(have {', '.join(METRICS)})")
+    return keys
 
 
 def parser() -> argparse.ArgumentParser:
@@ -361,6 +382,11 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--seconds", type=float, default=5.0, help="per job (default 5)")
         s.add_argument("--connect-timeout", type=float, default=60.0)
         s.add_argument("--json", action="store_true", help="print JSON")
+        s.add_argument("--jobs", type=_job_keys, default=None, metavar="KEY[,KEY...]",
+                       help=f"run only these jobs (of {', '.join(METRICS)})")
+        if name == "core":
+            s.add_argument("--nr-io-queues", type=int, default=None,
+                           help="I/O queues to connect (default: the controller's choice)")
     c = sub.add_parser("companion", help="benchmark nvmeof_fuse.File on a mounted namespace")
     c.add_argument("--file", required=True, help="a namespace file of a mount: MOUNT/nN")
     c.add_argument("--seconds", type=float, default=5.0, help="per job (default 5)")

@@ -120,6 +120,8 @@ class Controller:
     def pick_queue(self) -> Queue:
         """The I/O queue with the most free slots (round-robin among equals)."""
         queues = self.io_queues
+        if len(queues) == 1:
+            return queues[0]
         self._next_queue = (self._next_queue + 1) % len(queues)
         best = queues[self._next_queue]
         for queue in queues:

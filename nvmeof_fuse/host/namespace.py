@@ -49,9 +49,13 @@ class Namespace:
                 f"LBA range {slba}..{slba + nlb - 1} is outside namespace {self.nsid} "
                 f"(LBAs 0..{self.nlb - 1})")
 
+    def _per_command(self) -> int:
+        """Most LBAs one command moves: the controller's transfer limit, at least one LBA."""
+        return max(1, min(self.controller.max_transfer // self.lba_size, cmd.MAX_NLB))
+
     def _chunks(self, slba: int, nlb: int):
         """(slba, nlb, byte offset) pieces no larger than the controller's transfer limit."""
-        per = max(1, min(self.controller.max_transfer // self.lba_size, cmd.MAX_NLB))
+        per = self._per_command()
         for start in range(0, nlb, per):
             yield slba + start, min(per, nlb - start), start * self.lba_size
 
@@ -71,6 +75,10 @@ class Namespace:
             raise InvalidArgument(f"buffer of {ref.length} bytes does not hold {nlb} LBAs "
                                   f"of {self.lba_size} bytes")
         build = cmd.write if write else cmd.read
+        if nlb <= self._per_command():  # one command: no splitting, no task per piece
+            await self.controller.io_command(build(self.nsid, slba, nlb, nvme.NULL_SGL), ref,
+                                             to_controller=write)
+            return
 
         def job(lba: int, n: int, at: int):
             async def run() -> None:

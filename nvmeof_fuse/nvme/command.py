@@ -62,9 +62,13 @@ def _nlb(nlb: int) -> int:
     return in_range("number of logical blocks", nlb, 1, MAX_NLB) - 1
 
 
+_CID = struct.Struct("<H")
+
+
 def set_command_id(sqe: bytearray | memoryview, cid: int) -> None:
     """Stamp command identifier ``cid`` into CDW0 bytes 2..3."""
-    struct.pack_into("<H", sqe, 2, uint("command id", cid, 16))
+    _CID.pack_into(sqe, 2, cid if type(cid) is int and 0 <= cid <= 0xFFFF
+                   else uint("command id", cid, 16))
 
 
 def command_id(sqe: BytesLike) -> int:
@@ -151,8 +155,23 @@ def async_event_request() -> bytearray:
 # --- NVM I/O commands (NVM Command Set 1.0) ---------------------------------------------
 
 
+# Read/Write in one pack (they are the I/O path): opcode, flags, CID 0, NSID, 16 reserved/MPTR
+# bytes, DPTR, SLBA, CDW12, 12 zero bytes.
+_RW = struct.Struct("<BBxxI16x16sQI12x")
+_READ, _WRITE = int(IoOpcode.READ), int(IoOpcode.WRITE)
+
+
+def _rw_fits(nsid: object, slba: object, nlb: object, sgl: BytesLike) -> bool:
+    """Plain ints in range and a 16-byte SGL: anything else takes the checking path."""
+    return (type(nsid) is int and type(slba) is int and type(nlb) is int
+            and 0 < nsid < NSID_ALL and 0 <= slba < 1 << 64 and 0 < nlb <= MAX_NLB
+            and len(sgl) == SGL_DESC_SIZE)
+
+
 def read(nsid: int, slba: int, nlb: int, sgl: BytesLike) -> bytearray:
     """Read ``nlb`` blocks from ``slba``: CDW10/11 = SLBA, CDW12 bits 15:0 = NLB - 1."""
+    if _rw_fits(nsid, slba, nlb, sgl):
+        return bytearray(_RW.pack(_READ, PSDT_SGL_METABUF, nsid, sgl, slba, nlb - 1))
     sqe = _sqe(IoOpcode.READ, _io_nsid(nsid), sgl)
     struct.pack_into("<QH", sqe, 40, uint("slba", slba, 64), _nlb(nlb))
     return sqe
@@ -160,8 +179,11 @@ def read(nsid: int, slba: int, nlb: int, sgl: BytesLike) -> bytearray:
 
 def write(nsid: int, slba: int, nlb: int, sgl: BytesLike, fua: bool = False) -> bytearray:
     """Write ``nlb`` blocks at ``slba``; ``fua`` sets Force Unit Access (CDW12 bit 30)."""
+    if _rw_fits(nsid, slba, nlb, sgl):
+        return bytearray(_RW.pack(_WRITE, PSDT_SGL_METABUF, nsid, sgl, slba,
+                                  nlb - 1 | bool(fua) << 30))
     sqe = _sqe(IoOpcode.WRITE, _io_nsid(nsid), sgl)
-    cdw12 = _nlb(nlb) | int(fua) << 30
+    cdw12 = _nlb(nlb) | bool(fua) << 30
     struct.pack_into("<QI", sqe, 40, uint("slba", slba, 64), cdw12)
     return sqe
 

@@ -16,6 +16,8 @@ from ._fields import BytesLike, buffer
 from .constants import CQE_SIZE
 from .status import NVMeStatusError, status_name
 
+_CQE = struct.Struct("<QHHHH")
+
 
 @dataclass(frozen=True, slots=True)
 class Completion:
@@ -33,9 +35,12 @@ class Completion:
     @classmethod
     def from_bytes(cls, data: BytesLike) -> Completion:
         """Parse the first 16 bytes of ``data``."""
-        result, sq_head, sq_id, cid, word = struct.unpack(
-            "<QHHHH", buffer("completion", data, CQE_SIZE)
-        )
+        return cls.unpack_from(buffer("completion", data, CQE_SIZE))
+
+    @classmethod
+    def unpack_from(cls, data: BytesLike, offset: int = 0) -> Completion:
+        """Parse the 16 bytes at ``offset`` in ``data`` (no copy; for the I/O path)."""
+        result, sq_head, sq_id, cid, word = _CQE.unpack_from(data, offset)
         return cls(result, sq_head, sq_id, cid, word >> 1, bool(word & 1))
 
     @property

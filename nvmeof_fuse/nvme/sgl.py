@@ -20,6 +20,7 @@ SUBTYPE_INVALIDATE_KEY = 0xF
 
 MAX_KEYED_LENGTH = (1 << 24) - 1
 """A keyed data block describes at most 2**24 - 1 bytes (3-byte length)."""
+_KEYED = struct.Struct("<QQ")  # address; then length (24 bits), key (32), identifier (8)
 
 
 def keyed_data_block(addr: int, length: int, key: int, invalidate: bool = False) -> bytes:
@@ -28,6 +29,9 @@ def keyed_data_block(addr: int, length: int, key: int, invalidate: bool = False)
     Bytes 0..7 address, 8..10 length, 11..14 key, 15 = 0x40 (0x4F with ``invalidate``).
     """
     subtype = SUBTYPE_INVALIDATE_KEY if invalidate else SUBTYPE_ADDRESS
+    if (type(addr) is int and type(length) is int and type(key) is int  # the I/O path
+            and 0 <= addr < 1 << 64 and 0 <= length <= MAX_KEYED_LENGTH and 0 <= key < 1 << 32):
+        return _KEYED.pack(addr, length | key << 24 | (TYPE_KEYED_DATA_BLOCK << 4 | subtype) << 56)
     return (
         struct.pack("<Q", uint("SGL address", addr, 64))
         + uint("keyed SGL length", length, 24).to_bytes(3, "little")

@@ -27,6 +27,14 @@ def test_fields():
     assert c.ok
 
 
+def test_unpack_from_reads_in_place():
+    ring = bytearray(48)
+    ring[16:32] = cqe(7, 3, 2, 0x42, phase=1, sc=0x2)
+    c = Completion.unpack_from(memoryview(ring), 16)
+    assert c == Completion.from_bytes(ring[16:32])
+    assert (c.result, c.sq_head, c.sq_id, c.command_id, c.sc, c.phase) == (7, 3, 2, 0x42, 2, True)
+
+
 def test_status_bits():
     c = Completion.from_bytes(cqe(phase=1, sc=0x82, sct=1, crd=2, more=1, dnr=1))
     assert (c.sc, c.sct, c.crd) == (0x82, 1, 2)

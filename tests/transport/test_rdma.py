@@ -11,7 +11,6 @@ from nvmeof_fuse.errors import ConnectError, TransportError
 from nvmeof_fuse.host.memory import Region
 from nvmeof_fuse.nvme import Completion
 from nvmeof_fuse.nvme.sgl import NULL_SGL, in_capsule_data, keyed_data_block
-from nvmeof_fuse.transport import rdma
 from nvmeof_fuse.transport.rdma import CommandSlots, RdmaQueue, cm_request, parse_cm_accept
 
 
@@ -77,21 +76,40 @@ def test_send_then_response_finishes():
     slots = CommandSlots(8)
     request = slots.allocate(None)
     slots.send_completed(request.cid)
-    assert request.sent and not request.done.is_set()
+    assert request.sent and not request.finished
     assert slots.available == 6
     slots.response(completion(request.cid))
-    assert request.done.is_set() and request.completion.command_id == request.cid
+    assert request.finished and request.completion.command_id == request.cid
     assert request.error is None
     assert slots.available == 7 and not slots.pending
 
 
-def test_response_then_send_finishes():
+def test_response_finishes_before_send_but_keeps_the_slot():
     slots = CommandSlots(8)
     request = slots.allocate(None)
     slots.response(completion(request.cid))
-    assert not request.done.is_set()
+    assert request.finished  # the caller may go on: the target answered
+    assert slots.available == 6 and slots.awaiting_send == 1  # the SEND still owns the slot
     slots.send_completed(request.cid)
-    assert request.done.is_set() and slots.available == 7
+    assert slots.available == 7 and slots.awaiting_send == 0 and not slots.pending
+
+
+def test_in_capsule_data_waits_for_its_send():
+    slots = CommandSlots(8)
+    request = slots.allocate(None)
+    request.inline = True  # the HCA reads the caller's memory until the SEND completes
+    slots.response(completion(request.cid))
+    assert not request.finished and slots.awaiting_send == 1
+    slots.send_completed(request.cid)
+    assert request.finished and slots.available == 7 and slots.awaiting_send == 0
+
+
+def test_second_response_is_a_transport_error():
+    slots = CommandSlots(8)
+    request = slots.allocate(None)
+    slots.response(completion(request.cid))
+    with pytest.raises(TransportError, match="second response for command ID"):
+        slots.response(completion(request.cid))
 
 
 def test_finished_slot_is_reused():
@@ -108,7 +126,7 @@ def test_release_returns_unsent_slot():
     request = slots.allocate(None)
     slots.release(request)
     assert slots.available == 2 and not slots.pending
-    assert not request.done.is_set()
+    assert not request.finished
 
 
 def test_fail_all_finishes_everything_with_the_error():
@@ -117,8 +135,8 @@ def test_fail_all_finishes_everything_with_the_error():
     slots.send_completed(requests[0].cid)
     error = TransportError("gone")
     slots.fail_all(error)
-    assert all(r.done.is_set() and r.error is error for r in requests)
-    assert slots.available == 7 and not slots.pending
+    assert all(r.finished and r.error is error for r in requests)
+    assert slots.available == 7 and not slots.pending and slots.awaiting_send == 0
 
 
 def test_unknown_cid_is_a_transport_error():
@@ -146,10 +164,10 @@ class FakeSGE:
 
 
 @pytest.fixture
-def queue(monkeypatch):
+def queue():
     """An RdmaQueue with no verbs objects: enough for ``data_pointer``."""
-    monkeypatch.setattr(rdma, "_verbs", lambda: SimpleNamespace(SGE=FakeSGE))
     q = RdmaQueue.__new__(RdmaQueue)
+    q._ib = SimpleNamespace(SGE=FakeSGE)
     q.in_capsule_bytes = 4096
     return q
 

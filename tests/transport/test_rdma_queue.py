@@ -1,0 +1,344 @@
+"""RdmaQueue's command path over fake verbs: completion, timeouts, cancellation, failures.
+
+The fake QP records what is posted and the test decides when (and whether) the target's SEND
+completion and response arrive; the completion channel is a pipe, as the real one is an fd.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import errno
+import functools
+import os
+import struct
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+from nvmeof_fuse.errors import CommandTimeout, TransportError
+from nvmeof_fuse.host.memory import host_buffer
+from nvmeof_fuse.nvme import command as cmd
+from nvmeof_fuse.nvme.sgl import NULL_SGL
+from nvmeof_fuse.transport import rdma
+
+
+class FakeSGE:
+    def __init__(self, addr: int, length: int, lkey: int = 0) -> None:
+        self.addr, self.length, self.lkey = addr, length, lkey
+
+
+class FakeWR:
+    def __init__(self, wr_id: int = 0, sg_list=None, **kw) -> None:
+        self.wr_id, self.sg_list = wr_id, list(sg_list or [])
+
+
+FAKE_VERBS = SimpleNamespace(
+    SGE=FakeSGE, SendWR=FakeWR, RecvWR=FakeWR, QPInitAttr=lambda **kw: SimpleNamespace(**kw),
+    QPType=SimpleNamespace(RC=2), WROpcode=SimpleNamespace(SEND=2),
+    SendFlags=SimpleNamespace(SIGNALED=2))
+
+
+class WC:
+    def __init__(self, wr_id: int, status: int = 0) -> None:
+        self.wr_id, self.status = wr_id, status
+        self.status_str, self.vendor_err = "flushed" if status else "success", 0
+
+
+class Channel:
+    def __init__(self) -> None:
+        self.fd, self._wfd = os.pipe()
+        self.events: collections.deque = collections.deque()
+
+    def signal(self, cq) -> None:
+        self.events.append(cq)
+        os.write(self._wfd, b"x")
+
+    def get_cq_event(self):
+        try:
+            os.read(self.fd, 1)
+        except BlockingIOError:
+            raise OSError(errno.EAGAIN, "no event") from None
+        return self.events.popleft()
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.close(self._wfd)
+
+
+class CQ:
+    def __init__(self, channel: Channel) -> None:
+        self.channel, self.wcs, self.armed = channel, collections.deque(), False
+
+    def add(self, wc: WC) -> None:
+        self.wcs.append(wc)
+        if self.armed:
+            self.armed = False
+            self.channel.signal(self)
+
+    def poll(self, n: int) -> list:
+        return [self.wcs.popleft() for _ in range(min(n, len(self.wcs)))]
+
+    def req_notify(self) -> None:
+        self.armed = True
+
+    def ack_events(self, n: int = 1) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class QP:
+    def __init__(self, attr) -> None:
+        self.send_cq, self.recv_cq = attr.send_cq, attr.recv_cq
+        self.sent: dict[int, FakeWR] = {}  # cid -> capsule SEND
+        self.recvs: collections.deque = collections.deque()
+        self.posts: list[int] = []  # WRs per post_send call
+        self.fail_posts = False
+
+    def post_send(self, wrs) -> None:
+        if self.fail_posts:
+            raise OSError(errno.ENOMEM, "send queue full")
+        self.posts.append(len(wrs))
+        for wr in wrs:
+            self.sent[wr.wr_id & rdma._INDEX] = wr
+
+    def post_recv(self, wrs) -> None:
+        self.recvs.extend(wrs)
+
+    def close(self) -> None:
+        pass
+
+    # -- the target's side --
+    def send_done(self, cid: int, status: int = 0) -> None:
+        self.send_cq.add(WC(self.sent[cid].wr_id, status))
+
+    def respond(self, cid: int, status_word: int = 0) -> None:
+        recv = self.recvs.popleft()
+        ctypes.memmove(recv.sg_list[0].addr,
+                       struct.pack("<QHHHH", 0, 0, 1, cid, status_word << 1 | 1), 16)
+        self.recv_cq.add(WC(recv.wr_id))
+
+
+class Registration:
+    lkey, rkey = 0x11, 0x22
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def queue(monkeypatch):
+    monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
+    transport = SimpleNamespace(pd=object(), register=lambda addr, length, owner: Registration(),
+                                traddr="fake", trsvcid=4420)
+    channel = Channel()
+    context = SimpleNamespace(create_comp_channel=lambda: channel,
+                              create_cq=lambda size, ch: CQ(ch))
+    cm = SimpleNamespace(context=context, create_qp=lambda pd, attr: QP(attr), connected=False)
+    q = rdma.RdmaQueue(transport, cm, 1, 8, in_capsule_bytes=4096)
+    q.qp.post_recv(q._recvs)
+    yield q
+    q.close()
+
+
+HANG_GUARD = 60  # seconds: a hang fails the test instead of stalling the suite
+
+
+def in_trio(test):
+    """Run an async test body under trio (the suite has no trio pytest plugin)."""
+    @functools.wraps(test)
+    def run(queue):
+        async def guarded():
+            with trio.fail_after(HANG_GUARD):
+                await test(queue)
+
+        trio.run(guarded)
+
+    return run
+
+
+def read_command():
+    return cmd.read(1, 0, 1, NULL_SGL)
+
+
+async def started(queue, nursery) -> None:
+    await nursery.start(queue.reap)
+
+
+@in_trio
+async def test_response_completes_the_command_and_the_send_frees_its_slot(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results = []
+
+        async def one():
+            results.append(await queue.execute(read_command(), timeout=30))
+
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        (cid,) = queue.qp.sent
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert results and results[0].command_id == cid and results[0].ok
+        assert queue.available == 6  # the SEND has not completed: its slot stays taken
+        queue.qp.send_done(cid)  # the send CQ was armed for it
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_in_capsule_write_waits_for_its_send(queue):
+    buf = host_buffer(lambda addr, length, owner: Registration(), 4096)
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        done = []
+
+        async def one():
+            done.append(await queue.execute(cmd.write(1, 0, 1, NULL_SGL), buf.ref(0, 512),
+                                            to_controller=True, timeout=30))
+
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        (cid,) = queue.qp.sent
+        assert len(queue.qp.sent[cid].sg_list) == 2  # capsule + the caller's data
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not done  # the HCA may still read the caller's buffer
+        queue.qp.send_done(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert done and queue.available == 7
+        nursery.cancel_scope.cancel()
+    buf.close()
+
+
+@in_trio
+async def test_timeout_abandons_the_command_until_the_target_answers(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        with pytest.raises(CommandTimeout, match="got no completion within 0.01 s"):
+            await queue.execute(read_command(), timeout=0.01)
+        (cid,) = queue.qp.sent
+        assert queue.available == 6  # the target may still write: the slot stays taken
+        queue.qp.send_done(cid)
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_cancelled_caller_still_waits_for_its_command(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        outcome = {}
+
+        async def one():
+            with trio.CancelScope() as scope:
+                outcome["scope"] = scope
+                outcome["completion"] = await queue.execute(read_command(), timeout=30)
+                await trio.lowlevel.checkpoint()
+            outcome["cancelled"] = scope.cancelled_caught
+
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        outcome["scope"].cancel()
+        await trio.testing.wait_all_tasks_blocked()
+        assert "completion" not in outcome  # not abandoned: the target may be moving data
+        (cid,) = queue.qp.sent
+        queue.qp.send_done(cid)
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert outcome["completion"].ok and outcome["cancelled"]
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_failed_work_request_fails_waiting_and_later_commands(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        errors = []
+
+        async def one():
+            try:
+                await queue.execute(read_command(), timeout=30)
+            except TransportError as exc:
+                errors.append(exc)
+
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        (cid,) = queue.qp.sent
+        queue.qp.send_done(cid, status=5)  # flushed: the QP went to error
+        queue.qp.respond(cid)  # wakes the reaper, which meets the failed SEND first
+        await trio.testing.wait_all_tasks_blocked()
+        assert errors and "work request failed: flushed" in str(errors[0])
+        with pytest.raises(TransportError, match="work request failed"):
+            await queue.execute(read_command(), timeout=30)
+
+
+@in_trio
+async def test_stopping_the_reaper_fails_waiting_callers(queue):
+    errors = []
+    async with trio.open_nursery() as outer:
+        async with trio.open_nursery() as reaper:
+            await started(queue, reaper)
+
+            async def one():
+                try:
+                    await queue.execute(read_command(), timeout=30)
+                except TransportError as exc:
+                    errors.append(exc)
+
+            outer.start_soon(one)
+            await trio.testing.wait_all_tasks_blocked()
+            reaper.cancel_scope.cancel()
+    assert errors and "stopped" in str(errors[0])
+
+
+@in_trio
+async def test_commands_posted_in_one_batch_share_one_post_send(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        done = []
+
+        async def one():
+            done.append(await queue.execute(read_command(), timeout=30))
+
+        for _ in range(4):
+            nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.qp.posts == [1, 3]  # the first alone (nothing in flight), then together
+        for cid in list(queue.qp.sent):
+            queue.qp.send_done(cid)
+            queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(done) == 4 and all(c.ok for c in done) and queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_a_failed_batched_post_fails_its_callers_and_frees_their_slots(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results = []
+
+        async def one():
+            try:
+                results.append(await queue.execute(read_command(), timeout=30))
+            except TransportError as exc:
+                results.append(exc)
+
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()  # one command in flight
+        queue.qp.fail_posts = True
+        nursery.start_soon(one)
+        nursery.start_soon(one)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [str(r) for r in results] == ["I/O queue 1: cannot post a command: "
+                                             "[Errno 12] send queue full"] * 2
+        assert queue.available == 6  # only the first command holds a slot
+        nursery.cancel_scope.cancel()
