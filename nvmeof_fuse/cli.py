@@ -186,10 +186,10 @@ def build_parser() -> argparse.ArgumentParser:
 # --- mount ------------------------------------------------------------------------
 
 
-async def _stop_on_signal(signals: Any, scope: trio.CancelScope) -> None:
+async def _stop_on_signal(signals: Any, target: Callable[[], trio.CancelScope]) -> None:
     async for signum in signals:
         log.info("%s: unmounting", signal.Signals(signum).name)
-        scope.cancel()
+        target().cancel()
 
 
 async def _flush_all(ctrl: Any) -> None:
@@ -206,22 +206,31 @@ async def _flush_all(ctrl: Any) -> None:
 async def run_mount(
     conn: Any, mopts: Any, mountpoint: str, ready: Callable[[], None], connect: Any = None
 ) -> None:
-    """Connect, mount, serve until unmounted or SIGINT/SIGTERM, then flush and disconnect."""
+    """Connect, mount, serve until unmounted or SIGINT/SIGTERM, then flush and disconnect.
+
+    A signal before the mount is up abandons the bring-up.  Once it is up, a
+    signal stops only the serving: the controller's own tasks (which reap the
+    completions) must keep running for the final flush and the orderly
+    shutdown, so they are outside the scope the signal cancels.
+    """
     from nvmeof_fuse.fs.mount import check_mountpoint_async, serve
 
     if connect is None:
         from nvmeof_fuse.host.controller import connect
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope)
+            stop = [nursery.cancel_scope]  # what a signal cancels, changed once serving
+            nursery.start_soon(_stop_on_signal, signals, lambda: stop[0])
             path = await check_mountpoint_async(mountpoint)  # fail before connecting
             async with connect(conn) as ctrl:
                 try:
-                    async with trio.open_nursery() as inner:
-                        await inner.start(serve, ctrl, path, mopts)
-                        names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
-                        log.info("mounted %s at %s", names or "no namespaces", path)
-                        ready()
+                    with trio.CancelScope() as serving:
+                        stop[0] = serving
+                        async with trio.open_nursery() as inner:
+                            await inner.start(serve, ctrl, path, mopts)
+                            names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
+                            log.info("mounted %s at %s", names or "no namespaces", path)
+                            ready()
                 finally:
                     await _flush_all(ctrl)
             nursery.cancel_scope.cancel()
