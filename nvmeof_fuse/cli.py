@@ -193,14 +193,18 @@ async def _stop_on_signal(signals: Any, target: Callable[[], trio.CancelScope]) 
 
 
 async def _flush_all(ctrl: Any) -> None:
+    flushed = []
     for nsid, ns in sorted(ctrl.namespaces.items()):
         with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
             try:
                 await ns.flush()
+                flushed.append(f"n{nsid}")
             except NVMeoFError as exc:
                 log.warning("final flush of n%d failed: %s", nsid, exc)
         if scope.cancelled_caught:
             log.warning("final flush of n%d timed out after %g s", nsid, FLUSH_TIMEOUT)
+    if flushed:
+        log.info("flushed %s", ", ".join(flushed))
 
 
 async def run_mount(
@@ -233,6 +237,7 @@ async def run_mount(
                             ready()
                 finally:
                     await _flush_all(ctrl)
+            log.info("disconnected from %s", conn.nqn)
             nursery.cancel_scope.cancel()
 
 
