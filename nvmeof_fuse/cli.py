@@ -214,6 +214,7 @@ async def run_mount(
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, signals, stop, mounted, nursery.cancel_scope)
             await serve_mount(conn, mopts, mountpoint, on_ready, connect, stop)
+            log.info("disconnected from %s", conn.nqn)
             nursery.cancel_scope.cancel()
 
 

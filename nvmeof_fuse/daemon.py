@@ -25,14 +25,18 @@ Ready = Callable[[Any, Any], None]
 
 async def flush_all(ctrl: Any) -> None:
     """Flush every namespace, each bounded and shielded (runs while shutting down)."""
+    flushed = []
     for nsid, ns in sorted(ctrl.namespaces.items()):
         with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
             try:
                 await ns.flush()
+                flushed.append(f"n{nsid}")
             except NVMeoFError as exc:
                 log.warning("final flush of n%d failed: %s", nsid, exc)
         if scope.cancelled_caught:
             log.warning("final flush of n%d timed out after %g s", nsid, FLUSH_TIMEOUT)
+    if flushed:
+        log.info("flushed %s", ", ".join(flushed))
 
 
 async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,

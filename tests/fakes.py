@@ -28,12 +28,20 @@ class FakeDevice:
         self.reads: list[tuple[int, int]] = []
         self.writes: list[tuple[int, int]] = []
         self.fail: NVMeoFError | None = None
+        self._lent: list[bytearray] = []
+
+    def _scribble_lent(self) -> None:
+        """Lent data is gone once its holder yields: any later command overwrites it."""
+        for buf in self._lent:
+            buf[:] = b"\xee" * len(buf)
+        self._lent.clear()
 
     async def _yield(self) -> None:
         for _ in range(self.rng.randrange(4) if self.rng else 1):
             await trio.sleep(0)
 
     def _check(self, slba: int, nlb: int) -> None:
+        self._scribble_lent()
         assert 0 <= slba and nlb > 0 and slba + nlb <= self.nlb, (slba, nlb)
         if self.fail is not None:
             raise self.fail
@@ -44,6 +52,12 @@ class FakeDevice:
         await self._yield()
         ls = self.lba_size
         return bytes(self.data[slba * ls : (slba + nlb) * ls])
+
+    async def lend_lbas(self, slba: int, nlb: int) -> memoryview:
+        """read_lbas, lent like Namespace.lend_lbas: the next command overwrites it."""
+        buf = bytearray(await self.read_lbas(slba, nlb))
+        self._lent.append(buf)
+        return memoryview(buf)
 
     async def write_lbas(self, slba: int, data: bytes | memoryview) -> None:
         ls = self.lba_size
@@ -87,6 +101,9 @@ class FakeNamespace:
 
     async def read(self, offset: int, length: int) -> bytes:
         return await self.io.read(offset, length)
+
+    async def read_lent(self, offset: int, length: int) -> bytes | memoryview:
+        return await self.io.read_lent(offset, length)
 
     async def write(self, offset: int, data: bytes | memoryview) -> int:
         return await self.io.write(offset, data)

@@ -253,14 +253,36 @@ import test_cli, fakes
 from nvmeof_fuse import cli
 mod = types.ModuleType("nvmeof_fuse.host.controller")
 mod.ConnectOptions = test_cli.FakeConnectOptions
-import contextlib
+import contextlib, math, trio
 @contextlib.asynccontextmanager
 async def connect(opts):
+    # Like the real controller: completions are reaped by a task in connect's own
+    # nursery, so a flush only completes while that task still runs.
     ctrl = fakes.make_controller((1, 512, 64), (2, 4096, 8))
-    try:
-        yield ctrl
-    finally:
-        print("flushes", {{n: ns.flushes for n, ns in ctrl.namespaces.items()}}, flush=True)
+    send, recv = trio.open_memory_channel(math.inf)
+
+    async def reaper():
+        async for done in recv:
+            done.set()
+
+    def reaped_flush(ns):
+        async def flush():
+            done = trio.Event()
+            send.send_nowait(done)
+            with trio.move_on_after(2):
+                await done.wait()
+            ns.flushes += done.is_set()
+        return flush
+
+    for ns in ctrl.namespaces.values():
+        ns.flush = reaped_flush(ns)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(reaper)
+        try:
+            yield ctrl
+        finally:
+            print("flushes", {{n: ns.flushes for n, ns in ctrl.namespaces.items()}}, flush=True)
+            nursery.cancel_scope.cancel()
 mod.connect = connect
 sys.modules[mod.__name__] = mod
 sys.exit(cli.main(sys.argv[1:]))
@@ -271,7 +293,8 @@ sys.exit(cli.main(sys.argv[1:]))
     not os.access("/dev/fuse", os.W_OK) or shutil.which("fusermount3") is None,
     reason="needs /dev/fuse and fusermount3",
 )
-def test_foreground_mount_until_sigint(tmp_path):
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM", "fusermount3 -u"])
+def test_foreground_mount_until_stopped(tmp_path, stop):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     rfd, wfd = os.pipe()
@@ -290,11 +313,16 @@ def test_foreground_mount_until_sigint(tmp_path):
         assert status == "ready", proc.stderr.read() if status == "" else status
         assert sorted(os.listdir(mnt)) == [".nvmeof", "n1", "n2"]
         assert cli.main(["list", str(mnt)]) == 0
-        proc.send_signal(signal.SIGINT)
+        if stop.startswith("SIG"):
+            proc.send_signal(getattr(signal, stop))
+        else:
+            subprocess.run(["fusermount3", "-u", str(mnt)], timeout=STEP, check=True)
         out, err = proc.communicate(timeout=STEP)
         assert proc.returncode == 0, err
-        assert "flushes {1: 1, 2: 1}" in out  # final flush before disconnect
-        assert "SIGINT: unmounting" in err and "Traceback" not in err
+        assert "flushes {1: 1, 2: 1}" in out  # final flush, while the controller still runs
+        assert "flushed n1, n2" in err and "disconnected from" in err and "Traceback" not in err
+        if stop.startswith("SIG"):
+            assert f"{stop}: unmounting" in err
         assert not any(m.mountpoint == str(mnt) for m in read_mountinfo())
     finally:
         if proc.poll() is None:

@@ -33,6 +33,12 @@ FSNAME = "nvmeof-fuse"
 SUBTYPE = "nvmeof"  # mounts show up as fstype fuse.nvmeof
 CHECK_TIMEOUT = 10.0  # s for stat()s of the mountpoint: a hung FUSE mount blocks them
 DRAIN_TIMEOUT = 30.0  # s for in-flight requests to finish once asked to stop
+# Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us.  Its default of 12
+# (FUSE_DEFAULT_MAX_BACKGROUND) holds back a queue depth of 16; libfuse sets it only from C,
+# so we raise it through fusectl when we may.  32 matches the controller's bounce buffers,
+# which each request in flight holds.
+MAX_BACKGROUND = 32
+FUSECTL = "/sys/fs/fuse/connections"
 
 _serving = False
 
@@ -48,6 +54,7 @@ class MountInfo:
     mountpoint: str
     fstype: str
     source: str
+    dev: str = ""  # "major:minor" of the superblock
 
 
 def _unescape(field: str) -> str:
@@ -62,7 +69,8 @@ def read_mountinfo(path: str = "/proc/self/mountinfo") -> list[MountInfo]:
             left, _, right = line.partition(" - ")
             fields, rfields = left.split(), right.split()
             if len(fields) >= 5 and len(rfields) >= 2:
-                mounts.append(MountInfo(_unescape(fields[4]), rfields[0], _unescape(rfields[1])))
+                mounts.append(MountInfo(_unescape(fields[4]), rfields[0], _unescape(rfields[1]),
+                                        fields[2]))
     return mounts
 
 
@@ -112,6 +120,35 @@ def fuse_options(options: MountOptions) -> set[str]:
     return opts
 
 
+def raise_max_background(path: str, value: int = MAX_BACKGROUND,
+                         fusectl: str = FUSECTL) -> int | None:
+    """Let the kernel send up to ``value`` async requests at once; the limit now, or None.
+
+    Goes through the fusectl file system (``/sys/fs/fuse/connections/<dev>/``),
+    which needs it mounted (systemd does) and root; otherwise the kernel's
+    default stays and this says so at debug level.  Never lowers the limit.
+    """
+    m = _find_mount(path)
+    if m is None or not m.dev.startswith("0:"):
+        return None
+    knob = os.path.join(fusectl, m.dev.split(":")[1], "max_background")
+    try:  # fusectl files take one read or write each, from offset 0, and cannot seek
+        with open(knob, "rb", buffering=0) as f:
+            current = int(f.read(32))
+        if current < value:
+            fd = os.open(knob, os.O_WRONLY)  # no O_TRUNC: it is not a regular file
+            try:
+                os.write(fd, str(value).encode())
+            finally:
+                os.close(fd)
+            current = value
+    except (OSError, ValueError) as exc:
+        log.debug("kept the kernel's FUSE max_background: %s", exc)
+        return None
+    log.debug("FUSE max_background is %d", current)
+    return current
+
+
 async def check_mountpoint_async(path: str) -> str:
     """check_mountpoint in a thread, bounded: a hung FUSE mount blocks stat()."""
     with trio.move_on_after(CHECK_TIMEOUT):
@@ -153,6 +190,7 @@ async def serve(
     path = await check_mountpoint_async(mountpoint)
     ops = NamespaceFS(controller, options)
     _init(ops, path, options)
+    raise_max_background(path)
     _serving = True
     session = _Session(ops, path, drain_timeout)
     log.info("mounted at %s", path)

@@ -62,14 +62,19 @@ class _Handle:
     content: bytes = b""  # info files: rendered once at open
 
 
+def _fuse_error(exc: NVMeoFError, what: str) -> FUSEError:
+    """The FUSEError(errno) for ``exc``, after logging its one-line message."""
+    log.warning("%s: %s", what, exc)
+    return FUSEError(exc.errno)
+
+
 @contextmanager
 def _fuse_errors(what: str) -> Iterator[None]:
-    """Turn NVMeoFError into FUSEError(errno), logging its one-line message."""
+    """Turn NVMeoFError into FUSEError(errno) (for the rarer calls; read/write inline it)."""
     try:
         yield
     except NVMeoFError as exc:
-        log.warning("%s: %s", what, exc)
-        raise FUSEError(exc.errno) from None
+        raise _fuse_error(exc, what) from None
 
 
 async def _deny(*_args: object, **_kwargs: object) -> None:
@@ -241,8 +246,12 @@ class NamespaceFS(pyfuse3.Operations):
         if isinstance(h.node, _InfoFile):
             return h.content[off : off + size]
         ns = h.node.ns
-        with _fuse_errors(f"read of {size} bytes at offset {off} of n{ns.nsid}"):
-            return await ns.read(off, size)
+        try:
+            # Lent data (straight from the bounce buffer): pyfuse3 sends the reply
+            # before this task yields again, so no copy is needed.
+            return await ns.read_lent(off, size)
+        except NVMeoFError as exc:
+            raise _fuse_error(exc, f"read of {size} bytes at offset {off} of n{ns.nsid}") from None
 
     async def write(self, fh, off, buf):
         h = self.handles[fh]
@@ -252,9 +261,12 @@ class NamespaceFS(pyfuse3.Operations):
         if off >= ns.size:
             raise FUSEError(errno.ENOSPC)
         # Like a block device: a write straddling the end is cut short there.
-        data = memoryview(buf)[: ns.size - off]
-        with _fuse_errors(f"write of {len(data)} bytes at offset {off} of n{ns.nsid}"):
+        data = memoryview(buf)[: ns.size - off] if off + len(buf) > ns.size else buf
+        try:
             return await ns.write(off, data)
+        except NVMeoFError as exc:
+            what = f"write of {len(data)} bytes at offset {off} of n{ns.nsid}"
+            raise _fuse_error(exc, what) from None
 
     async def flush(self, fh):
         h = self.handles[fh]

@@ -135,7 +135,9 @@ class BouncePool:
 
     Buffers are registered once and reused.  A buffer whose command timed out or
     whose transport failed may still be written by the target, so it is never
-    handed out again.
+    handed out again.  ``borrow()`` is the usual way; ``take()``/``give()`` are
+    the same two halves for callers that hand the data on after giving the
+    buffer back (see :meth:`Namespace.lend_lbas`).
     """
 
     def __init__(self, register: Register, chunk: int, count: int,
@@ -146,26 +148,43 @@ class BouncePool:
         self._all = list(self._free)
         self._available = trio.Semaphore(count)
 
+    @property
+    def available(self) -> int:
+        """Buffers free right now."""
+        return self._available.value
+
+    async def take(self) -> Region:
+        """A free buffer, waiting up to ``timeout`` for one; pair with :meth:`give`.
+
+        Does not yield when a buffer is free: this is on every bounced I/O.
+        """
+        try:
+            self._available.acquire_nowait()
+        except trio.WouldBlock:
+            with trio.move_on_after(self.timeout) as waited:
+                await self._available.acquire()
+            if waited.cancelled_caught:
+                raise CommandTimeout(
+                    f"no bounce buffer came free within {self.timeout:g} s") from None
+        return self._free.pop()
+
+    def give(self, region: Region) -> None:
+        """Return a buffer from :meth:`take` (never one the target may still write)."""
+        self._free.append(region)
+        self._available.release()
+
     @contextlib.asynccontextmanager
     async def borrow(self) -> AsyncIterator[Region]:
-        with trio.move_on_after(self.timeout) as waited:
-            await self._available.acquire()
-        if waited.cancelled_caught:
-            raise CommandTimeout(f"no bounce buffer came free within {self.timeout:g} s")
-        region = self._free.pop()
+        region = await self.take()
         try:
             yield region
         except (CommandTimeout, TransportError):
-            raise
+            raise  # the target may still write it: it stays taken
         except BaseException:
-            self._give_back(region)
+            self.give(region)
             raise
         else:
-            self._give_back(region)
-
-    def _give_back(self, region: Region) -> None:
-        self._free.append(region)
-        self._available.release()
+            self.give(region)
 
     def close(self) -> None:
         for region in self._all:

@@ -2,8 +2,9 @@
 
 ``read_into``/``write_from`` move data straight between the target and caller
 memory registered with the controller (no host copy).  ``read_lbas`` and
-``write_lbas`` go through the controller's bounce buffers, and ``read``/
-``write`` take any byte offset and length (partial LBAs by read-modify-write).
+``write_lbas`` go through the controller's bounce buffers (``lend_lbas`` hands
+a read's bounce buffer on instead of copying it), and ``read``/``write`` take
+any byte offset and length (partial LBAs by read-modify-write).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import InvalidArgument
+from ..errors import CommandTimeout, InvalidArgument, TransportError
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO
 from .memory import DataRef
@@ -92,10 +93,25 @@ class Namespace:
     # -- bounce-buffered LBA I/O (the LbaDevice of ByteRangeIO) ----------------------------------
 
     async def read_lbas(self, slba: int, nlb: int) -> bytes:
+        """Read ``nlb`` LBAs at ``slba`` into bytes of the caller's own."""
+        return bytes(await self.lend_lbas(slba, nlb))
+
+    async def lend_lbas(self, slba: int, nlb: int) -> memoryview:
+        """Read ``nlb`` LBAs at ``slba``; the data is *lent*: use it before the calling task
+        next yields (awaits anything), after which it may be overwritten.
+
+        A read of one command comes straight out of the bounce buffer it landed in
+        (no host copy).  That buffer goes back to the pool before this returns, but
+        nothing can take it again until the caller yields, and a caller like a FUSE
+        reply copies it out first.  Longer reads are gathered into memory the caller
+        then owns.
+        """
         self.check_range(slba, nlb)
-        out = bytearray(nlb * self.lba_size)
-        await self._bounced(slba, nlb, memoryview(out), write=False)
-        return bytes(out)
+        if nlb <= self._per_command():
+            return await self._bounce_one(slba, nlb, None, write=False)
+        out = memoryview(bytearray(nlb * self.lba_size))
+        await self._bounced(slba, nlb, out, write=False)
+        return out
 
     async def write_lbas(self, slba: int, data: bytes | memoryview) -> None:
         src = memoryview(data).cast("B")
@@ -108,27 +124,56 @@ class Namespace:
 
     async def _bounced(self, slba: int, nlb: int, host: memoryview, write: bool) -> None:
         """Move ``host`` memory through registered bounce buffers, one chunk per command."""
-        pool = self.controller.bounce
-        assert pool is not None
+        if nlb <= self._per_command():  # the common case, without the job machinery
+            await self._bounce_one(slba, nlb, host, write)
+            return
+        ls = self.lba_size
 
         def job(lba: int, n: int, at: int):
-            async def run() -> None:
-                length = n * self.lba_size
-                async with pool.borrow() as bounce:
-                    if write:
-                        bounce.view[:length] = host[at:at + length]
-                    await self._transfer(lba, n, bounce.ref(0, length), write)
-                    if not write:
-                        host[at:at + length] = bounce.view[:length]
-            return run
+            return lambda: self._bounce_one(lba, n, host[at:at + n * ls], write)
 
         await run_all([job(*c) for c in self._chunks(slba, nlb)])
+
+    async def _bounce_one(self, slba: int, nlb: int, host: memoryview | None,
+                          write: bool) -> memoryview:
+        """One command through one bounce buffer, copying to or from ``host``.
+
+        Returns the buffer's view of the data: lent, as in :meth:`lend_lbas`.
+        """
+        length = nlb * self.lba_size
+        pool = self.controller.bounce
+        assert pool is not None
+        region = await pool.take()
+        view = region.view
+        assert view is not None
+        try:
+            if write:
+                view[:length] = host
+                sqe = cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL)
+            else:
+                sqe = cmd.read(self.nsid, slba, nlb, nvme.NULL_SGL)
+            await self.controller.io_command(sqe, DataRef(region, 0, length),
+                                             to_controller=write)
+            if host is not None and not write:
+                host[:] = view[:length]
+        except (CommandTimeout, TransportError):
+            raise  # the target may still move data into it: the buffer stays taken
+        except BaseException:
+            pool.give(region)
+            raise
+        pool.give(region)
+        return view[:length]
 
     # -- byte-addressed I/O ----------------------------------------------------------------------
 
     async def read(self, offset: int, length: int) -> bytes:
         """Read at any byte offset; short at the end of the namespace."""
         return await self._bytes.read(offset, length)
+
+    async def read_lent(self, offset: int, length: int) -> memoryview | bytes:
+        """:meth:`read` without the copy: lent data, valid until the calling task next
+        yields (see :meth:`lend_lbas`).  For handing straight on, as a FUSE reply does."""
+        return await self._bytes.read_lent(offset, length)
 
     async def write(self, offset: int, data: bytes | memoryview) -> int:
         """Write at any byte offset; partial LBAs by read-modify-write."""

@@ -26,14 +26,14 @@ async def main(mountpoint: str, read_only: bool, hold_reads: bool) -> None:
     release = trio.Event()
     if hold_reads:  # n2 reads block until a signal arrives: tests draining on stop
         n2 = ctrl.namespaces[2]
-        plain_read = n2.read
+        plain_read = n2.read_lent
 
-        async def held_read(offset: int, length: int) -> bytes:
+        async def held_read(offset: int, length: int) -> bytes | memoryview:
             print("INFLIGHT", flush=True)
             await release.wait()
             return await plain_read(offset, length)
 
-        n2.read = held_read
+        n2.read_lent = held_read
     opts = MountOptions(read_only=read_only, mode=0o640)
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:

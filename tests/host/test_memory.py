@@ -261,3 +261,36 @@ def test_buffer_is_returned_after_cancellation():
         assert await _can_borrow(pool)
 
     trio.run(main)
+
+
+def test_take_does_not_yield_while_a_buffer_is_free_then_waits_for_give():
+    pool = BouncePool(FakeRegister(), 4096, 1)
+
+    async def main():
+        with trio.testing.assert_no_checkpoints():
+            region = await pool.take()
+        assert pool.available == 0
+        got = []
+
+        async def taker():
+            got.append(await pool.take())
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(taker)
+            await trio.testing.wait_all_tasks_blocked()
+            assert got == []
+            pool.give(region)
+        assert got == [region] and pool.available == 0
+
+    trio.run(main)
+
+
+def test_take_times_out_when_no_buffer_comes_free():
+    pool = BouncePool(FakeRegister(), 4096, 1, timeout=5.0)
+
+    async def main():
+        await pool.take()
+        with pytest.raises(CommandTimeout, match="no bounce buffer came free within 5 s"):
+            await pool.take()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -146,6 +146,35 @@ def test_read_lbas_splits_and_returns_disk_contents():
                                               (OPC_READ, 11, 4), (OPC_READ, 15, 1)]
 
 
+def test_lend_lbas_hands_out_the_bounce_buffer_and_gives_it_back():
+    ns = namespace(max_transfer=2048, buffers=2)
+    disk = ns.controller.disk
+    pool = ns.controller.bounce
+
+    async def main():
+        lent = await ns.lend_lbas(5, 4)
+        assert lent == disk[5 * 512:9 * 512]
+        assert lent.obj is pool._all[0].view.obj or lent.obj is pool._all[1].view.obj
+        assert pool.available == 2
+        longer = await ns.lend_lbas(1, 9)  # two commands: gathered into memory of its own
+        assert longer == disk[512:10 * 512] and pool.available == 2
+        assert all(longer.obj is not r.view.obj for r in pool._all)
+
+    trio.run(main)
+
+
+def test_lend_lbas_keeps_a_buffer_the_target_may_still_write():
+    ns = namespace(max_transfer=2048, buffers=2)
+    ns.controller.fail = CommandTimeout("I/O queue 1: command 3 got no completion")
+    with pytest.raises(CommandTimeout):
+        trio.run(ns.lend_lbas, 0, 4)
+    assert ns.controller.bounce.available == 1
+    ns.controller.fail = InvalidArgument("any other error")
+    with pytest.raises(InvalidArgument):
+        trio.run(ns.lend_lbas, 0, 4)
+    assert ns.controller.bounce.available == 1
+
+
 def test_write_then_read_round_trip_with_more_chunks_than_buffers():
     ns = namespace(nlb=64, max_transfer=1024, buffers=2)
     payload = random.Random(2).randbytes(40 * 512)
@@ -214,6 +243,22 @@ def test_transfer_length_must_match():
     with pytest.raises(InvalidArgument,
                        match="buffer of 1000 bytes does not hold 2 LBAs of 512 bytes"):
         trio.run(ns.read_into, 0, 2, region.ref(0, 1000))
+
+
+def test_read_lent_matches_read_at_any_offset():
+    ns = namespace(nlb=64, max_transfer=2048)
+    disk = bytes(ns.controller.disk)
+    rng = random.Random(5)
+
+    async def main():
+        for _ in range(50):
+            offset = rng.randrange(len(disk) + 10)
+            length = rng.randrange(3000)
+            want = disk[offset:offset + length]
+            assert await ns.read(offset, length) == want
+            assert bytes(await ns.read_lent(offset, length)) == want
+
+    trio.run(main)
 
 
 def test_byte_read_and_write_at_any_offset():

@@ -6,11 +6,15 @@ import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import threading
 
 import pytest
 from kernel_initiator import connected, pread_direct, pwrite_direct
+
+from nvmeof_fuse.cli import _read_line
+from nvmeof_fuse.fs.mount import read_mountinfo
 
 MNT = "/tmp/nvmeof-test"
 TIMEOUT = 120
@@ -123,6 +127,7 @@ def test_mkfs_ext4_on_a_loop_device(mnt, tmp_path):
     finally:
         sh("umount", str(fsdir), check=False)
         sh("losetup", "-d", loop, check=False)
+        sh("sync", timeout=600)  # write back n2's page cache here, not during the next tests
 
 
 @pytest.mark.parametrize("case", ["wrong nqn", "unreachable", "missing mountpoint", "in use"])
@@ -137,8 +142,60 @@ def test_bad_mounts_fail_in_one_line(testbed, mnt, tmp_path, case):
         target = str(tmp_path / "absent")
     else:
         target = mnt
-    out = sh(*mount_args(testbed, "--daemon", target, **kw), check=False, timeout=60)
+    out = sh(*mount_args(testbed, "--daemon", target, **kw), check=False)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nvmeof-fuse: error:"), out.stderr
+
+
+def rdma_qps() -> list[str]:
+    """The RC queue pairs on the host (the GSI QP of the rxe link is always there)."""
+    out = sh("rdma", "resource", "show", "qp").stdout
+    return [line for line in out.splitlines() if " type RC " in line]
+
+
+def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(testbed, tmp_path):
+    """Three daemons side by side (one wait for all the imports), each stopped another way."""
+    baseline = rdma_qps()
+    stops = ["SIGINT", "SIGTERM", "fusermount3 -u"]
+    daemons = []
+    try:
+        for i, stop in enumerate(stops):
+            point = tmp_path / f"m{i}"
+            point.mkdir()
+            rfd, wfd = os.pipe()
+            proc = subprocess.Popen([*mount_args(testbed, "--ready-fd", str(wfd), str(point))],
+                                    pass_fds=(wfd,), stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True)
+            os.close(wfd)
+            daemons.append((stop, point, proc, rfd))
+        for _, _, proc, rfd in daemons:
+            status = _read_line(rfd, TIMEOUT)
+            os.close(rfd)
+            assert status == "ready", proc.stderr.read() if status == "" else status
+        assert len(rdma_qps()) > len(baseline)
+        for i, (stop, point, proc, _) in enumerate(daemons):
+            fd = os.open(f"{point}/n1", os.O_RDWR)  # some I/O and an open file to drain
+            try:
+                os.pwrite(fd, bytes([i + 1]) * 4096, (200 << 20) + i * 4096)
+                assert os.pread(fd, 4096, (200 << 20) + i * 4096) == bytes([i + 1]) * 4096
+            finally:
+                os.close(fd)
+            if stop.startswith("SIG"):
+                proc.send_signal(getattr(signal, stop))
+            else:
+                sh("fusermount3", "-u", str(point))
+        for stop, point, proc, _ in daemons:
+            err = proc.communicate(timeout=TIMEOUT)[1]
+            assert proc.returncode == 0, f"{stop}: {err}"
+            assert "flushed n1, n2" in err and "disconnected from" in err, f"{stop}: {err}"
+            assert "failed" not in err and "timed out" not in err, f"{stop}: {err}"
+            assert not any(m.mountpoint == str(point) for m in read_mountinfo()), stop
+        assert len(rdma_qps()) == len(baseline)
+    finally:
+        for _, point, proc, _ in daemons:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=TIMEOUT)
+            sh("fusermount3", "-uz", str(point), check=False)
