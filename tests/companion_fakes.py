@@ -120,9 +120,9 @@ class AddressController:
 
 
 @contextlib.contextmanager
-def serving(ctrl: AddressController, tmp_path: Any):
+def serving(ctrl: AddressController, tmp_path: Any, *, read_only: bool = False):
     """Serve ``ctrl``'s companion socket on a trio thread; yields (server, mount dir)."""
-    server = CompanionServer(ctrl)
+    server = CompanionServer(ctrl, read_only=read_only)
     started = threading.Event()
     state: dict[str, Any] = {}
 

@@ -193,3 +193,45 @@ def test_protocol_round_trip_and_limits():
         protocol.decode(b"\0\0\0\x09{}")
     with pytest.raises(InvalidArgument, match="exceeds"):
         protocol.encode({}, bytes(protocol.MAX_MESSAGE))
+
+
+def test_a_closed_file_says_so(served):
+    ctrl, server, mnt = served
+    f = File(str(mnt / "n1"))
+    f.close()
+    arr = nvmeof_fuse.empty(512)
+    for call in (f.read, f.pread, f.write, f.pwrite):
+        with pytest.raises(CompanionError, match=r"n1 is closed") as exc:
+            call(arr)
+        assert exc.value.errno == errno.EBADF
+
+
+def test_a_read_only_mount_refuses_writes_on_both_sides(tmp_path):
+    ctrl = AddressController()
+    with serving(ctrl, tmp_path, read_only=True) as (server, mnt), File(str(mnt / "n1")) as f:
+        arr = nvmeof_fuse.empty(1024)
+        with pytest.raises(CompanionError, match="n1 is mounted read-only"):
+            f.write(arr)
+        assert f.read(arr) == 1024
+        with pytest.raises(CompanionError, match="the namespace is mounted read-only") as exc:
+            f._channel.write(1, 0, 512, f._staging.rid, 0, b"", b"", 10)
+        assert exc.value.errno == errno.EROFS
+
+
+def test_a_silent_daemon_times_out_by_name(tmp_path):
+    import json
+
+    name = f"\0nvmeof-fuse-test/{os.getpid()}/silent"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(name)
+    listener.listen(1)  # connects queue up; nothing ever answers
+    mnt = tmp_path / "mnt"
+    (mnt / ".nvmeof").mkdir(parents=True)
+    (mnt / "n1").touch()
+    (mnt / ".nvmeof" / "companion.json").write_text(json.dumps({"socket": "@" + name[1:]}))
+    try:
+        with pytest.raises(CompanionError, match=r"did not answer hello within 0\.3 s") as exc:
+            File(str(mnt / "n1"), timeout=0.3)
+        assert exc.value.errno == errno.ETIMEDOUT
+    finally:
+        listener.close()
