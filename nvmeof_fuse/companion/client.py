@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, NamedTuple
 
 from ..errors import InvalidArgument, NVMeoFError
 from ..host.byterange import NoSpace
@@ -199,6 +199,15 @@ class _CudaTarget(_Target):
         self.cuda.synchronize()  # work producing the tensor must be done before the NIC reads
 
 
+class _Memory(NamedTuple):
+    """Caller memory: ``cuda`` is the seam for a CUDA tensor, None for host memory."""
+
+    cuda: gpu.CudaOps | None
+    addr: int
+    total: int
+    owner: Any
+
+
 class File:
     """A namespace file of a mounted controller, opened for direct placement."""
 
@@ -280,31 +289,37 @@ class File:
 
     # -- caller memory ---------------------------------------------------------------------
 
-    def _span(self, buf: Any, size: int | None, buf_offset: int, cuda: Any) -> tuple[int, int]:
+    @staticmethod
+    def _memory(buf: Any) -> _Memory:
+        """Where ``buf`` lives, resolved once per call."""
+        cuda = gpu.ops()
         if cuda.is_cuda(buf):
-            _, total = cuda.span(buf)
-        else:
-            _, total, _ = buffer_address(buf)
+            addr, total = cuda.span(buf)
+            return _Memory(cuda, addr, total, buf)
+        return _Memory(None, *buffer_address(buf))
+
+    @staticmethod
+    def _span(mem: _Memory, size: int | None, buf_offset: int) -> int:
+        """The bytes to move: ``size``, or the rest of the buffer; checked against it."""
+        total = mem.total
         if buf_offset < 0 or buf_offset > total:
             raise InvalidArgument(f"buf_offset {buf_offset} is outside the {total}-byte buffer")
         size = total - buf_offset if size is None else size
         if size < 0 or buf_offset + size > total:
             raise InvalidArgument(f"size {size} at buf_offset {buf_offset} overruns the "
                                   f"{total}-byte buffer")
-        return size, total
+        return size
 
     @contextmanager
-    def _target(self, buf: Any, buf_offset: int, size: int) -> Iterator[_Target]:
-        cuda = gpu.ops()
-        if cuda.is_cuda(buf):
-            target: _Target = _CudaTarget(cuda, buf, buf_offset)
+    def _target(self, mem: _Memory, buf_offset: int, size: int) -> Iterator[_Target]:
+        if mem.cuda is not None:
+            target: _Target = _CudaTarget(mem.cuda, mem.owner, buf_offset)
             if not self.compat_mode:
-                self._place_cuda(target, buf, buf_offset, size, cuda)
+                self._place_cuda(target, mem.owner, mem.addr + buf_offset, size, mem.cuda)
         else:
-            addr, _, owner = buffer_address(buf)
-            target = _HostTarget(_host_view(owner)[buf_offset:buf_offset + size])
+            target = _HostTarget(_host_view(mem.owner)[buf_offset:buf_offset + size])
             if not self.compat_mode:
-                self._place_host(target, addr + buf_offset, size, owner)
+                self._place_host(target, mem.addr + buf_offset, size, mem.owner)
         if target.rid is None and (self.compat_mode or isinstance(target, _HostTarget)):
             what = "compat mode is on" if self.compat_mode else (
                 "the buffer is not shared memory (use nvmeof_fuse.empty())")
@@ -340,10 +355,8 @@ class File:
                     self._regions[mem.key] = rid
         target.rid, target.offset = rid, offset
 
-    def _place_cuda(self, target: _Target, tensor: Any, buf_offset: int, size: int,
+    def _place_cuda(self, target: _Target, tensor: Any, addr: int, size: int,
                     cuda: gpu.CudaOps) -> None:
-        ptr, _ = cuda.span(tensor)
-        addr = ptr + buf_offset
         if self._mount is not None:
             found = self._mount.registered(addr, size)
             if found is not None:
@@ -387,13 +400,14 @@ class File:
              buf_offset: int = 0) -> int:
         """Read into ``buf``; returns the bytes read (short at the end of the namespace)."""
         self._check_open()
-        size, _ = self._span(buf, size, buf_offset, gpu.ops())
+        mem = self._memory(buf)
+        size = self._span(mem, size, buf_offset)
         if file_offset < 0:
             raise InvalidArgument(f"file_offset {file_offset} is negative")
         size = max(0, min(size, self.nbytes - file_offset))
         if not size:
             return 0
-        with self._target(buf, buf_offset, size) as target:
+        with self._target(mem, buf_offset, size) as target:
             if target.rid is not None:
                 self._read_direct(target, file_offset, size)
                 target.after_read()
@@ -425,7 +439,8 @@ class File:
               buf_offset: int = 0) -> int:
         """Write ``buf`` at ``file_offset``; returns the bytes written."""
         self._check_open()
-        size, _ = self._span(buf, size, buf_offset, gpu.ops())
+        mem = self._memory(buf)
+        size = self._span(mem, size, buf_offset)
         if self.read_only:
             raise CompanionError(f"{self.path} is mounted read-only", errno.EROFS)
         if file_offset < 0:
@@ -435,7 +450,7 @@ class File:
                           f"end of {self.path} ({self.nbytes} bytes)")
         if not size:
             return 0
-        with self._target(buf, buf_offset, size) as target:
+        with self._target(mem, buf_offset, size) as target:
             target.before_write()
             if target.rid is not None:
                 plan = plan_write(file_offset, size, self.lba_size)
