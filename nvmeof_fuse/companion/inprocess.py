@@ -98,8 +98,6 @@ class Mount:
             trio.run(self._serve)
         except BaseException as exc:  # handed to the caller's thread
             self._error = first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
-            if isinstance(self._error, BaseExceptionGroup):
-                self._error = self._error.exceptions[0]
         finally:
             with _served_lock:
                 for name in [n for n, m in _served.items() if m is self]:

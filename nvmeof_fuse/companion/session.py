@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -156,10 +157,14 @@ class Session:
 
     def _drop(self, reg: Registered) -> None:
         self.stats.regions -= 1
+        if reg.busy and not reg.tainted:
+            reg.doomed = True  # released when its last command is done
+        else:
+            self._let_go(reg)
+
+    def _let_go(self, reg: Registered) -> None:
         if reg.tainted:
             self._quarantine.append(reg)  # released with the controller, never reused
-        elif reg.busy:
-            reg.doomed = True
         else:
             reg.release()
 
@@ -193,10 +198,7 @@ class Session:
             reg.busy -= 1
             if reg.doomed and not reg.busy:
                 reg.doomed = False
-                if reg.tainted:
-                    self._quarantine.append(reg)
-                else:
-                    reg.release()
+                self._let_go(reg)
 
     def _count(self, reg: Registered, nbytes: int, write: bool) -> None:
         name = ("staged_" if reg.staging else "direct_") + ("write" if write else "read")
@@ -206,18 +208,16 @@ class Session:
         """Read each piece's LBAs straight into its registered region."""
         ns = self._namespace(nsid)
         jobs = []
-        for piece in pieces:
+        for piece in pieces:  # all checked before any is issued
             reg = self._get(piece.region)
             ns.check_range(piece.slba, piece.nlb)
             ref = reg.region.ref(piece.offset, piece.nlb * ns.lba_size)
-
-            def job(reg=reg, piece=piece, ref=ref):
-                async def run() -> None:
-                    await self._using(reg, lambda: ns.read_into(piece.slba, piece.nlb, ref))
-                    self._count(reg, ref.length, write=False)
-                return run
-            jobs.append(job())
+            jobs.append(functools.partial(self._read_piece, ns, reg, piece, ref))
         await run_all(jobs)
+
+    async def _read_piece(self, ns: Any, reg: Registered, piece: Piece, ref: Any) -> None:
+        await self._using(reg, lambda: ns.read_into(piece.slba, piece.nlb, ref))
+        self._count(reg, ref.length, write=False)
 
     async def write(self, nsid: int, offset: int, length: int, rid: int, region_offset: int,
                     head: bytes, tail: bytes) -> None:
