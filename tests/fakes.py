@@ -1,29 +1,27 @@
-"""In-memory stand-ins for an LBA device, a namespace and a controller."""
+"""In-memory stand-ins for an LBA device, a namespace and a controller (over host.ramdisk)."""
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
 import trio
 
 from nvmeof_fuse.errors import NVMeoFError
-from nvmeof_fuse.host.byterange import ByteRangeIO
-from nvmeof_fuse.host.stats import IoStats
+from nvmeof_fuse.host.ramdisk import RamController, RamDevice, RamIdentify, RamNamespace
+
+FakeIdentify = RamIdentify
 
 
-class FakeDevice:
-    """A bytearray addressed in LBAs; yields to the scheduler inside every command.
+class FakeDevice(RamDevice):
+    """A RamDevice that records commands, can fail, and yields at least once inside each.
 
     With ``shuffle`` set, each command yields a random number of times, so
     concurrent commands interleave in many orders (seeded, so reproducible).
     """
 
     def __init__(self, lba_size: int, nlb: int, *, seed: int | None = None) -> None:
-        self.lba_size = lba_size
-        self.nlb = nlb
-        self.data = bytearray(lba_size * nlb)
+        super().__init__(lba_size, nlb)
         self.rng = random.Random(seed) if seed is not None else None
         self.reads: list[tuple[int, int]] = []
         self.writes: list[tuple[int, int]] = []
@@ -69,48 +67,12 @@ class FakeDevice:
         self.data[slba * ls : slba * ls + len(data)] = data
 
 
-@dataclass
-class FakeIdentify:
-    fields: dict[str, Any]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.fields[name]
-        except KeyError:
-            raise AttributeError(name) from None
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(self.fields)
-
-
-class FakeNamespace:
+class FakeNamespace(RamNamespace):
     """Namespace API of the real host layer, backed by a FakeDevice."""
 
     def __init__(self, nsid: int, lba_size: int, nlb: int) -> None:
-        self.nsid = nsid
-        self.lba_size = lba_size
-        self.nlb = nlb
-        self.size = lba_size * nlb
-        self.device = FakeDevice(lba_size, nlb)
-        self.stats = IoStats()
-        self.io = ByteRangeIO(self.device, self.stats)
-        self.flushes = 0
-        self.identify = FakeIdentify(
-            {"nsze": nlb, "ncap": nlb, "nuse": nlb, "lbaf": [{"ms": 0, "lbads": lba_size}]}
-        )
-
-    async def read(self, offset: int, length: int) -> bytes:
-        return await self.io.read(offset, length)
-
-    async def read_lent(self, offset: int, length: int) -> bytes | memoryview:
-        return await self.io.read_lent(offset, length)
-
-    async def write(self, offset: int, data: bytes | memoryview) -> int:
-        return await self.io.write(offset, data)
-
-    async def flush(self) -> None:
-        self.flushes += 1
-        await trio.sleep(0)
+        super().__init__(nsid, FakeDevice(lba_size, nlb))
+        self.device: FakeDevice
 
 
 @dataclass
@@ -122,9 +84,8 @@ class FakeOptions:
 
 
 @dataclass
-class FakeController:
-    namespaces: dict[int, FakeNamespace] = field(default_factory=dict)
-    options: FakeOptions = field(default_factory=FakeOptions)
+class FakeController(RamController):
+    options: FakeOptions = field(default_factory=FakeOptions)  # type: ignore[assignment]
     identify: FakeIdentify = field(
         default_factory=lambda: FakeIdentify(
             {
@@ -136,17 +97,6 @@ class FakeController:
             }
         )
     )
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "transport": self.options.transport,
-            "traddr": self.options.traddr,
-            "trsvcid": self.options.trsvcid,
-            "subnqn": self.identify.subnqn,
-            "cntlid": self.identify.cntlid,
-            "queues": 1,
-            "queue_size": 32,
-        }
 
 
 def make_controller(*specs: tuple[int, int, int]) -> FakeController:
