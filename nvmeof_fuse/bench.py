@@ -3,13 +3,16 @@
   python -m nvmeof_fuse.bench core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
   python -m nvmeof_fuse.bench nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
   python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--json]
+  python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
   python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
-      [--out DIR]
+      --fuse-ram F [--out DIR]
 
 ``core``, ``nvmeof`` and ``companion`` (``nvmeof_fuse.File`` on a mounted namespace, from this
 separate process, into ``nvmeof_fuse.empty`` arrays) print figures (MB = 10^6 bytes);
 ``table`` reads their ``--json`` output and fio ``--output-format=json`` files (jobs named as
-in :data:`FIO_JOBS`).  A missing input file, or one with a ``.err`` file beside it, shows as
+in :data:`FIO_JOBS`).  ``fuse-ram`` mounts a namespace kept in RAM (``MOUNTPOINT/n1``) through
+the same FUSE layer until it is unmounted: fio on it shows the best the FUSE file can do with
+no NVMe behind it.  A missing input file, or one with a ``.err`` file beside it, shows as
 ``n/a`` with the reason.  Nothing is asserted.
 """
 
@@ -37,10 +40,12 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 FIO_JOBS = {"seqread": "seq_read", "seqwrite": "seq_write",
             "randread1": "rand_read_qd1", "randread16": "rand_read_qd16"}
-COLUMNS = ("kernel", "core", "nvmeof", "fuse", "companion")
+COLUMNS = ("kernel", "core", "nvmeof", "fuse", "companion", "fuse_ram")
 TITLES = {"kernel": "kernel (fio)", "core": "our core", "nvmeof": "nvmeof lib",
-          "fuse": "FUSE file (fio)", "companion": "companion API"}
-RATIOS = (("core", "kernel"), ("core", "nvmeof"), ("fuse", "kernel"), ("companion", "kernel"))
+          "fuse": "FUSE file (fio)", "companion": "companion API",
+          "fuse_ram": "FUSE over RAM (fio)"}
+RATIOS = (("core", "kernel"), ("core", "nvmeof"), ("fuse", "kernel"), ("companion", "kernel"),
+          ("fuse_ram", "kernel"))
 
 
 @dataclass
@@ -271,6 +276,30 @@ def run_companion(args: argparse.Namespace) -> dict:
 
 # -- the table ------------------------------------------------------------------------------------
 
+def serve_ram(args: argparse.Namespace) -> int:
+    """Mount a RAM namespace at ``args.mountpoint`` until it is unmounted or signalled."""
+    import trio
+
+    from nvmeof_fuse.fs.mount import MountError, MountOptions, serve
+    from nvmeof_fuse.host.ramdisk import ram_controller
+
+    ctrl = ram_controller((1, args.lba_size, args.size_mib * MIB // args.lba_size))
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(serve, ctrl, args.mountpoint, MountOptions())
+            print(f"READY {args.mountpoint}/n1", flush=True)
+
+    try:
+        trio.run(main)
+    except MountError as e:
+        print(f"bench fuse-ram: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def _reason(e: BaseException) -> str:
     while isinstance(e, BaseExceptionGroup) and len(e.exceptions) == 1:
         e = e.exceptions[0]
@@ -391,9 +420,13 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--file", required=True, help="a namespace file of a mount: MOUNT/nN")
     c.add_argument("--seconds", type=float, default=5.0, help="per job (default 5)")
     c.add_argument("--json", action="store_true", help="print JSON")
+    r = sub.add_parser("fuse-ram", help="mount a namespace kept in RAM (MOUNTPOINT/n1)")
+    r.add_argument("mountpoint")
+    r.add_argument("--size-mib", type=int, default=256, help="namespace size (default 256)")
+    r.add_argument("--lba-size", type=int, choices=(512, 4096), default=4096)
     t = sub.add_parser("table", help="side-by-side table of saved results")
     for c in COLUMNS:
-        t.add_argument(f"--{c}", metavar="FILE")
+        t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")
     t.add_argument("--out", metavar="DIR", help="also write DIR/bench.txt and DIR/bench.json")
     return ap
 
@@ -409,6 +442,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(os.path.join(args.out, "bench.json"), "w") as f:
                 json.dump(data, f, indent=2)
         return 0
+    if args.what == "fuse-ram":
+        if args.size_mib <= 0:
+            print("bench: --size-mib must be positive", file=sys.stderr)
+            return 2
+        return serve_ram(args)
     if args.what == "companion":
         if args.seconds <= 0:
             print("bench: --seconds must be positive", file=sys.stderr)

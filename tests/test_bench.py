@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import selectors
+import shutil
+import subprocess
+import sys
 from types import SimpleNamespace
 
+import pytest
 from companion_fakes import AddressController, serving
 
 from nvmeof_fuse import bench
@@ -30,3 +36,41 @@ def test_table_has_a_companion_column_and_ratio(tmp_path):
     assert "companion API" in text and "companion/kernel" in text
     assert "0.75" in text.splitlines()[2]
     assert data["figures"]["companion"] == {"seq_read": 60.0}
+
+
+def test_table_shows_fuse_over_ram_against_the_kernel(tmp_path):
+    files = {}
+    for column, value in (("kernel", 4000.0), ("fuse_ram", 1000.0)):
+        path = tmp_path / f"{column}.json"
+        path.write_text(json.dumps({"metrics": {"rand_read_qd16": value}, "errors": {}}))
+        files[column] = str(path)
+    text, data = bench.table(files)
+    assert "FUSE over RAM (fio)" in text and "fuse_ram/kernel" in text
+    row = next(line for line in text.splitlines() if line.startswith("4 KiB randread QD16"))
+    assert row.rstrip().endswith("0.25")
+    assert bench.parser().parse_args(["table", "--fuse-ram", "F"]).fuse_ram == "F"
+
+
+@pytest.mark.skipif(not os.access("/dev/fuse", os.W_OK) or not shutil.which("fusermount3"),
+                    reason="needs /dev/fuse and fusermount3")
+def test_fuse_ram_mounts_a_ram_namespace_until_unmounted(tmp_path):
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    proc = subprocess.Popen([sys.executable, "-m", "nvmeof_fuse.bench", "fuse-ram", str(mnt),
+                             "--size-mib", "2"], stdout=subprocess.PIPE, text=True)
+    try:
+        ready = selectors.DefaultSelector()
+        ready.register(proc.stdout, selectors.EVENT_READ)
+        assert ready.select(timeout=20), "fuse-ram did not mount within 20 s"
+        assert proc.stdout.readline().strip() == f"READY {mnt}/n1"
+        n1 = mnt / "n1"
+        assert n1.stat().st_size == 2 << 20
+        with open(n1, "r+b") as f:
+            f.seek(12345)
+            f.write(b"ram" * 1000)
+            f.flush()
+            f.seek(12345)
+            assert f.read(3000) == b"ram" * 1000
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False, timeout=20)
+        assert proc.wait(timeout=20) == 0
