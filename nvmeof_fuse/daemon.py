@@ -60,11 +60,12 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 companion = CompanionServer(ctrl, read_only=mopts.read_only)
                 await inner.start(companion.serve)
 
-                async def filesystem(task_status: trio.TaskStatus[None]) -> None:
+                async def filesystem(task_status: trio.TaskStatus[Any]) -> None:
                     await serve(ctrl, path, mopts, task_status=task_status)
                     inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
 
-                await inner.start(filesystem)
+                fs = await inner.start(filesystem)
+                companion.on_write = fs.drop_cached  # companion writes bypass the page cache
                 names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
                 log.info("mounted %s at %s", names or "no namespaces", path)
                 ready(ctrl, companion)

@@ -207,8 +207,8 @@ class LocalChannel:
 
     def write(self, nsid: int, offset: int, length: int, rid: int, region_offset: int,
               head: bytes, tail: bytes, timeout: float) -> None:
-        self._run(self.mount.session.write, nsid, offset, length, rid, region_offset, head,
-                  tail, timeout=timeout)
+        self._run(self.mount.server.write, self.mount.session, nsid, offset, length, rid,
+                  region_offset, head, tail, timeout=timeout)
 
     def stats(self) -> dict:
         return self.mount.run_sync(self.mount.server.snapshot)

@@ -16,6 +16,7 @@ import os
 import secrets
 import socket
 import struct
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -60,6 +61,9 @@ class CompanionServer:
         self.stats = CompanionStats()
         self.sessions: set[Session] = set()
         self.quarantine: list[Registered] = []  # regions whose command timed out
+        # Awaited with the nsid after each write, before the client hears it is done: the
+        # mount drops the kernel's cached pages there, which the write went around.
+        self.on_write: Callable[[int], Awaitable[None]] | None = None
 
     def info(self) -> dict[str, Any]:
         """What ``.nvmeof/companion.json`` shows: where and whose the socket is."""
@@ -205,9 +209,9 @@ class CompanionServer:
             if head_len < 0 or tail_len < 0 or head_len + tail_len != len(payload):
                 raise ProtocolError(f"write carries {len(payload)} edge bytes, "
                                     f"not {head_len}+{tail_len}")
-            await session.write(f(header, "nsid"), f(header, "offset"), f(header, "length"),
-                                f(header, "region"), f(header, "region_offset"),
-                                payload[:head_len], payload[head_len:])
+            await self.write(session, f(header, "nsid"), f(header, "offset"),
+                             f(header, "length"), f(header, "region"),
+                             f(header, "region_offset"), payload[:head_len], payload[head_len:])
             return {}
         if op == "unregister":
             session.unregister(f(header, "region"))
@@ -215,6 +219,12 @@ class CompanionServer:
         if op == "stats":
             return {"stats": self.snapshot()}
         raise ProtocolError(f"unknown companion request {op!r}")
+
+    async def write(self, session: Session, nsid: int, *args: Any) -> None:
+        """``session.write(nsid, *args)``, then ``on_write(nsid)``."""
+        await session.write(nsid, *args)
+        if self.on_write is not None:
+            await self.on_write(nsid)
 
     def hello(self) -> dict[str, Any]:
         ctrl = self.controller

@@ -174,11 +174,11 @@ async def serve(
     options: MountOptions,
     *,
     drain_timeout: float = DRAIN_TIMEOUT,
-    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    task_status: trio.TaskStatus[NamespaceFS] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mount ``controller`` at ``mountpoint`` and serve until unmounted or cancelled.
 
-    ``task_status.started()`` is called once the mount exists. After an external
+    ``task_status.started(filesystem)`` is called once the mount exists. After an external
     unmount (``fusermount3 -u``) serve cleans up and returns. On cancellation
     the mount is detached at once (lazy unmount: no new opens), files still
     open get up to ``drain_timeout`` seconds to be closed, in-flight requests
@@ -221,11 +221,11 @@ class _Session:
         finally:
             self.done.set()
 
-    async def run(self, task_status: trio.TaskStatus[None]) -> None:
+    async def run(self, task_status: trio.TaskStatus[NamespaceFS]) -> None:
         """Serve until the kernel ends the session (unmount), or drain when cancelled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._main)
-            task_status.started()
+            task_status.started(self.ops)
             try:
                 await self.done.wait()
             except BaseException:

@@ -29,6 +29,8 @@ from nvmeof_fuse.fs.options import MountOptions
 
 log = logging.getLogger(__name__)
 
+INVALIDATE_TIMEOUT = 10.0  # s for the kernel to drop a file's cached pages
+
 INFO_DIR = b".nvmeof"
 _STATIC_TIMEOUT = 60.0  # s: namespace sizes and the tree never change while mounted
 
@@ -92,6 +94,7 @@ class NamespaceFS(pyfuse3.Operations):
         self.gid = os.getgid() if self.options.gid is None else self.options.gid
         self.mount_ns = time.time_ns()
         self.nodes: dict[int, _Node] = {}
+        self.ns_inodes: dict[int, int] = {}  # nsid -> inode of n<nsid>
         self.handles: dict[int, _Handle] = {}
         self._fh = itertools.count(1)
         self._idle = trio.Event()  # set while no file is open
@@ -118,7 +121,8 @@ class NamespaceFS(pyfuse3.Operations):
         add_info("companion.json", lambda: info.to_json(info.companion_dict(ctrl)))
         for nsid in sorted(ctrl.namespaces):
             ns = ctrl.namespaces[nsid]
-            root.entries[f"n{nsid}".encode()] = self._add(_NsFile(next(inodes), ns)).inode
+            inode = self.ns_inodes[nsid] = self._add(_NsFile(next(inodes), ns)).inode
+            root.entries[f"n{nsid}".encode()] = inode
             add_info(f"n{nsid}", lambda ns=ns: info.namespace_text(ns))
             add_info(f"n{nsid}.json", lambda ns=ns: info.to_json(info.namespace_dict(ns)))
         infodir.parent = root.inode
@@ -286,6 +290,24 @@ class NamespaceFS(pyfuse3.Operations):
         self.handles.pop(fh, None)
         if not self.handles:
             self._idle.set()
+
+    async def drop_cached(self, nsid: int) -> None:
+        """Make the kernel forget its cached pages of ``n<nsid>``, whose data changed behind
+        FUSE (a companion write), so buffered readers see the new data."""
+        inode = self.ns_inodes.get(nsid)
+        if inode is None:
+            return
+        # In a thread: the kernel waits for pages being read, and this loop answers those reads.
+        with trio.move_on_after(INVALIDATE_TIMEOUT) as scope:
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode,
+                                              abandon_on_cancel=True)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: the kernel caches nothing of it
+                    log.warning("cannot drop the kernel's cached pages of n%d: %s", nsid, exc)
+        if scope.cancelled_caught:
+            log.warning("dropping the kernel's cached pages of n%d took over %g s",
+                        nsid, INVALIDATE_TIMEOUT)
 
     async def wait_idle(self) -> None:
         """Return once no file is open (after the last release)."""

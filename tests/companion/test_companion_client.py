@@ -8,6 +8,7 @@ import socket
 
 import numpy as np
 import pytest
+import trio
 from companion_fakes import AddressController, serving, wait_for
 
 import nvmeof_fuse
@@ -82,6 +83,22 @@ def test_unaligned_write_reaches_the_disk(served, shared):
     key = "direct_write_bytes" if shared else "staged_write_bytes"
     assert s[key] > 0
     assert s["daemon_copied_bytes"] == 512 - 777 % 512 + (777 + len(data)) % 512
+
+
+def test_the_mount_hears_of_each_write_before_the_client_does(served):
+    ctrl, server, mnt = served
+    heard = []
+
+    async def on_write(nsid):
+        await trio.sleep(0.05)  # the client's write waits for this
+        heard.append(nsid)
+
+    server.on_write = on_write
+    with File(str(mnt / "n1")) as f:
+        f.write(nvmeof_fuse.empty(1000), file_offset=12)
+        assert heard == [1]
+        f.read(nvmeof_fuse.empty(1000))
+        assert heard == [1]
 
 
 def test_end_of_namespace(served):

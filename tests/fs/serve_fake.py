@@ -1,7 +1,9 @@
 """Mount a fake controller: ``serve_fake.py MOUNTPOINT [--read-only] [--hold-reads]``.
 
 Prints ``READY`` once mounted and, after unmount or SIGTERM/SIGINT, a JSON line
-with the namespaces' flush counts. Used by the host-side mount tests.
+with the namespaces' flush counts. SIGUSR1 changes n2's first 4 KiB behind FUSE
+(prints ``CHANGED``); SIGUSR2 then drops the kernel's cached pages of n2 (prints
+``DROPPED``).  Used by the host-side mount tests.
 """
 
 from __future__ import annotations
@@ -35,20 +37,28 @@ async def main(mountpoint: str, read_only: bool, hold_reads: bool) -> None:
 
         n2.read_lent = held_read
     opts = MountOptions(read_only=read_only, mode=0o640)
-    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+    stops = (signal.SIGTERM, signal.SIGINT)
+    with trio.open_signal_receiver(*stops, signal.SIGUSR1, signal.SIGUSR2) as signals:
         async with trio.open_nursery() as nursery:
 
-            async def stop_on_signal() -> None:
-                async for _ in signals:
-                    release.set()
-                    nursery.cancel_scope.cancel()
+            async def on_signal() -> None:
+                async for signum in signals:
+                    if signum == signal.SIGUSR1:
+                        ctrl.namespaces[2].device.data[:4096] = b"\xab" * 4096
+                        print("CHANGED", flush=True)
+                    elif signum == signal.SIGUSR2:
+                        await fs.drop_cached(2)
+                        print("DROPPED", flush=True)
+                    else:
+                        release.set()
+                        nursery.cancel_scope.cancel()
 
             async def serve_then_stop(task_status=trio.TASK_STATUS_IGNORED) -> None:
                 await serve(ctrl, mountpoint, opts, task_status=task_status)
                 nursery.cancel_scope.cancel()  # unmounted from outside
 
-            nursery.start_soon(stop_on_signal)
-            await nursery.start(serve_then_stop)
+            fs = await nursery.start(serve_then_stop)
+            nursery.start_soon(on_signal)
             print("READY", flush=True)
     print(json.dumps({f"n{n}": ns.flushes for n, ns in ctrl.namespaces.items()}), flush=True)
 

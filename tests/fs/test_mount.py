@@ -147,6 +147,19 @@ def test_stats_json_is_live(mount):
     assert json.loads(sh("cat .nvmeof/controller.json", p).stdout)["identify"]["sn"] == "FAKE0001"
 
 
+def test_dropping_cached_pages_shows_data_changed_behind_fuse(mount):
+    """What a companion write does: buffered readers keep cached pages until they are dropped."""
+    with open(mount.path / "n2", "rb", buffering=0) as f:
+        first = os.pread(f.fileno(), 4096, 0)
+        assert first == bytes(range(256)) * 16
+        mount.proc.send_signal(signal.SIGUSR1)
+        assert mount._readline() == "CHANGED"
+        assert os.pread(f.fileno(), 4096, 0) == first  # the kernel's cached page
+        mount.proc.send_signal(signal.SIGUSR2)
+        assert mount._readline() == "DROPPED"
+        assert os.pread(f.fileno(), 4096, 0) == b"\xab" * 4096
+
+
 def test_out_of_range_write_and_truncate(mount):
     p = mount.path
     past = sh(f"dd if=/dev/zero of=n1 bs=512 count=1 seek={N1_SIZE // 512} conv=notrunc", p, False)

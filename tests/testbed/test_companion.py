@@ -93,6 +93,20 @@ def test_another_process_reads_64mib_in_place_while_fio_runs(testbed, cmnt):
         assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == result["sha256"]
 
 
+def test_a_companion_write_reaches_a_reader_holding_cached_pages(cmnt):
+    """A buffered (not O_DIRECT) reader of the FUSE file does not keep stale pages."""
+    import nvmeof_fuse
+
+    offset, size = (3 << 20) + 100, 10_000
+    with open(f"{cmnt}/n2", "rb", buffering=0) as cached:
+        old = os.pread(cached.fileno(), size, offset)  # now in the kernel's page cache
+        new = nvmeof_fuse.empty(size)
+        new[:] = [(b + 1) % 256 for b in old]  # differs from the old data in every byte
+        with nvmeof_fuse.File(f"{cmnt}/n2") as f:
+            assert f.write(new, file_offset=offset) == size
+        assert os.pread(cached.fileno(), size, offset) == new.tobytes()
+
+
 def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(cmnt):
     """A real dma-buf (udmabuf over a memfd) stands in for a CUDA tensor's."""
     size, offset = 8 << 20, (1 << 20) + 333
