@@ -34,6 +34,7 @@ CQE_BYTES = 16
 CM_PRIVATE_DATA_BYTES = 32
 _CM_REQUEST = struct.Struct("<HHHHH22x")  # recfmt, qid, hrqsize, hsqsize, cntlid
 _CM_ACCEPT = struct.Struct("<HH28x")  # recfmt, crqsize
+STOP_TIMEOUT = 5.0  # s for a queue's reaper to end once stopped
 _SEND, _RECV = 1 << 62, 1 << 61
 _INDEX = (1 << 32) - 1
 
@@ -204,8 +205,10 @@ class RdmaTransport:
         self.host_traddr = host_traddr
         self.connect_timeout = connect_timeout
         self.pd = None
+        self._pd_cm = None  # the endpoint whose context wrapper the PD came from
         self._queues: list[RdmaQueue] = []
         self._cm_ids: list = []
+        self._own_contexts: dict[int, object] = {}  # id(cm) -> its own context wrapper
 
     @property
     def address(self) -> str:
@@ -254,13 +257,34 @@ class RdmaTransport:
         self._cm_ids.append(cm)
         if self.pd is None:
             self.pd = cm.context.alloc_pd()
+            self._pd_cm = cm
         else:
-            _adopt_context(cm, self.pd.context)
+            self._own_contexts[id(cm)] = _adopt_context(cm, self.pd.context)
         queue = RdmaQueue(self, cm, qid, size, in_capsule_bytes)
         self._queues.append(queue)
         await queue.connect(cntlid)
         await nursery.start(queue.reap)
         return queue
+
+    async def drop_queues(self) -> None:
+        """Stop and tear down every queue and RDMA-CM endpoint; keep the PD and its memory.
+
+        Commands still waiting fail with TransportError.  For reconnecting: the next
+        ``connect_queue`` builds new endpoints on the same device and PD.
+        """
+        queues, self._queues = self._queues, []
+        for queue in reversed(queues):
+            await queue.stop()
+            queue.close()
+        # The PD's endpoint stays open (disconnected, without a QP): closing it would close
+        # the context wrapper the PD, and every registration in it, belongs to.
+        cm_ids, self._cm_ids = self._cm_ids, [cm for cm in self._cm_ids if cm is self._pd_cm]
+        for cm in reversed(cm_ids):
+            if cm is not self._pd_cm:
+                own = self._own_contexts.pop(id(cm), None)
+                if own is not None:
+                    _set_context(cm, own)  # so closing cm leaves the PD's wrapper open
+                _close_quietly(cm)
 
     def close(self) -> None:
         """Tear down every queue, then the PD, then the RDMA-CM endpoints (in that order)."""
@@ -273,10 +297,14 @@ class RdmaTransport:
         for cm in reversed(self._cm_ids):
             _close_quietly(cm)
         self._cm_ids.clear()
+        self._own_contexts.clear()
+        self._pd_cm = None
 
 
-def _adopt_context(cm, context) -> None:
-    """Make ``cm`` use ``context``, the wrapper the controller's PD was allocated from.
+def _adopt_context(cm, context):
+    """Make ``cm`` use ``context``, the wrapper the controller's PD was allocated from;
+    return the wrapper it had (hand it back with :func:`_set_context` before closing ``cm``:
+    closing an endpoint closes the wrapper it holds).
 
     librdmacm opens each device once, so every endpoint on a device shares one
     ``ibv_context``; but ``ibverbs`` wraps it in a new Python object per
@@ -288,14 +316,23 @@ def _adopt_context(cm, context) -> None:
     async event fd is unique to an open ``ibv_context``).  Both wrappers are
     borrowed from RDMA-CM, so dropping one closes nothing.
     """
+    old = cm.context
+    if old is context:
+        return old
+    if old.name != context.name or old.async_fd != context.async_fd:
+        raise TransportError(f"queue routed through RDMA device {old.name}, but the "
+                             f"controller's protection domain is on {context.name}")
+    _set_context(cm, context)
+    return old
+
+
+def _set_context(cm, context) -> None:
+    """Swap the ``context`` reference inside the ``CMID`` object ``cm`` (see _adopt_context)."""
     import ctypes
 
     old = cm.context
     if old is context:
         return
-    if old.name != context.name or old.async_fd != context.async_fd:
-        raise TransportError(f"queue routed through RDMA device {old.name}, but the "
-                             f"controller's protection domain is on {context.name}")
     for offset in range(ctypes.sizeof(ctypes.c_void_p) * 2, type(cm).__basicsize__, 8):
         slot = ctypes.c_void_p.from_address(id(cm) + offset)
         if slot.value == id(old):
@@ -330,6 +367,8 @@ class RdmaQueue:
         self._slot_waiters = trio.lowlevel.ParkingLot()
         self._failed: TransportError | None = None
         self._watch: trio.CancelScope | None = None
+        self._reaper: trio.CancelScope | None = None  # the reaper's scope, once it runs
+        self._reaped = trio.Event()
         self._poster = None  # the task posting queued capsules, once started
         self._poster_woken = False
         self._queued: list = []  # SendWRs waiting for the poster
@@ -471,20 +510,32 @@ class RdmaQueue:
         Also runs the queue's command watchdog.
         """
         os.set_blocking(self.channel.fd, False)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(self._watchdog)
-            await nursery.start(self._post_queued)
-            task_status.started()
-            try:
-                await self._reap()
-            except TransportError as exc:
-                self._fail(exc)
-            except OSError as exc:
-                self._fail(TransportError(f"{self.name}: completion queue failed: {exc}"))
-            finally:
-                if self._failed is None:  # cancelled: nothing answers waiting callers now
-                    self._fail(TransportError(f"{self.name}: stopped"))
-                nursery.cancel_scope.cancel()
+        try:
+            with trio.CancelScope() as self._reaper:
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self._watchdog)
+                    await nursery.start(self._post_queued)
+                    task_status.started()
+                    try:
+                        await self._reap()
+                    except TransportError as exc:
+                        self._fail(exc)
+                    except OSError as exc:
+                        self._fail(TransportError(f"{self.name}: completion queue failed: {exc}"))
+                    finally:
+                        if self._failed is None:  # cancelled: nothing answers callers now
+                            self._fail(TransportError(f"{self.name}: stopped"))
+                        nursery.cancel_scope.cancel()
+        finally:
+            self._reaped.set()
+
+    async def stop(self) -> None:
+        """End the reaper (waiting callers fail with TransportError); then close() is safe."""
+        if self._reaper is None:
+            return
+        self._reaper.cancel()
+        with trio.move_on_after(STOP_TIMEOUT):
+            await self._reaped.wait()
 
     async def _reap(self) -> None:
         slots = self._slots
