@@ -51,13 +51,15 @@ def _int(name: str, value: str | None, lo: int, hi: int) -> int | None:
     return n
 
 
-def _seconds(name: str, value: str) -> float:
+def _seconds(name: str, value: str, *, low: float = 0, high: float = 65535,
+             forever: bool = False) -> float:
     try:
         s = float(value)
     except ValueError:
         raise UsageError(f"{name} {value!r} is not a number of seconds") from None
-    if not 0 <= s <= 65535:
-        raise UsageError(f"{name} {value} is out of range (0-65535 s)")
+    if not low <= s <= high:
+        also = ", or -1 for ever" if forever else ""
+        raise UsageError(f"{name} {value} is out of range ({low:.0f}-{high:.0f} s{also})")
     return s
 
 
@@ -113,6 +115,10 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
     }
     if args.command == "mount":
         kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
+        kwargs["reconnect_delay"] = _seconds("--reconnect-delay", args.reconnect_delay, low=1)
+        kwargs["ctrl_loss_tmo"] = (-1.0 if args.ctrl_loss_tmo.strip() == "-1" else
+                                   _seconds("--ctrl-loss-tmo", args.ctrl_loss_tmo,
+                                            high=2**31, forever=True))
         kwargs["nr_io_queues"] = _int("--nr-io-queues", args.nr_io_queues, 1, 65535)
         queue_size = _int("--queue-size", args.queue_size, 2, 65536)
         if queue_size is not None:
@@ -161,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-i", "--nr-io-queues", help="number of I/O queues")
     m.add_argument("-Q", "--queue-size", help="I/O queue size (default 128)")
     m.add_argument("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)")
+    m.add_argument("-c", "--reconnect-delay", default="10",
+                   help="after losing the connection, reconnect every this many s (10)")
+    m.add_argument("-l", "--ctrl-loss-tmo", default="600",
+                   help="keep reconnecting this many s before I/O fails; -1: for ever (600)")
     m.add_argument("--read-only", action="store_true", help="refuse writes (EROFS)")
     m.add_argument("-o", dest="options", action="append", default=[], metavar="allow_other")
     m.add_argument("--uid", help="owner of the namespace files (default: you)")

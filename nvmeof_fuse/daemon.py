@@ -25,6 +25,10 @@ Ready = Callable[[Any, Any], None]
 
 async def flush_all(ctrl: Any) -> None:
     """Flush every namespace, each bounded and shielded (runs while shutting down)."""
+    state = getattr(ctrl, "state", "live")
+    if state != "live":  # nothing would answer: do not wait for a reconnect here
+        log.warning("no final flush: the connection to the controller is %s", state)
+        return
     flushed = []
     for nsid, ns in sorted(ctrl.namespaces.items()):
         with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:

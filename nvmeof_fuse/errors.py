@@ -34,6 +34,12 @@ class TransportError(NVMeoFError):
     errno = _errno.EIO
 
 
+class ControllerLost(NVMeoFError):
+    """The connection to the controller is gone and reconnecting gave up (or is off)."""
+
+    errno = _errno.EIO
+
+
 class InvalidArgument(NVMeoFError):
     """A caller passed a bad value (an out-of-range LBA, a misaligned buffer)."""
 

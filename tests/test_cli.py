@@ -88,6 +88,9 @@ def test_help_and_usage_errors(capsys):
         (["-k", "soon"], "--keep-alive-tmo 'soon' is not a number"),
         (["-Q", "1"], "--queue-size 1 is out of range"),
         (["-i", "0"], "--nr-io-queues 0 is out of range"),
+        (["-c", "0"], "--reconnect-delay 0 is out of range (1-65535 s)"),
+        (["-l", "-5"], "--ctrl-loss-tmo -5 is out of range (0-2147483648 s, or -1 for ever)"),
+        (["-l", "later"], "--ctrl-loss-tmo 'later' is not a number"),
     ],
 )
 def test_bad_option_values_are_one_line(capsys, host, tmp_path, extra, match):
@@ -126,6 +129,13 @@ def test_connect_error_is_one_line(capsys, host, tmp_path):
     host.error = ConnectError("cannot connect to 192.0.2.1:4420: connection refused")
     one_line_error(capsys, [*MOUNT, str(tmp_path)], "connection refused")
     assert host.connects[0].traddr == "192.0.2.1" and host.connects[0].keep_alive_tmo == 5.0
+    assert (host.connects[0].reconnect_delay, host.connects[0].ctrl_loss_tmo) == (10.0, 600.0)
+
+
+def test_reconnect_options_follow_nvme_cli(tmp_path):
+    args = cli.build_parser().parse_args([*MOUNT, "-c", "2", "-l", "-1", str(tmp_path)])
+    opts = cli.connect_options(args, nqn=args.nqn, default_port=4420)
+    assert (opts.reconnect_delay, opts.ctrl_loss_tmo) == (2.0, -1.0)
 
 
 def test_debug_shows_the_traceback(host, tmp_path):

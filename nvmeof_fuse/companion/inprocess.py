@@ -229,7 +229,7 @@ def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
 
     ``options`` are :class:`~nvmeof_fuse.host.controller.ConnectOptions` fields with
     nvme-cli's names (``host_traddr``, ``hostnqn``, ``hostid``, ``nr_io_queues``,
-    ``queue_size``, ``keep_alive_tmo``, ``timeout``).
+    ``queue_size``, ``keep_alive_tmo``, ``reconnect_delay``, ``ctrl_loss_tmo``, ``timeout``).
     """
     from ..fs.options import DEFAULT_MODE, MountOptions
     from ..host.controller import ConnectOptions

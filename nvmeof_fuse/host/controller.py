@@ -1,16 +1,22 @@
-"""A controller on trio: connect, enable, identify, I/O queues, keep-alive, orderly shutdown.
+"""A controller on trio: connect, enable, identify, I/O queues, keep-alive, reconnect, shutdown.
 
 Follows the kernel's ``drivers/nvme/host`` flow: the fabrics Connect on the
 admin queue, CC.EN then CSTS.RDY within CAP.TO, Identify, Set Features Number
 of Queues, one fabrics Connect per I/O queue, and at the end CC.SHN, CSTS.SHST,
 then the transport teardown.  Everything runs inside :func:`connect`'s nursery
 and is released when it exits, also after errors and cancellation.
+
+When the connection is lost (a failed work request, a command or keep-alive
+timeout), the queues are torn down and rebuilt every ``reconnect_delay`` seconds
+for up to ``ctrl_loss_tmo`` seconds, as the kernel's fabrics code does.  I/O
+waits meanwhile and is retried on the new queues; registered memory stays valid.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -20,7 +26,14 @@ import trio
 
 from .. import nvme
 from ..concurrency import unwrap_groups
-from ..errors import CommandTimeout, ConnectError, InvalidArgument, NVMeoFError
+from ..errors import (
+    CommandTimeout,
+    ConnectError,
+    ControllerLost,
+    InvalidArgument,
+    NVMeoFError,
+    TransportError,
+)
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
 from ..transport.base import Queue, Transport
@@ -34,6 +47,8 @@ MAX_DEFAULT_IO_QUEUES = 8
 BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
+IO_RETRIES = 5  # nvme_max_retries: tries of one command across reconnects
+LIVE, CONNECTING, DEAD = "live", "connecting", "dead"
 
 
 @dataclass
@@ -50,6 +65,10 @@ class ConnectOptions:
     nr_io_queues: int | None = None
     queue_size: int = 128
     keep_alive_tmo: float = 5.0
+    reconnect_delay: float = 10.0
+    """Seconds between reconnect attempts after the connection is lost."""
+    ctrl_loss_tmo: float = 600.0
+    """Seconds to keep reconnecting before I/O fails for good; 0: never, -1: forever."""
     timeout: float = 30.0
     """Per-command timeout in seconds."""
     connect_timeout: float = 10.0
@@ -66,8 +85,20 @@ class ConnectOptions:
             raise InvalidArgument(f"--queue-size {self.queue_size} must be 2-65536")
         if not 0 <= self.keep_alive_tmo <= 65535:
             raise InvalidArgument(f"--keep-alive-tmo {self.keep_alive_tmo} must be 0-65535 s")
+        if not 1 <= self.reconnect_delay <= 65535:
+            raise InvalidArgument(f"--reconnect-delay {self.reconnect_delay} must be 1-65535 s")
+        if not (self.ctrl_loss_tmo == -1 or 0 <= self.ctrl_loss_tmo <= 2**31):
+            raise InvalidArgument(f"--ctrl-loss-tmo {self.ctrl_loss_tmo} must be -1 (forever) "
+                                  "or 0 or more seconds")
         if not self.nqn:
             raise InvalidArgument("--nqn is required")
+
+
+def reconnect_attempts(ctrl_loss_tmo: float, reconnect_delay: float) -> float:
+    """How many reconnects to try (the kernel's max_reconnects); ``inf`` for -1."""
+    if ctrl_loss_tmo < 0:
+        return math.inf
+    return math.ceil(ctrl_loss_tmo / reconnect_delay)
 
 
 def make_transport(options: ConnectOptions) -> Transport:
@@ -103,13 +134,18 @@ class Controller:
         self._next_queue = 0
         self._cc = 0
         self.companion: Any = None  # the mount's companion server, while one serves
+        self.state = CONNECTING
+        self._state_changed = trio.Event()
+        self._dead_reason = ""
 
     # -- commands -------------------------------------------------------------------------------
 
     async def admin_command(self, sqe: bytearray, data: DataRef | None = None, *,
                             to_controller: bool = False, fabrics: bool = False) -> Completion:
         """Run an admin command; a non-zero status raises :class:`NVMeStatusError`."""
-        assert self.admin is not None
+        if self.admin is None:
+            raise TransportError(f"the admin queue to {self.options.nqn} is not connected "
+                                 f"(the controller is {self.state})")
         completion = await self.admin.execute(sqe, data, to_controller=to_controller,
                                               timeout=self.options.timeout)
         if not completion.ok:
@@ -131,12 +167,108 @@ class Controller:
 
     async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
                          to_controller: bool = False) -> Completion:
-        """Run an NVM command on the least busy I/O queue (waits when all are full)."""
-        completion = await self.pick_queue().execute(sqe, data, to_controller=to_controller,
-                                                      timeout=self.options.timeout)
+        """Run an NVM command on the least busy I/O queue (waits when all are full).
+
+        If the connection is lost, it waits for the reconnect and runs again there.
+        """
+        if self.state is not LIVE:
+            await self.wait_live()
+        queue = self.pick_queue()
+        try:
+            completion = await queue.execute(sqe, data, to_controller=to_controller,
+                                             timeout=self.options.timeout)
+        except (TransportError, CommandTimeout) as exc:
+            completion = await self._retry(queue, exc, sqe, data, to_controller)
         if not completion.ok:  # name the command only when it failed: this is the hot path
             completion.raise_for_status(nvme.command.command_name(sqe, admin=False))
         return completion
+
+    async def _retry(self, queue: Queue, exc: NVMeoFError, sqe: bytearray,
+                     data: DataRef | None, to_controller: bool) -> Completion:
+        """Run a command that failed with its connection again once reconnected."""
+        for _ in range(IO_RETRIES - 1):
+            self.connection_lost(queue, exc)
+            await self.wait_live()
+            queue = self.pick_queue()
+            try:
+                return await queue.execute(sqe, data, to_controller=to_controller,
+                                           timeout=self.options.timeout)
+            except (TransportError, CommandTimeout) as again:
+                exc = again
+        self.connection_lost(queue, exc)
+        raise exc
+
+    # -- losing and regaining the connection ---------------------------------------------------
+
+    def _set_state(self, state: str) -> None:
+        self.state = state
+        self._state_changed.set()
+        self._state_changed = trio.Event()
+
+    async def wait_live(self) -> None:
+        """Return once the controller is live; raise ControllerLost once it never will be."""
+        while self.state is not LIVE:
+            if self.state is DEAD:
+                raise ControllerLost(self._dead_reason)
+            await self._state_changed.wait()
+
+    def connection_lost(self, queue: Queue | None, exc: BaseException) -> None:
+        """``queue`` failed with ``exc``: start reconnecting (unless that already happened)."""
+        if self.state is not LIVE or (queue is not self.admin and queue not in self.io_queues):
+            return  # an older connection's failure, or one already being handled
+        self._set_state(CONNECTING)
+        opts = self.options
+        where = f"{opts.nqn} at {self.transport.address}"
+        if opts.ctrl_loss_tmo == 0:
+            log.error("lost the connection to %s: %s", where, exc)
+        else:
+            limit = "ever" if opts.ctrl_loss_tmo < 0 else f"up to {opts.ctrl_loss_tmo:g} s"
+            log.error("lost the connection to %s: %s; reconnecting every %g s for %s",
+                      where, exc, opts.reconnect_delay, limit)
+        self._nursery.start_soon(self._reconnect, str(exc))
+
+    async def _drop_queues(self) -> None:
+        self.admin, self.io_queues = None, []
+        await self.transport.drop_queues()
+
+    async def _reconnect(self, reason: str) -> None:
+        """Tear the queues down, then rebuild them every reconnect_delay until ctrl_loss_tmo."""
+        opts = self.options
+        lost_at = trio.current_time()
+        await self._drop_queues()  # commands in flight fail now, and wait for the outcome
+        attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
+        tried = 0
+        while tried < attempts:
+            await trio.sleep(opts.reconnect_delay)
+            tried += 1
+            try:
+                await self._connect_admin()
+                await self._connect_io_queues()
+            except Exception as exc:  # noqa: BLE001 - any failure here means: try again later
+                what = exc if isinstance(exc, NVMeoFError) else f"{type(exc).__name__}: {exc}"
+                log.warning("reconnect %d to %s failed: %s", tried, opts.nqn, what)
+                await self._drop_queues()
+                continue
+            self._set_state(LIVE)
+            log.info("reconnected to %s at %s as controller %d after %.1f s", opts.nqn,
+                     self.transport.address, self.cntlid, trio.current_time() - lost_at)
+            return
+        where = f"{opts.nqn} at {self.transport.address}"
+        if opts.ctrl_loss_tmo == 0:
+            self._dead_reason = (f"the connection to {where} was lost ({reason}) and "
+                                 "reconnecting is off (--ctrl-loss-tmo 0)")
+        else:
+            self._dead_reason = (f"the connection to {where} was lost ({reason}); gave up "
+                                 f"after {tried} reconnects in {trio.current_time() - lost_at:.0f}"
+                                 f" s (--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
+        log.error("%s", self._dead_reason)
+        self._set_state(DEAD)
+
+    def close_state(self, why: str) -> None:
+        """No more commands: waiters and new callers get ControllerLost(why)."""
+        if self.state is not DEAD:
+            self._dead_reason = why
+            self._set_state(DEAD)
 
     @contextlib.asynccontextmanager
     async def scratch(self, length: int) -> AsyncIterator[DataRef]:
@@ -249,19 +381,45 @@ class Controller:
                                                   max(2, os.cpu_count() or 1))
         return max(1, min(wanted, granted))
 
-    async def start(self) -> None:
-        opts = self.options
-        kato_ms = int(opts.keep_alive_tmo * 1000)
+    async def _connect_admin(self) -> None:
+        """The admin queue: transport connect, fabrics Connect, CC.EN (also on reconnects)."""
+        kato_ms = int(self.options.keep_alive_tmo * 1000)
         admin = await self.transport.connect_queue(self._nursery, 0, ADMIN_QUEUE_SIZE)
-        self._scratch = host_buffer(self.transport.register, SCRATCH_BYTES)  # needs the PD
+        if self._scratch is None:
+            self._scratch = host_buffer(self.transport.register, SCRATCH_BYTES)  # needs the PD
         await self._fabrics_connect(admin, kato_ms)
         self.admin = admin
         await self._enable()
+
+    async def _connect_io_queues(self) -> None:
+        """Set Features Number of Queues, then connect each I/O queue (also on reconnects)."""
+        assert self.identify is not None and self.cap is not None
+        requested = self._io_queue_count(0xFFFF)
+        dw0 = await self.set_features(FeatureId.NUMBER_OF_QUEUES,
+                                      (requested - 1) | (requested - 1) << 16)
+        granted = min(dw0 & 0xFFFF, dw0 >> 16) + 1
+        count = self._io_queue_count(granted)
+        size = min(self.options.queue_size, self.cap.max_queue_entries)
+        if self.identify.maxcmd:
+            size = min(size, self.identify.maxcmd)
+        in_capsule = self.identify.in_capsule_data_bytes if not self.identify.icdoff else 0
+        queues = []
+        for qid in range(1, count + 1):
+            queue = await self.transport.connect_queue(self._nursery, qid, size, in_capsule,
+                                                       cntlid=self.cntlid)
+            await self._fabrics_connect(queue)
+            queues.append(queue)
+        self.io_queues = queues
+
+    async def start(self) -> None:
+        opts = self.options
+        await self._connect_admin()
         self.identify = nvme.IdentifyController.from_bytes(await self.identify_raw(Cns.CONTROLLER))
         if self.identify.subnqn and self.identify.subnqn != opts.nqn:
             log.warning("controller reports subsystem %s, connected as %s",
                         self.identify.subnqn, opts.nqn)
         if self.identify.cntrltype == 2:  # discovery controller: admin queue only
+            self._set_state(LIVE)
             return
         if not self.identify.keyed_sgl_supported:
             raise ConnectError(f"{self.transport.address}: the controller does not support "
@@ -269,25 +427,13 @@ class Controller:
         page = self.cap.min_page_size
         self.max_transfer = min(self.identify.max_transfer_bytes(page) or BOUNCE_CHUNK_MAX,
                                 BOUNCE_CHUNK_MAX)
-        requested = self._io_queue_count(0xFFFF)
-        dw0 = await self.set_features(FeatureId.NUMBER_OF_QUEUES,
-                                      (requested - 1) | (requested - 1) << 16)
-        granted = min(dw0 & 0xFFFF, dw0 >> 16) + 1
-        count = self._io_queue_count(granted)
-        size = min(opts.queue_size, self.cap.max_queue_entries)
-        if self.identify.maxcmd:
-            size = min(size, self.identify.maxcmd)
-        in_capsule = self.identify.in_capsule_data_bytes if not self.identify.icdoff else 0
-        for qid in range(1, count + 1):
-            queue = await self.transport.connect_queue(self._nursery, qid, size, in_capsule,
-                                                       cntlid=self.cntlid)
-            await self._fabrics_connect(queue)
-            self.io_queues.append(queue)
-        if kato_ms:
-            self._nursery.start_soon(self._keep_alive, kato_ms / 1000)
+        await self._connect_io_queues()
+        if opts.keep_alive_tmo:
+            self._nursery.start_soon(self._keep_alive, opts.keep_alive_tmo)
         self.bounce = BouncePool(self.transport.register, self.max_transfer, BOUNCE_BUFFERS,
                                  timeout=opts.timeout)
         await self._identify_namespaces()
+        self._set_state(LIVE)
 
     async def _identify_namespaces(self) -> None:
         from .namespace import Namespace
@@ -299,17 +445,26 @@ class Controller:
                 self.namespaces[nsid] = Namespace(self, nsid, ident)
 
     async def _keep_alive(self, kato: float) -> None:
-        """Send Keep Alive at half the negotiated timeout, as the kernel does."""
+        """Send Keep Alive at half the negotiated timeout, as the kernel does.
+
+        One unanswered within KATO means the connection is gone (the kernel's rule too).
+        """
         while True:
             await trio.sleep(kato / 2)
+            admin = self.admin
+            if self.state is not LIVE or admin is None:
+                continue
             try:
-                await self.admin_command(cmd.keep_alive())
-            except NVMeoFError as exc:
-                log.error("keep-alive failed: %s", exc)
+                completion = await admin.execute(cmd.keep_alive(), timeout=kato)
+            except (TransportError, CommandTimeout) as exc:
+                self.connection_lost(admin, CommandTimeout(f"keep-alive: {exc}"))
+                continue
+            if not completion.ok:
+                log.error("keep-alive failed: %s", completion.status_name())
 
     async def shutdown(self) -> None:
         """CC.SHN, then wait for CSTS.SHST complete (bounded by CAP.TO)."""
-        if self.admin is None or self.cap is None:
+        if self.admin is None or self.cap is None or self.state is not LIVE:
             return
         try:
             await self.property_set(Property.CC, nvme.cc_shutdown_value(self._cc))
@@ -347,6 +502,9 @@ class Controller:
             "queue_size": self.io_queues[0].size if self.io_queues else 0,
             "max_transfer_bytes": self.max_transfer,
             "keep_alive_tmo": self.options.keep_alive_tmo,
+            "reconnect_delay": self.options.reconnect_delay,
+            "ctrl_loss_tmo": self.options.ctrl_loss_tmo,
+            "state": self.state,
             "namespaces": sorted(self.namespaces),
         }
 
@@ -367,6 +525,7 @@ async def connect(options: ConnectOptions) -> AsyncIterator[Controller]:
                 finally:
                     with trio.CancelScope(shield=True):
                         await controller.shutdown()
+                    controller.close_state(f"the controller of {options.nqn} is closed")
                     nursery.cancel_scope.cancel()
     finally:
         if controller is not None:

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from nvmeof_fuse.errors import InvalidArgument
-from nvmeof_fuse.host.controller import ConnectOptions
+from nvmeof_fuse.host.controller import ConnectOptions, reconnect_attempts
 
 
 def options(**changes) -> ConnectOptions:
@@ -15,6 +15,7 @@ def options(**changes) -> ConnectOptions:
 @pytest.mark.parametrize("changes", [
     {}, {"trsvcid": 1}, {"trsvcid": 65535}, {"nr_io_queues": 1}, {"nr_io_queues": 65535},
     {"queue_size": 2}, {"queue_size": 65536}, {"keep_alive_tmo": 0}, {"keep_alive_tmo": 65535},
+    {"reconnect_delay": 1}, {"ctrl_loss_tmo": 0}, {"ctrl_loss_tmo": -1},
 ])
 def test_valid_options(changes):
     options(**changes).validate()
@@ -32,9 +33,19 @@ def test_valid_options(changes):
     ({"keep_alive_tmo": -1}, "--keep-alive-tmo -1 must be 0-65535 s"),
     ({"keep_alive_tmo": 70000.5}, "--keep-alive-tmo 70000.5 must be 0-65535 s"),
     ({"nqn": ""}, "--nqn is required"),
+    ({"reconnect_delay": 0}, "--reconnect-delay 0 must be 1-65535 s"),
+    ({"ctrl_loss_tmo": -2}, "--ctrl-loss-tmo -2 must be -1 (forever) or 0 or more seconds"),
 ])
 def test_bad_option_message(changes, message):
     with pytest.raises(InvalidArgument) as info:
         options(**changes).validate()
     assert str(info.value).startswith(message)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(("ctrl_loss_tmo", "delay", "attempts"), [
+    (600, 10, 60), (0, 10, 0), (5, 10, 1), (25, 10, 3), (-1, 10, float("inf")),
+])
+def test_reconnect_attempts_follow_the_kernel(ctrl_loss_tmo, delay, attempts):
+    """max_reconnects = DIV_ROUND_UP(ctrl_loss_tmo, reconnect_delay); -1 is unlimited."""
+    assert reconnect_attempts(ctrl_loss_tmo, delay) == attempts

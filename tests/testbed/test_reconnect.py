@@ -1,0 +1,110 @@
+"""Losing the target: I/O waits for the reconnect and lands, or fails by name after ctrl-loss-tmo.
+
+The target goes away the way a port reconfiguration or a target restart takes it:
+the subsystem is unlinked from the RDMA port, so nvmet deletes our controller and
+refuses new connects until the link is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+
+from kernel_initiator import connected, pread_direct
+
+MNT = "/tmp/nvmeof-reconnect"
+NVMET = "/sys/kernel/config/nvmet"
+RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma, port 2 tcp
+
+
+def sh(*cmd: str, timeout: float = 120) -> str:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          check=True).stdout
+
+
+def wait_for(predicate, timeout: float = 90) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def qps() -> int:
+    return len([line for line in sh("rdma", "resource", "show", "qp").splitlines()
+                if line.strip()])
+
+
+@contextlib.contextmanager
+def target_away(nqn: str):
+    """The subsystem is off the RDMA port while inside."""
+    link = f"{NVMET}/ports/{RDMA_PORT}/subsystems/{nqn}"
+    os.unlink(link)
+    try:
+        yield
+    finally:
+        if not os.path.lexists(link):
+            os.symlink(f"{NVMET}/subsystems/{nqn}", link)
+
+
+@contextlib.contextmanager
+def mounted(testbed, log: str, *options: str):
+    os.makedirs(MNT, exist_ok=True)
+    sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
+       "-n", testbed.nqn, "--daemon", "--log-file", log, *options, MNT)
+    try:
+        yield MNT
+    finally:
+        subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
+        wait_for(lambda: not any(f" {MNT} " in line for line in open("/proc/mounts")), 60)
+
+
+def log_has(log: str, text: str) -> bool:
+    with open(log) as f:
+        return text in f.read()
+
+
+def test_a_write_during_an_outage_waits_and_lands_after_the_reconnect(testbed, tmp_path):
+    log = str(tmp_path / "daemon.log")
+    baseline = qps()
+    offset, old, new = 5 * 4096 + 7, os.urandom(3 * 4096 + 100), os.urandom(3 * 4096 + 100)
+    with mounted(testbed, log, "-k", "2", "-c", "2", "-l", "120") as mnt:
+        with open(f"{mnt}/n2", "r+b", buffering=0) as f:
+            f.seek(offset)
+            f.write(old)
+        with target_away(testbed.nqn):
+            assert wait_for(lambda: log_has(log, "lost the connection")), open(log).read()
+            writer = subprocess.Popen(
+                [sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_WRONLY);"
+                 f" os.pwrite(fd, bytes.fromhex(sys.argv[2]), {offset})", f"{mnt}/n2",
+                 new.hex()], stderr=subprocess.PIPE, text=True)
+            time.sleep(3)
+            assert writer.poll() is None, "the write should wait for the target"
+        _, err = writer.communicate(timeout=120)
+        assert writer.returncode == 0, err + open(log).read()
+        assert log_has(log, "reconnected to"), open(log).read()
+        with open(f"{mnt}/n2", "rb", buffering=0) as f:
+            f.seek(offset)
+            assert f.read(len(new)) == new
+    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+        start = offset // 4096 * 4096
+        raw = pread_direct(kernel[2], start, (offset - start + len(new) + 4095) // 4096 * 4096)
+        assert raw[offset - start:offset - start + len(new)] == new
+    assert wait_for(lambda: qps() == baseline), sh("rdma", "resource", "show", "qp")
+
+
+def test_io_fails_by_name_once_ctrl_loss_tmo_passes(testbed, tmp_path):
+    log = str(tmp_path / "daemon.log")
+    with mounted(testbed, log, "-k", "2", "-c", "1", "-l", "3") as mnt:
+        with target_away(testbed.nqn):
+            assert wait_for(lambda: log_has(log, "gave up after")), open(log).read()
+            dd = subprocess.run(["dd", f"if={mnt}/n2", "of=/dev/null", "bs=4k", "count=1",
+                                 "iflag=direct"], capture_output=True, text=True, timeout=60)
+        assert dd.returncode != 0 and "Input/output error" in dd.stderr, dd.stderr
+        text = open(log).read()
+        assert "--ctrl-loss-tmo 3" in text and "Traceback" not in text, text
+    assert not os.path.ismount(MNT)
