@@ -1,0 +1,157 @@
+"""Controller: losing the connection, reconnecting, giving up (queues and bring-up faked).
+
+The bring-up itself is exercised against the real target (tests/testbed); here the
+admin and I/O queue connects are stand-ins, and trio's clock jumps over the delays.
+"""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from nvmeof_fuse.errors import CommandTimeout, ControllerLost, TransportError
+from nvmeof_fuse.host.controller import DEAD, LIVE, ConnectOptions, Controller
+from nvmeof_fuse.nvme import Completion
+from nvmeof_fuse.nvme import command as cmd
+
+OK = Completion(0, 0, 1, 0, 0, True)
+
+
+class FakeQueue:
+    """Answers every command, or fails each with ``error``; counts what it ran."""
+
+    def __init__(self, qid: int, error: Exception | None = None) -> None:
+        self.qid = qid
+        self.size = 32
+        self.available = 31
+        self.error = error
+        self.ran = 0
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        await trio.sleep(0.01)
+        self.ran += 1
+        if self.error is not None:
+            raise self.error
+        return OK
+
+
+class FakeTransport:
+    address = "rdma 192.0.2.1:4420"
+
+    def __init__(self) -> None:
+        self.drops = 0
+
+    async def drop_queues(self) -> None:
+        self.drops += 1
+
+
+class Target:
+    """Where reconnects land: refused ``refusals`` times, then new working queues."""
+
+    def __init__(self, refusals: int = 0) -> None:
+        self.refusals = refusals
+        self.connects = 0
+
+    def attach(self, ctrl: Controller) -> None:
+        async def connect_admin() -> None:
+            self.connects += 1
+            if self.connects <= self.refusals:
+                raise TransportError("connect refused")
+            ctrl.admin = FakeQueue(0)
+
+        async def connect_io_queues() -> None:
+            ctrl.io_queues = [FakeQueue(1), FakeQueue(2)]
+
+        ctrl._connect_admin = connect_admin
+        ctrl._connect_io_queues = connect_io_queues
+
+
+def run(test, **options) -> None:
+    async def main() -> None:
+        opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", keep_alive_tmo=0,
+                              reconnect_delay=10, **options)
+        async with trio.open_nursery() as nursery:
+            ctrl = Controller(opts, FakeTransport(), nursery)
+            ctrl.admin = FakeQueue(0)
+            ctrl.io_queues = [FakeQueue(1, TransportError("work request failed: retry "
+                                                          "counter exceeded"))]
+            ctrl._set_state(LIVE)
+            await test(ctrl)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_io_waits_for_the_reconnect_and_runs_on_the_new_queues():
+    async def test(ctrl: Controller) -> None:
+        lost = ctrl.io_queues[0]
+        target = Target(refusals=2)
+        target.attach(ctrl)
+        start = trio.current_time()
+        completion = await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert completion.ok and ctrl.state is LIVE
+        assert lost.ran == 1 and target.connects == 3  # two refused, the third took
+        assert trio.current_time() - start == pytest.approx(30, abs=1)  # three delays
+        assert sum(q.ran for q in ctrl.io_queues) == 1 and ctrl.transport.drops == 3
+
+    run(test)
+
+
+def test_a_timeout_reconnects_too_and_new_io_waits_meanwhile():
+    async def test(ctrl: Controller) -> None:
+        ctrl.io_queues = [FakeQueue(1, CommandTimeout("I/O queue 1: command 3 got no "
+                                                      "completion within 30 s"))]
+        Target().attach(ctrl)
+        async with trio.open_nursery() as nursery:
+            for _ in range(3):
+                nursery.start_soon(ctrl.io_command, cmd.read(1, 0, 1, bytes(16)))
+            await trio.sleep(1)
+            assert ctrl.state is not LIVE
+            await ctrl.io_command(cmd.flush(1))  # a new command waits too
+        assert ctrl.state is LIVE and ctrl.transport.drops == 1  # one reconnect for all
+
+    run(test)
+
+
+def test_io_fails_by_name_once_ctrl_loss_tmo_has_passed():
+    async def test(ctrl: Controller) -> None:
+        Target(refusals=100).attach(ctrl)
+        with pytest.raises(ControllerLost) as info:
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert ctrl.state is DEAD
+        message = str(info.value)
+        assert message.startswith("the connection to nqn.2014-08.org.example:t at rdma "
+                                  "192.0.2.1:4420 was lost (")
+        assert "gave up after 3 reconnects in 30 s (--ctrl-loss-tmo 25)" in message
+        with pytest.raises(ControllerLost):  # and at once from now on
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+
+    run(test, ctrl_loss_tmo=25)
+
+
+def test_ctrl_loss_tmo_0_fails_io_without_reconnecting():
+    async def test(ctrl: Controller) -> None:
+        target = Target()
+        target.attach(ctrl)
+        with pytest.raises(ControllerLost, match=r"reconnecting is off \(--ctrl-loss-tmo 0\)"):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert target.connects == 0
+
+    run(test, ctrl_loss_tmo=0)
+
+
+def test_closing_wakes_waiters_with_the_reason():
+    async def test(ctrl: Controller) -> None:
+        Target(refusals=100).attach(ctrl)
+
+        async def close_soon() -> None:
+            await trio.sleep(15)
+            ctrl.close_state("the controller of nqn.2014-08.org.example:t is closed")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(close_soon)
+            with pytest.raises(ControllerLost, match="is closed"):
+                await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+
+    run(test)
