@@ -8,7 +8,13 @@ from dataclasses import dataclass, field
 import trio
 
 from nvmeof_fuse.errors import NVMeoFError
-from nvmeof_fuse.host.ramdisk import RamController, RamDevice, RamIdentify, RamNamespace
+from nvmeof_fuse.host.ramdisk import (
+    RamController,
+    RamDevice,
+    RamIdentify,
+    RamNamespace,
+    RamOptions,
+)
 
 FakeIdentify = RamIdentify
 
@@ -76,16 +82,9 @@ class FakeNamespace(RamNamespace):
 
 
 @dataclass
-class FakeOptions:
-    traddr: str = "192.0.2.1"
-    nqn: str = "nqn.2014-08.org.example:fake"
-    transport: str = "tcp"
-    trsvcid: int = 4420
-
-
-@dataclass
 class FakeController(RamController):
-    options: FakeOptions = field(default_factory=FakeOptions)  # type: ignore[assignment]
+    options: RamOptions = field(default_factory=lambda: RamOptions(
+        traddr="192.0.2.1", nqn="nqn.2014-08.org.example:fake", transport="tcp", trsvcid=4420))
     identify: FakeIdentify = field(
         default_factory=lambda: FakeIdentify(
             {

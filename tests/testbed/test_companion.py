@@ -17,6 +17,7 @@ import time
 
 import pytest
 from kernel_initiator import connected, pread_direct
+from vm import rdma_objects, sh, wait_for
 
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.protocol import CompanionError
@@ -28,28 +29,9 @@ OFFSET = (8 << 20) + 12_345  # unaligned for both LBA sizes
 TIMEOUT = 600
 
 
-def sh(*cmd: str, timeout: float = 120) -> str:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          check=True).stdout
-
-
 def daemon_stats() -> dict:
     with open(f"{MNT}/.nvmeof/stats.json") as f:
         return json.load(f)["companion"]
-
-
-def wait_for(predicate, timeout: float = 60) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
-
-
-def rdma_objects(kind: str) -> int:
-    return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
-                if line.strip()])
 
 
 @pytest.fixture(scope="module")

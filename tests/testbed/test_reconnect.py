@@ -14,29 +14,11 @@ import sys
 import time
 
 from kernel_initiator import connected, pread_direct
+from vm import rdma_objects, sh, wait_for
 
 MNT = "/tmp/nvmeof-reconnect"
 NVMET = "/sys/kernel/config/nvmet"
 RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma, port 2 tcp
-
-
-def sh(*cmd: str, timeout: float = 120) -> str:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          check=True).stdout
-
-
-def wait_for(predicate, timeout: float = 90) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
-
-
-def qps() -> int:
-    return len([line for line in sh("rdma", "resource", "show", "qp").splitlines()
-                if line.strip()])
 
 
 @contextlib.contextmanager
@@ -70,14 +52,14 @@ def log_has(log: str, text: str) -> bool:
 
 def test_a_write_during_an_outage_waits_and_lands_after_the_reconnect(testbed, tmp_path):
     log = str(tmp_path / "daemon.log")
-    baseline = qps()
+    baseline = rdma_objects("qp")
     offset, old, new = 5 * 4096 + 7, os.urandom(3 * 4096 + 100), os.urandom(3 * 4096 + 100)
     with mounted(testbed, log, "-k", "2", "-c", "2", "-l", "120") as mnt:
         with open(f"{mnt}/n2", "r+b", buffering=0) as f:
             f.seek(offset)
             f.write(old)
         with target_away(testbed.nqn):
-            assert wait_for(lambda: log_has(log, "lost the connection")), open(log).read()
+            assert wait_for(lambda: log_has(log, "lost the connection"), 90), open(log).read()
             writer = subprocess.Popen(
                 [sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_WRONLY);"
                  f" os.pwrite(fd, bytes.fromhex(sys.argv[2]), {offset})", f"{mnt}/n2",
@@ -95,14 +77,14 @@ def test_a_write_during_an_outage_waits_and_lands_after_the_reconnect(testbed, t
         raw = pread_direct(kernel[2], start, (offset - start + len(new) + 4095) // 4096 * 4096)
         assert raw[offset - start:offset - start + len(new)] == new
     # none of the generations' QPs is left (the baseline may still hold an earlier test's)
-    assert wait_for(lambda: qps() <= baseline), sh("rdma", "resource", "show", "qp")
+    assert wait_for(lambda: rdma_objects("qp") <= baseline, 90), sh("rdma", "resource", "show")
 
 
 def test_io_fails_by_name_once_ctrl_loss_tmo_passes(testbed, tmp_path):
     log = str(tmp_path / "daemon.log")
     with mounted(testbed, log, "-k", "2", "-c", "1", "-l", "3") as mnt:
         with target_away(testbed.nqn):
-            assert wait_for(lambda: log_has(log, "gave up after")), open(log).read()
+            assert wait_for(lambda: log_has(log, "gave up after"), 90), open(log).read()
             dd = subprocess.run(["dd", f"if={mnt}/n2", "of=/dev/null", "bs=4k", "count=1",
                                  "iflag=direct"], capture_output=True, text=True, timeout=60)
         assert dd.returncode != 0 and "Input/output error" in dd.stderr, dd.stderr

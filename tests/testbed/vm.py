@@ -1,0 +1,28 @@
+"""Small helpers the VM tests share: run a command, wait for a condition, count RDMA objects."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+
+def sh(*cmd: str, timeout: float = 120) -> str:
+    """Run ``cmd``; its stdout (raises on a non-zero exit)."""
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
+                          check=True).stdout
+
+
+def wait_for(predicate, timeout: float = 60) -> bool:
+    """Poll ``predicate`` every 0.2 s until it holds or ``timeout`` s have passed."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def rdma_objects(kind: str) -> int:
+    """How many RDMA resources of ``kind`` (qp, mr, cq, ...) exist in the VM right now."""
+    return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
+                if line.strip()])
