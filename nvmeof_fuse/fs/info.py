@@ -105,6 +105,9 @@ def stats_dict(ctrl: ControllerLike) -> dict[str, Any]:
     doc: dict[str, Any] = {
         f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())
     }
+    connection = getattr(ctrl, "connection_snapshot", None)
+    if connection is not None:
+        doc["connection"] = connection()
     companion = getattr(ctrl, "companion", None)
     if companion is not None:
         doc["companion"] = companion.snapshot()
@@ -122,11 +125,18 @@ def stats_text(ctrl: ControllerLike) -> bytes:
     for n, ns in sorted(ctrl.namespaces.items()):
         body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
         parts.append(f"n{n}:\n  {body}\n")
+    connection = getattr(ctrl, "connection_snapshot", None)
+    if connection is not None:
+        parts.append(_section("connection", connection()))
     companion = getattr(ctrl, "companion", None)
     if companion is not None:
         fields = companion.snapshot()
         fields.pop("sessions", None)
-        width = max(len(k) for k in fields)
-        body = "\n  ".join(f"{k.ljust(width)} : {v}" for k, v in fields.items())
-        parts.append(f"companion:\n  {body}\n")
+        parts.append(_section("companion", fields))
     return "\n".join(parts).encode()
+
+
+def _section(title: str, fields: dict[str, Any]) -> str:
+    width = max(len(k) for k in fields)
+    body = "\n  ".join(f"{k.ljust(width)} : {v}" for k, v in fields.items())
+    return f"{title}:\n  {body}\n"

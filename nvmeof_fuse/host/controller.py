@@ -137,6 +137,8 @@ class Controller:
         self.state = CONNECTING
         self._state_changed = trio.Event()
         self._dead_reason = ""
+        self.losses = 0  # connections lost
+        self.reconnects = 0  # of them, regained
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -217,6 +219,7 @@ class Controller:
         if self.state is not LIVE or (queue is not self.admin and queue not in self.io_queues):
             return  # an older connection's failure, or one already being handled
         self._set_state(CONNECTING)
+        self.losses += 1
         opts = self.options
         where = f"{opts.nqn} at {self.transport.address}"
         if opts.ctrl_loss_tmo == 0:
@@ -250,6 +253,7 @@ class Controller:
                 await self._drop_queues()
                 continue
             self._set_state(LIVE)
+            self.reconnects += 1
             log.info("reconnected to %s at %s as controller %d after %.1f s", opts.nqn,
                      self.transport.address, self.cntlid, trio.current_time() - lost_at)
             return
@@ -263,6 +267,11 @@ class Controller:
                                  f" s (--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
         log.error("%s", self._dead_reason)
         self._set_state(DEAD)
+
+    def connection_snapshot(self) -> dict[str, Any]:
+        """What ``.nvmeof/stats`` shows of the connection."""
+        return {"state": self.state, "cntlid": self.cntlid, "losses": self.losses,
+                "reconnects": self.reconnects}
 
     def close_state(self, why: str) -> None:
         """No more commands: waiters and new callers get ControllerLost(why)."""

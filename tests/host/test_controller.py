@@ -94,6 +94,8 @@ def test_io_waits_for_the_reconnect_and_runs_on_the_new_queues():
         assert lost.ran == 1 and target.connects == 3  # two refused, the third took
         assert trio.current_time() - start == pytest.approx(30, abs=1)  # three delays
         assert sum(q.ran for q in ctrl.io_queues) == 1 and ctrl.transport.drops == 3
+        assert ctrl.connection_snapshot() == {"state": "live", "cntlid": 0, "losses": 1,
+                                              "reconnects": 1}
 
     run(test)
 

@@ -8,6 +8,7 @@ refuses new connects until the link is back.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -69,6 +70,10 @@ def test_a_write_during_an_outage_waits_and_lands_after_the_reconnect(testbed, t
         _, err = writer.communicate(timeout=120)
         assert writer.returncode == 0, err + open(log).read()
         assert log_has(log, "reconnected to"), open(log).read()
+        with open(f"{mnt}/.nvmeof/stats.json") as f:
+            connection = json.load(f)["connection"]
+        assert (connection["state"], connection["losses"], connection["reconnects"]) == \
+            ("live", 1, 1)
         with open(f"{mnt}/n2", "rb", buffering=0) as f:
             f.seek(offset)
             assert f.read(len(new)) == new

@@ -1,0 +1,20 @@
+"""The .nvmeof reports: the connection section of stats and stats.json."""
+
+from __future__ import annotations
+
+import json
+
+from fakes import make_controller
+
+from nvmeof_fuse.fs import info
+
+
+def test_stats_show_the_connection_when_the_controller_reports_it():
+    ctrl = make_controller((1, 512, 8))
+    assert "connection" not in info.stats_dict(ctrl)
+    ctrl.connection_snapshot = lambda: {"state": "live", "cntlid": 3, "losses": 1,
+                                        "reconnects": 1}
+    doc = json.loads(info.to_json(info.stats_dict(ctrl)))
+    assert doc["connection"] == {"state": "live", "cntlid": 3, "losses": 1, "reconnects": 1}
+    text = info.stats_text(ctrl).decode()
+    assert "connection:\n  state      : live\n  cntlid     : 3\n  losses     : 1\n" in text
