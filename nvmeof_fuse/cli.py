@@ -52,13 +52,13 @@ def _int(name: str, value: str | None, lo: int, hi: int) -> int | None:
 
 
 def _seconds(name: str, value: str, *, low: float = 0, high: float = 65535,
-             forever: bool = False) -> float:
+             forever: bool = False, off: bool = False) -> float:
     try:
         s = float(value)
     except ValueError:
         raise UsageError(f"{name} {value!r} is not a number of seconds") from None
     if not low <= s <= high:
-        also = ", or -1 for ever" if forever else ""
+        also = ", or -1 for ever" if forever else ", or -1 for off" if off else ""
         raise UsageError(f"{name} {value} is out of range ({low:.0f}-{high:.0f} s{also})")
     return s
 
@@ -119,6 +119,9 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         kwargs["ctrl_loss_tmo"] = (-1.0 if args.ctrl_loss_tmo.strip() == "-1" else
                                    _seconds("--ctrl-loss-tmo", args.ctrl_loss_tmo,
                                             high=2**31, forever=True))
+        kwargs["fast_io_fail_tmo"] = (-1.0 if args.fast_io_fail_tmo.strip() == "-1" else
+                                      _seconds("--fast-io-fail-tmo", args.fast_io_fail_tmo,
+                                               high=2**31, off=True))
         kwargs["nr_io_queues"] = _int("--nr-io-queues", args.nr_io_queues, 1, 65535)
         queue_size = _int("--queue-size", args.queue_size, 2, 65536)
         if queue_size is not None:
@@ -171,6 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after losing the connection, reconnect every this many s (10)")
     m.add_argument("-l", "--ctrl-loss-tmo", default="600",
                    help="keep reconnecting this many s before I/O fails; -1: for ever (600)")
+    m.add_argument("-f", "--fast-io-fail-tmo", "--fast_io_fail_tmo", default="-1",
+                   help="fail I/O this many s after a loss while reconnecting goes on (-1: off)")
     m.add_argument("--read-only", action="store_true", help="refuse writes (EROFS)")
     m.add_argument("-o", dest="options", action="append", default=[], metavar="allow_other")
     m.add_argument("--uid", help="owner of the namespace files (default: you)")

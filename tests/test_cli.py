@@ -91,6 +91,7 @@ def test_help_and_usage_errors(capsys):
         (["-c", "0"], "--reconnect-delay 0 is out of range (1-65535 s)"),
         (["-l", "-5"], "--ctrl-loss-tmo -5 is out of range (0-2147483648 s, or -1 for ever)"),
         (["-l", "later"], "--ctrl-loss-tmo 'later' is not a number"),
+        (["-f", "-2"], "--fast-io-fail-tmo -2 is out of range (0-2147483648 s, or -1 for off)"),
     ],
 )
 def test_bad_option_values_are_one_line(capsys, host, tmp_path, extra, match):
@@ -135,7 +136,10 @@ def test_connect_error_is_one_line(capsys, host, tmp_path):
 def test_reconnect_options_follow_nvme_cli(tmp_path):
     args = cli.build_parser().parse_args([*MOUNT, "-c", "2", "-l", "-1", str(tmp_path)])
     opts = cli.connect_options(args, nqn=args.nqn, default_port=4420)
-    assert (opts.reconnect_delay, opts.ctrl_loss_tmo) == (2.0, -1.0)
+    assert (opts.reconnect_delay, opts.ctrl_loss_tmo, opts.fast_io_fail_tmo) == (2.0, -1.0, -1.0)
+    for spelling in ("--fast-io-fail-tmo", "--fast_io_fail_tmo"):  # nvme-cli's is the latter
+        args = cli.build_parser().parse_args([*MOUNT, spelling, "7", str(tmp_path)])
+        assert cli.connect_options(args, nqn=args.nqn, default_port=4420).fast_io_fail_tmo == 7
 
 
 def test_debug_shows_the_traceback(host, tmp_path):

@@ -69,6 +69,8 @@ class ConnectOptions:
     """Seconds between reconnect attempts after the connection is lost."""
     ctrl_loss_tmo: float = 600.0
     """Seconds to keep reconnecting before I/O fails for good; 0: never, -1: forever."""
+    fast_io_fail_tmo: float = -1.0
+    """Seconds after a loss from which I/O fails while reconnecting goes on; -1: off."""
     timeout: float = 30.0
     """Per-command timeout in seconds."""
     connect_timeout: float = 10.0
@@ -89,6 +91,9 @@ class ConnectOptions:
             raise InvalidArgument(f"--reconnect-delay {self.reconnect_delay} must be 1-65535 s")
         if not (self.ctrl_loss_tmo == -1 or 0 <= self.ctrl_loss_tmo <= 2**31):
             raise InvalidArgument(f"--ctrl-loss-tmo {self.ctrl_loss_tmo} must be -1 (forever) "
+                                  "or 0 or more seconds")
+        if not (self.fast_io_fail_tmo == -1 or 0 <= self.fast_io_fail_tmo <= 2**31):
+            raise InvalidArgument(f"--fast-io-fail-tmo {self.fast_io_fail_tmo} must be -1 (off) "
                                   "or 0 or more seconds")
         if not self.nqn:
             raise InvalidArgument("--nqn is required")
@@ -137,6 +142,7 @@ class Controller:
         self.state = CONNECTING
         self._state_changed = trio.Event()
         self._dead_reason = ""
+        self._failing_io = ""  # set while I/O fails fast during a reconnect
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
 
@@ -212,6 +218,8 @@ class Controller:
         while self.state is not LIVE:
             if self.state is DEAD:
                 raise ControllerLost(self._dead_reason)
+            if self._failing_io:
+                raise ControllerLost(self._failing_io)
             await self._state_changed.wait()
 
     def connection_lost(self, queue: Queue | None, exc: BaseException) -> None:
@@ -229,6 +237,19 @@ class Controller:
             log.error("lost the connection to %s: %s; reconnecting every %g s for %s",
                       where, exc, opts.reconnect_delay, limit)
         self._nursery.start_soon(self._reconnect, str(exc))
+        if opts.fast_io_fail_tmo >= 0 and opts.ctrl_loss_tmo != 0:
+            self._nursery.start_soon(self._fail_io_after, opts.fast_io_fail_tmo, str(exc))
+
+    async def _fail_io_after(self, delay: float, reason: str) -> None:
+        """--fast-io-fail-tmo: from ``delay`` s after the loss, I/O fails until reconnected."""
+        losses = self.losses
+        await trio.sleep(delay)
+        if self.state is CONNECTING and self.losses == losses:
+            self._failing_io = (f"the connection to {self.options.nqn} at "
+                                f"{self.transport.address} was lost ({reason}); failing I/O "
+                                f"while reconnecting (--fast-io-fail-tmo {delay:g})")
+            log.warning("%s", self._failing_io)
+            self._set_state(CONNECTING)  # wakes the waiters
 
     async def _drop_queues(self) -> None:
         self.admin, self.io_queues = None, []
@@ -252,6 +273,7 @@ class Controller:
                 log.warning("reconnect %d to %s failed: %s", tried, opts.nqn, what)
                 await self._drop_queues()
                 continue
+            self._failing_io = ""
             self._set_state(LIVE)
             self.reconnects += 1
             log.info("reconnected to %s at %s as controller %d after %.1f s", opts.nqn,
@@ -513,6 +535,7 @@ class Controller:
             "keep_alive_tmo": self.options.keep_alive_tmo,
             "reconnect_delay": self.options.reconnect_delay,
             "ctrl_loss_tmo": self.options.ctrl_loss_tmo,
+            "fast_io_fail_tmo": self.options.fast_io_fail_tmo,
             "state": self.state,
             "namespaces": sorted(self.namespaces),
         }

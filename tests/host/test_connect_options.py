@@ -16,6 +16,7 @@ def options(**changes) -> ConnectOptions:
     {}, {"trsvcid": 1}, {"trsvcid": 65535}, {"nr_io_queues": 1}, {"nr_io_queues": 65535},
     {"queue_size": 2}, {"queue_size": 65536}, {"keep_alive_tmo": 0}, {"keep_alive_tmo": 65535},
     {"reconnect_delay": 1}, {"ctrl_loss_tmo": 0}, {"ctrl_loss_tmo": -1},
+    {"fast_io_fail_tmo": -1}, {"fast_io_fail_tmo": 0},
 ])
 def test_valid_options(changes):
     options(**changes).validate()
@@ -35,6 +36,7 @@ def test_valid_options(changes):
     ({"nqn": ""}, "--nqn is required"),
     ({"reconnect_delay": 0}, "--reconnect-delay 0 must be 1-65535 s"),
     ({"ctrl_loss_tmo": -2}, "--ctrl-loss-tmo -2 must be -1 (forever) or 0 or more seconds"),
+    ({"fast_io_fail_tmo": -3}, "--fast-io-fail-tmo -3 must be -1 (off) or 0 or more seconds"),
 ])
 def test_bad_option_message(changes, message):
     with pytest.raises(InvalidArgument) as info:

@@ -143,6 +143,23 @@ def test_ctrl_loss_tmo_0_fails_io_without_reconnecting():
     run(test, ctrl_loss_tmo=0)
 
 
+def test_fast_io_fail_tmo_fails_io_while_reconnecting_goes_on():
+    async def test(ctrl: Controller) -> None:
+        Target(refusals=3).attach(ctrl)
+        start = trio.current_time()
+        with pytest.raises(ControllerLost,
+                           match=r"failing I/O while reconnecting \(--fast-io-fail-tmo 5\)"):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert trio.current_time() - start == pytest.approx(5, abs=1)
+        with pytest.raises(ControllerLost):  # new I/O fails at once
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        while ctrl.state is not LIVE:  # the fourth reconnect takes
+            await trio.sleep(1)
+        assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
+
+    run(test, fast_io_fail_tmo=5)
+
+
 def test_closing_wakes_waiters_with_the_reason():
     async def test(ctrl: Controller) -> None:
         Target(refusals=100).attach(ctrl)

@@ -96,3 +96,16 @@ def test_io_fails_by_name_once_ctrl_loss_tmo_passes(testbed, tmp_path):
         text = open(log).read()
         assert "--ctrl-loss-tmo 3" in text and "Traceback" not in text, text
     assert not os.path.ismount(MNT)
+
+
+def test_fast_io_fail_tmo_fails_io_during_the_outage_and_not_after(testbed, tmp_path):
+    log = str(tmp_path / "daemon.log")
+    dd = ["dd", f"if={MNT}/n2", "of=/dev/null", "bs=4k", "count=1", "iflag=direct"]
+    with mounted(testbed, log, "-k", "2", "-c", "2", "-l", "120", "-f", "1"):
+        with target_away(testbed.nqn):
+            assert wait_for(lambda: log_has(log, "failing I/O while reconnecting"), 90), \
+                open(log).read()
+            failed = subprocess.run(dd, capture_output=True, text=True, timeout=60)
+            assert failed.returncode != 0 and "Input/output error" in failed.stderr
+        assert wait_for(lambda: log_has(log, "reconnected to"), 90), open(log).read()
+        subprocess.run(dd, capture_output=True, text=True, timeout=60, check=True)
