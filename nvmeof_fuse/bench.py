@@ -280,15 +280,17 @@ def serve_ram(args: argparse.Namespace) -> int:
     """Mount a RAM namespace at ``args.mountpoint`` until it is unmounted or signalled."""
     import trio
 
+    from nvmeof_fuse.concurrency import unwrap_groups
     from nvmeof_fuse.fs.mount import MountError, MountOptions, serve
     from nvmeof_fuse.host.ramdisk import ram_controller
 
     ctrl = ram_controller((1, args.lba_size, args.size_mib * MIB // args.lba_size))
 
     async def main() -> None:
-        async with trio.open_nursery() as nursery:
-            await nursery.start(serve, ctrl, args.mountpoint, MountOptions())
-            print(f"READY {args.mountpoint}/n1", flush=True)
+        with unwrap_groups():
+            async with trio.open_nursery() as nursery:
+                await nursery.start(serve, ctrl, args.mountpoint, MountOptions())
+                print(f"READY {args.mountpoint}/n1", flush=True)
 
     try:
         trio.run(main)

@@ -74,3 +74,11 @@ def test_fuse_ram_mounts_a_ram_namespace_until_unmounted(tmp_path):
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], check=False, timeout=20)
         assert proc.wait(timeout=20) == 0
+
+
+def test_fuse_ram_bad_input_is_one_line(tmp_path, capsys):
+    assert bench.main(["fuse-ram", str(tmp_path / "nope")]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("bench fuse-ram: ") and "does not exist" in err and err.count("\n") == 1
+    assert bench.main(["fuse-ram", str(tmp_path), "--size-mib", "0"]) == 2
+    assert capsys.readouterr().err == "bench: --size-mib must be positive\n"

@@ -160,6 +160,18 @@ def test_fast_io_fail_tmo_fails_io_while_reconnecting_goes_on():
     run(test, fast_io_fail_tmo=5)
 
 
+def test_admin_commands_while_reconnecting_fail_by_name():
+    async def test(ctrl: Controller) -> None:
+        ctrl.admin = None
+        ctrl.state = "connecting"
+        with pytest.raises(TransportError, match="the admin queue to nqn.2014-08.org.example:t "
+                                                 r"is not connected \(the controller is "
+                                                 r"connecting\)"):
+            await ctrl.admin_command(cmd.flush(1))
+
+    run(test)
+
+
 def test_closing_wakes_waiters_with_the_reason():
     async def test(ctrl: Controller) -> None:
         Target(refusals=100).attach(ctrl)
