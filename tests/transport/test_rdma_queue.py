@@ -165,6 +165,14 @@ def read_command():
     return cmd.read(1, 0, 1, NULL_SGL)
 
 
+async def read_recording(queue, results: list) -> None:
+    """One read; its completion, or the TransportError it raised, goes to ``results``."""
+    try:
+        results.append(await queue.execute(read_command(), timeout=30))
+    except TransportError as exc:
+        results.append(exc)
+
+
 async def started(queue, nursery) -> None:
     await nursery.start(queue.reap)
 
@@ -174,11 +182,7 @@ async def test_response_completes_the_command_and_the_send_frees_its_slot(queue)
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         results = []
-
-        async def one():
-            results.append(await queue.execute(read_command(), timeout=30))
-
-        nursery.start_soon(one)
+        nursery.start_soon(read_recording, queue, results)
         await trio.testing.wait_all_tasks_blocked()
         (cid,) = queue.qp.sent
         queue.qp.respond(cid)
@@ -262,14 +266,7 @@ async def test_failed_work_request_fails_waiting_and_later_commands(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         errors = []
-
-        async def one():
-            try:
-                await queue.execute(read_command(), timeout=30)
-            except TransportError as exc:
-                errors.append(exc)
-
-        nursery.start_soon(one)
+        nursery.start_soon(read_recording, queue, errors)
         await trio.testing.wait_all_tasks_blocked()
         (cid,) = queue.qp.sent
         queue.qp.send_done(cid, status=5)  # flushed: the QP went to error
@@ -286,14 +283,7 @@ async def test_stopping_the_reaper_fails_waiting_callers(queue):
     async with trio.open_nursery() as outer:
         async with trio.open_nursery() as reaper:
             await started(queue, reaper)
-
-            async def one():
-                try:
-                    await queue.execute(read_command(), timeout=30)
-                except TransportError as exc:
-                    errors.append(exc)
-
-            outer.start_soon(one)
+            outer.start_soon(read_recording, queue, errors)
             await trio.testing.wait_all_tasks_blocked()
             reaper.cancel_scope.cancel()
     assert errors and "stopped" in str(errors[0])
@@ -304,12 +294,8 @@ async def test_commands_posted_in_one_batch_share_one_post_send(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         done = []
-
-        async def one():
-            done.append(await queue.execute(read_command(), timeout=30))
-
         for _ in range(4):
-            nursery.start_soon(one)
+            nursery.start_soon(read_recording, queue, done)
         await trio.testing.wait_all_tasks_blocked()
         assert queue.qp.posts == [1, 3]  # the first alone (nothing in flight), then together
         for cid in list(queue.qp.sent):
@@ -325,18 +311,11 @@ async def test_a_failed_batched_post_fails_its_callers_and_frees_their_slots(que
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         results = []
-
-        async def one():
-            try:
-                results.append(await queue.execute(read_command(), timeout=30))
-            except TransportError as exc:
-                results.append(exc)
-
-        nursery.start_soon(one)
+        nursery.start_soon(read_recording, queue, results)
         await trio.testing.wait_all_tasks_blocked()  # one command in flight
         queue.qp.fail_posts = True
-        nursery.start_soon(one)
-        nursery.start_soon(one)
+        nursery.start_soon(read_recording, queue, results)
+        nursery.start_soon(read_recording, queue, results)
         await trio.testing.wait_all_tasks_blocked()
         assert [str(r) for r in results] == ["I/O queue 1: cannot post a command: "
                                              "[Errno 12] send queue full"] * 2
