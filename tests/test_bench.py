@@ -26,25 +26,26 @@ def test_companion_runner_measures_every_job(tmp_path):
     assert results["notes"]["staged_read_bytes"] == results["notes"]["daemon_copied_bytes"] == 0
 
 
-def test_table_has_a_companion_column_and_ratio(tmp_path):
+def saved_results(tmp_path, metric: str, **values: float) -> dict[str, str]:
+    """One result file per column holding ``metric``; column -> path, for bench.table."""
     files = {}
-    for column, value in (("kernel", 80.0), ("companion", 60.0)):
+    for column, value in values.items():
         path = tmp_path / f"{column}.json"
-        path.write_text(json.dumps({"metrics": {"seq_read": value}, "errors": {}}))
+        path.write_text(json.dumps({"metrics": {metric: value}, "errors": {}}))
         files[column] = str(path)
-    text, data = bench.table(files)
+    return files
+
+
+def test_table_has_a_companion_column_and_ratio(tmp_path):
+    text, data = bench.table(saved_results(tmp_path, "seq_read", kernel=80.0, companion=60.0))
     assert "companion API" in text and "companion/kernel" in text
     assert "0.75" in text.splitlines()[2]
     assert data["figures"]["companion"] == {"seq_read": 60.0}
 
 
 def test_table_shows_fuse_over_ram_against_the_kernel(tmp_path):
-    files = {}
-    for column, value in (("kernel", 4000.0), ("fuse_ram", 1000.0)):
-        path = tmp_path / f"{column}.json"
-        path.write_text(json.dumps({"metrics": {"rand_read_qd16": value}, "errors": {}}))
-        files[column] = str(path)
-    text, data = bench.table(files)
+    text, data = bench.table(saved_results(tmp_path, "rand_read_qd16", kernel=4000.0,
+                                           fuse_ram=1000.0))
     assert "FUSE over RAM (fio)" in text and "fuse_ram/kernel" in text
     row = next(line for line in text.splitlines() if line.startswith("4 KiB randread QD16"))
     assert row.rstrip().endswith("0.25")
