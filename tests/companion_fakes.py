@@ -147,6 +147,7 @@ def serving(ctrl: AddressController, tmp_path: Any, *, read_only: bool = False):
     assert started.wait(10), "companion server did not start"
     if "error" in state:
         raise state["error"]
+    server.trio_token = state["token"]  # for tests that run work on the server's loop
     mnt = tmp_path / "mnt"
     (mnt / ".nvmeof").mkdir(parents=True)
     for nsid in ctrl.namespaces:

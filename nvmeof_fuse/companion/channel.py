@@ -78,9 +78,10 @@ class SocketChannel:
         for future in pending.values():
             future.set_exception(self._broken)
 
-    def call(self, op: str, *, fds: tuple[int, ...] = (), payload: bytes = b"",
-             timeout: float | None = None, **fields: Any) -> dict:
-        """Send one request and wait (bounded) for its reply's fields."""
+    def call_future(self, op: str, *, fds: tuple[int, ...] = (), payload: bytes = b"",
+                    **fields: Any) -> concurrent.futures.Future:
+        """Send one request; the future gets its reply's header (check it with
+        :func:`protocol.raise_for_reply`).  Waiting on it is the caller's, bounded."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._broken is not None:
@@ -98,12 +99,19 @@ class SocketChannel:
             self._reader.join(1.0)  # a refusal may be on its way
             raise self._broken or CompanionError(
                 f"lost the mount daemon: {exc.strerror or exc}", errno.ECONNRESET) from None
+        future.request_id = request_id  # type: ignore[attr-defined]
+        return future
+
+    def call(self, op: str, *, fds: tuple[int, ...] = (), payload: bytes = b"",
+             timeout: float | None = None, **fields: Any) -> dict:
+        """Send one request and wait (bounded) for its reply's fields."""
+        future = self.call_future(op, fds=fds, payload=payload, **fields)
         limit = self.timeout if timeout is None else timeout
         try:
             header = future.result(limit)
         except concurrent.futures.TimeoutError:
             with self._lock:
-                self._pending.pop(request_id, None)
+                self._pending.pop(future.request_id, None)  # type: ignore[attr-defined]
             raise CompanionError(f"the mount daemon did not answer {op} within {limit:g} s",
                                  errno.ETIMEDOUT) from None
         return protocol.raise_for_reply(header)

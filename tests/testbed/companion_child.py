@@ -1,12 +1,15 @@
 """A second process using nvmeof_fuse.File (run by test_companion.py inside the VM).
 
-    python companion_child.py roundtrip PATH OFFSET SIZE   write random data, read it back
+    python companion_child.py roundtrip PATH OFFSET SIZE [KIND]  write random data, read it back
+    python companion_child.py both MOUNT OFFSET SIZE KIND  roundtrip on n1, then on n2
     python companion_child.py loop PATH SIZE               read forever (to be killed)
     python companion_child.py dmabuf PATH OFFSET SIZE      read into a "device" buffer that is
                                                            exported as a real dma-buf (udmabuf)
 
 ``roundtrip`` prints one JSON line: the SHA-256 of what it wrote, whether the read
-matched, and the daemon's companion counters before and after the read.
+matched, the queue IDs the file used on its own, and the daemon's companion counters
+before and after the read.  KIND is ``empty`` (``nvmeof_fuse.empty``, the default) or
+``numpy`` (a plain array).
 """
 
 from __future__ import annotations
@@ -24,17 +27,24 @@ import numpy as np
 import nvmeof_fuse
 
 
-def roundtrip(path: str, offset: int, size: int) -> None:
-    data = nvmeof_fuse.empty(size)
+def _array(size: int, kind: str) -> np.ndarray:
+    """``empty``: shared memory the daemon could map; ``numpy``: plain process memory."""
+    return nvmeof_fuse.empty(size) if kind == "empty" else np.zeros(size, dtype=np.uint8)
+
+
+def roundtrip(path: str, offset: int, size: int, kind: str = "empty") -> None:
+    data = _array(size, kind)
     data[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
-    out = nvmeof_fuse.empty(size)
+    out = _array(size, kind)
     with nvmeof_fuse.File(path) as f:
         assert f.pwrite(data, file_offset=offset).get(600) == size
         before = f.stats()
         assert f.read(out, file_offset=offset) == size
         after = f.stats()
-    print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(),
-                      "equal": bool((out == data).all()), "before": before, "after": after}))
+        own = list(f.own_queues)
+    print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "own_queues": own,
+                      "equal": bool((out == data).all()), "before": before, "after": after}),
+          flush=True)
 
 
 def loop(path: str, size: int) -> None:
@@ -113,7 +123,10 @@ def dmabuf(path: str, offset: int, size: int) -> None:
 if __name__ == "__main__":
     mode, path, *numbers = sys.argv[1:]
     if mode == "roundtrip":
-        roundtrip(path, int(numbers[0]), int(numbers[1]))
+        roundtrip(path, int(numbers[0]), int(numbers[1]), *sys.argv[5:6])
+    elif mode == "both":  # PATH is the mountpoint: n1, then n2
+        for nsid in (1, 2):
+            roundtrip(f"{path}/n{nsid}", int(numbers[0]), int(numbers[1]), sys.argv[5])
     elif mode == "dmabuf":
         dmabuf(path, int(numbers[0]), int(numbers[1]))
     else:

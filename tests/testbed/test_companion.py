@@ -43,36 +43,53 @@ def cmnt(testbed):
     subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
 
 
-def test_another_process_reads_64mib_in_place_while_fio_runs(testbed, cmnt):
+def _check_against_file_and_kernel(testbed, path: str, nsid: int, offset: int,
+                                   sha256: str) -> None:
+    with open(path, "rb") as f:  # what the file shows
+        f.seek(offset)
+        assert hashlib.sha256(f.read(SIZE)).hexdigest() == sha256
+    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+        start = offset // 4096 * 4096
+        raw = pread_direct(kernel[nsid], start, SIZE + 8192)
+        skip = offset - start
+        assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == sha256
+
+
+def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(testbed, cmnt):
+    """Acceptance 1: both namespaces, empty arrays and plain numpy arrays, fio beside."""
+    before = daemon_stats()
     fio = subprocess.Popen(
         ["fio", "--name=bg", f"--filename={cmnt}/n2", "--rw=randread", "--bs=4k",
          "--iodepth=4", "--ioengine=libaio", "--direct=1", "--size=64M", "--time_based",
          "--runtime=900"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    offsets = {"empty": OFFSET, "numpy": OFFSET + SIZE + 4097}  # apart, unaligned
     try:
-        child = subprocess.run([sys.executable, CHILD, "roundtrip", f"{cmnt}/n1", str(OFFSET),
-                                str(SIZE)], capture_output=True, text=True, timeout=TIMEOUT)
+        children = {kind: subprocess.Popen(
+            [sys.executable, CHILD, "both", cmnt, str(offset), str(SIZE), kind],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for kind, offset in offsets.items()}
+        outputs = {kind: child.communicate(timeout=TIMEOUT) for kind, child in children.items()}
     finally:
         fio.send_signal(signal.SIGINT)
         fio_out = fio.communicate(timeout=120)[0]
-    assert child.returncode == 0, child.stderr
     # fio ends on our SIGINT (status 0 or 128); what matters is that it ran without errors
     assert re.search(r"err= 0:", fio_out) and re.search(r"read: IOPS=\d", fio_out), fio_out
-    result = json.loads(child.stdout.splitlines()[-1])
-    assert result["equal"]
-    before, after = result["before"], result["after"]
-    lba = 512
-    assert after["direct_read_bytes"] - before["direct_read_bytes"] >= SIZE - 2 * lba
-    assert after["staged_read_bytes"] - before["staged_read_bytes"] <= 2 * lba
-    assert after["daemon_copied_bytes"] == before["daemon_copied_bytes"]  # no payload copy
-
-    with open(f"{cmnt}/n1", "rb") as f:  # what the file shows
-        f.seek(OFFSET)
-        assert hashlib.sha256(f.read(SIZE)).hexdigest() == result["sha256"]
-    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
-        start = OFFSET // 4096 * 4096
-        raw = pread_direct(kernel[1], start, SIZE + 8192)
-        skip = OFFSET - start
-        assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == result["sha256"]
+    for kind, (out, err) in outputs.items():
+        assert children[kind].returncode == 0, err
+        results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(results) == 2, out
+        for nsid, result in zip((1, 2), results, strict=True):
+            assert result["equal"], (kind, nsid)
+            assert result["own_queues"], f"{kind} client used no queues of its own: {err}"
+            _check_against_file_and_kernel(testbed, f"{cmnt}/n{nsid}", nsid, offsets[kind],
+                                           result["sha256"])
+    after = daemon_stats()
+    moved = 2 * 2 * SIZE  # two processes, two namespaces, each way
+    assert after["client_queue_read_bytes"] - before["client_queue_read_bytes"] >= moved
+    assert after["client_queue_write_bytes"] - before["client_queue_write_bytes"] >= moved
+    for counter in ("direct_read_bytes", "direct_write_bytes", "staged_read_bytes",
+                    "staged_write_bytes", "daemon_copied_bytes"):  # nothing through the daemon
+        assert after[counter] == before[counter], counter
 
 
 def test_a_companion_write_reaches_a_reader_holding_cached_pages(cmnt):
