@@ -38,7 +38,8 @@ def daemon_stats() -> dict:
 def cmnt(testbed):
     os.makedirs(MNT, exist_ok=True)
     sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
-       "-n", testbed.nqn, "-o", "allow_other", "--mode", "0666", "--daemon", MNT)
+       "-n", testbed.nqn, "-o", "allow_other", "--mode", "0666", "--daemon",
+       "--log-file", os.path.join(testbed.out, "companion-daemon.log"), MNT)
     yield MNT
     subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
 
