@@ -74,6 +74,12 @@ LeaseSource = Callable[[], Awaitable[Lease]]
 :class:`ControllerLost` once it never will be live again."""
 
 
+def _qid_busy(exc: ConnectError) -> bool:
+    cause = exc.__cause__
+    return isinstance(cause, nvme.NVMeStatusError) and \
+        (cause.sct, cause.sc) == (0, SC_COMMAND_SEQUENCE_ERROR)
+
+
 class AttachedController(Controller):
     """I/O queues of our own on a controller another process owns (see the module)."""
 
@@ -86,7 +92,6 @@ class AttachedController(Controller):
     async def start(self) -> None:
         lease = await self._lease_source()
         self.max_transfer = lease.max_transfer
-        self._scratch = host_buffer(self.transport.register, 4096)
         await self._connect_leased(lease)
         largest = max((ns.lba_size for ns in lease.namespaces), default=4096)
         self.bounce = BouncePool(self.transport.register, largest, EDGE_BUFFERS,
@@ -96,33 +101,31 @@ class AttachedController(Controller):
         self._set_state(LIVE)
 
     async def _connect_leased(self, lease: Lease) -> None:
-        """Connect every leased queue ID to the lease's controller."""
+        """Connect every leased queue ID to the lease's controller.
+
+        A QID whose previous holder's queue the target has not torn down yet is
+        answered Command Sequence Error: then all of them are tried again, a little later.
+        """
         self.lease = lease
         self.cntlid = lease.cntlid
-        queues = []
-        for qid in lease.qids:
-            queue = await self._connect_one(qid, lease)
-            queues.append(queue)
-        self.io_queues = queues
+        for attempt in range(QID_BUSY_RETRIES + 1):
+            try:
+                self.io_queues = [await self._connect_one(qid, lease) for qid in lease.qids]
+                return
+            except ConnectError as exc:
+                await self._drop_queues()
+                if not _qid_busy(exc) or attempt == QID_BUSY_RETRIES:
+                    raise
+                log.debug("a leased queue is still held on the target; trying again")
+                await trio.sleep(QID_BUSY_DELAY)
 
     async def _connect_one(self, qid: int, lease: Lease):
-        for attempt in range(QID_BUSY_RETRIES + 1):
-            queue = await self.transport.connect_queue(self._nursery, qid, lease.queue_size,
-                                                       lease.in_capsule_bytes,
-                                                       cntlid=lease.cntlid)
-            try:
-                await self._fabrics_connect(queue)
-                return queue
-            except ConnectError as exc:
-                cause = exc.__cause__
-                busy = isinstance(cause, nvme.NVMeStatusError) and \
-                    (cause.sct, cause.sc) == (0, SC_COMMAND_SEQUENCE_ERROR)
-                queue.close()
-                if not busy or attempt == QID_BUSY_RETRIES:
-                    raise
-                log.debug("queue %d is still held on the target; trying again", qid)
-                await trio.sleep(QID_BUSY_DELAY)
-        raise AssertionError("unreachable")
+        queue = await self.transport.connect_queue(self._nursery, qid, lease.queue_size,
+                                                   lease.in_capsule_bytes, cntlid=lease.cntlid)
+        if self._scratch is None:  # the Connect data's buffer; registering needs the PD
+            self._scratch = host_buffer(self.transport.register, 4096)
+        await self._fabrics_connect(queue)
+        return queue
 
     async def _reconnect(self, reason: str) -> None:
         """Renew the lease (waits for the owner's reconnect), then connect the queues again."""
