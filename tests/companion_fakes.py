@@ -20,8 +20,10 @@ from typing import Any
 import trio
 
 from nvmeof_fuse.companion.server import CompanionServer
+from nvmeof_fuse.errors import TransportError
 from nvmeof_fuse.host.memory import BouncePool, DataRef
 from nvmeof_fuse.host.namespace import Namespace
+from nvmeof_fuse.nvme import Completion
 
 OPC_FLUSH, OPC_WRITE, OPC_READ = 0x00, 0x01, 0x02
 
@@ -170,3 +172,71 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+# -- a client's own queues on the fake controller ------------------------------------------------
+
+OPC_FABRICS = 0x7F
+
+
+class FakeQueue:
+    """An I/O queue a companion client connected itself: commands land on ``ctrl``'s disks."""
+
+    size = 32
+    available = 31
+
+    def __init__(self, fabric: FakeFabric, qid: int) -> None:
+        self.fabric = fabric
+        self.qid = qid
+
+    async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
+                      to_controller: bool = False, timeout: float) -> Completion:
+        fabric = self.fabric
+        if fabric.fail_next:
+            fabric.fail_next -= 1
+            raise TransportError(f"I/O queue {self.qid}: work request failed: fake")
+        if sqe[0] == OPC_FABRICS:
+            fabric.connects.append(self.qid)
+            status = fabric.connect_status.pop(0) if fabric.connect_status else 0
+        else:
+            fabric.commands.append((sqe[0], self.qid))
+            await fabric.ctrl.io_command(sqe, data, to_controller=to_controller)
+            status = 0
+        return Completion(0, 0, self.qid, 0, status, True)
+
+    def close(self) -> None:
+        self.fabric.closed.append(self.qid)
+
+
+class FakeFabric:
+    """The transport a client's DirectQueues makes: memory registers, queues connect."""
+
+    name = "rdma"
+    address = "rdma fake"
+
+    def __init__(self, ctrl: AddressController) -> None:
+        self.ctrl = ctrl
+        self.registrations = ctrl.transport  # shared: its dma-bufs translate for the disks
+        self.connects: list[int] = []
+        self.commands: list[tuple[int, int]] = []
+        self.closed: list[int] = []
+        self.connect_status: list[int] = []  # statuses for the next Connects (0: success)
+        self.fail_next = 0  # commands to fail with a TransportError
+
+    def __call__(self, options: Any) -> FakeFabric:  # the transport factory
+        return self
+
+    async def connect_queue(self, nursery, qid, size, in_capsule_bytes=0, cntlid=0):
+        return FakeQueue(self, qid)
+
+    async def drop_queues(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def register(self, addr: int, length: int, owner: object) -> FakeRegistration:
+        return self.registrations.register(addr, length, owner)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int):
+        return self.registrations.register_dmabuf(fd, offset, length, iova)
+
+    def close(self) -> None:
+        pass

@@ -32,7 +32,7 @@ from ..concurrency import run_all
 from ..errors import InvalidArgument, NVMeoFError
 from ..host.attached import Lease, NamespaceShape, attach
 from ..host.byterange import split_range
-from ..host.controller import ConnectOptions
+from ..host.controller import ConnectOptions, make_transport
 from ..host.memory import Region, buffer_address
 from ..host.sync import SyncController
 from . import gpu, protocol, shm
@@ -166,7 +166,7 @@ class DirectQueues:
 
     @contextlib.asynccontextmanager
     async def _attach(self, options: ConnectOptions) -> AsyncIterator[Any]:
-        async with attach(options, self._lease) as ctrl:
+        async with attach(options, self._lease, make_transport(options)) as ctrl:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._report_now_and_then)
                 yield ctrl

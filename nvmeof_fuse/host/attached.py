@@ -26,8 +26,8 @@ import trio
 from .. import nvme
 from ..concurrency import unwrap_groups
 from ..errors import ConnectError, NVMeoFError
+from ..transport.base import Transport
 from .controller import (
-    CONNECTING,
     DEAD,
     LIVE,
     ConnectOptions,
@@ -164,10 +164,11 @@ class AttachedController(Controller):
 
 
 @contextlib.asynccontextmanager
-async def attach(options: ConnectOptions, lease_source: LeaseSource
-                 ) -> AsyncIterator[AttachedController]:
+async def attach(options: ConnectOptions, lease_source: LeaseSource,
+                 transport: Transport | None = None) -> AsyncIterator[AttachedController]:
     """Connect leased I/O queues; on exit disconnect them and release every resource."""
-    transport = make_transport(options)
+    if transport is None:
+        transport = make_transport(options)
     controller = None
     try:
         with unwrap_groups():
@@ -185,6 +186,3 @@ async def attach(options: ConnectOptions, lease_source: LeaseSource
         else:
             transport.close()
 
-
-__all__ = ["CONNECTING", "AttachedController", "Lease", "LeaseSource", "NamespaceShape",
-           "attach"]
