@@ -2,6 +2,7 @@
 
     python companion_child.py roundtrip PATH OFFSET SIZE [KIND]  write random data, read it back
     python companion_child.py both MOUNT OFFSET SIZE KIND  roundtrip on n1, then on n2
+    python companion_child.py churn PATH OFFSET SIZE STOP  write, read, compare until STOP exists
     python companion_child.py loop PATH SIZE               read forever (to be killed)
     python companion_child.py dmabuf PATH OFFSET SIZE      read into a "device" buffer that is
                                                            exported as a real dma-buf (udmabuf)
@@ -45,6 +46,29 @@ def roundtrip(path: str, offset: int, size: int, kind: str = "empty") -> None:
     print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "own_queues": own,
                       "equal": bool((out == data).all()), "before": before, "after": after}),
           flush=True)
+
+
+def churn(path: str, offset: int, size: int, stop: str) -> None:
+    """Write, read back and compare until the file ``stop`` exists; print a line per round.
+
+    A request that fails prints its error instead: the caller decides what is right.
+    """
+    data, out = nvmeof_fuse.empty(size), np.zeros(size, dtype=np.uint8)
+    with nvmeof_fuse.File(path) as f:
+        print(json.dumps({"own_queues": list(f.own_queues)}), flush=True)
+        rounds = 0
+        while not os.path.exists(stop):
+            rounds += 1
+            data[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+            try:
+                f.write(data, file_offset=offset)
+                f.read(out, file_offset=offset)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                print(json.dumps({"round": rounds, "error": str(exc),
+                                  "errno": getattr(exc, "errno", None)}), flush=True)
+                continue
+            print(json.dumps({"round": rounds, "equal": bool((out == data).all())}),
+                  flush=True)
 
 
 def loop(path: str, size: int) -> None:
@@ -129,5 +153,7 @@ if __name__ == "__main__":
             roundtrip(f"{path}/n{nsid}", int(numbers[0]), int(numbers[1]), sys.argv[5])
     elif mode == "dmabuf":
         dmabuf(path, int(numbers[0]), int(numbers[1]))
+    elif mode == "churn":
+        churn(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
     else:
         loop(path, int(numbers[0]))

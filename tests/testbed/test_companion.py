@@ -6,6 +6,7 @@ whole module.  The second process is a real one (``companion_child.py``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ import time
 
 import pytest
 from kernel_initiator import connected, pread_direct
+from test_reconnect import target_away
 from vm import rdma_objects, sh, wait_for
 
 from nvmeof_fuse.companion.channel import SocketChannel
@@ -32,6 +34,11 @@ TIMEOUT = 600
 def daemon_stats() -> dict:
     with open(f"{MNT}/.nvmeof/stats.json") as f:
         return json.load(f)["companion"]
+
+
+def connection() -> dict:
+    with open(f"{MNT}/.nvmeof/stats.json") as f:
+        return json.load(f)["connection"]
 
 
 @pytest.fixture(scope="module")
@@ -177,21 +184,63 @@ def test_another_uid_is_refused(cmnt):
     assert daemon_stats()["refused"] == refused_before + 2
 
 
-def test_a_killed_client_leaves_the_daemon_healthy(cmnt):
+class Churn:
+    """A client process writing, reading back and comparing in a loop (companion_child churn)."""
+
+    def __init__(self, path: str, offset: int, size: int, tmp_path) -> None:
+        self.stop = str(tmp_path / f"stop-{offset}")
+        self.proc = subprocess.Popen(
+            [sys.executable, CHILD, "churn", path, str(offset), str(size), self.stop],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[dict] = []
+        first = self.proc.stdout.readline()
+        assert first, self.proc.stderr.read()
+        self.own_queues = json.loads(first)["own_queues"]
+
+    def rounds(self, n: int) -> list[dict]:
+        """Read until ``n`` more rounds are done; those rounds."""
+        start = len(self.lines)
+        while len(self.lines) < start + n:
+            line = self.proc.stdout.readline()
+            assert line, self.proc.stderr.read()
+            self.lines.append(json.loads(line))
+        return self.lines[start:]
+
+    def finish(self) -> list[dict]:
+        with open(self.stop, "w"):
+            pass
+        out, err = self.proc.communicate(timeout=TIMEOUT)
+        assert self.proc.returncode == 0, err
+        self.lines += [json.loads(line) for line in out.splitlines()]
+        return self.lines
+
+
+def test_a_killed_client_leaves_the_mount_and_the_other_client_working(cmnt, tmp_path):
+    """Acceptance 3: SIGKILL in the middle of transfers; at most one reconnect."""
     mrs_before = rdma_objects("mr")
+    reconnects_before = connection()["reconnects"]
+    other = Churn(f"{cmnt}/n1", 40 << 20, (1 << 20) + 777, tmp_path)
     child = subprocess.Popen([sys.executable, CHILD, "loop", f"{cmnt}/n2", str(16 << 20)],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "reading"
-        assert wait_for(lambda: daemon_stats()["clients"] == 1)
-        time.sleep(0.5)  # let it be in the middle of a transfer
+        assert wait_for(lambda: daemon_stats()["clients"] == 2)
+        other.rounds(2)  # both clients busy: the kill lands in the middle of transfers
     finally:
         child.kill()
         child.wait(60)
-    assert wait_for(lambda: daemon_stats()["clients"] == 0 and daemon_stats()["regions"] == 0)
-    assert rdma_objects("mr") == mrs_before
+    assert wait_for(lambda: daemon_stats()["clients"] == 1)
+    after = other.rounds(3)  # the other client goes on, after a reconnect if the target dropped
+    lines = other.finish()
+    assert all(r.get("equal") for r in after), after
+    errors = [r for r in lines if "error" in r]
+    assert not errors, errors
+    assert other.own_queues
     with open(f"{cmnt}/n2", "rb") as f:  # the mount still serves
         assert len(f.read(4096)) == 4096
+    assert connection()["reconnects"] <= reconnects_before + 1
+    assert wait_for(lambda: daemon_stats()["clients"] == 0 and daemon_stats()["regions"] == 0)
+    assert wait_for(lambda: rdma_objects("mr") <= mrs_before)
 
 
 def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
@@ -218,3 +267,42 @@ def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
         assert stats["direct_read_bytes"] >= len(arr) - 4096
         assert stats["staged_read_bytes"] <= 2 * 4096
     assert not os.path.ismount(mnt)
+
+
+@pytest.mark.parametrize("loss_tmo", ["120", "3"])
+def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path, loss_tmo):
+    """Acceptance 2: the port is gone ~8 s while a client writes and reads in a loop.
+
+    With a long --ctrl-loss-tmo every request completes with the right data after the
+    reconnect; with 3 s, requests in the outage fail with a clear EIO and the rest are right.
+    """
+    mnt, log = str(tmp_path / "mnt"), str(tmp_path / "daemon.log")
+    os.makedirs(mnt)
+    qps_before, mrs_before = rdma_objects("qp"), rdma_objects("mr")
+    sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
+       "-n", testbed.nqn, "-k", "2", "-c", "2", "-l", loss_tmo, "--daemon", "--log-file", log,
+       mnt)
+    try:
+        churn = Churn(f"{mnt}/n2", (20 << 20) + 5, (1 << 20) + 9, tmp_path)
+        assert churn.own_queues
+        churn.rounds(2)
+        with target_away(testbed.nqn):
+            assert wait_for(lambda: "lost the connection" in open(log).read(), 60)
+            time.sleep(8)  # the outage itself
+        if loss_tmo == "3":
+            assert wait_for(lambda: "gave up after" in open(log).read(), 120)
+        else:
+            assert wait_for(lambda: "reconnected to" in open(log).read(), 120)
+            after = churn.rounds(2)
+            assert all(r.get("equal") for r in after), after
+        lines = churn.finish()
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], capture_output=True, timeout=120)
+    errors = [r for r in lines if "error" in r]
+    assert all(r.get("equal") for r in lines if "error" not in r), lines
+    if loss_tmo == "3":
+        assert errors and all(r["errno"] == errno.EIO for r in errors), errors
+        assert any("--ctrl-loss-tmo 3" in r["error"] for r in errors), errors
+    else:
+        assert not errors, errors
+    assert wait_for(lambda: rdma_objects("qp") <= qps_before and rdma_objects("mr") <= mrs_before)
