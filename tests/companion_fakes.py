@@ -14,6 +14,7 @@ import json
 import mmap
 import random
 import threading
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,6 +22,7 @@ import trio
 
 from nvmeof_fuse.companion.server import CompanionServer
 from nvmeof_fuse.errors import TransportError
+from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.host.memory import BouncePool, DataRef
 from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.nvme import Completion
@@ -172,6 +174,27 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+class LeasingController(AddressController):
+    """The fake controller with what leasing reads: options, QIDs, identity, liveness."""
+
+    def __init__(self, companion_queues: int = 3, transport: str = "rdma") -> None:
+        super().__init__()
+        self.options = ConnectOptions("10.0.0.1", "nqn.2026-11.io.x:sub",
+                                      companion_queues=companion_queues)
+        self.transport.name = transport
+        self.lease_qids = list(range(3, 3 + companion_queues))
+        self.cntlid = 7
+        self.in_capsule_bytes = 8192
+        self.identity = SimpleNamespace(hostnqn="nqn.2014-08.org.nvmexpress:uuid:x",
+                                        hostid=uuid.UUID(int=5))
+
+    def io_queue_size(self) -> int:
+        return 128
+
+    async def wait_live(self, *, fail_fast: bool = True) -> None:
+        await trio.lowlevel.checkpoint()
 
 
 # -- a client's own queues on the fake controller ------------------------------------------------

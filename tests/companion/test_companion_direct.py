@@ -7,9 +7,8 @@ import logging
 
 import numpy as np
 import pytest
-from companion_fakes import FakeFabric, serving, wait_for
+from companion_fakes import FakeFabric, LeasingController, serving, wait_for
 from test_companion_gpu import FakeCuda, FakeTensor
-from test_companion_lease import LeasingController
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import direct, gpu

@@ -5,37 +5,14 @@ from __future__ import annotations
 import errno
 import threading
 import uuid
-from types import SimpleNamespace
 
 import pytest
 import trio
-from companion_fakes import AddressController, serving, wait_for
+from companion_fakes import LeasingController, serving, wait_for
 
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.direct import lease_from, options_from
 from nvmeof_fuse.companion.protocol import CompanionError
-from nvmeof_fuse.host.controller import ConnectOptions
-
-
-class LeasingController(AddressController):
-    """The fake controller with what leasing reads: options, QIDs, identity, liveness."""
-
-    def __init__(self, companion_queues: int = 3, transport: str = "rdma") -> None:
-        super().__init__()
-        self.options = ConnectOptions("10.0.0.1", "nqn.2026-11.io.x:sub",
-                                      companion_queues=companion_queues)
-        self.transport.name = transport
-        self.lease_qids = list(range(3, 3 + companion_queues))
-        self.cntlid = 7
-        self.in_capsule_bytes = 8192
-        self.identity = SimpleNamespace(hostnqn="nqn.2014-08.org.nvmexpress:uuid:x",
-                                        hostid=uuid.UUID(int=5))
-
-    def io_queue_size(self) -> int:
-        return 128
-
-    async def wait_live(self, *, fail_fast: bool = True) -> None:
-        await trio.lowlevel.checkpoint()
 
 
 def channel(server) -> SocketChannel:
