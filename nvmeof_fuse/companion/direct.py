@@ -155,22 +155,31 @@ class DirectQueues:
         options = options_from(reply, timeout)
         self._renew_timeout = (RENEW_FOREVER if options.ctrl_loss_tmo < 0 else
                                options.ctrl_loss_tmo + 2 * options.timeout)
+        self._registrations: _Registrations
         self._bridge = SyncController(options, connect=self._attach)
         try:
-            ctrl = self._bridge.controller
+            ctrl = self._bridge.controller  # connected, or its error raised here
+            log.debug("queues %s connected to controller %d", self.qids, ctrl.cntlid)
         except BaseException:
             self._bridge.close()
             raise
-        self._registrations = _Registrations(ctrl.transport.register)
-        self._register_dmabuf = ctrl.transport.register_dmabuf
 
     @contextlib.asynccontextmanager
     async def _attach(self, options: ConnectOptions) -> AsyncIterator[Any]:
+        """The leased queues, this client's registrations and its reports, on the loop.
+
+        Registrations go after the requests in flight drained, before the PD goes.
+        """
         async with attach(options, self._lease, make_transport(options)) as ctrl:
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(self._report_now_and_then)
-                yield ctrl
-                nursery.cancel_scope.cancel()
+            self._registrations = _Registrations(ctrl.transport.register)
+            self._register_dmabuf = ctrl.transport.register_dmabuf
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._report_now_and_then)
+                    yield ctrl
+                    nursery.cancel_scope.cancel()
+            finally:
+                self._registrations.close()
 
     async def _ask(self, op: str, timeout: float, **fields: Any) -> dict:
         """One request to the daemon from the loop (its reply arrives on the reader thread)."""
@@ -188,7 +197,10 @@ class DirectQueues:
             await trio.sleep(REPORT_INTERVAL)
             if self._moved != self._reported:
                 self._reported = dict(self._moved)
-                self._channel.call_future("report", moved=self._reported)
+                try:
+                    self._channel.call_future("report", moved=self._reported)
+                except NVMeoFError as exc:  # the daemon is gone: requests will say so
+                    log.debug("reporting to the mount daemon: %s", exc)
 
     def moved(self) -> dict[str, int]:
         """This client's running totals over its own queues (what it reports)."""
@@ -263,10 +275,8 @@ class DirectQueues:
         return size
 
     def close(self) -> None:
-        try:
-            self._registrations.close()
-        finally:
-            self._bridge.close()
+        """Drain the requests in flight (bounded), release the memory, disconnect."""
+        self._bridge.close()
 
 
 def open_direct(channel: Any, timeout: float, queues: int) -> tuple[DirectQueues | None, str]:
