@@ -147,3 +147,19 @@ def test_a_cuda_tensor_is_registered_as_a_dmabuf_in_the_clients_own_pd(served, c
     assert stats["client_queue_read_bytes"] == tensor.nbytes
     assert stats["staged_read_bytes"] == stats["direct_read_bytes"] == 0
     assert wait_for(lambda: not ctrl.transport.dmabufs)  # each registration let go
+
+
+def test_memory_is_registered_once_per_owning_array_and_let_go_with_it(served):
+    ctrl, fabric, server, mnt = served
+    arr = np.zeros(1 << 20, dtype=np.uint8)
+    with File(str(mnt / "n1")) as f:
+        live = ctrl.transport.live  # the file's own buffers
+        for i in range(4):  # views of one array share one registration
+            assert f.read(arr[i * 4096:(i + 1) * 4096], file_offset=i * 512) == 4096
+        assert ctrl.transport.live == live + 1
+        del arr  # freed: its registration goes with it, never to serve another allocation
+        assert wait_for(lambda: ctrl.transport.live == live)
+        buf = bytearray(5000)  # no owner to watch: registered for the one call
+        assert f.read(buf, file_offset=100) == 5000
+        assert ctrl.transport.live == live
+    assert bytes(buf) == bytes(ctrl.disks[1][100:5100])
