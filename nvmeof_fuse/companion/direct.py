@@ -94,8 +94,8 @@ class _Registrations:
             return Region(addr, size, self._register(addr, size, obj), obj), 0, True
         with self._lock:
             region = self._by_owner.get(id(owner))
-        if region is None:
-            region = Region(base, length, self._register(base, length, owner), owner)
+        if region is None:  # not kept alive by its registration: watched instead
+            region = Region(base, length, self._register(base, length, None))
             with self._lock:
                 if self._closed:
                     region.close()
