@@ -3,6 +3,7 @@
     python companion_child.py roundtrip PATH OFFSET SIZE [KIND]  write random data, read it back
     python companion_child.py both MOUNT OFFSET SIZE KIND  roundtrip on n1, then on n2
     python companion_child.py churn PATH OFFSET SIZE STOP  write, read, compare until STOP exists
+    python companion_child.py overwrite PATH OFFSET SIZE N  write bytes of value 1..N, print N
     python companion_child.py loop PATH SIZE               read forever (to be killed)
     python companion_child.py dmabuf PATH OFFSET SIZE      read into a "device" buffer that is
                                                            exported as a real dma-buf (udmabuf)
@@ -69,6 +70,18 @@ def churn(path: str, offset: int, size: int, stop: str) -> None:
                 continue
             print(json.dumps({"round": rounds, "equal": bool((out == data).all())}),
                   flush=True)
+
+
+def overwrite(path: str, offset: int, size: int, rounds: int) -> None:
+    """Write ``size`` bytes of value r at ``offset`` for r = 1..rounds; print the last r."""
+    data = np.zeros(size, dtype=np.uint8)
+    with nvmeof_fuse.File(path) as f:
+        assert f.own_queues, "no queues of its own"
+        print("writing", flush=True)
+        for r in range(1, rounds + 1):
+            data[:] = r
+            f.write(data, file_offset=offset)
+    print(rounds, flush=True)
 
 
 def loop(path: str, size: int) -> None:
@@ -153,6 +166,8 @@ if __name__ == "__main__":
             roundtrip(f"{path}/n{nsid}", int(numbers[0]), int(numbers[1]), sys.argv[5])
     elif mode == "dmabuf":
         dmabuf(path, int(numbers[0]), int(numbers[1]))
+    elif mode == "overwrite":
+        overwrite(path, int(numbers[0]), int(numbers[1]), int(numbers[2]))
     elif mode == "churn":
         churn(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
     else:

@@ -184,6 +184,36 @@ def test_another_uid_is_refused(cmnt):
     assert daemon_stats()["refused"] == refused_before + 2
 
 
+def test_a_client_write_and_a_fuse_read_modify_write_never_mix(cmnt):
+    """A client overwrites whole LBAs while FUSE writes 100 bytes inside each of them
+    (O_DIRECT, so the daemon read-modify-writes): each LBA ends as one serial order."""
+    path, lba, lbas, rounds = f"{cmnt}/n2", 4096, 4, 40
+    base, inside = 30 << 20, slice(1000, 1100)
+    child = subprocess.Popen([sys.executable, CHILD, "overwrite", path, str(base),
+                              str(lbas * lba), str(rounds)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing", child.stderr.read()
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        fuse_writes = 0
+        while child.poll() is None:
+            for k in range(lbas):
+                os.pwrite(fd, b"\xee" * 100, base + k * lba + inside.start)
+                fuse_writes += 1
+        out, err = child.communicate(timeout=TIMEOUT)
+        assert child.returncode == 0, err
+        last = int(out.split()[-1])
+        final = os.pread(fd, lbas * lba, base)
+    finally:
+        os.close(fd)
+    assert fuse_writes > lbas  # they did overlap in time
+    for k in range(lbas):
+        block = final[k * lba:(k + 1) * lba]
+        outside = block[:inside.start] + block[inside.stop:]
+        assert outside == bytes([last]) * len(outside), f"LBA {k}: a mix of two writes"
+        assert block[inside] in (bytes([last]) * 100, b"\xee" * 100), f"LBA {k}"
+
+
 class Churn:
     """A client process writing, reading back and comparing in a loop (companion_child churn)."""
 
