@@ -446,6 +446,18 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split()) or type(exc).__name__
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line; ``mount SOURCE [OPTIONS] MOUNTPOINT`` too (argparse leaves it over)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if (len(extra) == 1 and args.command == "mount" and args.source is None
+            and not extra[0].startswith("-")):
+        args.source, args.mountpoint = args.mountpoint, extra[0]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
 COMMANDS = ("mount", "discover", "list", "mount-all", "install-helper")
 
 
@@ -459,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except NVMeoFError as exc:
             print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
             return 1
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     debug = getattr(args, "debug", False)
     logging.basicConfig(
         level=logging.DEBUG

@@ -166,7 +166,7 @@ def install_helper(bindir: str = "/usr/local/sbin", program: str | None = None,
     program = os.path.realpath(program or shutil.which(PROGRAM) or "")
     if not os.path.isfile(program):
         raise InvalidArgument(f"cannot find the {PROGRAM} program to link to")
-    found = shutil.which(PROGRAM, path=SYSTEMD_PATH + os.pathsep + bindir)
+    found = shutil.which(PROGRAM, path=bindir + os.pathsep + SYSTEMD_PATH)
     if found and os.path.realpath(found) == program:
         return f"{found} is already on the default PATH: nothing to do"
     link = os.path.join(bindir, PROGRAM)
