@@ -3,15 +3,17 @@
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from test_cli import MOUNT, host, one_line_error  # noqa: F401  (host is a fixture)
+from test_cli import FOREGROUND, STEP, host, one_line_error  # noqa: F401  (host: a fixture)
 
 from nvmeof_fuse import cli, mounthelper
 from nvmeof_fuse.errors import InvalidArgument
+from nvmeof_fuse.fs.mount import read_mountinfo
 from nvmeof_fuse.mounthelper import apply_source, helper_argv, install_helper, key_to_args
 
 NQN = "nqn.2014-08.org.example:s1"
@@ -199,3 +201,33 @@ def test_mount_fuse3_runs_us_as_the_readme_says(tmp_path):
     argv = Path(tmp_path / "argv").read_text().splitlines()
     assert argv == [URI, "/mnt/x", "-o", "rw,ctrl_loss_tmo=-1,dev,suid"]
     assert helper_argv(argv) == ["mount", "--ctrl-loss-tmo", "-1", "--daemon", URI, "/mnt/x"]
+
+
+@pytest.mark.skipif(not os.access("/dev/fuse", os.W_OK) or shutil.which("fusermount3") is None,
+                    reason="needs /dev/fuse and fusermount3")
+def test_uri_with_nsid_mounts_one_namespace_under_our_fstype(tmp_path):
+    """Through the kernel: n2 only, fstype fuse.nvmeof-fuse, the URI as source (for mount -a)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    rfd, wfd = os.pipe()
+    script = FOREGROUND.format(tests=str(Path(__file__).resolve().parent))
+    uri = f"nvme+rdma://192.0.2.1/{NQN}/2"
+    proc = subprocess.Popen([sys.executable, "-c", script, "mount", uri, "--ready-fd", str(wfd),
+                             str(mnt)], pass_fds=(wfd,), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    os.close(wfd)
+    try:
+        status = cli._read_line(rfd, STEP)
+        os.close(rfd)
+        assert status == "ready", proc.stderr.read() if status == "" else status
+        assert sorted(os.listdir(mnt)) == [".nvmeof", "n2"]
+        [m] = [m for m in read_mountinfo() if m.mountpoint == str(mnt)]
+        assert (m.fstype, m.source) == ("fuse.nvmeof-fuse", uri)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=STEP) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=STEP)
+        if any(m.mountpoint == str(mnt) for m in read_mountinfo()):
+            subprocess.run(["fusermount3", "-uz", str(mnt)], timeout=STEP, check=False)
