@@ -62,7 +62,6 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
             common += [flag, value]
     probe = cli.build_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
                                            "nqn.2014-08.org.example:probe", "/"])
-    probe.fsname = None
     cli.connect_options(probe, nqn=probe.nqn, default_port=4420)
     cli.mount_options(probe)
     return common, probe.log_file

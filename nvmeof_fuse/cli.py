@@ -137,7 +137,7 @@ def mount_options(args: argparse.Namespace) -> Any:
     mode = _mode(args.mode)
     return MountOptions(
         nsid=_int("--nsid", args.nsid, 1, 0xFFFFFFFE),
-        source=args.fsname,
+        source=getattr(args, "fsname", None),  # set by apply_source
         read_only=args.read_only,
         allow_other="allow_other" in _mount_flags(args.options),
         uid=_int("--uid", args.uid, 0, 2**32 - 2),

@@ -96,11 +96,6 @@ def check_mount_options(items: Iterable[str]) -> None:
                                   "mount one subsystem with `nvmeof-fuse mount` instead")
 
 
-def _mounted(mounts: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """mountpoint -> fstype, the last mount on each path winning."""
-    return dict(mounts)
-
-
 def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
          common: list[str]) -> list[Outcome]:
     """What to do with each discovery log entry (``records`` as ``DiscoveryLogPage.to_dict``).
@@ -110,7 +105,7 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
     (the discovery controller itself) are left out; a second path to a subsystem
     already in the plan is skipped: there is one mount per subsystem.
     """
-    mounted = _mounted(mounts)
+    mounted = dict(mounts)  # mountpoint -> fstype, the last mount on a path winning
     root = os.path.abspath(root)
     seen: set[str] = set()
     out = []
