@@ -70,8 +70,14 @@ def test_help_and_usage_errors(capsys):
         cli.main(["--help"])
     assert e.value.code == 0
     with pytest.raises(SystemExit) as e:
-        cli.main(["mount", "-n", "nqn.x:y", "/mnt"])  # no -a
+        cli.main(["mount", "-a", "192.0.2.1", "-n", "nqn.x:y"])  # no mountpoint
     assert e.value.code == 2
+
+
+def test_mount_without_a_target(capsys, host, tmp_path):
+    one_line_error(capsys, ["mount", "-n", "nqn.2014-08.org.example:s1", str(tmp_path)],
+                   "no target given: give nvme+rdma://HOST[:PORT]/SUBNQN[/NSID], or -a")
+    assert host.connects == []
 
 
 @pytest.mark.parametrize(
