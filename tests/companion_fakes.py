@@ -186,6 +186,7 @@ class LeasingController(AddressController):
         self.transport.name = transport
         self.lease_qids = list(range(3, 3 + companion_queues))
         self.cntlid = 7
+        self.state = "live"
         self.in_capsule_bytes = 8192
         self.identity = SimpleNamespace(hostnqn="nqn.2014-08.org.nvmexpress:uuid:x",
                                         hostid=uuid.UUID(int=5))
@@ -195,6 +196,11 @@ class LeasingController(AddressController):
 
     async def wait_live(self, *, fail_fast: bool = True) -> None:
         await trio.lowlevel.checkpoint()
+
+    async def next_state(self) -> str:
+        self.state_changed = trio.Event()
+        await self.state_changed.wait()
+        return self.state
 
 
 # -- a client's own queues on the fake controller ------------------------------------------------

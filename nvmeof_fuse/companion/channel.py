@@ -38,6 +38,8 @@ class SocketChannel:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._broken: NVMeoFError | None = None
+        self.on_event: Any = None
+        """Called on the reader thread with each event the daemon sends unasked."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.settimeout(timeout)
         try:
@@ -62,6 +64,9 @@ class SocketChannel:
                 if not data:
                     break
                 header, _ = protocol.decode(data)
+                if header.get("event") and self.on_event is not None:
+                    self.on_event(header)  # news the daemon sends unasked
+                    continue
                 with self._lock:
                     future = self._pending.pop(header.get("id"), None)
                 if future is not None:

@@ -585,8 +585,8 @@ class File:
             if not write:
                 target.after_read()
 
-        self._check_open()
-        return IOFuture(direct.submit(run), finish, self._budget(size))
+        self._check_open()  # a lost connection may be waited out: up to the daemon's limit
+        return IOFuture(direct.submit(run), finish, self._budget(size) + direct.renew_timeout)
 
     def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
               buf_offset: int = 0) -> IOFuture:

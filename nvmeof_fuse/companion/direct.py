@@ -29,7 +29,7 @@ from typing import Any
 import trio
 
 from ..concurrency import run_all
-from ..errors import InvalidArgument, NVMeoFError
+from ..errors import InvalidArgument, NVMeoFError, TransportError
 from ..host.attached import Lease, NamespaceShape, attach
 from ..host.byterange import split_range
 from ..host.controller import ConnectOptions, make_transport
@@ -153,9 +153,10 @@ class DirectQueues:
         self._moved = {"client_queue_read_bytes": 0, "client_queue_write_bytes": 0}
         self._reported = dict(self._moved)
         options = options_from(reply, timeout)
-        self._renew_timeout = (RENEW_FOREVER if options.ctrl_loss_tmo < 0 else
+        self.renew_timeout = (RENEW_FOREVER if options.ctrl_loss_tmo < 0 else
                                options.ctrl_loss_tmo + 2 * options.timeout)
         self._registrations: _Registrations
+        self._ctrl: Any = None  # the AttachedController, once connected (loop-owned)
         self._bridge = SyncController(options, connect=self._attach)
         try:
             ctrl = self._bridge.controller  # connected, or its error raised here
@@ -171,15 +172,28 @@ class DirectQueues:
         Registrations go after the requests in flight drained, before the PD goes.
         """
         async with attach(options, self._lease, make_transport(options)) as ctrl:
+            self._ctrl = ctrl
             self._registrations = _Registrations(ctrl.transport.register)
             self._register_dmabuf = ctrl.transport.register_dmabuf
+            token = trio.lowlevel.current_trio_token()
+            self._channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._report_now_and_then)
                     yield ctrl
                     nursery.cancel_scope.cancel()
             finally:
+                self._channel.on_event = None
                 self._registrations.close()
+
+    def _on_event(self, event: dict) -> None:
+        """News from the daemon (on the loop): a lost controller revokes our queues."""
+        if event.get("event") != "revoked" or not self._ctrl.io_queues:
+            return
+        log.info("the mount daemon lost the controller (%s): reconnecting our queues",
+                 event.get("state"))
+        self._ctrl.connection_lost(self._ctrl.io_queues[0], TransportError(
+            "the mount daemon lost the controller; our queues were revoked"))
 
     async def _ask(self, op: str, timeout: float, **fields: Any) -> dict:
         """One request to the daemon from the loop (its reply arrives on the reader thread)."""
@@ -190,7 +204,7 @@ class DirectQueues:
         if self._first is not None:
             lease, self._first = self._first, None
             return lease
-        return lease_from(await self._ask("lease", self._renew_timeout, want=len(self.qids)))
+        return lease_from(await self._ask("lease", self.renew_timeout, want=len(self.qids)))
 
     async def _report_now_and_then(self) -> None:
         while True:
@@ -234,7 +248,7 @@ class DirectQueues:
         Whole LBAs land in place; the partial ones at either end come through a
         one-LBA bounce buffer, and ``put(dest, bytes)`` stores the caller's part.
         """
-        ns = self._bridge.controller.namespaces[nsid]
+        ns = self._ctrl.namespaces[nsid]
         sp = split_range(file_offset, size, ns.lba_size)
         jobs = []
         if sp.middle_nlb:
@@ -254,7 +268,7 @@ class DirectQueues:
                     get: Any) -> int:
         """Write ``size`` bytes from ``region`` at ``at`` to ``file_offset``, under the
         daemon's write lock; ``get(start, length)`` gives caller bytes of the end LBAs."""
-        ns = self._bridge.controller.namespaces[nsid]
+        ns = self._ctrl.namespaces[nsid]
         budget = self._timeout + size / 5e6
         reply = await self._ask("lock", budget, nsid=nsid, offset=file_offset, length=size,
                                 hold_s=math.ceil(budget))

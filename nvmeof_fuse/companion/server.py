@@ -95,9 +95,7 @@ class CompanionServer:
     def end_session(self, session: Session) -> None:
         session.end_waits()
         session.close()
-        if session.qids:
-            self.stats.leases -= 1
-            session.qids = []
+        self._unlease(session)
         self.sessions.discard(session)
         self.stats.clients -= 1
 
@@ -120,6 +118,8 @@ class CompanionServer:
             self.controller.companion = self
             task_status.started()
             async with trio.open_nursery() as nursery:
+                if not self.leasing():
+                    nursery.start_soon(self._revoke_leases_on_loss)
                 while True:
                     conn, _ = await listener.accept()
                     nursery.start_soon(self._client, conn)
@@ -146,15 +146,26 @@ class CompanionServer:
                         pass
                 return
             session = self.new_session(f"pid {pid} uid {uid}")
+            send_lock = trio.Lock()
+
+            async def notify(event: dict[str, Any]) -> None:
+                async with send_lock:
+                    with trio.move_on_after(1):  # a client that reads nothing is not waited for
+                        try:
+                            await conn.send(protocol.encode({"id": 0, "ok": True, **event}))
+                        except OSError:
+                            pass
+
+            session.notify = notify
             log.info("companion: client pid %d connected", pid)
             try:
-                await self._requests(conn, session)
+                await self._requests(conn, session, send_lock)
             finally:
                 self.end_session(session)
                 log.info("companion: client pid %d gone; its registrations are released", pid)
 
-    async def _requests(self, conn: trio.socket.SocketType, session: Session) -> None:
-        send_lock = trio.Lock()
+    async def _requests(self, conn: trio.socket.SocketType, session: Session,
+                        send_lock: trio.Lock) -> None:
         async with trio.open_nursery() as nursery:  # exits once in-flight requests are done
             session.nursery = nursery
             try:
@@ -243,9 +254,7 @@ class CompanionServer:
         if op == "lease":
             return await self.lease(session, f(header, "want"))
         if op == "unlease":
-            if session.qids:
-                session.qids = []
-                self.stats.leases -= 1
+            self._unlease(session)
             return {}
         if op == "lock":
             token = await self.lock(session, f(header, "nsid"), f(header, "offset"),
@@ -263,6 +272,11 @@ class CompanionServer:
             return {"stats": self.snapshot()}
         raise ProtocolError(f"unknown companion request {op!r}")
 
+    def _unlease(self, session: Session) -> None:
+        if session.qids:
+            session.qids = []
+            self.stats.leases -= 1
+
     # -- queues of a client's own ----------------------------------------------------------
 
     def leasing(self) -> str:
@@ -275,6 +289,21 @@ class CompanionServer:
             return (f"the mount's {ctrl.transport.name} transport gives no direct placement "
                     "into another process's memory")
         return ""
+
+    async def _revoke_leases_on_loss(self) -> None:
+        """When the controller is lost, tell every client with queues of its own at once.
+
+        Their queues belonged to the lost controller; without a keep-alive of their own
+        they would only find out when a command timed out.  They ask for a lease again,
+        which waits for the reconnect.
+        """
+        ctrl = self.controller
+        while True:
+            if await ctrl.next_state() == "live":
+                continue
+            for session in list(self.sessions):
+                if session.qids and session.notify is not None:
+                    await session.notify({"event": "revoked", "state": ctrl.state})
 
     async def lease(self, session: Session, want: int) -> dict[str, Any]:
         """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting).

@@ -17,7 +17,7 @@ import logging
 import mmap
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +107,7 @@ class Session:
         self._waits: set[trio.CancelScope] = set()  # lease and lock waits under way
         self.ended = False
         self.nursery: trio.Nursery | None = None  # where held locks live (the connection's)
+        self.notify: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # unasked news
 
     # -- registration ---------------------------------------------------------------------
 

@@ -221,6 +221,11 @@ class Controller:
         self._state_changed.set()
         self._state_changed = trio.Event()
 
+    async def next_state(self) -> str:
+        """Wait for the next change of state; the new state."""
+        await self._state_changed.wait()
+        return self.state
+
     async def wait_live(self, *, fail_fast: bool = True) -> None:
         """Return once the controller is live; raise ControllerLost once it never will be.
 

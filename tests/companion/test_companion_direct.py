@@ -7,6 +7,7 @@ import logging
 
 import numpy as np
 import pytest
+import trio
 from companion_fakes import FakeFabric, LeasingController, serving, wait_for
 from test_companion_gpu import FakeCuda, FakeTensor
 
@@ -163,3 +164,20 @@ def test_memory_is_registered_once_per_owning_array_and_let_go_with_it(served):
         assert f.read(buf, file_offset=100) == 5000
         assert ctrl.transport.live == live
     assert bytes(buf) == bytes(ctrl.disks[1][100:5100])
+
+
+def test_a_lost_controller_revokes_the_clients_queues_at_once(served):
+    """Without a keep-alive of its own, a client learns of the loss from the daemon."""
+    ctrl, fabric, server, mnt = served
+    out = nvmeof_fuse.empty(4096)
+    with File(str(mnt / "n1")) as f:
+        assert fabric.connects == [3, 4]
+
+        def lose() -> None:
+            ctrl.state = "connecting"
+            ctrl.state_changed.set()
+
+        trio.from_thread.run_sync(lose, trio_token=server.trio_token)
+        assert wait_for(lambda: fabric.connects == [3, 4, 3, 4])  # asked again, connected again
+        assert f.read(out, file_offset=512) == 4096
+    assert bytes(out) == bytes(ctrl.disks[1][512:512 + 4096])
