@@ -8,8 +8,7 @@ import logging
 import numpy as np
 import pytest
 import trio
-from companion_fakes import FakeFabric, LeasingController, serving, wait_for
-from test_companion_gpu import FakeCuda, FakeTensor
+from companion_fakes import FakeCuda, FakeFabric, FakeTensor, LeasingController, serving, wait_for
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import direct, gpu

@@ -18,8 +18,7 @@ import time
 
 import pytest
 from kernel_initiator import connected, pread_direct
-from test_reconnect import target_away
-from vm import rdma_objects, sh, wait_for
+from vm import rdma_objects, sh, target_away, wait_for
 
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.protocol import CompanionError
