@@ -123,6 +123,9 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
                                       _seconds("--fast-io-fail-tmo", args.fast_io_fail_tmo,
                                                high=2**31, off=True))
         kwargs["nr_io_queues"] = _int("--nr-io-queues", args.nr_io_queues, 1, 65535)
+        companion_queues = _int("--companion-queues", args.companion_queues, 0, 65534)
+        if companion_queues is not None:
+            kwargs["companion_queues"] = companion_queues
         queue_size = _int("--queue-size", args.queue_size, 2, 65536)
         if queue_size is not None:
             kwargs["queue_size"] = queue_size
@@ -172,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-n", "--nqn", help="subsystem NQN")
     m.add_argument("--nsid", "--namespace-id", help="mount only this namespace")
     m.add_argument("-i", "--nr-io-queues", help="number of I/O queues")
+    m.add_argument("--companion-queues",
+                   help="more I/O queue IDs to lease to companion clients, which connect them "
+                        "themselves (default 8; 0: off)")
     m.add_argument("-Q", "--queue-size", help="I/O queue size (default 128)")
     m.add_argument("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)")
     m.add_argument("-c", "--reconnect-delay", default="10",

@@ -40,6 +40,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "nsid": ("--nsid", True),
     "namespace_id": ("--nsid", True),
     "nr_io_queues": ("--nr-io-queues", True),
+    "companion_queues": ("--companion-queues", True),
     "queue_size": ("--queue-size", True),
     "keep_alive_tmo": ("--keep-alive-tmo", True),
     "reconnect_delay": ("--reconnect-delay", True),

@@ -94,6 +94,8 @@ def test_mount_without_a_target(capsys, host, tmp_path):
         (["-k", "soon"], "--keep-alive-tmo 'soon' is not a number"),
         (["-Q", "1"], "--queue-size 1 is out of range"),
         (["-i", "0"], "--nr-io-queues 0 is out of range"),
+        (["--companion-queues", "-1"], "--companion-queues -1 is out of range"),
+        (["--companion-queues", "many"], "--companion-queues 'many' is not an integer"),
         (["-c", "0"], "--reconnect-delay 0 is out of range (1-65535 s)"),
         (["-l", "-5"], "--ctrl-loss-tmo -5 is out of range (0-2147483648 s, or -1 for ever)"),
         (["-l", "later"], "--ctrl-loss-tmo 'later' is not a number"),
