@@ -49,6 +49,14 @@ def test_ls_and_stat_show_the_namespaces(mnt):
     assert "4096" in json.dumps(info)
 
 
+def test_discover_and_list_name_the_transport(fabric, mnt):
+    out = sh("nvmeof-fuse", "discover", "-t", fabric.transport, "-a", fabric.addr,
+             "-s", str(fabric.port)).stdout
+    assert fabric.nqn in out and fabric.transport in out, out
+    listing = sh("nvmeof-fuse", "list", mnt).stdout
+    assert f"{fabric.transport} {fabric.addr}:{fabric.port} {fabric.nqn}" in listing, listing
+
+
 def test_unaligned_writes_agree_with_the_kernel_initiator(fabric, mnt):
     rng = random.Random(3)
     with connected(fabric.transport, fabric.addr, fabric.port, fabric.nqn) as kernel:
