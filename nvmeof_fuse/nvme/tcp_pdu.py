@@ -208,11 +208,6 @@ class Header:
     def name(self) -> str:
         return PDU_NAMES.get(self.type, f"PDU type {self.type:#x}")
 
-    @property
-    def trailing(self) -> int:
-        """Bytes after the header and its digest: padding, data and data digest."""
-        return self.plen - self.hlen - (DIGEST_BYTES if self.flags & FLAG_HDGST else 0)
-
 
 def peek_common(buf, offset: int = 0) -> tuple[int, int, int, int, int]:
     """``(type, flags, hlen, pdo, plen)`` of the common header at ``offset``."""
