@@ -1,6 +1,7 @@
 """NVMe/TCP: the ICReq/ICResp handshake, the probe, and queues against a fake target."""
 
 import random
+import re
 import socket
 import struct
 import threading
@@ -367,3 +368,67 @@ def test_an_icresp_with_a_digest_not_asked_for_is_refused():
                     await TcpTransport("127.0.0.1", server.port).connect_queue(nursery, 0, 32)
 
         trio.run(main)
+
+
+# --- the controller over TCP, against the fake target ---------------------------------------------
+
+
+def with_controller(test, *, digests=False, **target_kw):
+    from tcp_target import NQN
+
+    from nvmeof_fuse.host.controller import ConnectOptions, connect
+
+    async def main():
+        target = FakeTcpTarget(**target_kw)
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(target.serve)
+                options = ConnectOptions("127.0.0.1", NQN, transport="tcp", trsvcid=port,
+                                         reconnect_delay=1, keep_alive_tmo=0,
+                                         hdr_digest=digests, data_digest=digests)
+                async with connect(options) as ctrl:
+                    await test(target, ctrl)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_controller_comes_up_over_tcp_and_moves_data_many_at_once():
+    async def test(target, ctrl):
+        assert ctrl.describe()["transport"] == "tcp" and len(ctrl.io_queues) == 2
+        ns = ctrl.namespaces[1]
+        data = random.Random(4).randbytes(200 * LBA)
+        await ns.write_lbas(0, data)  # in-capsule and R2T, across both queues
+        wrong = []
+
+        async def one(i):
+            if await ns.read_lbas(i, 1) != data[i * LBA:(i + 1) * LBA]:
+                wrong.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(one, i)
+        assert wrong == []
+
+    with_controller(test, digests=True)
+
+
+@pytest.mark.parametrize("fault", ["header digest", "data digest", "length", "unknown type",
+                                   "unknown command"])
+def test_a_broken_pdu_makes_the_controller_reconnect_and_the_read_lands(fault, caplog):
+    digest = FAULTS[fault][0]
+
+    async def test(target, ctrl):
+        ns = ctrl.namespaces[1]
+        data = random.Random(5).randbytes(8 * LBA)
+        await ns.write_lbas(8, data)
+        target.fault = fault
+        assert await ns.read_lbas(8, 8) == data  # fails, reconnects, runs again
+        assert ctrl.losses == ctrl.reconnects == 1 and target.connections == 6
+
+    with_controller(test, digests=digest is not None)
+    lost = [r.getMessage() for r in caplog.records if "lost the connection" in r.getMessage()]
+    assert len(lost) == 1, lost
+    assert lost[0].startswith("lost the connection to nqn.2026-11.io.nvmeof-fuse:fake-tcp at "
+                              "tcp 127.0.0.1:"), lost
+    assert re.search(FAULTS[fault][1], lost[0]), lost
