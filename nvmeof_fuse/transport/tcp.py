@@ -226,7 +226,11 @@ class TcpQueue:
     def __init__(self, transport: TcpTransport, sock, qid: int, size: int,
                  in_capsule_bytes: int, resp: ICResp) -> None:
         self.transport = transport
-        self.sock = sock
+        # A plain non-blocking socket: a send or receive that can go on at once does not
+        # yield to trio (two scheduler passes per command saved); otherwise it waits on the fd.
+        self.sock = socket.socket(fileno=sock.detach())
+        self.sock.setblocking(False)
+        self._closed = False
         self.qid = qid
         self.size = size
         self.in_capsule_bytes = in_capsule_bytes
@@ -317,10 +321,22 @@ class TcpQueue:
         """Send one PDU (a list of buffers) whole; PDUs never interleave."""
         if self._failed is not None:
             raise self._failed
-        async with self._send_lock:
+        lock = self._send_lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()
+        try:
             try:
                 while buffers:
-                    sent = await self.sock.sendmsg(buffers)
+                    try:
+                        sent = self.sock.sendmsg(buffers)
+                    except BlockingIOError:
+                        # A PDU begun is finished (or the connection closed): a caller's
+                        # cancellation must not leave half of one on the wire.
+                        with trio.CancelScope(shield=True):
+                            await trio.lowlevel.wait_writable(self.sock)
+                        continue
                     while sent:
                         first = buffers[0]
                         if sent >= len(first):
@@ -330,6 +346,8 @@ class TcpQueue:
                             buffers[0] = memoryview(first)[sent:]
                             sent = 0
             except OSError as exc:
+                if self._failed is not None:
+                    raise self._failed from None
                 error = TransportError(f"{self.name}: sending to "
                                        f"{self.transport.traddr}:{self.transport.trsvcid} "
                                        f"failed: {exc.strerror or exc}")
@@ -337,6 +355,8 @@ class TcpQueue:
                 raise error from None
             except trio.ClosedResourceError:
                 raise self._failed or TransportError(f"{self.name} is closed") from None
+        finally:
+            lock.release()
 
     # -- receiving ------------------------------------------------------------------------------
 
@@ -381,11 +401,22 @@ class TcpQueue:
             self._rview[:kept] = self._rview[self._rstart:self._rend]
             self._rstart, self._rend = 0, kept
         while self._rend < count:
-            n = await self.sock.recv_into(self._rview[self._rend:])
+            n = await self._recv_into(self._rview[self._rend:])
             if n == 0:
                 raise TransportError(f"{self.name}: {self.transport.traddr}:"
                                      f"{self.transport.trsvcid} closed the connection")
             self._rend += n
+
+    async def _recv_into(self, dest: memoryview) -> int:
+        while True:
+            try:
+                return self.sock.recv_into(dest)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+            except OSError:
+                if self._closed:
+                    raise trio.ClosedResourceError from None
+                raise
 
     async def _read_into(self, dest: memoryview) -> None:
         """Fill ``dest`` from the stream: buffered bytes first, the rest received in place."""
@@ -394,7 +425,7 @@ class TcpQueue:
             dest[:have] = self._rview[self._rstart:self._rstart + have]
             self._rstart += have
         while have < len(dest):
-            n = await self.sock.recv_into(dest[have:])
+            n = await self._recv_into(dest[have:])
             if n == 0:
                 raise TransportError(f"{self.name}: {self.transport.traddr}:"
                                      f"{self.transport.trsvcid} closed the connection")
@@ -409,6 +440,9 @@ class TcpQueue:
     async def _receive(self) -> None:
         hdgst, ddgst = self.header_digest, self.data_digest
         while True:
+            if self._rend - self._rstart < 8:
+                # Let the callers just woken run before reading on (fairness).
+                await trio.lowlevel.checkpoint()
             await self._fill(8)
             pdu_type, _, hlen, _, _ = pdu.peek_common(self._rview, self._rstart)
             size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
@@ -505,7 +539,10 @@ class TcpQueue:
             request.done.set()
         self._free = []  # nothing more is sent on this connection
         self._slot_waiters.unpark_all()
-        self.sock.close()
+        if not self._closed:
+            self._closed = True
+            trio.lowlevel.notify_closing(self.sock)  # wakes a task waiting on it
+            self.sock.close()
 
     def close(self) -> None:
         if self._failed is None:

@@ -32,9 +32,10 @@ def mount_args(fabric, *extra: str, nqn: str | None = None, addr: str | None = N
 
 
 @pytest.fixture(scope="module")
-def mnt(fabric):
+def mnt(fabric, testbed):
     os.makedirs(MNT, exist_ok=True)
-    sh(*mount_args(fabric, "--daemon", MNT))
+    log = os.path.join(testbed.out, f"test_fs-{fabric.transport}.log")  # kept for post-mortems
+    sh(*mount_args(fabric, "--daemon", "--log-file", log, MNT))
     yield MNT
     sh("fusermount3", "-u", MNT, check=False)
 
@@ -190,7 +191,9 @@ def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(fabric,
         for _, _, proc, rfd in daemons:
             status = _read_line(rfd, TIMEOUT)
             os.close(rfd)
-            assert status == "ready", proc.stderr.read() if status == "" else status
+            if status is None:  # no word within TIMEOUT: show what it logged so far
+                proc.kill()
+            assert status == "ready", proc.stderr.read() if not status else status
         assert len(connections(fabric)) > len(baseline)
         for i, (stop, point, proc, _) in enumerate(daemons):
             fd = os.open(f"{point}/n1", os.O_RDWR)  # some I/O and an open file to drain
