@@ -1,8 +1,10 @@
-"""NVMe/TCP host transport (NVMe/TCP Transport Specification) on trio sockets.
+"""NVMe/TCP host transport (NVMe/TCP Transport Specification) on trio.
 
 The PDUs are built and parsed in :mod:`nvmeof_fuse.nvme.tcp_pdu`; this module
 owns the sockets: one TCP connection per NVMe queue, opened with ICReq/ICResp,
-then command capsules out and responses in, with many commands in flight.
+then command capsules out and responses in, with many commands in flight.  A
+queue's socket is a plain non-blocking one: a send or receive that can go on at
+once costs no trio scheduling; otherwise it waits on the fd.
 
 Data moves once: a read's C2HData payload is received straight into the
 caller's memory (``recv_into``); a write's data is sent from it, inside the
