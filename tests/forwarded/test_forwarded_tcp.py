@@ -13,6 +13,7 @@ import hashlib
 import os
 import random
 import subprocess
+import sys
 
 import pytest
 import trio
@@ -41,8 +42,8 @@ def mnt(target, tmp_path_factory):
     point = tmp_path_factory.mktemp("forwarded")
     log = point.parent / "daemon.log"
     host, port = target
-    sh("nvmeof-fuse", "mount", "-t", "tcp", "-a", host, "-s", str(port), "-n", NQN,
-       "--daemon", "--log-file", str(log), str(point))
+    sh(sys.executable, "-m", "nvmeof_fuse.cli", "mount", "-t", "tcp", "-a", host, "-s", str(port),
+       "-n", NQN, "--daemon", "--log-file", str(log), str(point))
     yield str(point)
     sh("fusermount3", "-u", str(point), check=False)
 
