@@ -112,6 +112,8 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "host_traddr": args.host_traddr,
         "hostnqn": _nqn("--hostnqn", args.hostnqn),
         "hostid": _hostid(args.hostid),
+        "dhchap_secret": args.dhchap_secret,
+        "dhchap_ctrl_secret": args.dhchap_ctrl_secret,
     }
     if args.command == "mount":
         kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
@@ -155,6 +157,10 @@ def _add_connection(p: argparse.ArgumentParser, *, port_help: str) -> None:
     p.add_argument("-w", "--host-traddr", help="local address to connect from")
     p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)")
     p.add_argument("-I", "--hostid", help="host UUID (default: /etc/nvme/hostid)")
+    p.add_argument("-S", "--dhchap-secret", metavar="SECRET|FILE",
+                   help="DH-HMAC-CHAP host secret (DHHC-1:0N:...:), or a file holding it")
+    p.add_argument("-C", "--dhchap-ctrl-secret", metavar="SECRET|FILE",
+                   help="DH-HMAC-CHAP controller secret, or its file: authenticate the target too")
     p.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
 
 
