@@ -22,7 +22,7 @@ SUBNQN = "nqn.2026-11.io.nvmeof-fuse:auth"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000a0715"
 RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma
 MNT = "/tmp/nvmeof-auth"
-TIMEOUT = 90  # s: a failing mount must end well within this (nvme connect retries for minutes)
+TIMEOUT = 300  # s: bounds any mount; a failing one must end too (nvme connect retries for ever)
 
 
 def write(path: str, value: str) -> None:
@@ -81,10 +81,15 @@ def auth_subsystem(hash_name: str, dhgroup: str, host_key: str, ctrl_key: str | 
 
 def mount(testbed, log: str, *options: str, check: bool = True) -> subprocess.CompletedProcess:
     os.makedirs(MNT, exist_ok=True)
-    return subprocess.run(
-        ["nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
-         "-n", SUBNQN, "-q", HOSTNQN, "--daemon", "--log-file", log, *options, MNT],
-        capture_output=True, text=True, timeout=TIMEOUT, check=check)
+    try:
+        result = subprocess.run(
+            ["nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s",
+             str(testbed.port), "-n", SUBNQN, "-q", HOSTNQN, "--daemon", "--log-file", log,
+             *options, MNT], capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"no answer within {TIMEOUT} s; log:\n{open(log).read()}") from None
+    assert result.returncode == 0 or not check, result.stderr + open(log).read()
+    return result
 
 
 def unmount() -> None:
