@@ -169,3 +169,66 @@ def test_mode_for_the_info_files():
     assert host_auth.dhchap_mode(None) == "off"
     assert host_auth.dhchap_mode(dhchap()) == "host"
     assert host_auth.dhchap_mode(dhchap(ctrl_secret=CTRL_SECRET)) == "bidirectional"
+
+
+class QueueTarget:
+    """A queue whose Authentication Send/Receive reach a FakeController (or fail with status)."""
+
+    qid = 1
+
+    def __init__(self, target: FakeController, status: int = 0) -> None:
+        self.target, self.status, self.commands = target, status, []
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        from nvmeof_fuse.nvme import Completion
+
+        self.commands.append((sqe[4], int.from_bytes(sqe[44:48], "little"), data.length,
+                              to_controller))
+        if not self.status:
+            if sqe[4] == 0x05:
+                await self.target.send(bytes(data.region.view[:data.length]))
+            else:
+                reply = await self.target.receive()
+                data.region.view[:len(reply)] = reply
+        return Completion(0, 0, 1, 0, self.status, True)
+
+
+class ScratchController:
+    """What queue_messages needs of a Controller: options.timeout and scratch()."""
+
+    def __init__(self) -> None:
+        from types import SimpleNamespace
+
+        self.options = SimpleNamespace(timeout=5.0)
+        self.region = SimpleNamespace(view=memoryview(bytearray(8192)))
+
+    def scratch(self, length):
+        import contextlib
+
+        from nvmeof_fuse.host.memory import DataRef
+
+        @contextlib.asynccontextmanager
+        async def ref():
+            self.region.view[:length] = bytes(length)
+            yield DataRef(self.region, 0, length)
+        return ref()
+
+
+def test_messages_travel_in_auth_send_and_receive_commands():
+    target, ctrl = FakeController(HOST_SECRET), ScratchController()
+    queue = QueueTarget(target)
+    trio.run(host_auth.authenticate_queue, dhchap(), 1, "sub",
+             *host_auth.queue_messages(ctrl, queue))
+    assert target.authenticated
+    # (FCTYPE, TL/AL, data length, host to controller) of Send Negotiate, Receive, Send Reply,
+    # Receive: the transfer length always matches the data, as nvmet checks
+    assert queue.commands == [(0x05, 72, 72, True), (0x06, 4096, 4096, False),
+                              (0x05, 80, 80, True), (0x06, 4096, 4096, False)]
+
+
+def test_a_failed_auth_command_is_one_line():
+    queue = QueueTarget(FakeController(HOST_SECRET), status=0x0002)  # Invalid Field in Command
+    with pytest.raises(host_auth.AuthenticationError,
+                       match="sub: authentication of queue 1 failed: .*Authentication Send"):
+        trio.run(host_auth.authenticate_queue, dhchap(), 1, "sub",
+                 *host_auth.queue_messages(ScratchController(), queue))
