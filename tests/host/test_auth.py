@@ -142,6 +142,7 @@ def test_secrets_from_files(tmp_path):
     ("/nonexistent/key", "--dhchap-secret file /nonexistent/key: No such file or directory"),
     ("not-a-secret", "--dhchap-secret is neither a DHHC-1:0N:<base64>: secret nor the path"),
     (HOST_SECRET[:-5] + "AAAA:", "--dhchap-secret fails its CRC-32 check"),
+    ("DHHC-l:01:a/b" + HOST_SECRET[10:], "--dhchap-secret is not a DH-HMAC-CHAP secret"),
 ])
 def test_bad_secrets_are_one_line_without_the_secret(value, message):
     with pytest.raises(InvalidArgument) as info:
