@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import subprocess
+import time
 
 import pytest
 from kernel_initiator import connected, pread_direct
@@ -114,7 +115,10 @@ def test_mount_authenticates_and_agrees_with_the_kernel(testbed, tmp_path, trans
     log = str(tmp_path / "daemon.log")
     data = os.urandom(3 * 4096)
     with auth_subsystem(hash_name, dhgroup, key):
+        started = time.monotonic()
         mount(testbed, log, "-S", key_file(tmp_path, "key", key), "-i", "2")
+        with open(os.path.join(testbed.out, "auth-failures.txt"), "a") as f:
+            f.write(f"{time.monotonic() - started:.1f} s: mounted with {hash_name}, {dhgroup}\n")
         try:
             with open(f"{MNT}/.nvmeof/controller.json") as f:
                 assert json.load(f)["controller"]["dhchap"] == "host"
@@ -160,8 +164,11 @@ def test_bidirectional_authentication(testbed, tmp_path):
 def failing_mount(testbed, tmp_path, match: str, *options: str) -> str:
     baseline = rdma_objects("qp")
     log = str(tmp_path / "daemon.log")
+    started = time.monotonic()
     result = mount(testbed, log, *options, check=False)
     err = result.stderr
+    with open(os.path.join(testbed.out, "auth-failures.txt"), "a") as f:  # for the record
+        f.write(f"{time.monotonic() - started:.1f} s: {err}")
     assert result.returncode != 0 and err.count("\n") == 1 and match in err, (err, open(log).read())
     assert "Traceback" not in err + open(log).read()
     assert not os.path.ismount(MNT)
