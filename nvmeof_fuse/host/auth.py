@@ -17,7 +17,13 @@ import os
 import secrets
 from collections.abc import Awaitable, Callable
 
-from ..errors import ConnectError, InvalidArgument, NVMeoFError
+from ..errors import (
+    CommandTimeout,
+    ConnectError,
+    InvalidArgument,
+    NVMeoFError,
+    TransportError,
+)
 from ..nvme import auth
 
 log = logging.getLogger(__name__)
@@ -97,7 +103,15 @@ class DhChap:
             if self._ctrl_key is not None:
                 c2, s2 = secrets.token_bytes(auth.hash_length(hash_id)), next_seqnum()
             await send(auth.reply(tid, response, c2, s2, dh_value))
-            success = auth.parse_success1(await receive(), tid, hash_id)
+            try:
+                answer = await receive()
+            except (CommandTimeout, TransportError) as exc:
+                # nvmet tears the controller down as it answers AUTH_Failure1, and the
+                # answer can lose that race
+                raise AuthenticationError(
+                    "no answer to the host's DH-HMAC-CHAP_Reply (nvmet drops the connection "
+                    f"when it rejects the response: is --dhchap-secret right?): {exc}") from None
+            success = auth.parse_success1(answer, tid, hash_id)
             if self._ctrl_key is not None:
                 assert c2 is not None
                 if success.response is None:

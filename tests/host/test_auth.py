@@ -7,7 +7,7 @@ import hmac
 import pytest
 import trio
 
-from nvmeof_fuse.errors import InvalidArgument
+from nvmeof_fuse.errors import CommandTimeout, InvalidArgument
 from nvmeof_fuse.host import auth as host_auth
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.nvme import auth
@@ -233,3 +233,21 @@ def test_a_failed_auth_command_is_one_line():
                        match="sub: authentication of queue 1 failed: .*Authentication Send"):
         trio.run(host_auth.authenticate_queue, dhchap(), 1, "sub",
                  *host_auth.queue_messages(ScratchController(), queue))
+
+
+def test_no_answer_after_the_reply_suggests_the_secret():
+    class DroppingQueue(QueueTarget):
+        async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+            if len(self.commands) == 3:  # the Receive after the Reply: nvmet hung up
+                raise CommandTimeout("admin queue: command 30 got no completion within 30 s")
+            return await super().execute(sqe, data, to_controller=to_controller,
+                                         timeout=timeout)
+
+    queue = DroppingQueue(FakeController(OTHER_SECRET))
+    with pytest.raises(host_auth.AuthenticationError) as info:
+        trio.run(host_auth.authenticate_queue, dhchap(), 0, "sub",
+                 *host_auth.queue_messages(ScratchController(), queue))
+    assert str(info.value) == (
+        "sub: authentication of queue 0 failed: no answer to the host's DH-HMAC-CHAP_Reply "
+        "(nvmet drops the connection when it rejects the response: is --dhchap-secret right?): "
+        "admin queue: command 30 got no completion within 30 s")
