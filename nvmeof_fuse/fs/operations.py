@@ -120,6 +120,8 @@ class NamespaceFS(pyfuse3.Operations):
         add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl)))
         add_info("companion.json", lambda: info.to_json(info.companion_dict(ctrl)))
         for nsid in sorted(ctrl.namespaces):
+            if self.options.nsid is not None and nsid != self.options.nsid:
+                continue
             ns = ctrl.namespaces[nsid]
             inode = self.ns_inodes[nsid] = self._add(_NsFile(next(inodes), ns)).inode
             root.entries[f"n{nsid}".encode()] = inode
