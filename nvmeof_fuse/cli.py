@@ -112,8 +112,8 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "host_traddr": args.host_traddr,
         "hostnqn": _nqn("--hostnqn", args.hostnqn),
         "hostid": _hostid(args.hostid),
-        "dhchap_secret": args.dhchap_secret,
-        "dhchap_ctrl_secret": args.dhchap_ctrl_secret,
+        "dhchap_secret": getattr(args, "dhchap_secret", None),  # discovery.conf has none
+        "dhchap_ctrl_secret": getattr(args, "dhchap_ctrl_secret", None),
     }
     if args.command == "mount":
         kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
