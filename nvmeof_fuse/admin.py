@@ -46,7 +46,8 @@ def _discovery_records(t: DiscoveryTarget) -> list[dict]:
 
     ns = argparse.Namespace(command="discover", transport=t.transport, traddr=t.traddr,
                             trsvcid=t.trsvcid, host_traddr=t.host_traddr,
-                            hostnqn=t.hostnqn, hostid=t.hostid)
+                            hostnqn=t.hostnqn, hostid=t.hostid, hdr_digest=False,
+                            data_digest=False)
     port = 8009 if t.transport == "tcp" else 4420
     conn = cli.connect_options(ns, nqn=cli.DISCOVERY_NQN, default_port=port)
     return trio.run(discover, conn).to_dict().get("records", [])

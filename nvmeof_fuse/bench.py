@@ -5,7 +5,7 @@
   python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
   python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
   python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
-      --companion2 F --fuse-ram F [--out DIR]
+      --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F] [--out DIR]
 
 ``core``, ``nvmeof`` and ``companion`` (``nvmeof_fuse.File`` on a mounted namespace, from this
 separate process, into ``nvmeof_fuse.empty`` arrays, ``qd`` futures outstanding from one
@@ -48,6 +48,11 @@ TITLES = {"kernel": "kernel (fio)", "core": "our core", "nvmeof": "nvmeof lib",
           "companion2": "companion, 2 processes", "fuse_ram": "FUSE over RAM (fio)"}
 RATIOS = (("core", "kernel"), ("core", "nvmeof"), ("fuse", "kernel"), ("companion", "kernel"),
           ("companion", "core"), ("companion2", "companion"), ("fuse_ram", "kernel"))
+TCP_COLUMNS = ("kernel_tcp", "core_tcp", "fuse_tcp")
+"""The same jobs over NVMe/TCP: a second table below the first."""
+TITLES.update({"kernel_tcp": "kernel nvme-tcp (fio)", "core_tcp": "our core over TCP",
+               "fuse_tcp": "FUSE file over TCP (fio)"})
+TCP_RATIOS = (("core_tcp", "kernel_tcp"), ("fuse_tcp", "kernel_tcp"))
 
 
 @dataclass
@@ -98,6 +103,7 @@ async def _core(args: argparse.Namespace) -> dict:
     jobs = [job for job in [*JOBS, Job("seq_read_bounce", MIB, 16, True)]
             if not args.jobs or job.key in args.jobs]
     options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
+                             transport=getattr(args, "transport", "rdma"),
                              connect_timeout=args.connect_timeout,
                              nr_io_queues=getattr(args, "nr_io_queues", None))
     async with connect(options) as ctrl:
@@ -371,16 +377,14 @@ def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def table(sources: dict[str, str | None]) -> tuple[str, dict]:
-    """The side-by-side table text and a JSON-able dict of every figure and failure."""
-    loaded = {c: load(sources.get(c)) for c in COLUMNS}
-    heads = ["metric", *(TITLES[c] for c in COLUMNS), *(f"{a}/{b}" for a, b in RATIOS)]
+def _grid(loaded: dict, columns: tuple[str, ...], ratios: tuple) -> list[str]:
+    heads = ["metric", *(TITLES[c] for c in columns), *(f"{a}/{b}" for a, b in ratios)]
     rows = []
     for key, (label, unit) in METRICS.items():
-        vals = {c: loaded[c][0].get(key) for c in COLUMNS}
-        ratios = [vals[a] / vals[b] if vals[a] and vals[b] else None for a, b in RATIOS]
-        rows.append([f"{label} ({unit})", *(_fmt(vals[c]) for c in COLUMNS),
-                     *("n/a" if r is None else f"{r:.2f}" for r in ratios)])
+        vals = {c: loaded[c][0].get(key) for c in columns}
+        quotients = [vals[a] / vals[b] if vals[a] and vals[b] else None for a, b in ratios]
+        rows.append([f"{label} ({unit})", *(_fmt(vals[c]) for c in columns),
+                     *("n/a" if r is None else f"{r:.2f}" for r in quotients)])
     widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads))]
     line = "  ".join
 
@@ -388,9 +392,22 @@ def table(sources: dict[str, str | None]) -> tuple[str, dict]:
         return line(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
                     for i in range(len(r)))
 
-    out = [fmt(heads), line("-" * w for w in widths), *(fmt(r) for r in rows)]
+    return [fmt(heads), line("-" * w for w in widths), *(fmt(r) for r in rows)]
+
+
+def table(sources: dict[str, str | None]) -> tuple[str, dict]:
+    """The side-by-side table text and a JSON-able dict of every figure and failure.
+
+    The NVMe/TCP columns make a second table, shown when any of them was given.
+    """
+    tcp = any(sources.get(c) for c in TCP_COLUMNS)
+    columns = COLUMNS + TCP_COLUMNS if tcp else COLUMNS
+    loaded = {c: load(sources.get(c)) for c in columns}
+    out = _grid(loaded, COLUMNS, RATIOS)
+    if tcp:
+        out += ["", "NVMe/TCP:", *_grid(loaded, TCP_COLUMNS, TCP_RATIOS)]
     notes = []
-    for c in COLUMNS:
+    for c in columns:
         errs = loaded[c][1]
         if "*" in errs:
             notes.append(f"n/a {TITLES[c]}: {errs['*']}")
@@ -400,8 +417,8 @@ def table(sources: dict[str, str | None]) -> tuple[str, dict]:
     if blank:
         notes.append(f"n/a our core: not measured: {', '.join(blank)}")
     out += ["", "MB = 10^6 bytes.", *notes]
-    data = {"figures": {c: loaded[c][0] for c in COLUMNS},
-            "errors": {c: loaded[c][1] for c in COLUMNS}, "sources": sources}
+    data = {"figures": {c: loaded[c][0] for c in columns},
+            "errors": {c: loaded[c][1] for c in columns}, "sources": sources}
     return "\n".join(out) + "\n", data
 
 
@@ -446,6 +463,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--jobs", type=_job_keys, default=None, metavar="KEY[,KEY...]",
                        help=f"run only these jobs (of {', '.join(METRICS)})")
         if name == "core":
+            s.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma")
             s.add_argument("--nr-io-queues", type=int, default=None,
                            help="I/O queues to connect (default: the controller's choice)")
     c = sub.add_parser("companion", help="benchmark nvmeof_fuse.File on a mounted namespace")
@@ -462,7 +480,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--size-mib", type=int, default=256, help="namespace size (default 256)")
     r.add_argument("--lba-size", type=int, choices=(512, 4096), default=4096)
     t = sub.add_parser("table", help="side-by-side table of saved results")
-    for c in COLUMNS:
+    for c in COLUMNS + TCP_COLUMNS:
         t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")
     t.add_argument("--out", metavar="DIR", help="also write DIR/bench.txt and DIR/bench.json")
     return ap
@@ -471,7 +489,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.what == "table":
-        text, data = table({c: getattr(args, c) for c in COLUMNS})
+        text, data = table({c: getattr(args, c) for c in COLUMNS + TCP_COLUMNS})
         print(text, end="")
         if args.out:
             with open(os.path.join(args.out, "bench.txt"), "w") as f:

@@ -114,6 +114,8 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "hostid": _hostid(args.hostid),
         "dhchap_secret": getattr(args, "dhchap_secret", None),  # discovery.conf has none
         "dhchap_ctrl_secret": getattr(args, "dhchap_ctrl_secret", None),
+        "hdr_digest": args.hdr_digest,
+        "data_digest": args.data_digest,
     }
     if args.command == "mount":
         kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
@@ -161,6 +163,10 @@ def _add_connection(p: argparse.ArgumentParser, *, port_help: str,
     p.add_argument("-a", "--traddr", required=addr_required, help="target address")
     p.add_argument("-s", "--trsvcid", help=port_help)
     p.add_argument("-w", "--host-traddr", help="local address to connect from")
+    p.add_argument("-g", "--hdr-digest", action="store_true",
+                   help="NVMe/TCP header digests (CRC32C)")
+    p.add_argument("-G", "--data-digest", action="store_true",
+                   help="NVMe/TCP data digests (CRC32C)")
     p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)")
     p.add_argument("-I", "--hostid", help="host UUID (default: /etc/nvme/hostid)")
     p.add_argument("-S", "--dhchap-secret", metavar="SECRET|FILE",

@@ -48,6 +48,8 @@ KEYS: dict[str, tuple[str, bool]] = {
     "reconnect_delay": ("--reconnect-delay", True),
     "ctrl_loss_tmo": ("--ctrl-loss-tmo", True),
     "fast_io_fail_tmo": ("--fast-io-fail-tmo", True),
+    "hdr_digest": ("--hdr-digest", False),
+    "data_digest": ("--data-digest", False),
     "read_only": ("--read-only", False),
     "ro": ("--read-only", False),
     "allow_other": ("-o allow_other", False),

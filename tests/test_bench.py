@@ -92,3 +92,16 @@ def test_fuse_ram_bad_input_is_one_line(tmp_path, capsys):
     assert err.startswith("bench fuse-ram: ") and "does not exist" in err and err.count("\n") == 1
     assert bench.main(["fuse-ram", str(tmp_path), "--size-mib", "0"]) == 2
     assert capsys.readouterr().err == "bench: --size-mib must be positive\n"
+
+
+def test_table_shows_the_tcp_columns_in_a_table_of_their_own(tmp_path):
+    files = saved_results(tmp_path, "seq_write", kernel=30.0, kernel_tcp=200.0, core_tcp=160.0,
+                          fuse_tcp=50.0)
+    text, data = bench.table(files)
+    assert "NVMe/TCP:" in text and "core_tcp/kernel_tcp" in text
+    tcp = text.split("NVMe/TCP:")[1]
+    row = next(line for line in tcp.splitlines() if line.startswith("1 MiB seq write QD16"))
+    assert row.split()[-2:] == ["0.80", "0.25"]
+    assert data["figures"]["core_tcp"] == {"seq_write": 160.0}
+    assert "NVMe/TCP" not in bench.table(saved_results(tmp_path, "seq_read", kernel=1.0))[0]
+    assert bench.parser().parse_args(["core", "-a", "x", "-n", "y", "-t", "tcp"]).transport == "tcp"

@@ -193,6 +193,20 @@ class _HostTarget(_Target):
         return bytes(self.view[at:at + length])
 
 
+class _LazyHostTarget(_HostTarget):
+    """Host memory whose bytes are touched only for partial LBAs: its view is made then."""
+
+    def __init__(self, owner: Any, start: int, size: int) -> None:  # noqa: D107
+        self._owner, self._start, self._size = owner, start, size
+        self._view: memoryview | None = None
+
+    @property  # type: ignore[override]
+    def view(self) -> memoryview:
+        if self._view is None:
+            self._view = _host_view(self._owner)[self._start:self._start + self._size]
+        return self._view
+
+
 class _CudaTarget(_Target):
     def __init__(self, cuda: gpu.CudaOps, tensor: Any, byte_offset: int) -> None:
         self.cuda = cuda
@@ -555,7 +569,7 @@ class File:
                 _warn_once(f"own-reg:{exc}", f"nvmeof_fuse: cannot register the buffer for "
                            f"our own queues ({exc}); using the mount daemon")
                 return None
-            target = _HostTarget(_host_view(mem.owner)[buf_offset:buf_offset + size])
+            target = _LazyHostTarget(mem.owner, buf_offset, size)
         edges: list[tuple[int, bytes]] = []
         if write:
             target.before_write()
@@ -567,7 +581,7 @@ class File:
                 return head if start == 0 else tail
 
             job, arg = direct.write, get
-        elif isinstance(target, _HostTarget):
+        elif isinstance(target, _LazyHostTarget):
             job, arg = direct.read, target.put
         else:  # device copies belong to the caller's thread: collected, put in finish
             job, arg = direct.read, lambda at, data: edges.append((at, bytes(data)))

@@ -82,11 +82,17 @@ class ConnectOptions:
     """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it."""
     dhchap_ctrl_secret: str | None = field(default=None, repr=False)
     """Controller secret (or its file): the host also authenticates the controller."""
+    hdr_digest: bool = False
+    """NVMe/TCP: CRC32C header digests (nvme-cli's --hdr-digest)."""
+    data_digest: bool = False
+    """NVMe/TCP: CRC32C data digests (nvme-cli's --data-digest)."""
 
     def validate(self) -> None:
-        if self.transport not in ("rdma",):
-            raise InvalidArgument(f"--transport {self.transport!r} is not supported yet "
-                                  "(supported: rdma)")
+        if self.transport not in ("rdma", "tcp"):
+            raise InvalidArgument(f"--transport {self.transport!r} is not supported "
+                                  "(supported: rdma, tcp)")
+        if (self.hdr_digest or self.data_digest) and self.transport != "tcp":
+            raise InvalidArgument("--hdr-digest and --data-digest apply only to -t tcp")
         if not 0 < self.trsvcid < 65536:
             raise InvalidArgument(f"--trsvcid {self.trsvcid} is not a port number (1-65535)")
         if self.nr_io_queues is not None and not 1 <= self.nr_io_queues <= 65535:
@@ -123,7 +129,13 @@ def make_transport(options: ConnectOptions) -> Transport:
 
         return RdmaTransport(options.traddr, options.trsvcid, options.host_traddr,
                              connect_timeout=options.connect_timeout)
-    raise InvalidArgument(f"--transport {options.transport!r} is not supported yet")
+    if options.transport == "tcp":
+        from ..transport.tcp import TcpTransport
+
+        return TcpTransport(options.traddr, options.trsvcid, options.host_traddr,
+                            connect_timeout=options.connect_timeout,
+                            header_digest=options.hdr_digest, data_digest=options.data_digest)
+    raise InvalidArgument(f"--transport {options.transport!r} is not supported")
 
 
 class Controller:
@@ -489,7 +501,7 @@ class Controller:
         if self.identify.cntrltype == 2:  # discovery controller: admin queue only
             self._set_state(LIVE)
             return
-        if not self.identify.keyed_sgl_supported:
+        if self.transport.name == "rdma" and not self.identify.keyed_sgl_supported:
             raise ConnectError(f"{self.transport.address}: the controller does not support "
                                "keyed SGL data blocks, which NVMe/RDMA requires")
         page = self.cap.min_page_size

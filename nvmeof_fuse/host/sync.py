@@ -98,6 +98,9 @@ class SyncController:
         self._inflight = 0
         self._idle: trio.Event | None = None
         self._tasks: trio.Nursery  # runs submitted calls, once connected
+        self._submit_lock = threading.Lock()
+        self._submitted: list[tuple[Any, tuple, concurrent.futures.Future]] = []
+        self._wake_pending = False  # the loop was asked to start what is submitted
         self._thread = threading.Thread(target=self._main, daemon=True,
                                         name=f"nvmeof {options.traddr}:{options.trsvcid}")
         self._thread.start()
@@ -210,20 +213,27 @@ class SyncController:
         """
         future: concurrent.futures.Future[T] = concurrent.futures.Future()
         token = self._live_token()
-        try:
-            token.run_sync_soon(self._start_task, async_fn, args, future)
-        except trio.RunFinishedError:
-            raise self._closed_error() from None
+        with self._submit_lock:  # calls made before the loop looks go over in one wakeup
+            self._submitted.append((async_fn, args, future))
+            wake, self._wake_pending = not self._wake_pending, True
+        if wake:
+            try:
+                token.run_sync_soon(self._start_submitted)
+            except trio.RunFinishedError:
+                raise self._closed_error() from None
         return future
 
-    def _start_task(self, async_fn: Callable[..., Awaitable[T]], args: tuple,
-                    future: concurrent.futures.Future[T]) -> None:
-        try:
-            self._admit()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-            future.set_exception(exc)
-            return
-        self._tasks.start_soon(self._complete, async_fn, args, future)
+    def _start_submitted(self) -> None:
+        with self._submit_lock:
+            batch, self._submitted = self._submitted, []
+            self._wake_pending = False
+        for async_fn, args, future in batch:
+            try:
+                self._admit()
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+                future.set_exception(exc)
+                continue
+            self._tasks.start_soon(self._complete, async_fn, args, future)
 
     async def _complete(self, async_fn: Callable[..., Awaitable[T]], args: tuple,
                         future: concurrent.futures.Future[T]) -> None:

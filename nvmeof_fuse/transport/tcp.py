@@ -1,52 +1,557 @@
-"""NVMe/TCP transport (NVMe/TCP Transport Specification).
+"""NVMe/TCP host transport (NVMe/TCP Transport Specification) on trio.
 
-So far only the connection handshake: the ICReq/ICResp PDUs and a probe that
-checks a target answers.  Queues over TCP are the next transport to land here.
+The PDUs are built and parsed in :mod:`nvmeof_fuse.nvme.tcp_pdu`; this module
+owns the sockets: one TCP connection per NVMe queue, opened with ICReq/ICResp,
+then command capsules out and responses in, with many commands in flight.  A
+queue's socket is a plain non-blocking one: a send or receive that can go on at
+once costs no trio scheduling; otherwise it waits on the fd.
+
+Data moves once: a read's C2HData payload is received straight into the
+caller's memory (``recv_into``); a write's data is sent from it, inside the
+capsule up to the in-capsule limit, otherwise in H2CData PDUs answering the
+controller's R2Ts (split at MAXH2CDATA).  Memory needs no registration, so
+:meth:`TcpTransport.register` hands back a trivial one.
+
+A receive task per queue reads every PDU; anything that breaks the protocol (a
+bad digest, a length that disagrees with its header, an unknown PDU type, data
+for a command not in flight) fails every command of the queue with
+:class:`TransportError` and closes the connection, which makes the controller
+reconnect.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import socket
 import struct
-from dataclasses import dataclass
 
-from ..errors import ConnectError
+import trio
 
-PDU_ICREQ = 0x00
-PDU_ICRESP = 0x01
-IC_PDU_LENGTH = 128
-_COMMON_HEADER = struct.Struct("<BBBBI")  # pdu-type, flags, hlen, pdo, plen
+from ..errors import CommandTimeout, ConnectError, TransportError
+from ..host.memory import DataRef
+from ..nvme import Completion, set_command_id
+from ..nvme import tcp_pdu as pdu
+from ..nvme.sgl import in_capsule_data
+from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 
-
-def icreq_pdu(*, hpda: int = 0, header_digest: bool = False, data_digest: bool = False,
-              maxr2t: int = 0) -> bytes:
-    """Initialize Connection Request PDU (NVMe/TCP spec, ICReq): 128 bytes."""
-    digests = (1 if header_digest else 0) | (2 if data_digest else 0)
-    head = _COMMON_HEADER.pack(PDU_ICREQ, 0, IC_PDU_LENGTH, 0, IC_PDU_LENGTH)
-    body = struct.pack("<HBBI", 0, hpda, digests, maxr2t)  # PFV 0, HPDA, DGST, MAXR2T
-    return (head + body).ljust(IC_PDU_LENGTH, b"\0")
+ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
+RECV_BUFFER_BYTES = 256 * 1024
+STOP_TIMEOUT = 5.0
+TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
+"""Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
 
 
-@dataclass(frozen=True, slots=True)
-class ICResp:
-    """Initialize Connection Response: what the controller agreed to."""
-
-    pfv: int
-    cpda: int
-    header_digest: bool
-    data_digest: bool
-    maxh2cdata: int
+def transport_data_block(length: int) -> bytes:
+    """Transport SGL Data Block: ``length`` bytes moved by C2HData or R2T/H2CData PDUs."""
+    return struct.pack("<QI3xB", 0, length, 0x5A)
 
 
-def parse_icresp(pdu: bytes) -> ICResp:
-    """Parse a 128-byte ICResp PDU; raise ValueError naming what is wrong."""
-    if len(pdu) != IC_PDU_LENGTH:
-        raise ValueError(f"ICResp must be {IC_PDU_LENGTH} bytes, got {len(pdu)}")
-    pdu_type, _flags, hlen, _pdo, plen = _COMMON_HEADER.unpack_from(pdu)
-    if pdu_type != PDU_ICRESP or hlen != IC_PDU_LENGTH or plen != IC_PDU_LENGTH:
-        raise ValueError(f"not an ICResp PDU (type {pdu_type:#x}, hlen {hlen}, plen {plen})")
-    pfv, cpda, dgst, maxh2cdata = struct.unpack_from("<HBBI", pdu, 8)
-    return ICResp(pfv, cpda, bool(dgst & 1), bool(dgst & 2), maxh2cdata)
+class TcpRegistration:
+    """Memory over TCP needs no registration; this keeps the address for ``recv_into``."""
+
+    lkey = 0
+    rkey = 0
+
+    def __init__(self, addr: int, length: int, owner: object) -> None:
+        self.addr = addr
+        self.length = length
+        self.owner = owner
+        self._memory: memoryview | None = None
+
+    @property
+    def memory(self) -> memoryview:
+        """A writable byte view of the registered range."""
+        if self._memory is None:
+            self._memory = host_memory(self.addr, self.length)
+        return self._memory
+
+    def close(self) -> None:
+        self._memory = None
+        self.owner = None
+
+
+def host_memory(addr: int, length: int) -> memoryview:
+    """A writable byte view of ``length`` bytes of host memory at ``addr``."""
+    return memoryview((ctypes.c_char * length).from_address(addr)).cast("B")
+
+
+def data_view(data: DataRef) -> memoryview:
+    """The bytes ``data`` names, as a writable memoryview (no copy)."""
+    region = data.region
+    view = region.view
+    if view is None:
+        registration = region.registration
+        view = (registration.memory if isinstance(registration, TcpRegistration)
+                else host_memory(region.addr, region.length))
+    return view[data.offset:data.offset + data.length]
+
+
+class TcpTransport:
+    """The TCP side of one controller: a connection per queue, nothing shared but options."""
+
+    name = "tcp"
+
+    def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
+                 connect_timeout: float = 10.0, *, header_digest: bool = False,
+                 data_digest: bool = False) -> None:
+        self.traddr = traddr
+        self.trsvcid = trsvcid
+        self.host_traddr = host_traddr
+        self.connect_timeout = connect_timeout
+        self.header_digest = header_digest
+        self.data_digest = data_digest
+        self._queues: list[TcpQueue] = []
+
+    @property
+    def address(self) -> str:
+        return f"tcp {self.traddr}:{self.trsvcid}"
+
+    def register(self, addr: int, length: int, owner: object) -> TcpRegistration:
+        return TcpRegistration(addr, length, owner)
+
+    async def _open(self, what: str) -> trio.socket.SocketType:
+        where = f"{self.traddr}:{self.trsvcid}"
+        sock = None
+        try:
+            with trio.fail_after(self.connect_timeout):
+                infos = await trio.socket.getaddrinfo(self.traddr, self.trsvcid,
+                                                      type=socket.SOCK_STREAM)
+                family, kind, proto, _, addr = infos[0]
+                sock = trio.socket.socket(family, kind, proto)
+                if self.host_traddr:
+                    await sock.bind((self.host_traddr, 0))
+                await sock.connect(addr)
+        except trio.TooSlowError:
+            reason = f"timed out after {self.connect_timeout:g} s"
+        except socket.gaierror as exc:
+            reason = f"failed: cannot resolve the address ({exc.strerror})"
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET):
+                reason = "refused: is an NVMe/TCP port listening there?"
+            elif self.host_traddr and exc.errno == errno.EADDRNOTAVAIL:
+                reason = f"failed: --host-traddr {self.host_traddr} is not a local address"
+            else:
+                reason = f"failed: {exc.strerror or exc}"
+        else:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            return sock
+        if sock is not None:
+            sock.close()
+        raise ConnectError(f"NVMe/TCP {what} connect to {where} {reason}")
+
+    async def connect_queue(self, nursery: trio.Nursery, qid: int, size: int,
+                            in_capsule_bytes: int = 0, cntlid: int = 0) -> TcpQueue:
+        """Open queue ``qid``'s connection, exchange ICReq/ICResp, start its receive task."""
+        what = "admin queue" if qid == 0 else f"I/O queue {qid}"
+        sock = await self._open(what)
+        try:
+            resp = await self._initialize(sock, what)
+        except BaseException:
+            sock.close()
+            raise
+        if qid == 0:
+            in_capsule_bytes = max(in_capsule_bytes, ADMIN_IN_CAPSULE_BYTES)
+        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp)
+        self._queues.append(queue)
+        await nursery.start(queue.receive)
+        return queue
+
+    async def _initialize(self, sock, what: str) -> ICResp:
+        where = f"{self.traddr}:{self.trsvcid}"
+        buf = bytearray(pdu.IC_PDU_LENGTH)
+        try:
+            with trio.fail_after(self.connect_timeout):
+                await sock.send(icreq_pdu(header_digest=self.header_digest,
+                                          data_digest=self.data_digest))
+                got = 0
+                while got < len(buf):
+                    n = await sock.recv_into(memoryview(buf)[got:])
+                    if n == 0:
+                        raise ConnectError(f"NVMe/TCP {what}: {where} closed the connection "
+                                           "before its ICResp")
+                    got += n
+        except trio.TooSlowError:
+            raise ConnectError(f"NVMe/TCP {what}: no ICResp from {where} within "
+                               f"{self.connect_timeout:g} s") from None
+        except OSError as exc:
+            raise ConnectError(f"NVMe/TCP {what}: {where} failed during ICReq/ICResp: "
+                               f"{exc.strerror or exc}") from None
+        try:
+            resp = parse_icresp(bytes(buf))
+            pdu.check_icresp(resp, header_digest=self.header_digest,
+                             data_digest=self.data_digest)
+        except ValueError as exc:
+            raise ConnectError(f"NVMe/TCP {what}: {where} answered with {exc}") from None
+        return resp
+
+    async def drop_queues(self) -> None:
+        """Stop and close every queue (waiting commands fail with TransportError)."""
+        queues, self._queues = self._queues, []
+        for queue in reversed(queues):
+            await queue.stop()
+            queue.close()
+
+    def close(self) -> None:
+        for queue in reversed(self._queues):
+            queue.close()
+        self._queues.clear()
+
+
+class Request:
+    """One command in flight on a TCP queue."""
+
+    __slots__ = ("cid", "data", "view", "to_controller", "received", "completion", "error",
+                 "done", "abandoned")
+
+    def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
+        self.cid = cid
+        self.data = data
+        self.view: memoryview | None = None
+        self.to_controller = to_controller
+        self.received = 0
+        self.completion: Completion | None = None
+        self.error: Exception | None = None
+        self.done = trio.Event()
+        self.abandoned = False
+
+    def buffer(self) -> memoryview:
+        if self.view is None:
+            assert self.data is not None
+            self.view = data_view(self.data)
+        return self.view
+
+
+class TcpQueue:
+    """One NVMe queue over one TCP connection."""
+
+    def __init__(self, transport: TcpTransport, sock, qid: int, size: int,
+                 in_capsule_bytes: int, resp: ICResp) -> None:
+        self.transport = transport
+        # A plain non-blocking socket: a send or receive that can go on at once does not
+        # yield to trio (two scheduler passes per command saved); otherwise it waits on the fd.
+        self.sock = socket.socket(fileno=sock.detach())
+        self.sock.setblocking(False)
+        self._closed = False
+        self.qid = qid
+        self.size = size
+        self.in_capsule_bytes = in_capsule_bytes
+        self.cpda = resp.cpda
+        self.maxh2cdata = resp.maxh2cdata
+        self.header_digest = resp.header_digest
+        self.data_digest = resp.data_digest
+        self._free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
+        self._pending: dict[int, Request] = {}
+        self._slot_waiters = trio.lowlevel.ParkingLot()
+        self._send_lock = trio.StrictFIFOLock()
+        self._failed: TransportError | None = None
+        self._receiver: trio.CancelScope | None = None
+        self._received = trio.Event()
+        self._rbuf = bytearray(RECV_BUFFER_BYTES)
+        self._rview = memoryview(self._rbuf)
+        self._rstart = self._rend = 0
+
+    @property
+    def name(self) -> str:
+        return "admin queue" if self.qid == 0 else f"I/O queue {self.qid}"
+
+    @property
+    def available(self) -> int:
+        return len(self._free)
+
+    # -- commands ---------------------------------------------------------------------------
+
+    async def _allocate(self, timeout: float) -> int:
+        if self._failed is None and not self._free:
+            with trio.move_on_after(timeout):
+                while not self._free and self._failed is None:
+                    await self._slot_waiters.park()
+        if self._failed is not None:
+            raise self._failed
+        if not self._free:
+            raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
+        return self._free.pop()
+
+    def _release(self, request: Request) -> None:
+        if self._pending.get(request.cid) is request:
+            del self._pending[request.cid]
+            self._free.append(request.cid)
+            if self._slot_waiters:
+                self._slot_waiters.unpark()
+
+    async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
+                      to_controller: bool = False, timeout: float) -> Completion:
+        cid = await self._allocate(timeout)
+        length = data.length if data is not None else 0
+        request = Request(cid, data if length else None, to_controller)
+        self._pending[cid] = request
+        inline = to_controller and 0 < length <= self.in_capsule_bytes
+        if inline:
+            sqe[24:40] = in_capsule_data(0, length)
+        elif length:
+            sqe[24:40] = transport_data_block(length)
+        else:
+            sqe[24:40] = TRANSPORT_SGL
+        set_command_id(sqe, cid)
+        head = pdu.capsule_cmd_header(sqe, length if inline else 0,
+                                      header_digest=self.header_digest,
+                                      data_digest=self.data_digest, cpda=self.cpda)
+        buffers = [head]
+        if inline:
+            payload = request.buffer()
+            buffers.append(payload)
+            if self.data_digest:
+                buffers.append(pdu.digest(payload))
+        try:
+            await self._send(buffers)
+        except TransportError:
+            self._release(request)
+            raise
+        # Not cancellable: the target may still be moving data into the caller's memory.
+        with trio.CancelScope(shield=True):
+            with trio.move_on_after(timeout):
+                await request.done.wait()
+        if not request.done.is_set():
+            request.abandoned = True  # its slot stays taken until the target answers
+            raise CommandTimeout(f"{self.name}: command {cid} got no completion within "
+                                 f"{timeout:g} s")
+        if request.error is not None:
+            raise request.error
+        return request.completion  # type: ignore[return-value]
+
+    async def _send(self, buffers: list) -> None:
+        """Send one PDU (a list of buffers) whole; PDUs never interleave."""
+        if self._failed is not None:
+            raise self._failed
+        lock = self._send_lock
+        if lock.locked():
+            await lock.acquire()
+        else:
+            lock.acquire_nowait()
+        try:
+            try:
+                while buffers:
+                    try:
+                        sent = self.sock.sendmsg(buffers)
+                    except BlockingIOError:
+                        # A PDU begun is finished (or the connection closed): a caller's
+                        # cancellation must not leave half of one on the wire.
+                        with trio.CancelScope(shield=True):
+                            await trio.lowlevel.wait_writable(self.sock)
+                        continue
+                    while sent:
+                        first = buffers[0]
+                        if sent >= len(first):
+                            sent -= len(first)
+                            buffers.pop(0)
+                        else:
+                            buffers[0] = memoryview(first)[sent:]
+                            sent = 0
+            except OSError as exc:
+                if self._failed is not None:
+                    raise self._failed from None
+                error = TransportError(f"{self.name}: sending to "
+                                       f"{self.transport.traddr}:{self.transport.trsvcid} "
+                                       f"failed: {exc.strerror or exc}")
+                self._fail(error)
+                raise error from None
+            except trio.ClosedResourceError:
+                raise self._failed or TransportError(f"{self.name} is closed") from None
+        finally:
+            lock.release()
+
+    # -- receiving ------------------------------------------------------------------------------
+
+    async def receive(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Read and dispatch PDUs until the connection fails or the queue stops."""
+        try:
+            with trio.CancelScope() as self._receiver:
+                task_status.started()
+                try:
+                    await self._receive()
+                except pdu.PduError as exc:
+                    self._fail(TransportError(f"{self.name}: {exc}"))
+                except TransportError as exc:
+                    self._fail(exc)
+                except OSError as exc:
+                    self._fail(TransportError(f"{self.name}: receiving from "
+                                              f"{self.transport.traddr}:"
+                                              f"{self.transport.trsvcid} failed: "
+                                              f"{exc.strerror or exc}"))
+                except trio.ClosedResourceError:
+                    self._fail(TransportError(f"{self.name} is closed"))
+                finally:
+                    if self._failed is None:
+                        self._fail(TransportError(f"{self.name}: stopped"))
+        finally:
+            self._received.set()
+
+    async def stop(self) -> None:
+        """End the receive task (waiting callers fail); then close() is safe."""
+        if self._receiver is None:
+            return
+        self._receiver.cancel()
+        with trio.move_on_after(STOP_TIMEOUT):
+            await self._received.wait()
+
+    async def _fill(self, count: int) -> None:
+        """Have at least ``count`` bytes in the receive buffer."""
+        if self._rend - self._rstart >= count:
+            return
+        if self._rstart:
+            kept = self._rend - self._rstart
+            self._rview[:kept] = self._rview[self._rstart:self._rend]
+            self._rstart, self._rend = 0, kept
+        while self._rend < count:
+            n = await self._recv_into(self._rview[self._rend:])
+            if n == 0:
+                raise TransportError(f"{self.name}: {self.transport.traddr}:"
+                                     f"{self.transport.trsvcid} closed the connection")
+            self._rend += n
+
+    async def _recv_into(self, dest: memoryview) -> int:
+        while True:
+            try:
+                return self.sock.recv_into(dest)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+            except OSError:
+                if self._closed:
+                    raise trio.ClosedResourceError from None
+                raise
+
+    async def _read_into(self, dest: memoryview) -> None:
+        """Fill ``dest`` from the stream: buffered bytes first, the rest received in place."""
+        have = min(self._rend - self._rstart, len(dest))
+        if have:
+            dest[:have] = self._rview[self._rstart:self._rstart + have]
+            self._rstart += have
+        while have < len(dest):
+            n = await self._recv_into(dest[have:])
+            if n == 0:
+                raise TransportError(f"{self.name}: {self.transport.traddr}:"
+                                     f"{self.transport.trsvcid} closed the connection")
+            have += n
+
+    async def _skip(self, count: int) -> bytes:
+        await self._fill(count)
+        at = self._rstart
+        self._rstart += count
+        return bytes(self._rview[at:at + count])
+
+    async def _receive(self) -> None:
+        hdgst, ddgst = self.header_digest, self.data_digest
+        while True:
+            if self._rend - self._rstart < 8:
+                # Let the callers just woken run before reading on (fairness).
+                await trio.lowlevel.checkpoint()
+            await self._fill(8)
+            pdu_type, _, hlen, _, _ = pdu.peek_common(self._rview, self._rstart)
+            size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
+            await self._fill(size)
+            header = pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
+                                      data_digest=ddgst)
+            self._rstart += size
+            if header.type == pdu.CAPSULE_RESP:
+                self._response(header.completion)
+            elif header.type == pdu.C2H_DATA:
+                await self._c2h_data(header, size)
+            elif header.type == pdu.R2T:
+                await self._r2t(header)
+            else:  # C2HTermReq
+                raise TransportError(f"{self.name}: the controller ended the connection "
+                                     f"with a C2HTermReq ({pdu.term_reason(header.length)})")
+
+    def _lookup(self, cid: int, what: str) -> Request:
+        request = self._pending.get(cid)
+        if request is None:
+            raise TransportError(f"{self.name}: {what} for command ID {cid}, "
+                                 "which is not in flight")
+        return request
+
+    def _response(self, completion: Completion) -> None:
+        request = self._lookup(completion.command_id, "CapsuleResp")
+        self._finish(request, completion)
+
+    def _finish(self, request: Request, completion: Completion) -> None:
+        request.completion = completion
+        self._release(request)
+        request.done.set()
+
+    async def _c2h_data(self, header: pdu.Header, header_size: int) -> None:
+        request = self._lookup(header.cid, "C2HData")
+        if request.data is None or request.to_controller:
+            raise TransportError(f"{self.name}: C2HData for command {header.cid}, "
+                                 "which reads no data")
+        end = header.offset + header.length
+        if end > request.data.length:
+            raise TransportError(f"{self.name}: C2HData for command {header.cid} at "
+                                 f"{header.offset}+{header.length} runs past its "
+                                 f"{request.data.length}-byte buffer")
+        if header.pdo > header_size:
+            await self._skip(header.pdo - header_size)
+        dest = request.buffer()[header.offset:end]
+        await self._read_into(dest)
+        if header.data_digest:
+            got = await self._skip(pdu.DIGEST_BYTES)
+            want = pdu.digest(dest)
+            if got != want:
+                raise TransportError(f"{self.name}: data digest mismatch on C2HData for "
+                                     f"command {header.cid} (got {got.hex()}, computed "
+                                     f"{want.hex()})")
+        request.received += header.length
+        if header.flags & pdu.FLAG_SUCCESS:
+            if request.received != request.data.length:
+                raise TransportError(f"{self.name}: C2HData for command {header.cid} "
+                                     f"claims success after {request.received} of "
+                                     f"{request.data.length} bytes")
+            self._finish(request, Completion(0, 0, self.qid, header.cid, 0, False))
+
+    async def _r2t(self, header: pdu.Header) -> None:
+        request = self._lookup(header.cid, "R2T")
+        if request.data is None or not request.to_controller:
+            raise TransportError(f"{self.name}: R2T for command {header.cid}, "
+                                 "which writes no data")
+        end = header.offset + header.length
+        if end > request.data.length:
+            raise TransportError(f"{self.name}: R2T for command {header.cid} asks for "
+                                 f"{header.offset}+{header.length}, past its "
+                                 f"{request.data.length} bytes")
+        payload = request.buffer()
+        pieces = pdu.h2c_pieces(header.offset, header.length, self.maxh2cdata)
+        for i, (at, length) in enumerate(pieces):
+            piece = payload[at:at + length]
+            buffers = [pdu.h2c_data_header(header.cid, header.ttag, at, length,
+                                           last=i == len(pieces) - 1,
+                                           header_digest=self.header_digest,
+                                           data_digest=self.data_digest, cpda=self.cpda),
+                       piece]
+            if self.data_digest:
+                buffers.append(pdu.digest(piece))
+            await self._send(buffers)
+
+    # -- failure and teardown -------------------------------------------------------------------
+
+    def _fail(self, error: TransportError) -> None:
+        if self._failed is None:
+            self._failed = error
+        pending, self._pending = self._pending, {}
+        for request in pending.values():
+            request.error = self._failed
+            request.done.set()
+        self._free = []  # nothing more is sent on this connection
+        self._slot_waiters.unpark_all()
+        if not self._closed:
+            self._closed = True
+            trio.lowlevel.notify_closing(self.sock)  # wakes a task waiting on it
+            self.sock.close()
+
+    def close(self) -> None:
+        if self._failed is None:
+            self._failed = TransportError(f"{self.name} is closed")
+        if self._receiver is not None:
+            self._receiver.cancel()
+        self._fail(self._failed)
 
 
 def probe(host: str, port: int, timeout: float = 10.0) -> ICResp:
@@ -55,8 +560,8 @@ def probe(host: str, port: int, timeout: float = 10.0) -> ICResp:
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.sendall(icreq_pdu())
             reply = b""
-            while len(reply) < IC_PDU_LENGTH:
-                chunk = sock.recv(IC_PDU_LENGTH - len(reply))
+            while len(reply) < pdu.IC_PDU_LENGTH:
+                chunk = sock.recv(pdu.IC_PDU_LENGTH - len(reply))
                 if not chunk:
                     raise ConnectError(f"{host}:{port} closed the connection before its ICResp")
                 reply += chunk

@@ -8,10 +8,10 @@ import logging
 import numpy as np
 import pytest
 import trio
-from companion_fakes import FakeCuda, FakeFabric, FakeTensor, LeasingController, serving, wait_for
+from companion_fakes import FakeFabric, FakeTensor, LeasingController, serving, wait_for
 
 import nvmeof_fuse
-from nvmeof_fuse.companion import direct, gpu
+from nvmeof_fuse.companion import direct
 from nvmeof_fuse.companion.client import File
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument
@@ -27,14 +27,6 @@ def served(tmp_path, monkeypatch):
     monkeypatch.setattr(direct, "make_transport", fabric)
     with serving(ctrl, tmp_path) as (server, mnt):
         yield ctrl, fabric, server, mnt
-
-
-@pytest.fixture
-def cuda():
-    fake = FakeCuda()
-    gpu.use(fake)
-    yield fake
-    gpu.use(None)
 
 
 @pytest.mark.parametrize("kind", ["empty", "numpy"])

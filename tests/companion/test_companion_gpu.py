@@ -11,18 +11,10 @@ import os
 
 import numpy as np
 import pytest
-from companion_fakes import AddressController, FakeCuda, FakeTensor, serving, wait_for
+from companion_fakes import AddressController, FakeTensor, serving, wait_for
 
 from nvmeof_fuse.companion import gpu
 from nvmeof_fuse.companion.client import File
-
-
-@pytest.fixture
-def cuda():
-    fake = FakeCuda()
-    gpu.use(fake)
-    yield fake
-    gpu.use(None)
 
 
 @pytest.fixture

@@ -16,15 +16,18 @@ def options(**changes) -> ConnectOptions:
     {}, {"trsvcid": 1}, {"trsvcid": 65535}, {"nr_io_queues": 1}, {"nr_io_queues": 65535},
     {"queue_size": 2}, {"queue_size": 65536}, {"keep_alive_tmo": 0}, {"keep_alive_tmo": 65535},
     {"reconnect_delay": 1}, {"ctrl_loss_tmo": 0}, {"ctrl_loss_tmo": -1},
-    {"fast_io_fail_tmo": -1}, {"fast_io_fail_tmo": 0},
+    {"fast_io_fail_tmo": -1}, {"fast_io_fail_tmo": 0}, {"transport": "tcp"},
+    {"transport": "tcp", "hdr_digest": True, "data_digest": True},
 ])
 def test_valid_options(changes):
     options(**changes).validate()
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"transport": "fc"}, "--transport 'fc' is not supported yet"),
-    ({"transport": "RDMA"}, "--transport 'RDMA' is not supported yet"),
+    ({"transport": "fc"}, "--transport 'fc' is not supported (supported: rdma, tcp)"),
+    ({"transport": "RDMA"}, "--transport 'RDMA' is not supported"),
+    ({"hdr_digest": True}, "--hdr-digest and --data-digest apply only to -t tcp"),
+    ({"data_digest": True}, "--hdr-digest and --data-digest apply only to -t tcp"),
     ({"trsvcid": 0}, "--trsvcid 0 is not a port number (1-65535)"),
     ({"trsvcid": 65536}, "--trsvcid 65536 is not a port number"),
     ({"nr_io_queues": 0}, "--nr-io-queues 0 must be 1-65535"),

@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 
 import pytest
+from fabrics import Fabric, make_fabric
 
 
 @dataclass(frozen=True)
@@ -35,3 +36,9 @@ def testbed() -> Testbed:
     env = os.environ
     return Testbed(env["TESTBED_NQN"], env["TESTBED_RDMA_ADDR"], env["TESTBED_TCP_ADDR"],
                    int(env["TESTBED_PORT"]), env["TESTBED_OUT"])
+
+
+@pytest.fixture(scope="module", params=["rdma", "tcp"])
+def fabric(request, testbed) -> Fabric:
+    """The target over RDMA, then over NVMe/TCP (module-scoped: one mount per transport)."""
+    return make_fabric(testbed, request.param)

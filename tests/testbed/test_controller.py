@@ -1,13 +1,16 @@
-"""Initiator core against Linux nvmet over Soft-RoCE, cross-checked by the kernel initiator."""
+"""Initiator core against Linux nvmet over Soft-RoCE and NVMe/TCP, cross-checked by the kernel
+initiator over the same transport."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import subprocess
 
 import pytest
 import trio
+from fabrics import make_fabric
 from kernel_initiator import connected, pread_direct, pwrite_direct
 
 from nvmeof_fuse import nvme
@@ -37,23 +40,32 @@ def verbs_resources() -> str:
     return " ".join(out.split())
 
 
-def test_identify_reports_both_namespaces(testbed):
+def test_identify_reports_both_namespaces(fabric):
     async def main():
-        async with connect(options(testbed)) as ctrl:
+        async with connect(fabric.options()) as ctrl:
             return ctrl.describe(), {n: (ns.lba_size, ns.size) for n, ns in
                                      ctrl.namespaces.items()}
 
     desc, geometry = run(main)
     assert geometry == {1: (512, 256 << 20), 2: (4096, 256 << 20)}
-    assert desc["subnqn"] == testbed.nqn and desc["io_queues"] >= 1
+    assert desc["subnqn"] == fabric.nqn and desc["io_queues"] >= 1
+    assert desc["transport"] == fabric.transport
     assert desc["model"] == "Linux" and desc["max_transfer_bytes"] >= 4096
 
 
-def test_random_ranges_agree_with_the_kernel_initiator(testbed):
+def test_random_ranges_agree_with_the_kernel_initiator(fabric):
+    check_against_the_kernel_initiator(fabric)
+
+
+def test_random_ranges_agree_with_the_kernel_initiator_with_tcp_digests(testbed):
+    check_against_the_kernel_initiator(make_fabric(testbed, "tcp-digests"))
+
+
+def check_against_the_kernel_initiator(fabric):
     rng = random.Random(7)
-    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+    with connected(fabric.transport, fabric.addr, fabric.port, fabric.nqn) as kernel:
         async def main():
-            async with connect(options(testbed)) as ctrl:
+            async with connect(fabric.options()) as ctrl:
                 for nsid, ns in ctrl.namespaces.items():
                     mdts_lbas = ctrl.max_transfer // ns.lba_size
                     for nlb in (1, 3, mdts_lbas - 1, mdts_lbas + 1, 4 * mdts_lbas):
@@ -73,14 +85,14 @@ def test_random_ranges_agree_with_the_kernel_initiator(testbed):
         run(main)
 
 
-def test_a_thousand_concurrent_reads_each_get_their_own_block(testbed):
+def test_a_thousand_concurrent_reads_each_get_their_own_block(fabric):
     count = 1000
 
     def block(i: int) -> bytes:
         return i.to_bytes(4, "little") * 1024
 
     async def main():
-        async with connect(options(testbed)) as ctrl:
+        async with connect(fabric.options()) as ctrl:
             ns = ctrl.namespaces[2]
             await ns.write_lbas(0, b"".join(block(i) for i in range(count)))
             wrong = []
@@ -98,9 +110,9 @@ def test_a_thousand_concurrent_reads_each_get_their_own_block(testbed):
     assert wrong == []
 
 
-def test_keep_alive_holds_an_idle_controller(testbed):
+def test_keep_alive_holds_an_idle_controller(fabric):
     async def main():
-        async with connect(options(testbed, keep_alive_tmo=2)) as ctrl:
+        async with connect(fabric.options(keep_alive_tmo=2)) as ctrl:
             await trio.sleep(7)  # well past KATO: without keep-alives nvmet drops us
             ns = ctrl.namespaces[1]
             await ns.write(100, b"still here")
@@ -109,9 +121,9 @@ def test_keep_alive_holds_an_idle_controller(testbed):
     assert run(main) == b"still here"
 
 
-def test_wrong_nqn_is_named(testbed):
+def test_wrong_nqn_is_named(fabric):
     async def main():
-        async with connect(ConnectOptions(traddr=testbed.rdma_addr, nqn="nqn.2026-11.io.no:such")):
+        async with connect(dataclasses.replace(fabric.options(), nqn="nqn.2026-11.io.no:such")):
             pass
 
     with pytest.raises(ConnectError, match=r"nqn.2026-11.io.no:such.*Connect Invalid Param"):
@@ -119,22 +131,23 @@ def test_wrong_nqn_is_named(testbed):
 
 
 @pytest.mark.parametrize("addr,port,reason", [
-    ("192.0.2.1", 4420, "cannot reach 192.0.2.1:4420"),
-    ("10.233.0.1", 4421, "refused"),
+    ("192.0.2.1", 4420, {"rdma": "cannot reach 192.0.2.1:4420",
+                         "tcp": "connect to 192.0.2.1:4420 (failed|timed out)"}),
+    ("10.233.0.1", 4421, {"rdma": "refused", "tcp": "refused"}),
 ])
-def test_unreachable_address_is_named(testbed, addr, port, reason):
+def test_unreachable_address_is_named(fabric, addr, port, reason):
     async def main():
-        async with connect(ConnectOptions(traddr=addr, trsvcid=port, nqn=testbed.nqn,
-                                          connect_timeout=10)):
+        async with connect(dataclasses.replace(fabric.options(), traddr=addr, trsvcid=port,
+                                               connect_timeout=10)):
             pass
 
-    with pytest.raises(ConnectError, match=reason):
+    with pytest.raises(ConnectError, match=reason[fabric.transport]):
         run(main)
 
 
-def test_out_of_range_lba_and_target_status_errors(testbed):
+def test_out_of_range_lba_and_target_status_errors(fabric):
     async def main():
-        async with connect(options(testbed)) as ctrl:
+        async with connect(fabric.options()) as ctrl:
             ns = ctrl.namespaces[1]
             with pytest.raises(InvalidArgument, match=r"LBA range 524288..524288 is outside"):
                 await ns.read_lbas(ns.nlb, 1)

@@ -1,4 +1,5 @@
-"""The FUSE mount over RDMA against the real target, cross-checked by the kernel initiator."""
+"""The FUSE mount over RDMA and NVMe/TCP against the real target, cross-checked by the kernel
+initiator over the same transport."""
 
 from __future__ import annotations
 
@@ -24,15 +25,17 @@ def sh(*cmd: str, check: bool = True, timeout: float = TIMEOUT) -> subprocess.Co
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=check)
 
 
-def mount_args(testbed, *extra: str, nqn: str | None = None, addr: str | None = None):
-    return ["nvmeof-fuse", "mount", "-t", "rdma", "-a", addr or testbed.rdma_addr,
-            "-s", str(testbed.port), "-n", nqn or testbed.nqn, *extra]
+def mount_args(fabric, *extra: str, nqn: str | None = None, addr: str | None = None,
+               port: int | None = None):
+    return ["nvmeof-fuse", "mount", "-t", fabric.transport, "-a", addr or fabric.addr,
+            "-s", str(port or fabric.port), "-n", nqn or fabric.nqn, *fabric.digest_flags(), *extra]
 
 
 @pytest.fixture(scope="module")
-def mnt(testbed):
+def mnt(fabric, testbed):
     os.makedirs(MNT, exist_ok=True)
-    sh(*mount_args(testbed, "--daemon", MNT))
+    log = os.path.join(testbed.out, f"test_fs-{fabric.transport}.log")  # kept for post-mortems
+    sh(*mount_args(fabric, "--daemon", "--log-file", log, MNT))
     yield MNT
     sh("fusermount3", "-u", MNT, check=False)
 
@@ -47,9 +50,17 @@ def test_ls_and_stat_show_the_namespaces(mnt):
     assert "4096" in json.dumps(info)
 
 
-def test_unaligned_writes_agree_with_the_kernel_initiator(testbed, mnt):
+def test_discover_and_list_name_the_transport(fabric, mnt):
+    out = sh("nvmeof-fuse", "discover", "-t", fabric.transport, "-a", fabric.addr,
+             "-s", str(fabric.port)).stdout
+    assert fabric.nqn in out and fabric.transport in out, out
+    listing = sh("nvmeof-fuse", "list", mnt).stdout
+    assert f"{fabric.transport} {fabric.addr}:{fabric.port} {fabric.nqn}" in listing, listing
+
+
+def test_unaligned_writes_agree_with_the_kernel_initiator(fabric, mnt):
     rng = random.Random(3)
-    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+    with connected(fabric.transport, fabric.addr, fabric.port, fabric.nqn) as kernel:
         for nsid, lba in ((1, 512), (2, 4096)):
             path = f"{mnt}/n{nsid}"
             for _ in range(3):
@@ -130,34 +141,41 @@ def test_mkfs_ext4_on_a_loop_device(mnt, tmp_path):
         sh("sync", timeout=600)  # write back n2's page cache here, not during the next tests
 
 
-@pytest.mark.parametrize("case", ["wrong nqn", "unreachable", "missing mountpoint", "in use"])
-def test_bad_mounts_fail_in_one_line(testbed, mnt, tmp_path, case):
+@pytest.mark.parametrize("case", ["wrong nqn", "unreachable", "refused", "missing mountpoint",
+                                  "in use"])
+def test_bad_mounts_fail_in_one_line(fabric, mnt, tmp_path, case):
     target = str(tmp_path)
     kw = {}
     if case == "wrong nqn":
         kw["nqn"] = "nqn.2026-11.io.no:such"
     elif case == "unreachable":
         kw["addr"] = "192.0.2.1"
+    elif case == "refused":
+        kw["port"] = 4421
     elif case == "missing mountpoint":
         target = str(tmp_path / "absent")
     else:
         target = mnt
-    out = sh(*mount_args(testbed, "--daemon", target, **kw), check=False)
+    out = sh(*mount_args(fabric, "--daemon", target, **kw), check=False)
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nvmeof-fuse: error:"), out.stderr
 
 
-def rdma_qps() -> list[str]:
-    """The RC queue pairs on the host (the GSI QP of the rxe link is always there)."""
-    out = sh("rdma", "resource", "show", "qp").stdout
-    return [line for line in out.splitlines() if " type RC " in line]
+def connections(fabric) -> list[str]:
+    """Our side's queue connections: RC queue pairs (rdma; the rxe link's GSI QP is always
+    there) or TCP connections to the target's port."""
+    if fabric.transport == "rdma":
+        out = sh("rdma", "resource", "show", "qp").stdout
+        return [line for line in out.splitlines() if " type RC " in line]
+    out = sh("ss", "-Htn", "state", "established", f"( dport = :{fabric.port} )").stdout
+    return [line for line in out.splitlines() if line.strip()]
 
 
-def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(testbed, tmp_path):
+def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(fabric, tmp_path):
     """Three daemons side by side (one wait for all the imports), each stopped another way."""
-    baseline = rdma_qps()
+    baseline = connections(fabric)
     stops = ["SIGINT", "SIGTERM", "fusermount3 -u"]
     daemons = []
     try:
@@ -165,7 +183,7 @@ def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(testbed
             point = tmp_path / f"m{i}"
             point.mkdir()
             rfd, wfd = os.pipe()
-            proc = subprocess.Popen([*mount_args(testbed, "--ready-fd", str(wfd), str(point))],
+            proc = subprocess.Popen([*mount_args(fabric, "--ready-fd", str(wfd), str(point))],
                                     pass_fds=(wfd,), stdout=subprocess.DEVNULL,
                                     stderr=subprocess.PIPE, text=True)
             os.close(wfd)
@@ -173,8 +191,10 @@ def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(testbed
         for _, _, proc, rfd in daemons:
             status = _read_line(rfd, TIMEOUT)
             os.close(rfd)
-            assert status == "ready", proc.stderr.read() if status == "" else status
-        assert len(rdma_qps()) > len(baseline)
+            if status is None:  # no word within TIMEOUT: show what it logged so far
+                proc.kill()
+            assert status == "ready", proc.stderr.read() if not status else status
+        assert len(connections(fabric)) > len(baseline)
         for i, (stop, point, proc, _) in enumerate(daemons):
             fd = os.open(f"{point}/n1", os.O_RDWR)  # some I/O and an open file to drain
             try:
@@ -192,7 +212,7 @@ def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(testbed
             assert "flushed n1, n2" in err and "disconnected from" in err, f"{stop}: {err}"
             assert "failed" not in err and "timed out" not in err, f"{stop}: {err}"
             assert not any(m.mountpoint == str(point) for m in read_mountinfo()), stop
-        assert len(rdma_qps()) == len(baseline)
+        assert len(connections(fabric)) == len(baseline)
     finally:
         for _, point, proc, _ in daemons:
             if proc.poll() is None:

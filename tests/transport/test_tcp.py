@@ -1,13 +1,27 @@
-"""NVMe/TCP connection handshake: ICReq/ICResp layouts and the probe."""
+"""NVMe/TCP: the ICReq/ICResp handshake, the probe, and queues against a fake target."""
 
+import random
+import re
 import socket
 import struct
 import threading
 
 import pytest
+import trio
+import trio.testing
+from tcp_target import LBA, FakeTcpTarget
 
-from nvmeof_fuse.errors import ConnectError
-from nvmeof_fuse.transport.tcp import ICResp, icreq_pdu, parse_icresp, probe
+from nvmeof_fuse.errors import CommandTimeout, ConnectError, TransportError
+from nvmeof_fuse.host.memory import host_buffer
+from nvmeof_fuse.nvme import command as cmd
+from nvmeof_fuse.nvme.sgl import NULL_SGL
+from nvmeof_fuse.transport.tcp import (
+    ICResp,
+    TcpTransport,
+    icreq_pdu,
+    parse_icresp,
+    probe,
+)
 
 TIMEOUT = 10.0
 
@@ -126,3 +140,295 @@ def test_probe_closed_port():
         port = sock.getsockname()[1]
     with pytest.raises(ConnectError, match=f"NVMe/TCP probe of 127.0.0.1:{port} failed"):
         probe("127.0.0.1", port, timeout=TIMEOUT)
+
+
+# --- queues against a fake target -----------------------------------------------------------------
+
+HANG_GUARD = 30
+
+
+def with_target(test, *, transport_kw=None, **target_kw):
+    """Run ``test(target, transport, queue)`` with an I/O queue to a fresh fake target."""
+
+    async def main():
+        target = FakeTcpTarget(**target_kw)
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(target.serve)
+                transport = TcpTransport("127.0.0.1", port, **(transport_kw or {}))
+                try:
+                    queue = await transport.connect_queue(nursery, 1, 32, in_capsule_bytes=4096)
+                    await test(target, transport, queue)
+                finally:
+                    await transport.drop_queues()
+                    transport.close()
+                    nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+async def write(queue, transport, slba: int, data: bytes):
+    buf = host_buffer(transport.register, len(data))
+    buf.view[:] = data
+    return await queue.execute(cmd.write(1, slba, len(data) // LBA, NULL_SGL),
+                               buf.ref(), to_controller=True, timeout=5)
+
+
+async def read(queue, transport, slba: int, length: int) -> tuple[bytes, object]:
+    buf = host_buffer(transport.register, length)
+    buf.view[:] = b"\xee" * length
+    completion = await queue.execute(cmd.read(1, slba, length // LBA, NULL_SGL),
+                                     buf.ref(), timeout=5)
+    return bytes(buf.view), completion
+
+
+DIGESTS = [{}, {"header_digest": True}, {"data_digest": True},
+           {"header_digest": True, "data_digest": True}]
+
+
+@pytest.mark.parametrize("digests", DIGESTS, ids=["none", "header", "data", "both"])
+def test_writes_inline_and_by_r2t_read_back(digests):
+    rng = random.Random(1)
+
+    async def test(target, transport, queue):
+        small, large = rng.randbytes(4096), rng.randbytes(40 * 1024)
+        assert (await write(queue, transport, 0, small)).ok
+        assert (await write(queue, transport, 100, large)).ok
+        assert target.h2c_lengths == [8192] * 5  # the large one by R2T, split at MAXH2CDATA
+        assert target.data[:4096] == small and target.data[100 * LBA:][:len(large)] == large
+        got, completion = await read(queue, transport, 100, len(large))
+        assert got == large and completion.ok and completion.command_id < 31
+        assert (target.hdgst, target.ddgst) == (bool(digests.get("header_digest")),
+                                                bool(digests.get("data_digest")))
+
+    with_target(test, transport_kw=digests)
+
+
+def test_commands_carry_the_transport_sgls():
+    async def test(target, transport, queue):
+        await write(queue, transport, 0, bytes(4096))  # in-capsule
+        await write(queue, transport, 0, bytes(8192))  # R2T
+        await read(queue, transport, 0, 512)
+        sgls = [sqe[24:40] for sqe in target.commands]
+        assert sgls[0] == struct.pack("<QI3xB", 0, 4096, 0x01)
+        assert sgls[1] == struct.pack("<QI3xB", 0, 8192, 0x5A)
+        assert sgls[2] == struct.pack("<QI3xB", 0, 512, 0x5A)
+
+    with_target(test)
+
+
+@pytest.mark.parametrize("kw", [{"success_flag": True}, {"c2h_pieces": 3}, {"pad": 8},
+                                {"cpda": 3}], ids=["success", "pieces", "pdo-pad", "cpda"])
+def test_reads_in_the_forms_a_target_may_send(kw):
+    data = random.Random(2).randbytes(12 * 1024)
+
+    async def test(target, transport, queue):
+        target.data[:len(data)] = data
+        got, completion = await read(queue, transport, 0, len(data))
+        assert got == data and completion.ok
+        assert (await write(queue, transport, 0, data[:1024])).ok  # padded for CPDA
+        assert target.data[:1024] == data[:1024]
+
+    with_target(test, **kw)
+
+
+def test_many_pipelined_commands_each_get_their_own_data():
+    async def test(target, transport, queue):
+        for i in range(64):
+            target.data[i * LBA:(i + 1) * LBA] = bytes([i]) * LBA
+        wrong = []
+
+        async def one(i):
+            got, _ = await read(queue, transport, i, LBA)
+            if got != bytes([i]) * LBA:
+                wrong.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(64):
+                nursery.start_soon(one, i)
+        assert wrong == [] and queue.available == 31
+
+    with_target(test)
+
+
+def test_registered_memory_without_a_view_is_received_in_place():
+    import numpy as np
+
+    async def test(target, transport, queue):
+        target.data[:4096] = bytes(range(256)) * 16
+        array = np.zeros(4096, dtype=np.uint8)
+        from nvmeof_fuse.host.memory import Region, buffer_address
+
+        addr, length, owner = buffer_address(array)
+        region = Region(addr, length, transport.register(addr, length, owner), owner)
+        assert region.view is None
+        assert (await queue.execute(cmd.read(1, 0, 8, NULL_SGL), region.ref(),
+                                    timeout=5)).ok
+        assert array.tobytes() == bytes(range(256)) * 16
+
+    with_target(test)
+
+
+FAULTS = {
+    "header digest": ("header_digest", r"header digest mismatch on C2HData PDU"),
+    "data digest": ("data_digest", r"data digest mismatch on C2HData for command \d+"),
+    "length": (None, r"C2HData PDU length \d+ disagrees with its header"),
+    "unknown type": (None, r"unknown PDU type 0xc from the controller"),
+    "unknown command": (None, r"C2HData for command ID \d+, which is not in flight"),
+    "term req": (None, r"ended the connection with a C2HTermReq \(header digest error\)"),
+    "close": (None, r"127.0.0.1:\d+ closed the connection"),
+}
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_broken_pdu_fails_the_queue_by_name_and_a_new_connection_works(fault):
+    digest, message = FAULTS[fault]
+    kw = {digest: True} if digest else {}
+    data = random.Random(3).randbytes(4096)
+
+    async def test(target, transport, queue):
+        target.data[:4096] = data
+        target.fault = "silent"  # for the first command: it stays in flight
+        buf = host_buffer(transport.register, 4096)
+        buf.view[:] = b"\xee" * 4096
+        others = []
+
+        async def waiting():  # a second command in flight fails too, not hangs
+            try:
+                await queue.execute(cmd.flush(1), timeout=5)
+            except TransportError as exc:
+                others.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiting)
+            await trio.testing.wait_all_tasks_blocked()
+            target.fault = fault
+            with pytest.raises(TransportError, match=message) as info:
+                await queue.execute(cmd.read(1, 0, 8, NULL_SGL), buf.ref(), timeout=5)
+        assert "\n" not in str(info.value) and str(info.value).startswith("I/O queue 1: ")
+        assert len(others) == 1
+        assert queue.available == 0
+        with pytest.raises(TransportError, match=message):
+            await queue.execute(cmd.flush(1), timeout=5)
+        # what the controller does to reconnect: drop the queues, connect again
+        await transport.drop_queues()
+        async with trio.open_nursery() as nursery:
+            again = await transport.connect_queue(nursery, 1, 32, in_capsule_bytes=4096)
+            got, completion = await read(again, transport, 0, 4096)
+            assert got == data and completion.ok
+            nursery.cancel_scope.cancel()
+        assert target.connections == 2
+
+    with_target(test, transport_kw=kw)
+
+
+def test_a_command_without_an_answer_times_out_by_name_and_keeps_its_slot():
+    async def test(target, transport, queue):
+        target.fault = "silent"
+        with pytest.raises(CommandTimeout, match=r"I/O queue 1: command \d+ got no completion "
+                                                 r"within 0.2 s"):
+            await queue.execute(cmd.flush(1), timeout=0.2)
+        assert queue.available == 30  # the target may still answer it
+        assert (await write(queue, transport, 0, bytes(512))).ok
+
+    with_target(test)
+
+
+def test_connection_refused_is_one_line():
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        port = sock.getsockname()[1]
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ConnectError) as info:
+                await TcpTransport("127.0.0.1", port).connect_queue(nursery, 0, 32)
+        return str(info.value)
+
+    assert trio.run(main) == (f"NVMe/TCP admin queue connect to 127.0.0.1:{port} refused: "
+                              "is an NVMe/TCP port listening there?")
+
+
+def test_a_host_traddr_that_is_not_local_is_named():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ConnectError, match="--host-traddr 192.0.2.7 is not a local"):
+                await TcpTransport("127.0.0.1", 9, host_traddr="192.0.2.7").connect_queue(
+                    nursery, 0, 32)
+
+    trio.run(main)
+
+
+def test_an_icresp_with_a_digest_not_asked_for_is_refused():
+    with OneShotServer(icresp(dgst=1)) as server:
+        async def main():
+            async with trio.open_nursery() as nursery:
+                with pytest.raises(ConnectError, match=r"127.0.0.1:\d+ answered with ICResp "
+                                                       "enables a header digest the host did "
+                                                       "not ask for"):
+                    await TcpTransport("127.0.0.1", server.port).connect_queue(nursery, 0, 32)
+
+        trio.run(main)
+
+
+# --- the controller over TCP, against the fake target ---------------------------------------------
+
+
+def with_controller(test, *, digests=False, **target_kw):
+    from tcp_target import NQN
+
+    from nvmeof_fuse.host.controller import ConnectOptions, connect
+
+    async def main():
+        target = FakeTcpTarget(**target_kw)
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                port = await nursery.start(target.serve)
+                options = ConnectOptions("127.0.0.1", NQN, transport="tcp", trsvcid=port,
+                                         reconnect_delay=1, keep_alive_tmo=0,
+                                         hdr_digest=digests, data_digest=digests)
+                async with connect(options) as ctrl:
+                    await test(target, ctrl)
+                nursery.cancel_scope.cancel()
+
+    trio.run(main)
+
+
+def test_a_controller_comes_up_over_tcp_and_moves_data_many_at_once():
+    async def test(target, ctrl):
+        assert ctrl.describe()["transport"] == "tcp" and len(ctrl.io_queues) == 2
+        ns = ctrl.namespaces[1]
+        data = random.Random(4).randbytes(200 * LBA)
+        await ns.write_lbas(0, data)  # in-capsule and R2T, across both queues
+        wrong = []
+
+        async def one(i):
+            if await ns.read_lbas(i, 1) != data[i * LBA:(i + 1) * LBA]:
+                wrong.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(200):
+                nursery.start_soon(one, i)
+        assert wrong == []
+
+    with_controller(test, digests=True)
+
+
+@pytest.mark.parametrize("fault", ["header digest", "data digest", "length", "unknown type",
+                                   "unknown command"])
+def test_a_broken_pdu_makes_the_controller_reconnect_and_the_read_lands(fault, caplog):
+    digest = FAULTS[fault][0]
+
+    async def test(target, ctrl):
+        ns = ctrl.namespaces[1]
+        data = random.Random(5).randbytes(8 * LBA)
+        await ns.write_lbas(8, data)
+        target.fault = fault
+        assert await ns.read_lbas(8, 8) == data  # fails, reconnects, runs again
+        assert ctrl.losses == ctrl.reconnects == 1 and target.connections == 6
+
+    with_controller(test, digests=digest is not None)
+    lost = [r.getMessage() for r in caplog.records if "lost the connection" in r.getMessage()]
+    assert len(lost) == 1, lost
+    assert lost[0].startswith("lost the connection to nqn.2026-11.io.nvmeof-fuse:fake-tcp at "
+                              "tcp 127.0.0.1:"), lost
+    assert re.search(FAULTS[fault][1], lost[0]), lost

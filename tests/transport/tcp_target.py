@@ -1,0 +1,246 @@
+"""A small NVMe/TCP target on 127.0.0.1 for host tests: Read/Write over a bytearray.
+
+It speaks real PDUs (ICResp, CapsuleCmd, C2HData, R2T/H2CData, CapsuleResp,
+digests when asked) and can be told to break the protocol on the next read in
+one of several ways (``fault``), so the host transport's error paths can be
+checked without a kernel.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import trio
+
+from nvmeof_fuse.nvme import tcp_pdu as pdu
+
+READ, WRITE, FLUSH = 0x02, 0x01, 0x00
+ADMIN_IDENTIFY, ADMIN_SET_FEATURES, ADMIN_KEEP_ALIVE, FABRICS = 0x06, 0x09, 0x18, 0x7F
+LBA = 512
+NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
+FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown command",
+          "term req", "close")
+
+
+class FakeTcpTarget:
+    def __init__(self, *, size: int = 1 << 20, maxh2cdata: int = 8192, cpda: int = 0,
+                 success_flag: bool = False, c2h_pieces: int = 1, pad: int = 0) -> None:
+        self.data = bytearray(size)
+        self.maxh2cdata = maxh2cdata
+        self.cpda = cpda
+        self.success_flag = success_flag
+        self.c2h_pieces = c2h_pieces
+        self.pad = pad  # extra bytes between a C2HData header and its data (PDO)
+        self.fault: str | None = None
+        self.port = 0
+        self.connections = 0
+        self.h2c_lengths: list[int] = []
+        self.icreqs: list[bytes] = []
+        self.commands: list[bytes] = []
+        self.hdgst = self.ddgst = False
+        self.streams: list = []
+        self.csts = 0
+
+    async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started(self.port)
+        await trio.serve_listeners(self._connection, listeners)
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        self.connections += 1
+        reader = Reader(stream)
+        self.streams.append(stream)
+        try:
+            icreq = await reader.read(128)
+            self.icreqs.append(icreq)
+            self.hdgst, self.ddgst = bool(icreq[11] & 1), bool(icreq[11] & 2)
+            icresp = pdu.COMMON_HEADER.pack(pdu.ICRESP, 0, 128, 0, 128) + struct.pack(
+                "<HBBI", 0, self.cpda, icreq[11], self.maxh2cdata)
+            await stream.send_all(icresp.ljust(128, b"\0"))
+            state = {"qid": None, "writes": {}}
+            while True:
+                await self._pdu(stream, reader, state)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
+            pass
+        finally:
+            await stream.aclose()
+
+    def _header(self, head: bytes) -> bytes:
+        if self.hdgst:
+            return head + pdu.digest(head)
+        return head
+
+    async def _pdu(self, stream, reader: Reader, state: dict) -> None:
+        """One PDU from the host: a command capsule, or data for a write sent an R2T."""
+        common = await reader.read(8)
+        ptype, flags, hlen, pdo, plen = pdu.COMMON_HEADER.unpack(common)
+        rest = await reader.read(plen - 8)
+        if ptype == pdu.H2C_DATA:
+            await self._h2c_data(stream, state, common, rest)
+            return
+        assert ptype == pdu.CAPSULE_CMD, f"expected a CapsuleCmd, got {ptype:#x}"
+        head = common + rest[:hlen - 8]
+        if self.hdgst:
+            assert flags & pdu.FLAG_HDGST and rest[hlen - 8:hlen - 4] == pdu.digest(head)
+        sqe = head[8:72]
+        self.commands.append(sqe)
+        inline = b""
+        if pdo:
+            dd = 4 if flags & pdu.FLAG_DDGST else 0
+            inline = rest[pdo - 8:plen - 8 - dd]
+            if dd:
+                assert rest[plen - 8 - dd:] == pdu.digest(inline), "bad in-capsule data digest"
+        opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
+        if self.fault == "silent":
+            self.fault = None
+            return
+        if opcode == FABRICS and sqe[4] == 0x01:
+            state["qid"] = struct.unpack_from("<H", sqe, 40)[0]
+        admin = self._admin(sqe) if opcode == FABRICS or state["qid"] == 0 else None
+        if admin is not None:
+            result, payload = admin
+            if payload:
+                await self._send_read(stream, cid, payload, faults=False)
+            await self._respond(stream, cid, result)
+            return
+        slba, nlb = struct.unpack_from("<QH", sqe, 40)
+        length = struct.unpack_from("<I", sqe, 32)[0]
+        start = slba * LBA
+        if opcode == READ and length:
+            await self._send_read(stream, cid, bytes(self.data[start:start + length]))
+            if self.success_flag:
+                return
+        elif opcode == WRITE and length:
+            if not inline:  # the data comes in H2CData PDUs; the response after the last
+                state["writes"][cid] = (start, length, bytearray())
+                await self._r2t(stream, cid, length)
+                return
+            self.data[start:start + len(inline)] = inline
+        await self._respond(stream, cid, 0)
+
+    async def _respond(self, stream, cid: int, result: int) -> None:
+        await stream.send_all(self._header(pdu.COMMON_HEADER.pack(
+            pdu.CAPSULE_RESP, pdu.FLAG_HDGST if self.hdgst else 0, 24, 0,
+            24 + (4 if self.hdgst else 0)) + struct.pack("<QHHHH", result, 0, 1, cid, 0)))
+
+    def _admin(self, sqe: bytes) -> tuple[int, bytes] | None:
+        """The admin and fabrics commands a controller needs to come up: (result, data)."""
+        opcode = sqe[0]
+        if opcode == FABRICS:
+            fctype = sqe[4]
+            offset = struct.unpack_from("<I", sqe, 44)[0]
+            if fctype == 0x01:  # Connect: controller ID 1
+                return 1, b""
+            if fctype == 0x04:  # Property Get
+                if offset == 0x00:  # CAP: MQES 127, TO 1 (500 ms)
+                    return 127 | 1 << 24, b""
+                return {0x08: 0x10400, 0x1C: self.csts}.get(offset, 0), b""
+            if fctype == 0x00:  # Property Set: CC.EN sets CSTS.RDY, CC.SHN sets SHST done
+                value = struct.unpack_from("<Q", sqe, 48)[0]
+                self.csts = (value & 1) | (2 << 2 if value >> 14 & 3 else 0)
+                return 0, b""
+        if opcode == ADMIN_IDENTIFY:
+            cns, nsid = sqe[40], struct.unpack_from("<I", sqe, 4)[0]
+            page = bytearray(4096)
+            if cns == 1:  # controller: MDTS 2^3 pages, SGLs, IOCCSZ 4 KiB in-capsule, I/O
+                page[24:32] = b"fake-tcp"
+                page[77] = 3
+                page[111] = 1
+                struct.pack_into("<H", page, 514, 128)
+                struct.pack_into("<I", page, 536, 1 | 1 << 20)
+                struct.pack_into("<II", page, 1792, (64 + 4096) // 16, 1)
+                page[768:768 + len(NQN)] = NQN.encode()
+            elif cns == 2:  # active namespaces: 1
+                struct.pack_into("<I", page, 0, 1)
+            elif cns == 0 and nsid == 1:
+                nlb = len(self.data) // LBA
+                struct.pack_into("<QQQ", page, 0, nlb, nlb, nlb)
+                page[130] = 9  # LBA format 0: 512-byte LBAs
+            return 0, bytes(page)
+        if opcode == ADMIN_SET_FEATURES:
+            return 1 | 1 << 16, b""  # two I/O queues
+        if opcode == ADMIN_KEEP_ALIVE:
+            return 0, b""
+        return None
+
+    async def _send_read(self, stream, cid: int, payload: bytes, faults: bool = True) -> None:
+        fault = None
+        if faults:
+            fault, self.fault = self.fault, None
+        if fault == "close":
+            await stream.aclose()
+            return
+        if fault == "term req":
+            await stream.send_all(pdu.COMMON_HEADER.pack(pdu.C2H_TERM_REQ, 0, 24, 0, 24)
+                                  + struct.pack("<HI", 3, 0).ljust(16, b"\0"))
+            return
+        if fault == "unknown type":
+            await stream.send_all(pdu.COMMON_HEADER.pack(0x0C, 0, 24, 0, 24) + bytes(16))
+            return
+        if fault == "unknown command":
+            cid ^= 0x100
+        step = -(-len(payload) // self.c2h_pieces)
+        for at in range(0, len(payload), step):
+            piece = payload[at:at + step]
+            last = at + step >= len(payload)
+            flags = pdu.FLAG_HDGST if self.hdgst else 0
+            if self.ddgst:
+                flags |= pdu.FLAG_DDGST
+            if last:
+                flags |= pdu.FLAG_LAST_PDU | (pdu.FLAG_SUCCESS if self.success_flag else 0)
+            hd = 4 if self.hdgst else 0
+            pdo = 24 + hd + self.pad
+            plen = pdo + len(piece) + (4 if self.ddgst else 0)
+            if fault == "length":
+                plen += 4
+            head = pdu.COMMON_HEADER.pack(pdu.C2H_DATA, flags, 24, pdo, plen) + struct.pack(
+                "<HHII4x", cid, 0, at, len(piece))
+            if self.hdgst:
+                head += (pdu.digest(head) if fault != "header digest" else b"\0\0\0\0")
+            wire = head + bytes(self.pad) + piece
+            if self.ddgst:
+                wire += pdu.digest(piece if fault != "data digest" else piece + b"x")
+            await stream.send_all(wire)
+
+    async def _r2t(self, stream, cid: int, length: int) -> None:
+        hd = 4 if self.hdgst else 0
+        await stream.send_all(self._header(pdu.COMMON_HEADER.pack(
+            pdu.R2T, pdu.FLAG_HDGST if hd else 0, 24, 0, 24 + hd)
+            + struct.pack("<HHII4x", cid, 7, 0, length)))
+
+    async def _h2c_data(self, stream, state: dict, common: bytes, rest: bytes) -> None:
+        ptype, flags, hlen, pdo, plen = pdu.COMMON_HEADER.unpack(common)
+        head = common + rest[:16]
+        if self.hdgst:
+            assert rest[16:20] == pdu.digest(head), "bad H2CData header digest"
+        cid, ttag, datao, datal = struct.unpack_from("<HHII", head, 8)
+        start, length, got = state["writes"][cid]
+        assert (ttag, datao) == (7, len(got))
+        assert datal <= self.maxh2cdata
+        data = rest[pdo - 8:pdo - 8 + datal]
+        if self.ddgst:
+            assert rest[pdo - 8 + datal:] == pdu.digest(data), "bad H2CData data digest"
+        assert bool(flags & pdu.FLAG_LAST_PDU) == (len(got) + datal == length)
+        self.h2c_lengths.append(datal)
+        got += data
+        if len(got) == length:
+            del state["writes"][cid]
+            self.data[start:start + length] = got
+            await self._respond(stream, cid, 0)
+
+
+class Reader:
+    def __init__(self, stream) -> None:
+        self.stream = stream
+        self.buf = bytearray()
+
+    async def read(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            chunk = await self.stream.receive_some(65536)
+            if not chunk:
+                raise EOFError
+            self.buf += chunk
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
