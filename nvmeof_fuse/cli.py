@@ -112,6 +112,8 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "host_traddr": args.host_traddr,
         "hostnqn": _nqn("--hostnqn", args.hostnqn),
         "hostid": _hostid(args.hostid),
+        "dhchap_secret": getattr(args, "dhchap_secret", None),  # discovery.conf has none
+        "dhchap_ctrl_secret": getattr(args, "dhchap_ctrl_secret", None),
         "hdr_digest": args.hdr_digest,
         "data_digest": args.data_digest,
     }
@@ -167,6 +169,10 @@ def _add_connection(p: argparse.ArgumentParser, *, port_help: str,
                    help="NVMe/TCP data digests (CRC32C)")
     p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)")
     p.add_argument("-I", "--hostid", help="host UUID (default: /etc/nvme/hostid)")
+    p.add_argument("-S", "--dhchap-secret", metavar="SECRET|FILE",
+                   help="DH-HMAC-CHAP host secret (DHHC-1:0N:...:), or a file holding it")
+    p.add_argument("-C", "--dhchap-ctrl-secret", metavar="SECRET|FILE",
+                   help="DH-HMAC-CHAP controller secret, or its file: authenticate the target too")
     p.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
 
 

@@ -36,6 +36,8 @@ KEYS: dict[str, tuple[str, bool]] = {
     "host_traddr": ("--host-traddr", True),
     "hostnqn": ("--hostnqn", True),
     "hostid": ("--hostid", True),
+    "dhchap_secret": ("--dhchap-secret", True),  # in fstab: the path of the secret's file
+    "dhchap_ctrl_secret": ("--dhchap-ctrl-secret", True),
     "nqn": ("--nqn", True),
     "nsid": ("--nsid", True),
     "namespace_id": ("--nsid", True),

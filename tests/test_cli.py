@@ -141,6 +141,28 @@ def test_connect_error_is_one_line(capsys, host, tmp_path):
     assert (host.connects[0].reconnect_delay, host.connects[0].ctrl_loss_tmo) == (10.0, 600.0)
 
 
+SECRET = "DHHC-1:00:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:"
+
+
+def test_dhchap_options_follow_nvme_cli(tmp_path):
+    key = tmp_path / "key"
+    key.write_text(SECRET + "\n")
+    args = cli.build_parser().parse_args([*MOUNT, "-S", str(key), "--dhchap-ctrl-secret",
+                                          SECRET, str(tmp_path)])
+    opts = cli.connect_options(args, nqn=args.nqn, default_port=4420)
+    assert (opts.dhchap_secret, opts.dhchap_ctrl_secret) == (str(key), SECRET)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["-S", SECRET[:-5] + "AAAA:"], "--dhchap-secret fails its CRC-32 check"),
+    (["-S", "/nonexistent/key"], "--dhchap-secret file /nonexistent/key: No such file"),
+    (["-C", SECRET], "--dhchap-ctrl-secret needs --dhchap-secret"),
+])
+def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
+    err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
+    assert SECRET[10:-5] not in err
+
+
 def test_reconnect_options_follow_nvme_cli(tmp_path):
     args = cli.build_parser().parse_args([*MOUNT, "-c", "2", "-l", "-1", str(tmp_path)])
     opts = cli.connect_options(args, nqn=args.nqn, default_port=4420)

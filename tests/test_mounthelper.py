@@ -58,6 +58,12 @@ def test_every_mount_option_is_an_o_key(capsys):
         assert key_to_args(f"{key}=1" if takes_value else key)[:len(flag.split())] == flag.split()
 
 
+def test_dhchap_secret_files_as_o_keys():
+    assert key_to_args("dhchap_secret=/etc/nvme/key") == ["--dhchap-secret", "/etc/nvme/key"]
+    assert key_to_args("dhchap_ctrl_secret=/etc/nvme/ck") == ["--dhchap-ctrl-secret",
+                                                              "/etc/nvme/ck"]
+
+
 def test_ignored_keys():
     for item in ("defaults", "_netdev", "nofail", "noauto", "auto", "user", "users", "rw",
                  "x-systemd.requires=network-online.target", "x-systemd.automount", "dev",

@@ -19,7 +19,7 @@ import logging
 import math
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -37,6 +37,7 @@ from ..errors import (
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
 from ..transport.base import Queue, Transport
+from . import auth
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 
@@ -77,6 +78,10 @@ class ConnectOptions:
     timeout: float = 30.0
     """Per-command timeout in seconds."""
     connect_timeout: float = 10.0
+    dhchap_secret: str | None = field(default=None, repr=False)
+    """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it."""
+    dhchap_ctrl_secret: str | None = field(default=None, repr=False)
+    """Controller secret (or its file): the host also authenticates the controller."""
     hdr_digest: bool = False
     """NVMe/TCP: CRC32C header digests (nvme-cli's --hdr-digest)."""
     data_digest: bool = False
@@ -108,6 +113,7 @@ class ConnectOptions:
                                   "or 0 or more seconds")
         if not self.nqn:
             raise InvalidArgument("--nqn is required")
+        auth.load_secrets(self.dhchap_secret, self.dhchap_ctrl_secret)
 
 
 def reconnect_attempts(ctrl_loss_tmo: float, reconnect_delay: float) -> float:
@@ -141,6 +147,8 @@ class Controller:
         self.transport = transport
         self._nursery = nursery
         self.identity = host_identity(options.hostnqn, options.hostid)
+        self.dhchap = auth.host_dhchap(options.dhchap_secret, options.dhchap_ctrl_secret,
+                                       self.identity.hostnqn, options.nqn)
         self.admin: Queue | None = None
         self.io_queues: list[Queue] = []
         self.cntlid = 0
@@ -410,10 +418,10 @@ class Controller:
                 raise ConnectError(f"connect to {where}: no answer to Connect: {exc}") from exc
         result = nvme.ConnectResult.from_dw0(completion.dw0)
         if qid == 0:
-            if result.authentication_required:
-                raise ConnectError(f"{where} requires in-band authentication, "
-                                   "which nvmeof-fuse does not support yet")
             self.cntlid = result.cntlid
+        if result.authentication_required:  # DH-HMAC-CHAP, on every queue as the kernel does
+            await auth.authenticate_queue(self.dhchap, qid, where,
+                                          *auth.queue_messages(self, queue))
 
     async def _enable(self) -> None:
         self.cap = nvme.Capabilities.from_int(await self.property_get(Property.CAP, True))
@@ -577,6 +585,7 @@ class Controller:
             "reconnect_delay": self.options.reconnect_delay,
             "ctrl_loss_tmo": self.options.ctrl_loss_tmo,
             "fast_io_fail_tmo": self.options.fast_io_fail_tmo,
+            "dhchap": auth.dhchap_mode(self.dhchap),
             "state": self.state,
             "namespaces": sorted(self.namespaces),
         }

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 
 from ._fields import BytesLike, in_range, uint
 from .constants import (
+    AUTH_PROTOCOL_ID,
     CNTLID_DYNAMIC,
     CONNECT_DATA_SIZE,
     NQN_MAX_BYTES,
@@ -292,6 +293,27 @@ def property_set(offset: int, value: int, size8: bool) -> bytearray:
     return sqe
 
 
+def _auth(fctype: FabricsType, length: int, sgl: BytesLike) -> bytearray:
+    sqe = _fabrics(fctype, sgl)
+    struct.pack_into("<xBBBI", sqe, 40, 0x01, 0x01, AUTH_PROTOCOL_ID,
+                     in_range("authentication data length", length, 1, 0xFFFFFFFF))
+    return sqe
+
+
+def auth_send(length: int, *, sgl: BytesLike) -> bytearray:
+    """Authentication Send of ``length`` bytes (an in-band authentication message).
+
+    Byte 41 SPSP0 = 1, 42 SPSP1 = 1, 43 SECP = E9h (NVMe in-band authentication),
+    44..47 TL: the transfer length, equal to the data behind ``sgl``.
+    """
+    return _auth(FabricsType.AUTH_SEND, length, sgl)
+
+
+def auth_receive(length: int, *, sgl: BytesLike) -> bytearray:
+    """Authentication Receive into ``length`` bytes: as Send, with AL at bytes 44..47."""
+    return _auth(FabricsType.AUTH_RECEIVE, length, sgl)
+
+
 def disconnect() -> bytearray:
     """Disconnect the I/O queue this command is sent on (RECFMT 0)."""
     return _fabrics(FabricsType.DISCONNECT)
@@ -302,6 +324,8 @@ __all__ = [
     "MAX_DSM_RANGES",
     "MAX_NLB",
     "async_event_request",
+    "auth_receive",
+    "auth_send",
     "command_id",
     "command_name",
     "connect",

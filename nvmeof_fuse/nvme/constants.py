@@ -63,6 +63,10 @@ OPC_FABRICS = 0x7F
 """Opcode shared by all Fabrics commands; the command type is in FCTYPE (byte 4)."""
 
 
+AUTH_PROTOCOL_ID = 0xE9
+"""SECP of Authentication Send/Receive for NVMe in-band authentication (DH-HMAC-CHAP)."""
+
+
 class FabricsType(IntEnum):
     """Fabrics command types, FCTYPE (NVMe Base 2.0, "Fabrics Command Types")."""
 

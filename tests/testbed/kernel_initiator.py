@@ -31,10 +31,11 @@ def _controllers(nqn: str, transport: str) -> set[str]:
 
 @contextlib.contextmanager
 def connected(transport: str, addr: str, port: int, nqn: str, *, namespaces: int = 2,
-              hostnqn: str = HOSTNQN) -> Iterator[dict[int, str]]:
-    """``nvme connect``; yields {nsid: /dev/nvmeXnY}; disconnects on exit."""
+              hostnqn: str = HOSTNQN, extra: tuple[str, ...] = ()) -> Iterator[dict[int, str]]:
+    """``nvme connect`` with ``extra`` options; yields {nsid: /dev/nvmeXnY}; disconnects on exit."""
     before = _controllers(nqn, transport)
-    nvme("connect", "-t", transport, "-a", addr, "-s", str(port), "-n", nqn, "-q", hostnqn)
+    nvme("connect", "-t", transport, "-a", addr, "-s", str(port), "-n", nqn, "-q", hostnqn,
+         *extra)
     try:
         deadline = time.monotonic() + 30
         while True:

@@ -1,0 +1,206 @@
+"""In-band authentication (DH-HMAC-CHAP) of a queue right after its Fabrics Connect.
+
+Like the kernel host (``drivers/nvme/host/auth.c``): every queue, admin and I/O,
+runs Negotiate, Challenge, Reply, Success1 and, when a controller secret is
+given, checks the controller's response and sends Success2.  The messages and
+the maths are in :mod:`nvmeof_fuse.nvme.auth`; this module moves them through
+Authentication Send and Receive and turns failures into one-line errors that
+name the AUTH_Failure reason, never a secret.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import logging
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+
+from ..errors import (
+    CommandTimeout,
+    ConnectError,
+    InvalidArgument,
+    NVMeoFError,
+    TransportError,
+)
+from ..nvme import auth
+
+log = logging.getLogger(__name__)
+
+Send = Callable[[bytes], Awaitable[None]]
+Receive = Callable[[], Awaitable[bytes]]
+
+_seqnum = itertools.count(secrets.randbelow(1 << 31) + 1)  # like nvme_auth_get_seqnum
+
+
+def next_seqnum() -> int:
+    """A sequence number for the host's challenge to the controller (never 0)."""
+    return next(_seqnum) % 0xFFFFFFFF + 1
+
+
+class AuthenticationError(ConnectError):
+    """The target or this host refused the DH-HMAC-CHAP exchange."""
+
+
+def load_secret(value: str, option: str) -> auth.Secret:
+    """``value`` is a ``DHHC-1:...`` secret or the path of a file holding one.
+
+    Errors name ``option`` (and the file), never the secret.
+    """
+    text, where = value, option
+    if ":" not in value:  # a path (a mistyped secret has colons: it is never echoed)
+        where = f"{option} file {value}"
+        try:
+            with open(value, encoding="ascii", errors="replace") as f:
+                text = f.read(4096)
+        except OSError as exc:
+            if "/" in value or os.path.exists(value):
+                raise InvalidArgument(f"{where}: {exc.strerror}") from None
+            raise InvalidArgument(f"{option} is neither a DHHC-1:0N:<base64>: secret nor the "
+                                  "path of a file holding one") from None
+    try:
+        return auth.parse_secret(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"{where} {exc}") from None
+
+
+class DhChap:
+    """The host's secrets for one controller; :meth:`authenticate` runs one queue's exchange."""
+
+    def __init__(self, secret: auth.Secret, ctrl_secret: auth.Secret | None,
+                 hostnqn: str, subnqn: str) -> None:
+        self.hostnqn, self.subnqn = hostnqn, subnqn
+        self._host_key = auth.transform_key(secret, hostnqn)
+        self._ctrl_key = (auth.transform_key(ctrl_secret, subnqn)
+                          if ctrl_secret is not None else None)
+        self._tid = itertools.count(secrets.randbelow(1 << 16))
+
+    @property
+    def bidirectional(self) -> bool:
+        return self._ctrl_key is not None
+
+    async def authenticate(self, send: Send, receive: Receive) -> str:
+        """Run the exchange; returns "hash, DH group" or raises AuthFailure.
+
+        A failure this host finds is reported to the controller with AUTH_Failure2.
+        """
+        tid = next(self._tid) & 0xFFFF
+        await send(auth.negotiate(tid))
+        try:
+            challenge = auth.parse_challenge(await receive(), tid)
+            hash_id, group = challenge.hash_id, challenge.dh_group
+            c1 = challenge.challenge
+            dh_value, session_key = b"", b""
+            if group != auth.DhGroup.NULL:
+                private = auth.dh_private_key(group)
+                dh_value = auth.dh_public_value(group, private)
+                session_key = auth.dh_session_key(group, private, challenge.dh_value)
+                c1 = auth.augmented_challenge(hash_id, session_key, c1)
+            response = auth.host_response(hash_id, self._host_key, c1, challenge.seqnum, tid,
+                                          self.hostnqn, self.subnqn)
+            c2, s2 = None, 0
+            if self._ctrl_key is not None:
+                c2, s2 = secrets.token_bytes(auth.hash_length(hash_id)), next_seqnum()
+            await send(auth.reply(tid, response, c2, s2, dh_value))
+            try:
+                answer = await receive()
+            except (CommandTimeout, TransportError) as exc:
+                # nvmet tears the controller down as it answers AUTH_Failure1, and the
+                # answer can lose that race
+                raise AuthenticationError(
+                    "no answer to the host's DH-HMAC-CHAP_Reply (nvmet drops the connection "
+                    f"when it rejects the response: is --dhchap-secret right?): {exc}") from None
+            success = auth.parse_success1(answer, tid, hash_id)
+            if self._ctrl_key is not None:
+                assert c2 is not None
+                if success.response is None:
+                    raise auth.AuthFailure(auth.FailureReason.FAILED,
+                                           "the controller did not answer the host's challenge")
+                if session_key:
+                    c2 = auth.augmented_challenge(hash_id, session_key, c2)
+                expected = auth.controller_response(hash_id, self._ctrl_key, c2, s2, tid,
+                                                    self.hostnqn, self.subnqn)
+                if not hmac.compare_digest(expected, success.response):
+                    raise auth.AuthFailure(auth.FailureReason.FAILED,
+                                           "the controller's response does not match "
+                                           "--dhchap-ctrl-secret")
+                await send(auth.success2(tid))
+        except auth.AuthFailure as failure:
+            if not failure.by_controller:
+                try:
+                    await send(auth.failure2(tid, failure.code))
+                except NVMeoFError as exc:
+                    log.debug("AUTH_Failure2 not delivered: %s", exc)
+            raise
+        return f"{auth.hash_name(hash_id)}, {auth.DhGroup(group).name.lower()}"
+
+
+def load_secrets(secret: str | None,
+                 ctrl_secret: str | None) -> tuple[auth.Secret | None, auth.Secret | None]:
+    """ConnectOptions' ``dhchap_secret`` and ``dhchap_ctrl_secret``, parsed (files read)."""
+    if ctrl_secret and not secret:
+        raise InvalidArgument("--dhchap-ctrl-secret needs --dhchap-secret (the host "
+                              "authenticates first)")
+    return (load_secret(secret, "--dhchap-secret") if secret else None,
+            load_secret(ctrl_secret, "--dhchap-ctrl-secret") if ctrl_secret else None)
+
+
+def host_dhchap(secret: str | None, ctrl_secret: str | None, hostnqn: str,
+                subnqn: str) -> DhChap | None:
+    """The DhChap for ConnectOptions' secrets; None when no secret is given."""
+    host, ctrl = load_secrets(secret, ctrl_secret)
+    return DhChap(host, ctrl, hostnqn, subnqn) if host is not None else None
+
+
+def dhchap_mode(dhchap: DhChap | None) -> str:
+    """What ``.nvmeof/controller`` shows: off, host, or bidirectional (never a secret)."""
+    if dhchap is None:
+        return "off"
+    return "bidirectional" if dhchap.bidirectional else "host"
+
+
+async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
+                             send: Send, receive: Receive) -> None:
+    """Authenticate queue ``qid`` after a Connect that asked for it; one-line errors."""
+    if dhchap is None:
+        raise AuthenticationError(f"{where} requires in-band authentication (DH-HMAC-CHAP): "
+                                  "give the host's secret with --dhchap-secret")
+    try:
+        how = await dhchap.authenticate(send, receive)
+    except auth.AuthFailure as failure:
+        hint = ""
+        if failure.by_controller and failure.code == auth.FailureReason.FAILED:
+            hint = " (is --dhchap-secret the host key the target has for this host NQN?)"
+        raise AuthenticationError(f"{where}: authentication of queue {qid} failed: "
+                                  f"{failure}{hint}") from None
+    except NVMeoFError as exc:
+        raise AuthenticationError(f"{where}: authentication of queue {qid} failed: "
+                                  f"{exc}") from None
+    if qid == 0:
+        mode = "bidirectional" if dhchap.bidirectional else "host only"
+        log.info("authenticated to %s with DH-HMAC-CHAP (%s, %s)", where, how, mode)
+
+
+def queue_messages(ctrl, queue) -> tuple[Send, Receive]:
+    """Send and Receive over ``queue`` through the controller's registered scratch buffer."""
+    from ..nvme import NULL_SGL
+    from ..nvme import command as cmd
+
+    timeout = ctrl.options.timeout
+
+    async def send(message: bytes) -> None:
+        async with ctrl.scratch(len(message)) as ref:
+            ref.region.view[: len(message)] = message
+            completion = await queue.execute(cmd.auth_send(len(message), sgl=NULL_SGL), ref,
+                                             to_controller=True, timeout=timeout)
+            completion.raise_for_status("Authentication Send", fabrics=True)
+
+    async def receive() -> bytes:
+        async with ctrl.scratch(auth.RECEIVE_BUFFER) as ref:
+            completion = await queue.execute(cmd.auth_receive(auth.RECEIVE_BUFFER, sgl=NULL_SGL),
+                                             ref, timeout=timeout)
+            completion.raise_for_status("Authentication Receive", fabrics=True)
+            return bytes(ref.region.view[: auth.RECEIVE_BUFFER])
+
+    return send, receive

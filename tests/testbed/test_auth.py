@@ -1,0 +1,223 @@
+"""In-band authentication (DH-HMAC-CHAP) against nvmet demanding it, cross-checked by the kernel.
+
+Each test raises its own subsystem that lets in one host NQN with a DH-HMAC-CHAP key (the
+testbed's open subsystem stays as it is) on the RDMA port, and removes it afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import subprocess
+import time
+
+import pytest
+from kernel_initiator import connected, pread_direct
+from test_reconnect import target_away
+from vm import rdma_objects, wait_for
+
+NVMET = "/sys/kernel/config/nvmet"
+SUBNQN = "nqn.2026-11.io.nvmeof-fuse:auth"
+HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000a0715"
+RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma
+MNT = "/tmp/nvmeof-auth"
+TIMEOUT = 300  # s: bounds any mount; a failing one must end too (nvme connect retries for ever)
+
+
+def write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+def gen_key(transform: int, length: int, nqn: str) -> str:
+    return subprocess.run(["nvme", "gen-dhchap-key", "-m", str(transform), "-l", str(length),
+                           "-n", nqn], capture_output=True, text=True, check=True,
+                          timeout=30).stdout.strip()
+
+
+@contextlib.contextmanager
+def auth_subsystem(hash_name: str, dhgroup: str, host_key: str, ctrl_key: str | None = None):
+    """A subsystem on the RDMA port that admits HOSTNQN only, with DH-HMAC-CHAP."""
+    nullb, sub, host = "/sys/kernel/config/nullb/authtest", f"{NVMET}/subsystems/{SUBNQN}", \
+        f"{NVMET}/hosts/{HOSTNQN}"
+    port_link = f"{NVMET}/ports/{RDMA_PORT}/subsystems/{SUBNQN}"
+    made: list[tuple] = []
+    try:
+        os.mkdir(nullb)
+        made.append((os.rmdir, nullb))
+        for attr, value in (("size", "64"), ("blocksize", "4096"), ("memory_backed", "1"),
+                            ("power", "1")):
+            write(f"{nullb}/{attr}", value)
+        dev = "/dev/authtest"
+        assert wait_for(lambda: os.path.exists(dev), 10), "null_blk authtest did not appear"
+        os.mkdir(sub)
+        made.append((os.rmdir, sub))
+        write(f"{sub}/attr_allow_any_host", "0")
+        os.mkdir(f"{sub}/namespaces/1")
+        made.append((os.rmdir, f"{sub}/namespaces/1"))
+        write(f"{sub}/namespaces/1/device_path", dev)
+        write(f"{sub}/namespaces/1/enable", "1")
+        made.append((write, f"{sub}/namespaces/1/enable", "0"))
+        os.mkdir(host)
+        made.append((os.rmdir, host))
+        write(f"{host}/dhchap_key", host_key)
+        write(f"{host}/dhchap_hash", hash_name)
+        write(f"{host}/dhchap_dhgroup", dhgroup)
+        if ctrl_key:
+            write(f"{host}/dhchap_ctrl_key", ctrl_key)
+        os.symlink(host, f"{sub}/allowed_hosts/{HOSTNQN}")
+        made.append((os.unlink, f"{sub}/allowed_hosts/{HOSTNQN}"))
+        os.symlink(sub, port_link)
+        made.append((lambda p: os.path.lexists(p) and os.unlink(p), port_link))
+        yield
+    finally:
+        for undo, *args in reversed(made):
+            try:
+                undo(*args)
+            except OSError as exc:
+                print(f"cleanup {undo.__name__}{tuple(args)}: {exc}")
+
+
+def mount(testbed, log: str, *options: str, check: bool = True) -> subprocess.CompletedProcess:
+    os.makedirs(MNT, exist_ok=True)
+    try:
+        result = subprocess.run(
+            ["nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s",
+             str(testbed.port), "-n", SUBNQN, "-q", HOSTNQN, "--daemon", "--log-file", log,
+             *options, MNT], capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"no answer within {TIMEOUT} s; log:\n{open(log).read()}") from None
+    assert result.returncode == 0 or not check, result.stderr + open(log).read()
+    return result
+
+
+def unmount() -> None:
+    subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
+    wait_for(lambda: not any(f" {MNT} " in line for line in open("/proc/mounts")), 60)
+
+
+def key_file(tmp_path, name: str, key: str) -> str:
+    path = tmp_path / name
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return str(path)
+
+
+@pytest.mark.parametrize("transform, length, hash_name, dhgroup", [
+    (1, 32, "hmac(sha256)", "null"),
+    (3, 64, "hmac(sha512)", "ffdhe4096"),
+])
+def test_mount_authenticates_and_agrees_with_the_kernel(testbed, tmp_path, transform, length,
+                                                        hash_name, dhgroup):
+    key = gen_key(transform, length, HOSTNQN)
+    log = str(tmp_path / "daemon.log")
+    data = os.urandom(3 * 4096)
+    with auth_subsystem(hash_name, dhgroup, key):
+        started = time.monotonic()
+        mount(testbed, log, "-S", key_file(tmp_path, "key", key), "-i", "2")
+        with open(os.path.join(testbed.out, "auth-failures.txt"), "a") as f:
+            f.write(f"{time.monotonic() - started:.1f} s: mounted with {hash_name}, {dhgroup}\n")
+        try:
+            with open(f"{MNT}/.nvmeof/controller.json") as f:
+                assert json.load(f)["controller"]["dhchap"] == "host"
+            with open(f"{MNT}/n1", "r+b", buffering=0) as f:
+                f.seek(8192)
+                f.write(data)
+            text = open(log).read()
+            assert f"{hash_name[5:-1]}, {dhgroup}" in text, text
+        finally:
+            unmount()
+        with connected("rdma", testbed.rdma_addr, testbed.port, SUBNQN, namespaces=1,
+                       hostnqn=HOSTNQN, extra=("--dhchap-secret", key)) as kernel:
+            assert pread_direct(kernel[1], 8192, len(data)) == data
+
+
+def test_bidirectional_authentication(testbed, tmp_path):
+    key, ctrl_key = gen_key(1, 32, HOSTNQN), gen_key(2, 48, SUBNQN)
+    log = str(tmp_path / "daemon.log")
+    with auth_subsystem("hmac(sha384)", "ffdhe2048", key, ctrl_key):
+        mount(testbed, log, "-S", key_file(tmp_path, "key", key),
+              "-C", key_file(tmp_path, "ctrl", ctrl_key))
+        try:
+            with open(f"{MNT}/.nvmeof/controller.json") as f:
+                assert json.load(f)["controller"]["dhchap"] == "bidirectional"
+            with open(f"{MNT}/n1", "rb", buffering=0) as f:
+                assert len(f.read(4096)) == 4096
+            # no secret in the log, the info files or any command line
+            leaks = [key, ctrl_key, key.split(":")[2], ctrl_key.split(":")[2]]
+            texts = {"log": open(log).read(),
+                     "ps": subprocess.run(["ps", "-eo", "args"], capture_output=True,
+                                          text=True, check=True).stdout}
+            for path in glob.glob(f"{MNT}/.nvmeof/**", recursive=True):
+                if os.path.isfile(path):
+                    with open(path, errors="replace") as f:
+                        texts[path] = f.read()
+            assert "authenticated" in texts["log"] and len(texts) > 3, texts.keys()
+            for where, text in texts.items():
+                assert not any(secret in text for secret in leaks), f"a secret leaks in {where}"
+        finally:
+            unmount()
+
+
+def failing_mount(testbed, tmp_path, match: str, *options: str) -> str:
+    baseline = rdma_objects("qp")
+    log = str(tmp_path / "daemon.log")
+    started = time.monotonic()
+    result = mount(testbed, log, *options, check=False)
+    err = result.stderr
+    with open(os.path.join(testbed.out, "auth-failures.txt"), "a") as f:  # for the record
+        f.write(f"{time.monotonic() - started:.1f} s: {err}")
+    assert result.returncode != 0 and err.count("\n") == 1, (err, open(log).read())
+    assert any(m in err for m in match.split("|")), (err, open(log).read())
+    assert "Traceback" not in err + open(log).read()
+    assert not os.path.ismount(MNT)
+    assert wait_for(lambda: rdma_objects("qp") <= baseline, 60)  # nothing stays connected
+    return err
+
+
+def test_wrong_secret_fails_fast_by_name(testbed, tmp_path):
+    key, wrong = gen_key(1, 32, HOSTNQN), gen_key(1, 32, HOSTNQN)
+    with auth_subsystem("hmac(sha256)", "null", key):
+        # nvmet sends AUTH_Failure1 and tears the controller down at once: either may come first
+        err = failing_mount(testbed, tmp_path, "Authentication failed (0x01)|no answer to the "
+                            "host's DH-HMAC-CHAP_Reply",
+                            "-S", key_file(tmp_path, "key", wrong))
+    assert "--dhchap-secret" in err and wrong.split(":")[2] not in err
+
+
+def test_missing_secret_fails_fast_by_name(testbed, tmp_path):
+    with auth_subsystem("hmac(sha256)", "null", gen_key(1, 32, HOSTNQN)):
+        failing_mount(testbed, tmp_path, "requires in-band authentication (DH-HMAC-CHAP): give "
+                      "the host's secret with --dhchap-secret")
+
+
+def test_wrong_controller_secret_fails_fast_by_name(testbed, tmp_path):
+    key, ctrl_key, wrong = gen_key(1, 32, HOSTNQN), gen_key(1, 32, SUBNQN), gen_key(1, 32, SUBNQN)
+    with auth_subsystem("hmac(sha256)", "ffdhe2048", key, ctrl_key):
+        failing_mount(testbed, tmp_path, "Authentication failed (0x01): the controller's "
+                      "response does not match --dhchap-ctrl-secret",
+                      "-S", key_file(tmp_path, "key", key),
+                      "-C", key_file(tmp_path, "ctrl", wrong))
+
+
+def test_reconnect_authenticates_again(testbed, tmp_path):
+    key = gen_key(1, 32, HOSTNQN)
+    log = str(tmp_path / "daemon.log")
+    data = os.urandom(4096)
+    with auth_subsystem("hmac(sha256)", "ffdhe2048", key):
+        mount(testbed, log, "-S", key_file(tmp_path, "key", key), "-i", "1",
+              "-k", "2", "-c", "2", "-l", "120")
+        try:
+            with target_away(SUBNQN):
+                assert wait_for(lambda: "lost the connection" in open(log).read(), 90), \
+                    open(log).read()
+            assert wait_for(lambda: "reconnected to" in open(log).read(), 90), open(log).read()
+            with open(f"{MNT}/n1", "r+b", buffering=0) as f:
+                f.write(data)
+                f.seek(0)
+                assert f.read(4096) == data
+            assert open(log).read().count("authenticated to") == 2, open(log).read()
+        finally:
+            unmount()
