@@ -59,7 +59,8 @@ def options_from(reply: dict, timeout: float) -> ConnectOptions:
         hostnqn=reply["hostnqn"], hostid=reply["hostid"], nr_io_queues=len(reply["qids"]),
         companion_queues=0, keep_alive_tmo=0, timeout=max(timeout, reply["timeout"]),
         reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
-        fast_io_fail_tmo=reply["fast_io_fail_tmo"])
+        fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),
+        dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"))
 
 
 async def wait_future(future: concurrent.futures.Future, timeout: float) -> Any:

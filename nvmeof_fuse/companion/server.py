@@ -340,7 +340,24 @@ class CompanionServer:
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
             "namespaces": [[n, ns.lba_size, ns.nlb] for n, ns in sorted(ctrl.namespaces.items())],
+            **self._secrets(opts),
         }
+
+    @staticmethod
+    def _secrets(opts: Any) -> dict[str, str]:
+        """The DH-HMAC-CHAP secrets the client's queues authenticate with, as the mount does.
+
+        Only a client of the mount's uid or root gets here: one that could read them anyway.
+        """
+        from ..host.auth import secret_text
+
+        found = {}
+        for name, option in (("dhchap_secret", "--dhchap-secret"),
+                             ("dhchap_ctrl_secret", "--dhchap-ctrl-secret")):
+            value = getattr(opts, name, None)
+            if value:
+                found[name] = secret_text(value, option)[0]
+        return found
 
     async def lock(self, session: Session, nsid: int, offset: int, length: int,
                    timeout: float) -> int:

@@ -43,11 +43,9 @@ class AuthenticationError(ConnectError):
     """The target or this host refused the DH-HMAC-CHAP exchange."""
 
 
-def load_secret(value: str, option: str) -> auth.Secret:
-    """``value`` is a ``DHHC-1:...`` secret or the path of a file holding one.
-
-    Errors name ``option`` (and the file), never the secret.
-    """
+def secret_text(value: str, option: str) -> tuple[str, str]:
+    """``(secret, where)``: ``value`` itself, or the file it names read; ``where`` names
+    the option (and file) for messages, never the secret."""
     text, where = value, option
     if ":" not in value:  # a path (a mistyped secret has colons: it is never echoed)
         where = f"{option} file {value}"
@@ -59,6 +57,15 @@ def load_secret(value: str, option: str) -> auth.Secret:
                 raise InvalidArgument(f"{where}: {exc.strerror}") from None
             raise InvalidArgument(f"{option} is neither a DHHC-1:0N:<base64>: secret nor the "
                                   "path of a file holding one") from None
+    return text.strip(), where
+
+
+def load_secret(value: str, option: str) -> auth.Secret:
+    """``value`` is a ``DHHC-1:...`` secret or the path of a file holding one.
+
+    Errors name ``option`` (and the file), never the secret.
+    """
+    text, where = secret_text(value, option)
     try:
         return auth.parse_secret(text)
     except ValueError as exc:

@@ -148,3 +148,20 @@ def test_bad_locks_are_one_line(served, fields, message):
     finally:
         ch.close()
 
+
+
+def test_a_lease_carries_the_mounts_dhchap_secrets_so_the_clients_queues_authenticate(
+        tmp_path):
+    secret = "DHHC-1:00:" + "A" * 48 + ":"  # the form is all that matters here
+    key_file = tmp_path / "key"
+    key_file.write_text(secret + "\n")
+    ctrl = LeasingController()
+    ctrl.options.dhchap_secret = str(key_file)  # a file, as the README advises
+    with serving(ctrl, tmp_path) as (server, _):
+        ch = channel(server)
+        try:
+            reply = ch.call("lease", want=1)
+        finally:
+            ch.close()
+    assert reply["dhchap_secret"] == secret and "dhchap_ctrl_secret" not in reply
+    assert options_from(reply, 60).dhchap_secret == secret

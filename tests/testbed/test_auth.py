@@ -11,6 +11,7 @@ import glob
 import json
 import os
 import subprocess
+import sys
 import time
 
 import pytest
@@ -23,6 +24,7 @@ SUBNQN = "nqn.2026-11.io.nvmeof-fuse:auth"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000a0715"
 RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma
 MNT = "/tmp/nvmeof-auth"
+CHILD = os.path.join(os.path.dirname(__file__), "companion_child.py")
 TIMEOUT = 300  # s: bounds any mount; a failing one must end too (nvme connect retries for ever)
 
 
@@ -122,6 +124,13 @@ def test_mount_authenticates_and_agrees_with_the_kernel(testbed, tmp_path, trans
         try:
             with open(f"{MNT}/.nvmeof/controller.json") as f:
                 assert json.load(f)["controller"]["dhchap"] == "host"
+            # a companion client's own queues authenticate too (the lease carries the secret)
+            child = subprocess.run([sys.executable, CHILD, "roundtrip", f"{MNT}/n1",
+                                    str((1 << 20) + 5), str(1 << 20), "numpy"],
+                                   capture_output=True, text=True, timeout=TIMEOUT)
+            assert child.returncode == 0, child.stderr
+            result = json.loads(child.stdout.splitlines()[-1])
+            assert result["equal"] and result["own_queues"], (result, child.stderr)
             with open(f"{MNT}/n1", "r+b", buffering=0) as f:
                 f.seek(8192)
                 f.write(data)
