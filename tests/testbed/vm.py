@@ -26,3 +26,15 @@ def rdma_objects(kind: str) -> int:
     """How many RDMA resources of ``kind`` (qp, mr, cq, ...) exist in the VM right now."""
     return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
                 if line.strip()])
+
+
+def waits_on_fuse(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in the kernel waiting for a FUSE daemon's answer."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+        with open(f"/proc/{pid}/stack") as f:
+            stack = f.read()
+    except OSError:  # gone, or no kernel stacks to show
+        return False
+    return "fuse" in wchan or "request_wait_answer" in wchan or "fuse_" in stack
