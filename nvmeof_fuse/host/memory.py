@@ -1,7 +1,8 @@
 """Memory the target can reach: registered regions, host buffers and the bounce pool.
 
-A :class:`Region` is memory registered with a controller's transport once (for
-RDMA: one MR in the controller's protection domain, valid on every queue).
+A :class:`Region` is memory registered with a controller's transport once; it
+is valid on every queue, though its keys may differ per queue (for RDMA: one MR
+in each queue's protection domain, see :meth:`Registration.keys`).
 Commands address it through :class:`DataRef` slices, which the transport turns
 into keyed SGL descriptors or in-capsule data.
 """
@@ -20,11 +21,19 @@ import trio
 from ..errors import CommandTimeout, InvalidArgument, TransportError
 
 
-class Registration(Protocol):
-    """What a transport hands back for registered memory."""
+class Keys(Protocol):
+    """The keys one queue uses for registered memory."""
 
     lkey: int
     rkey: int
+
+
+class Registration(Protocol):
+    """What a transport hands back for registered memory."""
+
+    def keys(self, domain: object) -> Keys:
+        """The keys valid on queues of ``domain`` (for RDMA: a queue's protection domain)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -43,14 +52,6 @@ class Region:
         self.registration = registration
         self.owner = owner  # keeps the backing allocation alive
         self.view = view
-
-    @property
-    def lkey(self) -> int:
-        return self.registration.lkey
-
-    @property
-    def rkey(self) -> int:
-        return self.registration.rkey
 
     def ref(self, offset: int = 0, length: int | None = None) -> DataRef:
         """The slice ``[offset, offset + length)`` of this region, bounds-checked."""
