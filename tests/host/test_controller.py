@@ -11,7 +11,8 @@ import trio
 import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, ControllerLost, TransportError
-from nvmeof_fuse.host.controller import DEAD, LIVE, ConnectOptions, Controller
+from nvmeof_fuse.host.controller import ConnectOptions, Controller
+from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion
 from nvmeof_fuse.nvme import command as cmd
 
@@ -76,7 +77,8 @@ def run(test, **options) -> None:
             ctrl.admin = FakeQueue(0)
             ctrl.io_queues = [FakeQueue(1, TransportError("work request failed: retry "
                                                           "counter exceeded"))]
-            ctrl._set_state(LIVE)
+            assert ctrl._change_state(CONNECTING) and ctrl._change_state(LIVE)
+            await nursery.start(ctrl.supervise)
             await test(ctrl)
             nursery.cancel_scope.cancel()
 
@@ -163,7 +165,7 @@ def test_fast_io_fail_tmo_fails_io_while_reconnecting_goes_on():
 def test_admin_commands_while_reconnecting_fail_by_name():
     async def test(ctrl: Controller) -> None:
         ctrl.admin = None
-        ctrl.state = "connecting"
+        assert ctrl._change_state(RESETTING) and ctrl._change_state(CONNECTING)
         with pytest.raises(TransportError, match="the admin queue to nqn.2014-08.org.example:t "
                                                  r"is not connected \(the controller is "
                                                  r"connecting\)"):
