@@ -27,9 +27,9 @@ import outcome
 import trio
 
 from ..errors import CommandTimeout, ConnectError, TransportError
-from ..host.memory import DataRef, Region, host_buffer
 from ..nvme import Completion, set_command_id
 from ..nvme.sgl import NULL_SGL, in_capsule_data, keyed_data_block
+from .region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
 CQE_BYTES = 16

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from nvmeof_fuse.errors import ConnectError, TransportError
-from nvmeof_fuse.host.memory import Region
 from nvmeof_fuse.nvme import Completion
 from nvmeof_fuse.nvme.sgl import NULL_SGL, in_capsule_data, keyed_data_block
 from nvmeof_fuse.transport.rdma import CommandSlots, RdmaQueue, cm_request, parse_cm_accept
+from nvmeof_fuse.transport.region import Region
 
 
 def completion(cid: int) -> Completion:

@@ -19,10 +19,10 @@ import trio
 import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, TransportError
-from nvmeof_fuse.host.memory import host_buffer
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
 from nvmeof_fuse.transport import rdma
+from nvmeof_fuse.transport.region import host_buffer
 
 
 class FakeSGE:
