@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from nvmeof_fuse.concurrency import unwrap_groups
+from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.info import ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
@@ -151,9 +151,8 @@ def raise_max_background(path: str, value: int = MAX_BACKGROUND,
 
 async def check_mountpoint_async(path: str) -> str:
     """check_mountpoint in a thread, bounded: a hung FUSE mount blocks stat()."""
-    with trio.move_on_after(CHECK_TIMEOUT):
-        return await trio.to_thread.run_sync(check_mountpoint, path, abandon_on_cancel=True)
-    raise MountError(f"mountpoint {path} does not respond (a hung FUSE daemon?)")
+    return await in_thread(check_mountpoint, path, timeout=CHECK_TIMEOUT, too_slow=MountError(
+        f"mountpoint {path} does not respond (a hung FUSE daemon?)"))
 
 
 def _init(ops: NamespaceFS, path: str, options: MountOptions) -> None:
