@@ -188,3 +188,64 @@ def test_closing_wakes_waiters_with_the_reason():
                 await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
 
     run(test)
+
+
+class RefusingTransport:
+    """A target that answers the admin queue's Connect with Connect Invalid Host, DNR set."""
+
+    address = "rdma 192.0.2.1:4420"
+    name = "rdma"
+
+    def __init__(self) -> None:
+        self.queues: list[FakeQueue] = []
+
+    def register(self, addr, length, owner):
+        return FakeRegistration()
+
+    async def connect_queue(self, nursery, qid, size, in_capsule_bytes=0, cntlid=0):
+        queue = RefusingQueue(qid)
+        self.queues.append(queue)
+        return queue
+
+    async def drop_queues(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FakeRegistration:
+    lkey = rkey = 1
+
+    def keys(self, domain):
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+class RefusingQueue(FakeQueue):
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        self.ran += 1
+        dnr_invalid_host = 1 << 14 | 1 << 8 | 0x84  # DNR, SCT 1 (command specific), SC 0x84
+        return Completion(0, 0, 0, 0, dnr_invalid_host, True)
+
+
+def test_a_connect_refused_with_dnr_fails_at_once_by_name(monkeypatch):
+    from nvmeof_fuse.errors import ConnectError
+    from nvmeof_fuse.host import controller
+
+    transport = RefusingTransport()
+    monkeypatch.setattr(controller, "make_transport", lambda options: transport)
+
+    async def main() -> None:
+        start = trio.current_time()
+        opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t")
+        with pytest.raises(ConnectError, match=r"nqn.2014-08.org.example:t\) failed: Connect "
+                                               r"failed: Connect Invalid Host .*dnr"):
+            async with controller.connect(opts):
+                pass
+        assert trio.current_time() == start  # no delay, no retry
+        assert [q.ran for q in transport.queues] == [1]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
