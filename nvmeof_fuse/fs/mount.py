@@ -193,10 +193,13 @@ async def serve(
     _serving = True
     session = _Session(ops, path, drain_timeout)
     log.info("mounted at %s", path)
+    listeners = getattr(getattr(controller, "events", None), "listeners", [])
+    listeners.append(ops.apply_changes)  # namespaces added, removed, resized on the target
     try:
         with unwrap_groups():
             await session.run(task_status)
     finally:
+        listeners.remove(ops.apply_changes)
         pyfuse3.close(unmount=not session.gone)
         _serving = False
         log.info("unmounted %s", path)

@@ -37,6 +37,7 @@ from ..errors import (
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
 from ..transport.base import Queue, Transport
+from .events import AsyncEvents
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
@@ -145,6 +146,7 @@ class Controller:
         self._lost_reason = ""
         self._dead_reason = ""
         self._failing_io = ""  # set while I/O fails fast during a reconnect
+        self.events = AsyncEvents(self)  # AERs and namespace rescans, once live
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
 
@@ -230,6 +232,18 @@ class Controller:
             if self._failing_io:
                 raise ControllerLost(self._failing_io)
             await self._states.wait_changed()
+
+    async def wait_connected(self) -> bool:
+        """Wait until live (True) or gone for good (False); --fast-io-fail-tmo aside."""
+        while self.state is not LIVE:
+            if self.state in (DELETING, DEAD):
+                return False
+            await self._states.wait_changed()
+        return True
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of state (or wake-up of waiters)."""
+        await self._states.wait_changed()
 
     def connection_lost(self, queue: Queue | None, exc: BaseException) -> None:
         """``queue`` failed with ``exc``: have :meth:`supervise` reconnect (once per loss)."""
@@ -497,6 +511,7 @@ class Controller:
         await self._identify_namespaces()
         await self._nursery.start(self.supervise)
         self._change_state(LIVE)
+        await self._nursery.start(self.events.run)
 
     async def _identify_namespaces(self) -> None:
         from .namespace import Namespace
