@@ -292,11 +292,6 @@ def property_set(offset: int, value: int, size8: bool) -> bytearray:
     return sqe
 
 
-def disconnect() -> bytearray:
-    """Disconnect the I/O queue this command is sent on (RECFMT 0)."""
-    return _fabrics(FabricsType.DISCONNECT)
-
-
 __all__ = [
     "CNTLID_DYNAMIC",
     "MAX_DSM_RANGES",
@@ -307,7 +302,6 @@ __all__ = [
     "connect",
     "connect_data",
     "dataset_management",
-    "disconnect",
     "dsm_ranges",
     "flush",
     "get_features",
