@@ -52,8 +52,11 @@ def file_namespace(nqn: str, nsid: int, size: int):
 @contextlib.contextmanager
 def mounted(testbed, log: str):
     os.makedirs(MNT, exist_ok=True)
-    sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
-       "-n", testbed.nqn, "--daemon", "--log-file", log, "-k", "2", MNT)
+    started = subprocess.run(
+        ["nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
+         "-n", testbed.nqn, "--daemon", "--log-file", log, "-k", "2", MNT],
+        capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, started.stderr + open(log).read()
     try:
         yield MNT
     finally:

@@ -40,7 +40,7 @@ def test_after_an_unmount_the_target_has_no_controller_of_ours(testbed, tmp_path
     os.makedirs(MNT, exist_ok=True)
     log = str(tmp_path / "daemon.log")
     sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-n", testbed.nqn,
-       "-k", str(KATO), "--daemon", "--log-file", log, MNT)
+       "-k", str(KATO), "--daemon", "--log-file", log, MNT, timeout=600)
     try:
         assert target_controllers(testbed.nqn), "a mounted controller shows on the target"
     finally:
