@@ -159,11 +159,8 @@ class NamespaceFS(pyfuse3.Operations):
                 forget += self._remove_namespace(change.nsid)
             elif change.nsid in self.ns_inodes:
                 resized.append(self.ns_inodes[change.nsid])
-        for parent, name in forget:
-            try:
-                pyfuse3.invalidate_entry_async(parent, name)
-            except OSError as exc:  # nothing cached, or not mounted (yet)
-                log.debug("cannot drop the kernel's entry %s: %s", name.decode(), exc)
+        for parent, name in forget:  # ENOENT: the kernel had not looked it up
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
         for inode in resized:
             await self._invalidate(inode, attr_only=True)
 

@@ -537,12 +537,17 @@ class Controller:
             except (TransportError, CommandTimeout) as exc:
                 self.connection_lost(admin, CommandTimeout(f"keep-alive: {exc}"))
                 continue
-            if not completion.ok:
+            if not completion.ok and self.state is LIVE:
                 log.error("keep-alive failed: %s", completion.status_name())
 
-    async def shutdown(self) -> None:
-        """CC.SHN, then wait for CSTS.SHST complete (bounded by CAP.TO)."""
-        if self.admin is None or self.cap is None or self.state is not LIVE:
+    async def shutdown(self, why: str = "") -> None:
+        """Deleting: no new keep-alives or I/O (they get ``why``); then CC.SHN, and wait
+        for CSTS.SHST complete (bounded by CAP.TO)."""
+        was_live = self.state is LIVE
+        if self.state not in (DELETING, DEAD):
+            self._dead_reason = why or f"the controller of {self.options.nqn} is closed"
+            self._change_state(DELETING)
+        if self.admin is None or self.cap is None or not was_live:
             return
         try:
             await self.property_set(Property.CC, nvme.cc_shutdown_value(self._cc))
@@ -603,7 +608,7 @@ async def connect(options: ConnectOptions) -> AsyncIterator[Controller]:
                     yield controller
                 finally:
                     with trio.CancelScope(shield=True):
-                        await controller.shutdown()
+                        await controller.shutdown(f"the controller of {options.nqn} is closed")
                     controller.close_state(f"the controller of {options.nqn} is closed")
                     nursery.cancel_scope.cancel()
     finally:
