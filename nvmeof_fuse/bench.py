@@ -2,13 +2,15 @@
 
   python -m nvmeof_fuse.bench core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
   python -m nvmeof_fuse.bench nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
-  python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--json]
+  python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
   python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
   python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
-      --fuse-ram F [--out DIR]
+      --companion2 F --fuse-ram F [--out DIR]
 
 ``core``, ``nvmeof`` and ``companion`` (``nvmeof_fuse.File`` on a mounted namespace, from this
-separate process, into ``nvmeof_fuse.empty`` arrays) print figures (MB = 10^6 bytes);
+separate process, into ``nvmeof_fuse.empty`` arrays, ``qd`` futures outstanding from one
+thread; ``--processes N`` adds up N such processes measured over the same seconds) print
+figures (MB = 10^6 bytes);
 ``table`` reads their ``--json`` output and fio ``--output-format=json`` files (jobs named as
 in :data:`FIO_JOBS`).  ``fuse-ram`` mounts a namespace kept in RAM (``MOUNTPOINT/n1``) through
 the same FUSE layer until it is unmounted: fio on it shows the best the FUSE file can do with
@@ -40,12 +42,12 @@ METRICS: dict[str, tuple[str, str]] = {
 }
 FIO_JOBS = {"seqread": "seq_read", "seqwrite": "seq_write",
             "randread1": "rand_read_qd1", "randread16": "rand_read_qd16"}
-COLUMNS = ("kernel", "core", "nvmeof", "fuse", "companion", "fuse_ram")
+COLUMNS = ("kernel", "core", "nvmeof", "fuse", "companion", "companion2", "fuse_ram")
 TITLES = {"kernel": "kernel (fio)", "core": "our core", "nvmeof": "nvmeof lib",
           "fuse": "FUSE file (fio)", "companion": "companion API",
-          "fuse_ram": "FUSE over RAM (fio)"}
+          "companion2": "companion, 2 processes", "fuse_ram": "FUSE over RAM (fio)"}
 RATIOS = (("core", "kernel"), ("core", "nvmeof"), ("fuse", "kernel"), ("companion", "kernel"),
-          ("fuse_ram", "kernel"))
+          ("companion", "core"), ("companion2", "companion"), ("fuse_ram", "kernel"))
 
 
 @dataclass
@@ -233,44 +235,72 @@ def _queued(ctrl, ns, buf, job: Job, cur: Cursor, opcode: int,
 # -- the companion API (another process, through the mount daemon) -------------------------------
 
 def run_companion(args: argparse.Namespace) -> dict:
-    """``File.read``/``write`` from ``qd`` threads into ``nvmeof_fuse.empty`` arrays."""
-    import threading
+    """``File.pread``/``pwrite`` futures from one thread, ``qd`` outstanding, into
+    ``nvmeof_fuse.empty`` arrays; with ``--processes N``, N such processes at once."""
+    if args.processes > 1:
+        return _companion_processes(args)
+    from collections import deque
 
     import nvmeof_fuse
 
+    jobs = [j for j in JOBS if args.jobs is None or j.key in args.jobs]
     results: dict = {"initiator": "companion", "metrics": {}, "errors": {}}
-    with nvmeof_fuse.File(args.file, workers=1) as f:
+    with nvmeof_fuse.File(args.file) as f:
+        results["own_queues"] = list(f.own_queues)
         bufs = nvmeof_fuse.empty((16, MIB))
-        for job in JOBS:
+        if args.start_at:  # line up with the other processes of one measurement
+            time.sleep(max(0.0, args.start_at - time.time()))
+        for job in jobs:
             cur = Cursor(job, f.lba_size, f.nbytes // f.lba_size)
-            counts = [0] * job.qd
-            failures: list[BaseException] = []
-            deadline = time.monotonic() + args.seconds
-
-            def worker(i: int, job: Job = job, cur: Cursor = cur, counts: list[int] = counts,
-                       failures: list = failures, deadline: float = deadline) -> None:
-                move = f.write if job.write else f.read
-                try:
-                    while time.monotonic() < deadline:
-                        move(bufs[i], job.size, cur.next() * f.lba_size)
-                        counts[i] += 1
-                except BaseException as e:  # noqa: BLE001 - reported as n/a
-                    failures.append(e)
-
+            move = f.pwrite if job.write else f.pread
+            ios = 0
             start = time.monotonic()
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(job.qd)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(args.seconds + 120)
-            if failures:
-                results["errors"][job.key] = _reason(failures[0])
+            deadline = start + args.seconds
+            try:
+                pending = deque((i, move(bufs[i], job.size, cur.next() * f.lba_size))
+                                for i in range(job.qd))
+                while pending:
+                    i, future = pending.popleft()
+                    future.get()
+                    ios += 1
+                    if time.monotonic() < deadline:
+                        pending.append((i, move(bufs[i], job.size, cur.next() * f.lba_size)))
+            except Exception as e:  # noqa: BLE001 - reported as n/a
+                results["errors"][job.key] = _reason(e)
             else:
-                results["metrics"][job.key] = figure(job, sum(counts), time.monotonic() - start)
+                results["metrics"][job.key] = figure(job, ios, time.monotonic() - start)
         stats = f.stats()
-    results["notes"] = {"direct_read_bytes": stats["direct_read_bytes"],
-                        "staged_read_bytes": stats["staged_read_bytes"],
-                        "daemon_copied_bytes": stats["daemon_copied_bytes"]}
+    results["notes"] = {k: stats[k] for k in (
+        "client_queue_read_bytes", "direct_read_bytes", "staged_read_bytes",
+        "daemon_copied_bytes")}
+    return results
+
+
+def _companion_processes(args: argparse.Namespace) -> dict:
+    """Run ``args.processes`` companion benches over the same seconds; sum their figures."""
+    import subprocess
+
+    start_at = time.time() + 20 + 5 * args.processes  # after every child's imports and connect
+    cmd = [sys.executable, "-m", "nvmeof_fuse.bench", "companion", "--file", args.file,
+           "--seconds", str(args.seconds), "--json", "--start-at", str(start_at)]
+    if args.jobs:
+        cmd += ["--jobs", ",".join(args.jobs)]
+    children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True) for _ in range(args.processes)]
+    limit = start_at - time.time() + (args.seconds + 60) * len(JOBS) + 60
+    outputs = [child.communicate(timeout=limit) for child in children]
+    results: dict = {"initiator": f"companion x{args.processes}", "metrics": {}, "errors": {},
+                     "per_process": []}
+    for child, (out, err) in zip(children, outputs, strict=True):
+        if child.returncode != 0:
+            raise RuntimeError(err.strip().splitlines()[-1] if err.strip() else
+                               f"a companion process exited {child.returncode}")
+        one = json.loads(out)
+        results["per_process"].append(one["metrics"])
+        results["errors"].update(one["errors"])
+    for key in results["per_process"][0]:
+        if all(key in m for m in results["per_process"]):
+            results["metrics"][key] = sum(m[key] for m in results["per_process"])
     return results
 
 
@@ -422,6 +452,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--file", required=True, help="a namespace file of a mount: MOUNT/nN")
     c.add_argument("--seconds", type=float, default=5.0, help="per job (default 5)")
     c.add_argument("--json", action="store_true", help="print JSON")
+    c.add_argument("--jobs", type=_job_keys, default=None, metavar="KEY[,KEY...]",
+                   help=f"run only these jobs (of {', '.join(METRICS)})")
+    c.add_argument("--processes", type=int, default=1,
+                   help="run this many client processes at once and add up (default 1)")
+    c.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     r = sub.add_parser("fuse-ram", help="mount a namespace kept in RAM (MOUNTPOINT/n1)")
     r.add_argument("mountpoint")
     r.add_argument("--size-mib", type=int, default=256, help="namespace size (default 256)")
@@ -450,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return serve_ram(args)
     if args.what == "companion":
-        if args.seconds <= 0:
-            print("bench: --seconds must be positive", file=sys.stderr)
+        if args.seconds <= 0 or args.processes < 1:
+            print("bench: --seconds and --processes must be positive", file=sys.stderr)
             return 2
         try:
             results = run_companion(args)

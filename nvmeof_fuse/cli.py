@@ -107,7 +107,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
     kwargs: dict[str, Any] = {
         "traddr": args.traddr,
         "nqn": _nqn("--nqn", nqn),
-        "transport": args.transport,
+        "transport": args.transport or "rdma",
         "trsvcid": _int("--trsvcid", args.trsvcid, 1, 65535) or default_port,
         "host_traddr": args.host_traddr,
         "hostnqn": _nqn("--hostnqn", args.hostnqn),
@@ -123,6 +123,9 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
                                       _seconds("--fast-io-fail-tmo", args.fast_io_fail_tmo,
                                                high=2**31, off=True))
         kwargs["nr_io_queues"] = _int("--nr-io-queues", args.nr_io_queues, 1, 65535)
+        companion_queues = _int("--companion-queues", args.companion_queues, 0, 65534)
+        if companion_queues is not None:
+            kwargs["companion_queues"] = companion_queues
         queue_size = _int("--queue-size", args.queue_size, 2, 65536)
         if queue_size is not None:
             kwargs["queue_size"] = queue_size
@@ -136,6 +139,8 @@ def mount_options(args: argparse.Namespace) -> Any:
 
     mode = _mode(args.mode)
     return MountOptions(
+        nsid=_int("--nsid", args.nsid, 1, 0xFFFFFFFE),
+        source=getattr(args, "fsname", None),  # set by apply_source
         read_only=args.read_only,
         allow_other="allow_other" in _mount_flags(args.options),
         uid=_int("--uid", args.uid, 0, 2**32 - 2),
@@ -148,9 +153,10 @@ def mount_options(args: argparse.Namespace) -> Any:
 # --- argument parser ------------------------------------------------------------
 
 
-def _add_connection(p: argparse.ArgumentParser, *, port_help: str) -> None:
-    p.add_argument("-t", "--transport", choices=["rdma", "tcp"], default="rdma")
-    p.add_argument("-a", "--traddr", required=True, help="target address")
+def _add_connection(p: argparse.ArgumentParser, *, port_help: str,
+                    addr_required: bool = True) -> None:
+    p.add_argument("-t", "--transport", choices=["rdma", "tcp"], help="rdma (default) or tcp")
+    p.add_argument("-a", "--traddr", required=addr_required, help="target address")
     p.add_argument("-s", "--trsvcid", help=port_help)
     p.add_argument("-w", "--host-traddr", help="local address to connect from")
     p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)")
@@ -165,9 +171,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("mount", help="connect and mount the namespaces as files")
-    _add_connection(m, port_help="transport service id (default 4420)")
-    m.add_argument("-n", "--nqn", required=True, help="subsystem NQN")
+    _add_connection(m, port_help="transport service id (default 4420)", addr_required=False)
+    m.add_argument("-n", "--nqn", help="subsystem NQN")
+    m.add_argument("--nsid", "--namespace-id", help="mount only this namespace")
     m.add_argument("-i", "--nr-io-queues", help="number of I/O queues")
+    m.add_argument("--companion-queues",
+                   help="more I/O queue IDs to lease to companion clients, which connect them "
+                        "themselves (default 8; 0: off)")
     m.add_argument("-Q", "--queue-size", help="I/O queue size (default 128)")
     m.add_argument("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)")
     m.add_argument("-c", "--reconnect-delay", default="10",
@@ -184,16 +194,22 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--daemon", action="store_true", help="detach once mounted")
     m.add_argument("--log-file", help="with --daemon: where its logs go (default: none)")
     m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
+    m.add_argument("source", nargs="?",
+                   help="nvme+rdma://HOST[:PORT]/SUBNQN[/NSID] (or nvme+tcp://), instead of -a/-n")
     m.add_argument("mountpoint")
 
     d = sub.add_parser("discover", help="print a discovery controller's log page")
     _add_connection(d, port_help="transport service id (default 8009 tcp, 4420 rdma)")
     d.add_argument("-o", "--output-format", choices=["normal", "json"], default="normal")
 
-    ls = sub.add_parser("list", help="show the controller mounted at MOUNTPOINT")
+    ls = sub.add_parser("list", help="show the controller mounted at MOUNTPOINT (default: all)")
     ls.add_argument("-o", "--output-format", choices=["normal", "json"], default="normal")
     ls.add_argument("--debug", action="store_true", help="tracebacks on errors")
-    ls.add_argument("mountpoint")
+    ls.add_argument("mountpoint", nargs="?")
+
+    from nvmeof_fuse import admin  # mount-all, install-helper
+
+    admin.add_parsers(sub, _add_connection)
     return parser
 
 
@@ -245,6 +261,9 @@ def _report(fd: int | None, message: str) -> None:
 
 
 def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from nvmeof_fuse.mounthelper import apply_source
+
+    apply_source(args)
     conn = connect_options(args, nqn=args.nqn, default_port=4420)
     mopts = mount_options(args)
     if args.daemon:
@@ -270,9 +289,11 @@ def spawn_daemon(
     cmd: list[str], log_file: str | None, timeout: float = DAEMON_READY_TIMEOUT
 ) -> int:
     """Run ``cmd --ready-fd N`` detached; 0 once it reports ready, else raise its error."""
+    from nvmeof_fuse.mounthelper import daemon_output
+
     rfd, wfd = os.pipe()
     try:
-        with open(log_file or os.devnull, "ab") as out:
+        with daemon_output(log_file) as out:
             proc = subprocess.Popen(
                 [*cmd, "--ready-fd", str(wfd)],
                 pass_fds=(wfd,),
@@ -433,9 +454,32 @@ def _one_line(exc: BaseException) -> str:
     return " ".join(text.split()) or type(exc).__name__
 
 
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line; ``mount SOURCE [OPTIONS] MOUNTPOINT`` too (argparse leaves it over)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if (len(extra) == 1 and args.command == "mount" and args.source is None
+            and not extra[0].startswith("-")):
+        args.source, args.mountpoint = args.mountpoint, extra[0]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+COMMANDS = ("mount", "discover", "list", "mount-all", "install-helper")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    args = build_parser().parse_args(argv)
+    if argv and not argv[0].startswith("-") and argv[0] not in COMMANDS:
+        from nvmeof_fuse.mounthelper import helper_argv  # mount.fuse3: SOURCE DIR -o OPTS
+
+        try:
+            argv = helper_argv(argv)
+        except NVMeoFError as exc:
+            print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr)
+            return 1
+    args = parse_args(argv)
     debug = getattr(args, "debug", False)
     logging.basicConfig(
         level=logging.DEBUG
@@ -452,6 +496,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             return cmd_mount(args, argv)
         if args.command == "discover":
             return cmd_discover(args)
+        from nvmeof_fuse import admin
+
+        if args.command == "mount-all":
+            return admin.cmd_mount_all(args)
+        if args.command == "install-helper":
+            return admin.cmd_install_helper(args)
+        if args.mountpoint is None:
+            return admin.cmd_list_all(args)
         return cmd_list(args)
     except BaseException as exc:
         leaf = _leaf(exc)

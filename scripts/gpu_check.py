@@ -120,6 +120,32 @@ def main() -> int:
     def _compat() -> str:
         return staged_round_trip(compat=True)
 
+    @check("a File's own queues with a CUDA tensor (dma-buf in the client's PD, else fallback)")
+    def _own_queues() -> str:
+        torch = torch_cuda()
+        from companion_fakes import FakeFabric, LeasingController, serving
+
+        from nvmeof_fuse.companion import direct
+        from nvmeof_fuse.companion.client import File
+
+        ctrl = LeasingController()  # the fabric is faked: there is no RDMA NIC here
+        real_make_transport, direct.make_transport = direct.make_transport, FakeFabric(ctrl)
+        try:
+            with tempfile.TemporaryDirectory() as tmp, \
+                    serving(ctrl, Path(tmp)) as (server, mnt):
+                t = torch.full((3 << 20,), 5, dtype=torch.uint8, device="cuda")
+                with File(str(mnt / "n2")) as f:
+                    assert f.own_queues, "no queues of its own"
+                    assert f.write(t, (1 << 20) + 3, file_offset=999) == (1 << 20) + 3
+                    t.zero_()
+                    assert f.read(t, (1 << 20) + 3, file_offset=999) == (1 << 20) + 3
+                    assert int((t[:(1 << 20) + 3] == 5).sum()) == (1 << 20) + 3, "read differs"
+                    snap = f.stats()
+        finally:
+            direct.make_transport = real_make_transport
+        return ", ".join(f"{k} {snap[k]}" for k in (
+            "client_queue_read_bytes", "direct_read_bytes", "staged_read_bytes"))
+
     width = max(len(name) for name, _, _ in RESULTS)
     print("nvmeof-fuse gpu-check")
     for name, verdict, detail in RESULTS:

@@ -12,16 +12,23 @@ import contextlib
 import ctypes
 import json
 import mmap
+import os
 import random
 import threading
+import uuid
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import trio
 
+from nvmeof_fuse.companion import gpu, shm
 from nvmeof_fuse.companion.server import CompanionServer
+from nvmeof_fuse.errors import TransportError
+from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.host.memory import BouncePool, DataRef
 from nvmeof_fuse.host.namespace import Namespace
+from nvmeof_fuse.nvme import Completion
 
 OPC_FLUSH, OPC_WRITE, OPC_READ = 0x00, 0x01, 0x02
 
@@ -150,6 +157,7 @@ def serving(ctrl: AddressController, tmp_path: Any, *, read_only: bool = False):
     assert started.wait(10), "companion server did not start"
     if "error" in state:
         raise state["error"]
+    server.trio_token = state["token"]  # for tests that run work on the server's loop
     mnt = tmp_path / "mnt"
     (mnt / ".nvmeof").mkdir(parents=True)
     for nsid in ctrl.namespaces:
@@ -172,3 +180,141 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+class LeasingController(AddressController):
+    """The fake controller with what leasing reads: options, QIDs, identity, liveness."""
+
+    def __init__(self, companion_queues: int = 3, transport: str = "rdma") -> None:
+        super().__init__()
+        self.options = ConnectOptions("10.0.0.1", "nqn.2026-11.io.x:sub",
+                                      companion_queues=companion_queues)
+        self.transport.name = transport
+        self.lease_qids = list(range(3, 3 + companion_queues))
+        self.cntlid = 7
+        self.state = "live"
+        self.in_capsule_bytes = 8192
+        self.identity = SimpleNamespace(hostnqn="nqn.2014-08.org.nvmexpress:uuid:x",
+                                        hostid=uuid.UUID(int=5))
+
+    def io_queue_size(self) -> int:
+        return 128
+
+    async def wait_live(self, *, fail_fast: bool = True) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def next_state(self) -> str:
+        self.state_changed = trio.Event()
+        await self.state_changed.wait()
+        return self.state
+
+
+# -- a client's own queues on the fake controller ------------------------------------------------
+
+OPC_FABRICS = 0x7F
+
+
+class FakeQueue:
+    """An I/O queue a companion client connected itself: commands land on ``ctrl``'s disks."""
+
+    size = 32
+    available = 31
+
+    def __init__(self, fabric: FakeFabric, qid: int) -> None:
+        self.fabric = fabric
+        self.qid = qid
+
+    async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
+                      to_controller: bool = False, timeout: float) -> Completion:
+        fabric = self.fabric
+        if fabric.fail_next:
+            fabric.fail_next -= 1
+            raise TransportError(f"I/O queue {self.qid}: work request failed: fake")
+        if sqe[0] == OPC_FABRICS:
+            fabric.connects.append(self.qid)
+            status = fabric.connect_status.pop(0) if fabric.connect_status else 0
+        else:
+            fabric.commands.append((sqe[0], self.qid))
+            await fabric.ctrl.io_command(sqe, data, to_controller=to_controller)
+            status = 0
+        return Completion(0, 0, self.qid, 0, status, True)
+
+    def close(self) -> None:
+        self.fabric.closed.append(self.qid)
+
+
+class FakeFabric:
+    """The transport a client's DirectQueues makes: memory registers, queues connect."""
+
+    name = "rdma"
+    address = "rdma fake"
+
+    def __init__(self, ctrl: AddressController) -> None:
+        self.ctrl = ctrl
+        self.registrations = ctrl.transport  # shared: its dma-bufs translate for the disks
+        self.connects: list[int] = []
+        self.commands: list[tuple[int, int]] = []
+        self.closed: list[int] = []
+        self.connect_status: list[int] = []  # statuses for the next Connects (0: success)
+        self.fail_next = 0  # commands to fail with a TransportError
+
+    def __call__(self, options: Any) -> FakeFabric:  # the transport factory
+        return self
+
+    async def connect_queue(self, nursery, qid, size, in_capsule_bytes=0, cntlid=0):
+        return FakeQueue(self, qid)
+
+    async def drop_queues(self) -> None:
+        await trio.lowlevel.checkpoint()
+
+    def register(self, addr: int, length: int, owner: object) -> FakeRegistration:
+        return self.registrations.register(addr, length, owner)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int):
+        return self.registrations.register_dmabuf(fd, offset, length, iova)
+
+    def close(self) -> None:
+        pass
+
+
+# -- the CUDA seam over host memory -----------------------------------------------------------
+
+class FakeTensor:
+    is_cuda = True
+
+    def __init__(self, nbytes: int) -> None:
+        self.mem = shm.allocate(nbytes)
+        self.bytes = np.frombuffer(self.mem, dtype=np.uint8, count=nbytes)
+        self.nbytes = nbytes
+
+
+class FakeCuda:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def is_cuda(self, obj) -> bool:
+        return isinstance(obj, FakeTensor)
+
+    def span(self, tensor):
+        return tensor.mem.addr, tensor.nbytes
+
+    def export_dmabuf(self, base: int, length: int) -> int:
+        self.calls.append("export")
+        assert base % gpu.PAGE == 0 and length % gpu.PAGE == 0
+        mem, offset = shm.find(base, length)
+        assert offset == 0
+        return os.dup(mem.fd)
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
+
+    def flush_gpudirect_writes(self) -> None:
+        self.calls.append("flush")
+
+    def to_device(self, tensor, byte_offset, data) -> None:
+        self.calls.append("to_device")
+        tensor.bytes[byte_offset:byte_offset + len(data)] = np.frombuffer(data, np.uint8)
+
+    def to_host(self, tensor, byte_offset, out) -> None:
+        self.calls.append("to_host")
+        out[:] = tensor.bytes[byte_offset:byte_offset + len(out)].tobytes()

@@ -19,7 +19,8 @@ from nvmeof_fuse import bench
 def test_companion_runner_measures_every_job(tmp_path):
     ctrl = AddressController(specs=((2, 4096, 8192),))
     with serving(ctrl, tmp_path) as (server, mnt):
-        results = bench.run_companion(SimpleNamespace(file=str(mnt / "n2"), seconds=0.2))
+        results = bench.run_companion(SimpleNamespace(file=str(mnt / "n2"), seconds=0.2,
+                                                      processes=1, jobs=None, start_at=0.0))
     assert set(results["metrics"]) == {"seq_read", "seq_write", "rand_read_qd1",
                                        "rand_read_qd16"}, results["errors"]
     assert all(v > 0 for v in results["metrics"].values())
@@ -41,6 +42,14 @@ def test_table_has_a_companion_column_and_ratio(tmp_path):
     assert "companion API" in text and "companion/kernel" in text
     assert "0.75" in text.splitlines()[2]
     assert data["figures"]["companion"] == {"seq_read": 60.0}
+
+
+def test_table_sets_two_companion_processes_against_one(tmp_path):
+    text, data = bench.table(saved_results(tmp_path, "rand_read_qd16", core=2000.0,
+                                           companion=1800.0, companion2=2700.0))
+    assert "companion, 2 processes" in text and "companion2/companion" in text
+    row = text.splitlines()[6]
+    assert "0.90" in row and "1.50" in row, row
 
 
 def test_table_shows_fuse_over_ram_against_the_kernel(tmp_path):

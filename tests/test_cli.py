@@ -70,8 +70,14 @@ def test_help_and_usage_errors(capsys):
         cli.main(["--help"])
     assert e.value.code == 0
     with pytest.raises(SystemExit) as e:
-        cli.main(["mount", "-n", "nqn.x:y", "/mnt"])  # no -a
+        cli.main(["mount", "-a", "192.0.2.1", "-n", "nqn.x:y"])  # no mountpoint
     assert e.value.code == 2
+
+
+def test_mount_without_a_target(capsys, host, tmp_path):
+    one_line_error(capsys, ["mount", "-n", "nqn.2014-08.org.example:s1", str(tmp_path)],
+                   "no target given: give nvme+rdma://HOST[:PORT]/SUBNQN[/NSID], or -a")
+    assert host.connects == []
 
 
 @pytest.mark.parametrize(
@@ -88,6 +94,8 @@ def test_help_and_usage_errors(capsys):
         (["-k", "soon"], "--keep-alive-tmo 'soon' is not a number"),
         (["-Q", "1"], "--queue-size 1 is out of range"),
         (["-i", "0"], "--nr-io-queues 0 is out of range"),
+        (["--companion-queues", "-1"], "--companion-queues -1 is out of range"),
+        (["--companion-queues", "many"], "--companion-queues 'many' is not an integer"),
         (["-c", "0"], "--reconnect-delay 0 is out of range (1-65535 s)"),
         (["-l", "-5"], "--ctrl-loss-tmo -5 is out of range (0-2147483648 s, or -1 for ever)"),
         (["-l", "later"], "--ctrl-loss-tmo 'later' is not a number"),

@@ -38,6 +38,8 @@ class SocketChannel:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._broken: NVMeoFError | None = None
+        self.on_event: Any = None
+        """Called on the reader thread with each event the daemon sends unasked."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.settimeout(timeout)
         try:
@@ -62,6 +64,9 @@ class SocketChannel:
                 if not data:
                     break
                 header, _ = protocol.decode(data)
+                if header.get("event") and self.on_event is not None:
+                    self.on_event(header)  # news the daemon sends unasked
+                    continue
                 with self._lock:
                     future = self._pending.pop(header.get("id"), None)
                 if future is not None:
@@ -78,9 +83,10 @@ class SocketChannel:
         for future in pending.values():
             future.set_exception(self._broken)
 
-    def call(self, op: str, *, fds: tuple[int, ...] = (), payload: bytes = b"",
-             timeout: float | None = None, **fields: Any) -> dict:
-        """Send one request and wait (bounded) for its reply's fields."""
+    def call_future(self, op: str, *, fds: tuple[int, ...] = (), payload: bytes = b"",
+                    **fields: Any) -> concurrent.futures.Future:
+        """Send one request; the future gets its reply's header (check it with
+        :func:`protocol.raise_for_reply`).  Waiting on it is the caller's, bounded."""
         future: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:
             if self._broken is not None:
@@ -98,12 +104,19 @@ class SocketChannel:
             self._reader.join(1.0)  # a refusal may be on its way
             raise self._broken or CompanionError(
                 f"lost the mount daemon: {exc.strerror or exc}", errno.ECONNRESET) from None
+        future.request_id = request_id  # type: ignore[attr-defined]
+        return future
+
+    def call(self, op: str, *, fds: tuple[int, ...] = (), payload: bytes = b"",
+             timeout: float | None = None, **fields: Any) -> dict:
+        """Send one request and wait (bounded) for its reply's fields."""
+        future = self.call_future(op, fds=fds, payload=payload, **fields)
         limit = self.timeout if timeout is None else timeout
         try:
             header = future.result(limit)
         except concurrent.futures.TimeoutError:
             with self._lock:
-                self._pending.pop(request_id, None)
+                self._pending.pop(future.request_id, None)  # type: ignore[attr-defined]
             raise CompanionError(f"the mount daemon did not answer {op} within {limit:g} s",
                                  errno.ETIMEDOUT) from None
         return protocol.raise_for_reply(header)

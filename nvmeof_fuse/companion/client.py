@@ -25,7 +25,7 @@ import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InvalidArgument, NVMeoFError
 from ..host.byterange import NoSpace
@@ -34,12 +34,16 @@ from . import gpu, shm
 from .channel import LocalChannel, SocketChannel
 from .protocol import CompanionError, Piece, chunks, plan_read, plan_write
 
+if TYPE_CHECKING:
+    from .direct import DirectQueues
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0  # s per request, plus time for its bytes at MIN_RATE
 MIN_RATE = 5e6  # bytes/s assumed when bounding a large request
 STAGING_SLOT = 1 << 20
 STAGING_SLOTS = 4
+QUEUES_PER_CLIENT = 2  # I/O queues a File leases and connects itself
 INFO_TIMEOUT = 10.0  # s for reading .nvmeof/companion.json (a hung mount blocks)
 _warned: set[str] = set()
 
@@ -105,17 +109,29 @@ def locate(path: str) -> tuple[str, int, dict]:
 
 
 class IOFuture:
-    """The result of :meth:`File.pread` / :meth:`File.pwrite`: ``get()`` gives the bytes moved."""
+    """The result of :meth:`File.pread` / :meth:`File.pwrite`: ``get()`` gives the bytes moved.
 
-    def __init__(self, future: concurrent.futures.Future) -> None:
+    ``finish`` runs once in the thread that gets the result (GPU ordering wants the
+    caller's thread); ``limit`` bounds a ``get()`` given no timeout.
+    """
+
+    def __init__(self, future: concurrent.futures.Future, finish: Any = None,
+                 limit: float | None = None) -> None:
         self._future = future
+        self._finish = finish
+        self._limit = limit
 
     def get(self, timeout: float | None = None) -> int:
+        timeout = self._limit if timeout is None else timeout
         try:
-            return self._future.result(timeout)
+            result = self._future.result(timeout)
         except concurrent.futures.TimeoutError:
             raise CompanionError(f"the transfer did not finish within {timeout:g} s",
                                  errno.ETIMEDOUT) from None
+        finish, self._finish = self._finish, None
+        if finish is not None:
+            finish()
+        return result
 
     def done(self) -> bool:
         return self._future.done()
@@ -212,7 +228,8 @@ class File:
     """A namespace file of a mounted controller, opened for direct placement."""
 
     def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT,
-                 compat_mode: bool | None = None, workers: int = 4) -> None:
+                 compat_mode: bool | None = None, workers: int = 4,
+                 queues: int = QUEUES_PER_CLIENT) -> None:
         from . import inprocess
 
         self.path = path
@@ -242,11 +259,32 @@ class File:
             self.read_only: bool = hello.get("read_only", False)
             slot = max(STAGING_SLOT, 2 * self.lba_size)
             self._staging = _Staging(self._channel, slot, STAGING_SLOTS, timeout)
+            self._direct = self._open_direct(hello, queues)
         except BaseException:
             self._channel.close()
             raise
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, "nvmeof-fuse file")
         shm.on_free(self._forget)
+
+    def _open_direct(self, hello: dict, queues: int) -> DirectQueues | None:
+        """Queues of our own on the mount, unless in-process, compat mode or refused."""
+        if self._mount is not None or self.compat_mode or queues <= 0:
+            return None
+        why = hello.get("leasing", "the mount daemon is too old to lease queues")
+        if why == "on":
+            from .direct import open_direct
+
+            direct, why = open_direct(self._channel, self.timeout, queues)
+            if direct is not None:
+                return direct
+        _warn_once(f"lease:{why}", f"nvmeof_fuse: {why}; moving data over the mount "
+                   "daemon's queues instead (slower; counted as direct_* or staged_*)")
+        return None
+
+    @property
+    def own_queues(self) -> tuple[int, ...]:
+        """The queue IDs this file uses on its own, or () when it uses the daemon's."""
+        return self._direct.qids if self._direct is not None else ()
 
     def __repr__(self) -> str:
         return f"<nvmeof_fuse.File {self.path}: {self.nbytes} bytes>"
@@ -264,8 +302,15 @@ class File:
         self._executor.shutdown(wait=True)  # new pread/pwrite calls fail from here on
         self._closed = True
         shm.remove_on_free(self._forget)
-        self._staging.close()
-        self._channel.close()
+        try:
+            if self._direct is not None:
+                self._direct.close()  # waits (bounded) for its requests in flight
+                self._channel.call("report", moved=self._direct.moved())
+        except NVMeoFError as exc:
+            log.debug("closing the file's own queues: %s", exc)
+        finally:
+            self._staging.close()
+            self._channel.close()
 
     def _forget(self, key: int) -> None:
         """A shared allocation was freed (a finalizer, any thread): unregister it later."""
@@ -284,7 +329,10 @@ class File:
                 log.debug("unregistering a freed array's region %d: %s", rid, exc)
 
     def stats(self) -> dict:
-        """The daemon's companion counters (direct and staged bytes, clients, regions)."""
+        """The daemon's companion counters: bytes over clients' own queues, over the
+        daemon's queues (direct) and staged, in total and per client."""
+        if self._direct is not None:
+            return self._channel.call("stats", moved=self._direct.moved())["stats"]
         return self._channel.stats()
 
     # -- caller memory ---------------------------------------------------------------------
@@ -407,6 +455,10 @@ class File:
         size = max(0, min(size, self.nbytes - file_offset))
         if not size:
             return 0
+        if self._direct is not None:
+            future = self._own_queues(mem, buf_offset, size, file_offset, write=False)
+            if future is not None:
+                return future.get()
         with self._target(mem, buf_offset, size) as target:
             if target.rid is not None:
                 self._read_direct(target, file_offset, size)
@@ -441,15 +493,15 @@ class File:
         self._check_open()
         mem = self._memory(buf)
         size = self._span(mem, size, buf_offset)
-        if self.read_only:
-            raise CompanionError(f"{self.path} is mounted read-only", errno.EROFS)
         if file_offset < 0:
             raise InvalidArgument(f"file_offset {file_offset} is negative")
-        if file_offset + size > self.nbytes:
-            raise NoSpace(f"write of {size} bytes at offset {file_offset} extends past the "
-                          f"end of {self.path} ({self.nbytes} bytes)")
+        self._check_write(file_offset, size)
         if not size:
             return 0
+        if self._direct is not None:
+            future = self._own_queues(mem, buf_offset, size, file_offset, write=True)
+            if future is not None:
+                return future.get()
         with self._target(mem, buf_offset, size) as target:
             target.before_write()
             if target.rid is not None:
@@ -462,6 +514,13 @@ class File:
                 self._write_staged(target, file_offset, size)
         return size
 
+    def _check_write(self, file_offset: int, size: int) -> None:
+        if self.read_only:
+            raise CompanionError(f"{self.path} is mounted read-only", errno.EROFS)
+        if file_offset + size > self.nbytes:
+            raise NoSpace(f"write of {size} bytes at offset {file_offset} extends past the "
+                          f"end of {self.path} ({self.nbytes} bytes)")
+
     def _write_staged(self, target: _Target, file_offset: int, size: int) -> None:
         staging = self._staging
         for offset, length in chunks(file_offset, size, self.lba_size, staging.slot):
@@ -473,15 +532,100 @@ class File:
                                     bytes(chunk[plan.head]), bytes(chunk[plan.tail]),
                                     self._budget(length))
 
+    def _own_queues(self, mem: _Memory, buf_offset: int, size: int, file_offset: int, *,
+                    write: bool) -> IOFuture | None:
+        """Start a transfer on this file's own queues; None when the memory cannot be
+        registered here (then the daemon's path serves it)."""
+        direct = self._direct
+        assert direct is not None
+        addr = mem.addr + buf_offset
+        if mem.cuda is not None:
+            try:
+                region, at, temporary = direct.dmabuf_region(mem.cuda, addr, size, mem.owner)
+            except (NVMeoFError, RuntimeError, OSError, ValueError, ImportError) as exc:
+                _warn_once(f"own-dmabuf:{exc}", f"nvmeof_fuse: cannot register the tensor's "
+                           f"dma-buf for our own queues ({exc}); using the mount daemon")
+                return None
+            target: _Target = _CudaTarget(mem.cuda, mem.owner, buf_offset)
+            target.rid = 0  # placed directly: flush after a read
+        else:
+            try:
+                region, at, temporary = direct.host_region(addr, size, mem.owner)
+            except NVMeoFError as exc:
+                _warn_once(f"own-reg:{exc}", f"nvmeof_fuse: cannot register the buffer for "
+                           f"our own queues ({exc}); using the mount daemon")
+                return None
+            target = _HostTarget(_host_view(mem.owner)[buf_offset:buf_offset + size])
+        edges: list[tuple[int, bytes]] = []
+        if write:
+            target.before_write()
+            plan = plan_write(file_offset, size, self.lba_size)
+            head = target.get(plan.head.start, plan.head.stop - plan.head.start)
+            tail = target.get(plan.tail.start, plan.tail.stop - plan.tail.start)
+
+            def get(start: int, length: int) -> bytes:
+                return head if start == 0 else tail
+
+            job, arg = direct.write, get
+        elif isinstance(target, _HostTarget):
+            job, arg = direct.read, target.put
+        else:  # device copies belong to the caller's thread: collected, put in finish
+            job, arg = direct.read, lambda at, data: edges.append((at, bytes(data)))
+
+        async def run() -> int:
+            try:
+                return await job(self.nsid, region, at, size, file_offset, arg)
+            finally:
+                if temporary:
+                    region.close()
+
+        def finish() -> None:
+            for dest, data in edges:
+                target.put(dest, memoryview(data))
+            if not write:
+                target.after_read()
+
+        self._check_open()  # a lost connection may be waited out: up to the daemon's limit
+        return IOFuture(direct.submit(run), finish, self._budget(size) + direct.renew_timeout)
+
     def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
               buf_offset: int = 0) -> IOFuture:
         """Start :meth:`read`; the future's ``get()`` gives the bytes read."""
-        return self._submit(self.read, buf, size, file_offset, buf_offset)
+        return self._start(False, buf, size, file_offset, buf_offset)
 
     def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0,
                buf_offset: int = 0) -> IOFuture:
         """Start :meth:`write`; the future's ``get()`` gives the bytes written."""
-        return self._submit(self.write, buf, size, file_offset, buf_offset)
+        return self._start(True, buf, size, file_offset, buf_offset)
+
+    def pread_batch(self, requests: list[tuple[Any, int, int]]) -> list[IOFuture]:
+        """Start many reads at once: ``[(buf, size, file_offset), ...]``; one future each."""
+        return [self.pread(buf, size, file_offset) for buf, size, file_offset in requests]
+
+    def read_batch(self, requests: list[tuple[Any, int, int]]) -> list[int]:
+        """:meth:`pread_batch` and wait: the bytes read by each request."""
+        return [future.get() for future in self.pread_batch(requests)]
+
+    def _start(self, write: bool, buf: Any, size: int | None, file_offset: int,
+               buf_offset: int) -> IOFuture:
+        if self._direct is None:
+            return self._submit(self.write if write else self.read, buf, size, file_offset,
+                                buf_offset)
+        self._check_open()
+        mem = self._memory(buf)
+        size = self._span(mem, size, buf_offset)
+        if file_offset < 0:
+            raise InvalidArgument(f"file_offset {file_offset} is negative")
+        if write:
+            self._check_write(file_offset, size)
+        else:
+            size = max(0, min(size, self.nbytes - file_offset))
+        future = (self._own_queues(mem, buf_offset, size, file_offset, write=write)
+                  if size else None)
+        if future is None:  # nothing to move, or memory only the daemon's path can serve
+            return self._submit(self.write if write else self.read, buf, size, file_offset,
+                                buf_offset)
+        return future
 
     def _submit(self, fn: Any, *args: Any) -> IOFuture:
         self._check_open()

@@ -23,7 +23,8 @@ MAX_MESSAGE = 64 << 10  # bytes; the largest payload is two partial LBAs
 MAX_FDS = 4
 _HEADER = struct.Struct("!I")
 
-OPS = ("hello", "register", "unregister", "read", "write", "stats")
+OPS = ("hello", "register", "unregister", "read", "write", "stats", "lease", "unlease",
+       "lock", "unlock", "report")
 
 
 class ProtocolError(NVMeoFError):

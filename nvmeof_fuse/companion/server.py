@@ -21,10 +21,10 @@ from typing import Any
 
 import trio
 
-from ..errors import NVMeoFError
+from ..errors import InvalidArgument, NVMeoFError
 from . import protocol
 from .protocol import Piece, ProtocolError
-from .session import CompanionStats, Registered, Session
+from .session import CompanionStats, ReadOnly, Registered, Session
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +33,15 @@ _CREDS = struct.Struct("3i")  # struct ucred: pid, uid, gid
 
 class Refused(NVMeoFError):
     errno = errno.EACCES
+
+
+class NoLease(NVMeoFError):
+    """No queue IDs for a client of its own: it uses the daemon's queues instead."""
+
+    errno = errno.EBUSY
+
+
+LOCK_GRACE = 30.0  # s a client may hold a write lock beyond the time its write was given
 
 
 def peer_allowed(peer_uid: int, owner_uid: int) -> bool:
@@ -72,7 +81,8 @@ class CompanionServer:
 
     def snapshot(self) -> dict[str, Any]:
         return {**self.stats.snapshot(),
-                "sessions": [{"peer": s.peer, "regions": len(s.regions)} for s in self.sessions]}
+                "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
+                              **s.counts} for s in self.sessions]}
 
     def new_session(self, peer: str) -> Session:
         session = Session(self.controller, self.stats, peer, read_only=self.read_only,
@@ -83,7 +93,9 @@ class CompanionServer:
         return session
 
     def end_session(self, session: Session) -> None:
+        session.end_waits()
         session.close()
+        self._unlease(session)
         self.sessions.discard(session)
         self.stats.clients -= 1
 
@@ -106,6 +118,8 @@ class CompanionServer:
             self.controller.companion = self
             task_status.started()
             async with trio.open_nursery() as nursery:
+                if not self.leasing():
+                    nursery.start_soon(self._revoke_leases_on_loss)
                 while True:
                     conn, _ = await listener.accept()
                     nursery.start_soon(self._client, conn)
@@ -125,33 +139,54 @@ class CompanionServer:
                                   f"{self.owner_uid} (only that user and root may)")
                 with trio.move_on_after(1):
                     await conn.send(protocol.reply_error(0, refusal))
+                    # Read what the client sent before closing: closing a Unix socket with
+                    # unread data resets the peer, which would lose the refusal unread.
+                    conn.shutdown(socket.SHUT_WR)
+                    while await conn.recv(protocol.MAX_MESSAGE):
+                        pass
                 return
             session = self.new_session(f"pid {pid} uid {uid}")
+            send_lock = trio.Lock()
+
+            async def notify(event: dict[str, Any]) -> None:
+                async with send_lock:
+                    with trio.move_on_after(1):  # a client that reads nothing is not waited for
+                        try:
+                            await conn.send(protocol.encode({"id": 0, "ok": True, **event}))
+                        except OSError:
+                            pass
+
+            session.notify = notify
             log.info("companion: client pid %d connected", pid)
             try:
-                await self._requests(conn, session)
+                await self._requests(conn, session, send_lock)
             finally:
                 self.end_session(session)
                 log.info("companion: client pid %d gone; its registrations are released", pid)
 
-    async def _requests(self, conn: trio.socket.SocketType, session: Session) -> None:
-        send_lock = trio.Lock()
+    async def _requests(self, conn: trio.socket.SocketType, session: Session,
+                        send_lock: trio.Lock) -> None:
         async with trio.open_nursery() as nursery:  # exits once in-flight requests are done
-            while True:
-                try:
-                    data, ancdata, flags, _ = await conn.recvmsg(
-                        protocol.MAX_MESSAGE, socket.CMSG_SPACE(protocol.MAX_FDS * 4))
-                except OSError:
-                    return
-                fds = received_fds(ancdata)
-                if not data and not fds:
-                    return  # the client closed (or died)
-                if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
-                    for fd in fds:
-                        os.close(fd)
-                    log.warning("companion: %s sent an oversized message; closing", session.peer)
-                    return
-                nursery.start_soon(self._answer, conn, send_lock, session, data, fds)
+            session.nursery = nursery
+            try:
+                while True:
+                    try:
+                        data, ancdata, flags, _ = await conn.recvmsg(
+                            protocol.MAX_MESSAGE, socket.CMSG_SPACE(protocol.MAX_FDS * 4))
+                    except OSError:
+                        return
+                    fds = received_fds(ancdata)
+                    if not data and not fds:
+                        return  # the client closed (or died)
+                    if flags & (socket.MSG_TRUNC | socket.MSG_CTRUNC):
+                        for fd in fds:
+                            os.close(fd)
+                        log.warning("companion: %s sent an oversized message; closing",
+                                    session.peer)
+                        return
+                    nursery.start_soon(self._answer, conn, send_lock, session, data, fds)
+            finally:
+                session.end_waits()  # its locks go; its commands in flight still finish
 
     async def _answer(self, conn: trio.socket.SocketType, send_lock: trio.Lock,
                       session: Session, data: bytes, fds: list[int]) -> None:
@@ -216,9 +251,139 @@ class CompanionServer:
         if op == "unregister":
             session.unregister(f(header, "region"))
             return {}
+        if op == "lease":
+            return await self.lease(session, f(header, "want"))
+        if op == "unlease":
+            self._unlease(session)
+            return {}
+        if op == "lock":
+            token = await self.lock(session, f(header, "nsid"), f(header, "offset"),
+                                    f(header, "length"), f(header, "hold_s"))
+            return {"token": token}
+        if op == "unlock":
+            session.report(header.get("moved") or {})
+            await self.unlock(session, f(header, "token"), f(header, "nsid"))
+            return {}
+        if op == "report":
+            session.report(header.get("moved") or {})
+            return {}
         if op == "stats":
+            session.report(header.get("moved") or {})
             return {"stats": self.snapshot()}
         raise ProtocolError(f"unknown companion request {op!r}")
+
+    def _unlease(self, session: Session) -> None:
+        if session.qids:
+            session.qids = []
+            self.stats.leases -= 1
+
+    # -- queues of a client's own ----------------------------------------------------------
+
+    def leasing(self) -> str:
+        """Why clients cannot have queues of their own here; empty when they can."""
+        ctrl = self.controller
+        options = getattr(ctrl, "options", None)
+        if options is None or not options.companion_queues:
+            return "queue leasing is off on this mount (--companion-queues 0)"
+        if getattr(ctrl.transport, "name", "") != "rdma":
+            return (f"the mount's {ctrl.transport.name} transport gives no direct placement "
+                    "into another process's memory")
+        return ""
+
+    async def _revoke_leases_on_loss(self) -> None:
+        """When the controller is lost, tell every client with queues of its own at once.
+
+        Their queues belonged to the lost controller; without a keep-alive of their own
+        they would only find out when a command timed out.  They ask for a lease again,
+        which waits for the reconnect.
+        """
+        ctrl = self.controller
+        while True:
+            if await ctrl.next_state() == "live":
+                continue
+            for session in list(self.sessions):
+                if session.qids and session.notify is not None:
+                    await session.notify({"event": "revoked", "state": ctrl.state})
+
+    async def lease(self, session: Session, want: int) -> dict[str, Any]:
+        """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting).
+
+        A session keeps its queue IDs until it ends; asking again (after its queues
+        failed) waits for the controller to be live and names its controller ID.
+        """
+        why = self.leasing()
+        if why:
+            raise NoLease(why)
+        ctrl = self.controller
+        with session.waiting() as wait:
+            await ctrl.wait_live(fail_fast=False)
+        if wait.cancelled_caught:
+            raise NoLease("the client went away while waiting for its lease")
+        if not session.qids:
+            taken = {q for s in self.sessions for q in s.qids}
+            free = [q for q in ctrl.lease_qids if q not in taken]
+            if not free:
+                self.stats.lease_refusals += 1
+                raise NoLease(f"all {len(ctrl.lease_qids)} companion queues of this mount are "
+                              "leased (--companion-queues)")
+            session.qids = free[:max(1, want)]
+            self.stats.leases += 1
+            log.info("companion: %s leases queues %s", session.peer,
+                     ",".join(map(str, session.qids)))
+        opts = ctrl.options
+        return {
+            "qids": session.qids, "cntlid": ctrl.cntlid, "transport": ctrl.transport.name,
+            "traddr": opts.traddr, "trsvcid": opts.trsvcid, "host_traddr": opts.host_traddr,
+            "subnqn": opts.nqn, "hostnqn": ctrl.identity.hostnqn,
+            "hostid": str(ctrl.identity.hostid), "queue_size": ctrl.io_queue_size(),
+            "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
+            "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
+            "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
+            "namespaces": [[n, ns.lba_size, ns.nlb] for n, ns in sorted(ctrl.namespaces.items())],
+        }
+
+    async def lock(self, session: Session, nsid: int, offset: int, length: int,
+                   timeout: float) -> int:
+        """Hold the range lock of a write the client makes on its own queues; a token.
+
+        Held until :meth:`unlock`, the client's end, or ``timeout`` plus a grace.
+        """
+        if self.read_only:
+            raise ReadOnly("the namespace is mounted read-only")
+        ns = session.namespace(nsid)
+        if offset < 0 or length <= 0 or offset + length > ns.size:
+            raise InvalidArgument(f"bad write lock: offset {offset}, length {length} on "
+                                  f"namespace {nsid} ({ns.size} bytes)")
+        assert session.nursery is not None
+        release = trio.Event()
+        limit = timeout + LOCK_GRACE
+
+        async def hold(task_status: trio.TaskStatus[None]) -> None:
+            with trio.move_on_after(limit) as held:
+                async with ns.write_locked(offset, length):
+                    task_status.started()
+                    await release.wait()
+            if held.cancelled_caught:
+                log.warning("companion: %s held a write lock on n%d for over %g s; released",
+                            session.peer, nsid, limit)
+
+        with session.waiting():
+            await session.nursery.start(hold)
+            session.next_token += 1
+            session.write_locks[session.next_token] = release
+            return session.next_token
+        raise NoLease("the client went away while waiting for a write lock")
+
+    async def unlock(self, session: Session, token: int, nsid: int) -> None:
+        """The client's write is done: drop cached pages, then release its lock."""
+        release = session.write_locks.pop(token, None)
+        if release is None:
+            raise InvalidArgument(f"write lock {token} is not held")
+        try:
+            if self.on_write is not None:
+                await self.on_write(nsid)
+        finally:
+            release.set()
 
     async def write(self, session: Session, nsid: int, *args: Any) -> None:
         """``session.write(nsid, *args)``, then ``on_write(nsid)``."""
@@ -232,6 +397,7 @@ class CompanionServer:
             "version": protocol.VERSION,
             "read_only": self.read_only,
             "max_transfer": ctrl.max_transfer,
+            "leasing": self.leasing() or "on",
             "namespaces": {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
                            for n, ns in sorted(ctrl.namespaces.items())},
         }

@@ -9,6 +9,7 @@ partial LBAs at its ends (read-modify-write under the namespace's range lock).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -16,9 +17,11 @@ import logging
 import mmap
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import trio
 
 from ..concurrency import run_all
 from ..errors import CommandTimeout, InvalidArgument, NVMeoFError, TransportError
@@ -44,14 +47,23 @@ class CompanionStats:
     regions: int = 0
     requests: int = 0
     errors: int = 0
-    direct_read_bytes: int = 0
+    leases: int = 0  # clients holding queue IDs of their own
+    lease_refusals: int = 0
+    client_queue_read_bytes: int = 0  # moved over the clients' own queues (daemon not involved)
+    client_queue_write_bytes: int = 0
+    direct_read_bytes: int = 0  # moved over the daemon's queues, straight into client memory
     direct_write_bytes: int = 0
-    staged_read_bytes: int = 0
+    staged_read_bytes: int = 0  # through a client's bounce memory
     staged_write_bytes: int = 0
     daemon_copied_bytes: int = 0  # payload the daemon itself copied (write edges only)
 
     def snapshot(self) -> dict[str, int]:
         return dict(self.__dict__)
+
+
+PATH_COUNTERS = ("client_queue_read_bytes", "client_queue_write_bytes", "direct_read_bytes",
+                 "direct_write_bytes", "staged_read_bytes", "staged_write_bytes")
+"""Bytes by path, counted per client as well as in total."""
 
 
 @dataclass(eq=False)
@@ -88,6 +100,14 @@ class Session:
         self.regions: dict[int, Registered] = {}
         self._next = 1
         self._quarantine = quarantine if quarantine is not None else []
+        self.counts = dict.fromkeys(PATH_COUNTERS, 0)
+        self.qids: list[int] = []  # leased queue IDs
+        self.write_locks: dict[int, trio.Event] = {}  # token -> set to release the lock
+        self.next_token = 0
+        self._waits: set[trio.CancelScope] = set()  # lease and lock waits under way
+        self.ended = False
+        self.nursery: trio.Nursery | None = None  # where held locks live (the connection's)
+        self.notify: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # unasked news
 
     # -- registration ---------------------------------------------------------------------
 
@@ -181,7 +201,7 @@ class Session:
 
     # -- I/O --------------------------------------------------------------------------------
 
-    def _namespace(self, nsid: int) -> Any:
+    def namespace(self, nsid: int) -> Any:
         ns = self.controller.namespaces.get(nsid)
         if ns is None:
             raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
@@ -202,11 +222,45 @@ class Session:
 
     def _count(self, reg: Registered, nbytes: int, write: bool) -> None:
         name = ("staged_" if reg.staging else "direct_") + ("write" if write else "read")
-        setattr(self.stats, name + "_bytes", getattr(self.stats, name + "_bytes") + nbytes)
+        self.add(name + "_bytes", nbytes)
+
+    def add(self, counter: str, nbytes: int) -> None:
+        """Count ``nbytes`` moved by ``counter``'s path, for this client and in total."""
+        self.counts[counter] += nbytes
+        setattr(self.stats, counter, getattr(self.stats, counter) + nbytes)
+
+    def report(self, moved: dict[str, int]) -> None:
+        """The client's own running totals of bytes over its own queues."""
+        for counter in ("client_queue_read_bytes", "client_queue_write_bytes"):
+            total = moved.get(counter)
+            if isinstance(total, int) and total > self.counts[counter]:
+                self.add(counter, total - self.counts[counter])
+
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[trio.CancelScope]:
+        """A scope for a wait on the client's behalf, cancelled when the client goes."""
+        scope = trio.CancelScope()
+        if self.ended:
+            scope.cancel()
+        self._waits.add(scope)
+        try:
+            with scope:
+                yield scope
+        finally:
+            self._waits.discard(scope)
+
+    def end_waits(self) -> None:
+        """The client is gone: stop its lease and lock waits and release its locks."""
+        self.ended = True
+        for scope in self._waits:
+            scope.cancel()
+        for release in self.write_locks.values():
+            release.set()
+        self.write_locks.clear()
 
     async def read(self, nsid: int, pieces: list[Piece]) -> None:
         """Read each piece's LBAs straight into its registered region."""
-        ns = self._namespace(nsid)
+        ns = self.namespace(nsid)
         jobs = []
         for piece in pieces:  # all checked before any is issued
             reg = self._get(piece.region)
@@ -224,7 +278,7 @@ class Session:
         """Write ``length`` bytes at ``offset``: whole LBAs from the region, edges from bytes."""
         if self.read_only:
             raise ReadOnly("the namespace is mounted read-only")
-        ns = self._namespace(nsid)
+        ns = self.namespace(nsid)
         if offset < 0 or length <= 0:
             raise InvalidArgument(f"bad write: offset {offset}, length {length}")
         if offset + length > ns.size:

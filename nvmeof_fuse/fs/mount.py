@@ -30,7 +30,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 FSNAME = "nvmeof-fuse"
-SUBTYPE = "nvmeof"  # mounts show up as fstype fuse.nvmeof
+SUBTYPE = "nvmeof-fuse"  # mounts show up as fstype fuse.nvmeof-fuse, the type fstab names
 CHECK_TIMEOUT = 10.0  # s for stat()s of the mountpoint: a hung FUSE mount blocks them
 DRAIN_TIMEOUT = 30.0  # s for in-flight requests to finish once asked to stop
 # Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us.  Its default of 12
@@ -109,7 +109,8 @@ def check_mountpoint(path: str) -> str:
 
 
 def fuse_options(options: MountOptions) -> set[str]:
-    opts = set(pyfuse3.default_options) | {f"fsname={FSNAME}", f"subtype={SUBTYPE}"}
+    fsname = (options.source or FSNAME).replace("\\", "\\\\").replace(",", "\\,")
+    opts = set(pyfuse3.default_options) | {f"fsname={fsname}", f"subtype={SUBTYPE}"}
     opts.add("default_permissions")
     if options.allow_other:
         opts.add("allow_other")
@@ -147,6 +148,13 @@ def raise_max_background(path: str, value: int = MAX_BACKGROUND,
         return None
     log.debug("FUSE max_background is %d", current)
     return current
+
+
+def check_nsid(controller: ControllerLike, nsid: int | None) -> None:
+    """Raise MountError unless ``nsid`` (when given) is an active namespace of ``controller``."""
+    if nsid is not None and nsid not in controller.namespaces:
+        active = ", ".join(str(n) for n in sorted(controller.namespaces)) or "none"
+        raise MountError(f"namespace {nsid} is not active on the controller (active: {active})")
 
 
 async def check_mountpoint_async(path: str) -> str:
@@ -187,6 +195,7 @@ async def serve(
     if _serving:
         raise MountError("this process already serves a mount (pyfuse3 allows one per process)")
     path = await check_mountpoint_async(mountpoint)
+    check_nsid(controller, options.nsid)
     ops = NamespaceFS(controller, options)
     _init(ops, path, options)
     raise_max_background(path)

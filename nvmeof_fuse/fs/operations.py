@@ -116,6 +116,8 @@ class NamespaceFS(pyfuse3.Operations):
         add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl)))
         add_info("companion.json", lambda: info.to_json(info.companion_dict(ctrl)))
         for nsid in sorted(ctrl.namespaces):
+            if self.options.nsid is not None and nsid != self.options.nsid:
+                continue
             self._add_namespace(ctrl.namespaces[nsid])
         infodir.parent = root.inode
 
@@ -153,7 +155,8 @@ class NamespaceFS(pyfuse3.Operations):
         for change in changes:
             if change.kind == "added":
                 ns = self.controller.namespaces.get(change.nsid)
-                if ns is not None and change.nsid not in self.ns_inodes:
+                shown = self.options.nsid is None or change.nsid == self.options.nsid
+                if ns is not None and shown and change.nsid not in self.ns_inodes:
                     self._add_namespace(ns)
             elif change.kind == "removed":
                 forget += self._remove_namespace(change.nsid)

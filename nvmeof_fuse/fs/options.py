@@ -17,3 +17,5 @@ class MountOptions:
     gid: int | None = None
     mode: int = DEFAULT_MODE
     debug: bool = False  # also pass libfuse's ``debug`` (a trace of every request on stderr)
+    nsid: int | None = None  # show only this namespace (a URI's ``/NSID``); None: all
+    source: str | None = None  # what /proc/self/mountinfo shows as the source (fsname)

@@ -114,6 +114,14 @@ def split_range(offset: int, length: int, lba_size: int) -> Split:
     return Split(head, pos // lba_size, mid_nlb, middle, tail)
 
 
+def write_lock_parts(sp: Split) -> list[tuple[int, int, bool]]:
+    """The lock a write of ``sp`` takes: its edge LBAs exclusive, its middle shared."""
+    parts = [(e.lba, e.lba + 1, True) for e in sp.edges()]
+    if sp.middle_nlb:
+        parts.append((sp.middle_slba, sp.middle_slba + sp.middle_nlb, False))
+    return parts
+
+
 @dataclass(eq=False)
 class _Request:
     parts: list[tuple[int, int, bool]]  # (first LBA, end LBA, exclusive)
@@ -232,15 +240,23 @@ class ByteRangeIO:
         merged here by read-modify-write.  Locking is as for :meth:`write`.
         """
         sp = split_range(offset, length, self.device.lba_size)
-        parts = [(e.lba, e.lba + 1, True) for e in sp.edges()]
-        if sp.middle_nlb:
-            parts.append((sp.middle_slba, sp.middle_slba + sp.middle_nlb, False))
         jobs = [functools.partial(self._rmw, e, edge_data(e)) for e in sp.edges()]
         if sp.middle_nlb:
             jobs.append(functools.partial(write_middle, sp.middle_slba, sp.middle_nlb))
         with self._record("write", length):
-            async with self.lock.hold(parts):
+            async with self.lock.hold(write_lock_parts(sp)):
                 await run_all(jobs)
+
+    @asynccontextmanager
+    async def write_locked(self, offset: int, length: int) -> AsyncIterator[None]:
+        """Hold the LBAs a write of ``[offset, offset + length)`` touches, as a write does.
+
+        For a writer elsewhere (a companion client on queues of its own) that must not
+        slip between a read-modify-write's read and its write, nor be slipped into.
+        """
+        sp = split_range(offset, length, self.device.lba_size)
+        async with self.lock.hold(write_lock_parts(sp)):
+            yield
 
     async def _rmw(self, edge: Edge, data: bytes | memoryview) -> None:
         """Merge ``data`` into one LBA; the caller holds the LBA exclusively."""

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 ADMIN_QUEUE_SIZE = 32  # NVME_AQ_DEPTH
 MAX_DEFAULT_IO_QUEUES = 8
+DEFAULT_COMPANION_QUEUES = 8
 BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
@@ -65,6 +66,8 @@ class ConnectOptions:
     hostnqn: str | None = None
     hostid: str | None = None
     nr_io_queues: int | None = None
+    companion_queues: int = DEFAULT_COMPANION_QUEUES
+    """Extra I/O queue IDs asked for at connect time and leased to companion clients."""
     queue_size: int = 128
     keep_alive_tmo: float = 5.0
     reconnect_delay: float = 10.0
@@ -85,6 +88,8 @@ class ConnectOptions:
             raise InvalidArgument(f"--trsvcid {self.trsvcid} is not a port number (1-65535)")
         if self.nr_io_queues is not None and not 1 <= self.nr_io_queues <= 65535:
             raise InvalidArgument(f"--nr-io-queues {self.nr_io_queues} must be 1-65535")
+        if not 0 <= self.companion_queues <= 65534:
+            raise InvalidArgument(f"--companion-queues {self.companion_queues} must be 0-65534")
         if not 2 <= self.queue_size <= 65536:
             raise InvalidArgument(f"--queue-size {self.queue_size} must be 2-65536")
         if not 0 <= self.keep_alive_tmo <= 65535:
@@ -139,6 +144,9 @@ class Controller:
         self._scratch_lock = trio.Lock()
         self._regions: list[Region] = []
         self._next_queue = 0
+        self.lease_qids: list[int] = []
+        """I/O queue IDs granted by the target beyond our own: companion clients lease them."""
+        self.in_capsule_bytes = 0
         self._cc = 0
         self.companion: Any = None  # the mount's companion server, while one serves
         self._states = StateMachine()
@@ -224,12 +232,20 @@ class Controller:
             return False
         return True
 
-    async def wait_live(self) -> None:
-        """Return once the controller is live; raise ControllerLost once it never will be."""
+    async def next_state(self) -> str:
+        """Wait for the next change of state; the new state."""
+        await self._states.wait_changed()
+        return self.state
+
+    async def wait_live(self, *, fail_fast: bool = True) -> None:
+        """Return once the controller is live; raise ControllerLost once it never will be.
+
+        With ``fail_fast`` (I/O), also while ``--fast-io-fail-tmo`` fails I/O.
+        """
         while self.state is not LIVE:
             if self.state in (DELETING, DEAD):
                 raise ControllerLost(self._dead_reason)
-            if self._failing_io:
+            if self._failing_io and fail_fast:
                 raise ControllerLost(self._failing_io)
             await self._states.wait_changed()
 
@@ -467,17 +483,22 @@ class Controller:
         await self._enable()
 
     async def _connect_io_queues(self) -> None:
-        """Set Features Number of Queues, then connect each I/O queue (also on reconnects)."""
+        """Set Features Number of Queues, then connect each I/O queue (also on reconnects).
+
+        The count asked for includes ``companion_queues`` more than we connect: those
+        QIDs stay free for companion clients to connect themselves (``lease_qids``).
+        """
         assert self.identify is not None and self.cap is not None
-        requested = self._io_queue_count(0xFFFF)
+        own = self._io_queue_count(0xFFFF)
+        requested = min(0xFFFF, own + self.options.companion_queues)
         dw0 = await self.set_features(FeatureId.NUMBER_OF_QUEUES,
                                       (requested - 1) | (requested - 1) << 16)
         granted = min(dw0 & 0xFFFF, dw0 >> 16) + 1
         count = self._io_queue_count(granted)
-        size = min(self.options.queue_size, self.cap.max_queue_entries)
-        if self.identify.maxcmd:
-            size = min(size, self.identify.maxcmd)
+        self.lease_qids = list(range(count + 1, min(granted, requested) + 1))
+        size = self.io_queue_size()
         in_capsule = self.identify.in_capsule_data_bytes if not self.identify.icdoff else 0
+        self.in_capsule_bytes = in_capsule
         queues = []
         for qid in range(1, count + 1):
             queue = await self.transport.connect_queue(self._nursery, qid, size, in_capsule,
@@ -485,6 +506,14 @@ class Controller:
             await self._fabrics_connect(queue)
             queues.append(queue)
         self.io_queues = queues
+
+    def io_queue_size(self) -> int:
+        """Entries per I/O queue: ours, and what a companion client's queues may use."""
+        assert self.identify is not None and self.cap is not None
+        size = min(self.options.queue_size, self.cap.max_queue_entries)
+        if self.identify.maxcmd:
+            size = min(size, self.identify.maxcmd)
+        return size
 
     async def start(self) -> None:
         opts = self.options

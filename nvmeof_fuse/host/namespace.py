@@ -201,6 +201,10 @@ class Namespace:
         """A write whose whole LBAs the caller moves (see ByteRangeIO.write_placed)."""
         await self._bytes.write_placed(offset, length, edge_data, write_middle)
 
+    def write_locked(self, offset: int, length: int):
+        """Hold the range lock a write of these bytes takes (see ByteRangeIO.write_locked)."""
+        return self._bytes.write_locked(offset, length)
+
     # -- other commands --------------------------------------------------------------------------
 
     async def flush(self) -> None:

@@ -10,6 +10,7 @@ is done.  Any number of threads may call in at once.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Awaitable, Callable
@@ -96,6 +97,7 @@ class SyncController:
         self._closed = False
         self._inflight = 0
         self._idle: trio.Event | None = None
+        self._tasks: trio.Nursery  # runs submitted calls, once connected
         self._thread = threading.Thread(target=self._main, daemon=True,
                                         name=f"nvmeof {options.traddr}:{options.trsvcid}")
         self._thread.start()
@@ -120,12 +122,14 @@ class SyncController:
         connect = self._connect or _controller.connect
         with self._scope:
             async with connect(self.options) as controller:
-                self._namespaces = {nsid: SyncNamespace(self, ns)
-                                    for nsid, ns in controller.namespaces.items()}
-                self._controller = controller
-                self._settled.set()
-                await self._stop.wait()
-                await self._drain()
+                async with trio.open_nursery() as self._tasks:
+                    self._namespaces = {nsid: SyncNamespace(self, ns)
+                                        for nsid, ns in controller.namespaces.items()}
+                    self._controller = controller
+                    self._settled.set()
+                    await self._stop.wait()
+                    await self._drain()
+                    self._tasks.cancel_scope.cancel()
 
     async def _drain(self) -> None:
         """Let calls already running finish (bounded) before the controller goes away."""
@@ -197,6 +201,47 @@ class SyncController:
             return trio.from_thread.run(self._guarded, async_fn, args, trio_token=token)
         except (trio.RunFinishedError, trio.Cancelled):
             raise self._closed_error() from None
+
+    def submit(self, async_fn: Callable[..., Awaitable[T]], *args: Any
+               ) -> concurrent.futures.Future[T]:
+        """Start ``await async_fn(*args)`` on the loop without waiting: its future.
+
+        No thread waits per call: the loop completes the future.
+        """
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        token = self._live_token()
+        try:
+            token.run_sync_soon(self._start_task, async_fn, args, future)
+        except trio.RunFinishedError:
+            raise self._closed_error() from None
+        return future
+
+    def _start_task(self, async_fn: Callable[..., Awaitable[T]], args: tuple,
+                    future: concurrent.futures.Future[T]) -> None:
+        try:
+            self._admit()
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            future.set_exception(exc)
+            return
+        self._tasks.start_soon(self._complete, async_fn, args, future)
+
+    async def _complete(self, async_fn: Callable[..., Awaitable[T]], args: tuple,
+                        future: concurrent.futures.Future[T]) -> None:
+        try:
+            result = await async_fn(*args)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
+            future.set_exception(_unwrap(exc) if not isinstance(exc, trio.Cancelled)
+                                 else self._closed_error())
+        else:
+            future.set_result(result)
+        finally:
+            self._leave()
+
+    @property
+    def controller(self) -> Any:
+        """The connected controller; touch it only in functions run on its loop."""
+        self._live_token()
+        return self._controller
 
     def _call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the controller's loop (it may touch loop-owned state)."""

@@ -199,3 +199,14 @@ def test_stats_are_regenerated_at_each_open(fs, ctrl):
 def test_statfs(fs):
     s = call(fs.statfs, None)
     assert s.f_bsize * s.f_blocks == 32768 + 16384
+
+
+def test_nsid_option_shows_only_that_namespace(ctrl, monkeypatch):
+    fs = NamespaceFS(ctrl, MountOptions(nsid=7))
+    assert listdir(fs, pyfuse3.ROOT_INODE, monkeypatch) == [".nvmeof", "n7"]
+    infodir = lookup(fs, ".nvmeof")
+    names = listdir(fs, infodir, monkeypatch)
+    assert "n7.json" in names and "n1" not in names and "n1.json" not in names
+    with pytest.raises(pyfuse3.FUSEError) as e:
+        lookup(fs, "n1")
+    assert e.value.errno == errno.ENOENT

@@ -1,12 +1,17 @@
 """A second process using nvmeof_fuse.File (run by test_companion.py inside the VM).
 
-    python companion_child.py roundtrip PATH OFFSET SIZE   write random data, read it back
+    python companion_child.py roundtrip PATH OFFSET SIZE [KIND]  write random data, read it back
+    python companion_child.py both MOUNT OFFSET SIZE KIND  roundtrip on n1, then on n2
+    python companion_child.py churn PATH OFFSET SIZE STOP  write, read, compare until STOP exists
+    python companion_child.py overwrite PATH OFFSET SIZE N  write bytes of value 1..N, print N
     python companion_child.py loop PATH SIZE               read forever (to be killed)
     python companion_child.py dmabuf PATH OFFSET SIZE      read into a "device" buffer that is
                                                            exported as a real dma-buf (udmabuf)
 
 ``roundtrip`` prints one JSON line: the SHA-256 of what it wrote, whether the read
-matched, and the daemon's companion counters before and after the read.
+matched, the queue IDs the file used on its own, and the daemon's companion counters
+before and after the read.  KIND is ``empty`` (``nvmeof_fuse.empty``, the default) or
+``numpy`` (a plain array).
 """
 
 from __future__ import annotations
@@ -24,17 +29,59 @@ import numpy as np
 import nvmeof_fuse
 
 
-def roundtrip(path: str, offset: int, size: int) -> None:
-    data = nvmeof_fuse.empty(size)
+def _array(size: int, kind: str) -> np.ndarray:
+    """``empty``: shared memory the daemon could map; ``numpy``: plain process memory."""
+    return nvmeof_fuse.empty(size) if kind == "empty" else np.zeros(size, dtype=np.uint8)
+
+
+def roundtrip(path: str, offset: int, size: int, kind: str = "empty") -> None:
+    data = _array(size, kind)
     data[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
-    out = nvmeof_fuse.empty(size)
+    out = _array(size, kind)
     with nvmeof_fuse.File(path) as f:
         assert f.pwrite(data, file_offset=offset).get(600) == size
         before = f.stats()
         assert f.read(out, file_offset=offset) == size
         after = f.stats()
-    print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(),
-                      "equal": bool((out == data).all()), "before": before, "after": after}))
+        own = list(f.own_queues)
+    print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "own_queues": own,
+                      "equal": bool((out == data).all()), "before": before, "after": after}),
+          flush=True)
+
+
+def churn(path: str, offset: int, size: int, stop: str) -> None:
+    """Write, read back and compare until the file ``stop`` exists; print a line per round.
+
+    A request that fails prints its error instead: the caller decides what is right.
+    """
+    data, out = nvmeof_fuse.empty(size), np.zeros(size, dtype=np.uint8)
+    with nvmeof_fuse.File(path) as f:
+        print(json.dumps({"own_queues": list(f.own_queues)}), flush=True)
+        rounds = 0
+        while not os.path.exists(stop):
+            rounds += 1
+            data[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+            try:
+                f.write(data, file_offset=offset)
+                f.read(out, file_offset=offset)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                print(json.dumps({"round": rounds, "error": str(exc),
+                                  "errno": getattr(exc, "errno", None)}), flush=True)
+                continue
+            print(json.dumps({"round": rounds, "equal": bool((out == data).all())}),
+                  flush=True)
+
+
+def overwrite(path: str, offset: int, size: int, rounds: int) -> None:
+    """Write ``size`` bytes of value r at ``offset`` for r = 1..rounds; print the last r."""
+    data = np.zeros(size, dtype=np.uint8)
+    with nvmeof_fuse.File(path) as f:
+        assert f.own_queues, "no queues of its own"
+        print("writing", flush=True)
+        for r in range(1, rounds + 1):
+            data[:] = r
+            f.write(data, file_offset=offset)
+    print(rounds, flush=True)
 
 
 def loop(path: str, size: int) -> None:
@@ -113,8 +160,15 @@ def dmabuf(path: str, offset: int, size: int) -> None:
 if __name__ == "__main__":
     mode, path, *numbers = sys.argv[1:]
     if mode == "roundtrip":
-        roundtrip(path, int(numbers[0]), int(numbers[1]))
+        roundtrip(path, int(numbers[0]), int(numbers[1]), *sys.argv[5:6])
+    elif mode == "both":  # PATH is the mountpoint: n1, then n2
+        for nsid in (1, 2):
+            roundtrip(f"{path}/n{nsid}", int(numbers[0]), int(numbers[1]), sys.argv[5])
     elif mode == "dmabuf":
         dmabuf(path, int(numbers[0]), int(numbers[1]))
+    elif mode == "overwrite":
+        overwrite(path, int(numbers[0]), int(numbers[1]), int(numbers[2]))
+    elif mode == "churn":
+        churn(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
     else:
         loop(path, int(numbers[0]))

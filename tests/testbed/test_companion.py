@@ -6,6 +6,7 @@ whole module.  The second process is a real one (``companion_child.py``).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -17,7 +18,7 @@ import time
 
 import pytest
 from kernel_initiator import connected, pread_direct
-from vm import rdma_objects, sh, wait_for
+from vm import rdma_objects, sh, target_away, wait_for
 
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.protocol import CompanionError
@@ -34,45 +35,68 @@ def daemon_stats() -> dict:
         return json.load(f)["companion"]
 
 
+def connection() -> dict:
+    with open(f"{MNT}/.nvmeof/stats.json") as f:
+        return json.load(f)["connection"]
+
+
 @pytest.fixture(scope="module")
 def cmnt(testbed):
     os.makedirs(MNT, exist_ok=True)
     sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
-       "-n", testbed.nqn, "-o", "allow_other", "--mode", "0666", "--daemon", MNT)
+       "-n", testbed.nqn, "-o", "allow_other", "--mode", "0666", "--daemon",
+       "--log-file", os.path.join(testbed.out, "companion-daemon.log"), MNT)
     yield MNT
     subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
 
 
-def test_another_process_reads_64mib_in_place_while_fio_runs(testbed, cmnt):
+def _check_against_file_and_kernel(testbed, path: str, nsid: int, offset: int,
+                                   sha256: str) -> None:
+    with open(path, "rb") as f:  # what the file shows
+        f.seek(offset)
+        assert hashlib.sha256(f.read(SIZE)).hexdigest() == sha256
+    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+        start = offset // 4096 * 4096
+        raw = pread_direct(kernel[nsid], start, SIZE + 8192)
+        skip = offset - start
+        assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == sha256
+
+
+def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(testbed, cmnt):
+    """Acceptance 1: both namespaces, empty arrays and plain numpy arrays, fio beside."""
+    before = daemon_stats()
     fio = subprocess.Popen(
         ["fio", "--name=bg", f"--filename={cmnt}/n2", "--rw=randread", "--bs=4k",
          "--iodepth=4", "--ioengine=libaio", "--direct=1", "--size=64M", "--time_based",
          "--runtime=900"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    offsets = {"empty": OFFSET, "numpy": OFFSET + SIZE + 4097}  # apart, unaligned
     try:
-        child = subprocess.run([sys.executable, CHILD, "roundtrip", f"{cmnt}/n1", str(OFFSET),
-                                str(SIZE)], capture_output=True, text=True, timeout=TIMEOUT)
+        children = {kind: subprocess.Popen(
+            [sys.executable, CHILD, "both", cmnt, str(offset), str(SIZE), kind],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for kind, offset in offsets.items()}
+        outputs = {kind: child.communicate(timeout=TIMEOUT) for kind, child in children.items()}
     finally:
         fio.send_signal(signal.SIGINT)
         fio_out = fio.communicate(timeout=120)[0]
-    assert child.returncode == 0, child.stderr
     # fio ends on our SIGINT (status 0 or 128); what matters is that it ran without errors
     assert re.search(r"err= 0:", fio_out) and re.search(r"read: IOPS=\d", fio_out), fio_out
-    result = json.loads(child.stdout.splitlines()[-1])
-    assert result["equal"]
-    before, after = result["before"], result["after"]
-    lba = 512
-    assert after["direct_read_bytes"] - before["direct_read_bytes"] >= SIZE - 2 * lba
-    assert after["staged_read_bytes"] - before["staged_read_bytes"] <= 2 * lba
-    assert after["daemon_copied_bytes"] == before["daemon_copied_bytes"]  # no payload copy
-
-    with open(f"{cmnt}/n1", "rb") as f:  # what the file shows
-        f.seek(OFFSET)
-        assert hashlib.sha256(f.read(SIZE)).hexdigest() == result["sha256"]
-    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
-        start = OFFSET // 4096 * 4096
-        raw = pread_direct(kernel[1], start, SIZE + 8192)
-        skip = OFFSET - start
-        assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == result["sha256"]
+    for kind, (out, err) in outputs.items():
+        assert children[kind].returncode == 0, err
+        results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+        assert len(results) == 2, out
+        for nsid, result in zip((1, 2), results, strict=True):
+            assert result["equal"], (kind, nsid)
+            assert result["own_queues"], f"{kind} client used no queues of its own: {err}"
+            _check_against_file_and_kernel(testbed, f"{cmnt}/n{nsid}", nsid, offsets[kind],
+                                           result["sha256"])
+    after = daemon_stats()
+    moved = 2 * 2 * SIZE  # two processes, two namespaces, each way
+    assert after["client_queue_read_bytes"] - before["client_queue_read_bytes"] >= moved
+    assert after["client_queue_write_bytes"] - before["client_queue_write_bytes"] >= moved
+    for counter in ("direct_read_bytes", "direct_write_bytes", "staged_read_bytes",
+                    "staged_write_bytes", "daemon_copied_bytes"):  # nothing through the daemon
+        assert after[counter] == before[counter], counter
 
 
 def test_a_companion_write_reaches_a_reader_holding_cached_pages(cmnt):
@@ -159,21 +183,93 @@ def test_another_uid_is_refused(cmnt):
     assert daemon_stats()["refused"] == refused_before + 2
 
 
-def test_a_killed_client_leaves_the_daemon_healthy(cmnt):
+def test_a_client_write_and_a_fuse_read_modify_write_never_mix(cmnt):
+    """A client overwrites whole LBAs while FUSE writes 100 bytes inside each of them
+    (O_DIRECT, so the daemon read-modify-writes): each LBA ends as one serial order."""
+    path, lba, lbas, rounds = f"{cmnt}/n2", 4096, 4, 40
+    base, inside = 30 << 20, slice(1000, 1100)
+    child = subprocess.Popen([sys.executable, CHILD, "overwrite", path, str(base),
+                              str(lbas * lba), str(rounds)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "writing", child.stderr.read()
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        fuse_writes = 0
+        while child.poll() is None:
+            for k in range(lbas):
+                os.pwrite(fd, b"\xee" * 100, base + k * lba + inside.start)
+                fuse_writes += 1
+        out, err = child.communicate(timeout=TIMEOUT)
+        assert child.returncode == 0, err
+        last = int(out.split()[-1])
+        final = os.pread(fd, lbas * lba, base)
+    finally:
+        os.close(fd)
+    assert fuse_writes > lbas  # they did overlap in time
+    for k in range(lbas):
+        block = final[k * lba:(k + 1) * lba]
+        outside = block[:inside.start] + block[inside.stop:]
+        assert outside == bytes([last]) * len(outside), f"LBA {k}: a mix of two writes"
+        assert block[inside] in (bytes([last]) * 100, b"\xee" * 100), f"LBA {k}"
+
+
+class Churn:
+    """A client process writing, reading back and comparing in a loop (companion_child churn)."""
+
+    def __init__(self, path: str, offset: int, size: int, tmp_path) -> None:
+        self.stop = str(tmp_path / f"stop-{offset}")
+        self.proc = subprocess.Popen(
+            [sys.executable, CHILD, "churn", path, str(offset), str(size), self.stop],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.lines: list[dict] = []
+        first = self.proc.stdout.readline()
+        assert first, self.proc.stderr.read()
+        self.own_queues = json.loads(first)["own_queues"]
+
+    def rounds(self, n: int) -> list[dict]:
+        """Read until ``n`` more rounds are done; those rounds."""
+        start = len(self.lines)
+        while len(self.lines) < start + n:
+            line = self.proc.stdout.readline()
+            assert line, self.proc.stderr.read()
+            self.lines.append(json.loads(line))
+        return self.lines[start:]
+
+    def finish(self) -> list[dict]:
+        with open(self.stop, "w"):
+            pass
+        out, err = self.proc.communicate(timeout=TIMEOUT)
+        assert self.proc.returncode == 0, err
+        self.lines += [json.loads(line) for line in out.splitlines()]
+        return self.lines
+
+
+def test_a_killed_client_leaves_the_mount_and_the_other_client_working(cmnt, tmp_path):
+    """Acceptance 3: SIGKILL in the middle of transfers; at most one reconnect."""
     mrs_before = rdma_objects("mr")
+    reconnects_before = connection()["reconnects"]
+    other = Churn(f"{cmnt}/n1", 40 << 20, (1 << 20) + 777, tmp_path)
     child = subprocess.Popen([sys.executable, CHILD, "loop", f"{cmnt}/n2", str(16 << 20)],
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "reading"
-        assert wait_for(lambda: daemon_stats()["clients"] == 1)
-        time.sleep(0.5)  # let it be in the middle of a transfer
+        assert wait_for(lambda: daemon_stats()["clients"] == 2)
+        other.rounds(2)  # both clients busy: the kill lands in the middle of transfers
     finally:
         child.kill()
         child.wait(60)
-    assert wait_for(lambda: daemon_stats()["clients"] == 0 and daemon_stats()["regions"] == 0)
-    assert rdma_objects("mr") == mrs_before
+    assert wait_for(lambda: daemon_stats()["clients"] == 1)
+    after = other.rounds(3)  # the other client goes on, after a reconnect if the target dropped
+    lines = other.finish()
+    assert all(r.get("equal") for r in after), after
+    errors = [r for r in lines if "error" in r]
+    assert not errors, errors
+    assert other.own_queues
     with open(f"{cmnt}/n2", "rb") as f:  # the mount still serves
         assert len(f.read(4096)) == 4096
+    assert connection()["reconnects"] <= reconnects_before + 1
+    assert wait_for(lambda: daemon_stats()["clients"] == 0 and daemon_stats()["regions"] == 0)
+    assert wait_for(lambda: rdma_objects("mr") <= mrs_before)
 
 
 def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
@@ -200,3 +296,42 @@ def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
         assert stats["direct_read_bytes"] >= len(arr) - 4096
         assert stats["staged_read_bytes"] <= 2 * 4096
     assert not os.path.ismount(mnt)
+
+
+@pytest.mark.parametrize("loss_tmo", ["120", "3"])
+def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path, loss_tmo):
+    """Acceptance 2: the port is gone ~8 s while a client writes and reads in a loop.
+
+    With a long --ctrl-loss-tmo every request completes with the right data after the
+    reconnect; with 3 s, requests in the outage fail with a clear EIO and the rest are right.
+    """
+    mnt, log = str(tmp_path / "mnt"), str(tmp_path / "daemon.log")
+    os.makedirs(mnt)
+    qps_before, mrs_before = rdma_objects("qp"), rdma_objects("mr")
+    sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
+       "-n", testbed.nqn, "-k", "2", "-c", "2", "-l", loss_tmo, "--daemon", "--log-file", log,
+       mnt)
+    try:
+        churn = Churn(f"{mnt}/n2", (20 << 20) + 5, (1 << 20) + 9, tmp_path)
+        assert churn.own_queues
+        churn.rounds(2)
+        with target_away(testbed.nqn):
+            assert wait_for(lambda: "lost the connection" in open(log).read(), 60)
+            time.sleep(8)  # the outage itself
+        if loss_tmo == "3":
+            assert wait_for(lambda: "gave up after" in open(log).read(), 120)
+        else:
+            assert wait_for(lambda: "reconnected to" in open(log).read(), 120)
+            after = churn.rounds(2)
+            assert all(r.get("equal") for r in after), after
+        lines = churn.finish()
+    finally:
+        subprocess.run(["fusermount3", "-u", mnt], capture_output=True, timeout=120)
+    errors = [r for r in lines if "error" in r]
+    assert all(r.get("equal") for r in lines if "error" not in r), lines
+    if loss_tmo == "3":
+        assert errors and all(r["errno"] == errno.EIO for r in errors), errors
+        assert any("--ctrl-loss-tmo 3" in r["error"] for r in errors), errors
+    else:
+        assert not errors, errors
+    assert wait_for(lambda: rdma_objects("qp") <= qps_before and rdma_objects("mr") <= mrs_before)

@@ -14,25 +14,9 @@ import subprocess
 import sys
 
 from kernel_initiator import connected, pread_direct
-from vm import rdma_objects, sh, wait_for, waits_on_fuse
+from vm import rdma_objects, sh, target_away, wait_for, waits_on_fuse
 
 MNT = "/tmp/nvmeof-reconnect"
-NVMET = "/sys/kernel/config/nvmet"
-RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma, port 2 tcp
-
-
-@contextlib.contextmanager
-def target_away(nqn: str):
-    """The subsystem is off the RDMA port while inside."""
-    link = f"{NVMET}/ports/{RDMA_PORT}/subsystems/{nqn}"
-    os.unlink(link)
-    try:
-        yield
-    finally:
-        if not os.path.lexists(link):
-            os.symlink(f"{NVMET}/subsystems/{nqn}", link)
-
-
 @contextlib.contextmanager
 def mounted(testbed, log: str, *options: str):
     os.makedirs(MNT, exist_ok=True)

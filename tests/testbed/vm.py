@@ -1,9 +1,15 @@
-"""Small helpers the VM tests share: run a command, wait for a condition, count RDMA objects."""
+"""Small helpers the VM tests share: run a command, wait for a condition, count RDMA objects,
+take the target away."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 import subprocess
 import time
+
+NVMET = "/sys/kernel/config/nvmet"
+RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma, port 2 tcp
 
 
 def sh(*cmd: str, timeout: float = 120) -> str:
@@ -26,6 +32,19 @@ def rdma_objects(kind: str) -> int:
     """How many RDMA resources of ``kind`` (qp, mr, cq, ...) exist in the VM right now."""
     return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
                 if line.strip()])
+
+
+@contextlib.contextmanager
+def target_away(nqn: str, port: int = RDMA_PORT):
+    """The subsystem is off the port while inside: nvmet deletes our controller and refuses
+    new connects until the link is back (as a port reconfiguration or a restart does)."""
+    link = f"{NVMET}/ports/{port}/subsystems/{nqn}"
+    os.unlink(link)
+    try:
+        yield
+    finally:
+        if not os.path.lexists(link):
+            os.symlink(f"{NVMET}/subsystems/{nqn}", link)
 
 
 def waits_on_fuse(pid: int) -> bool:

@@ -1,0 +1,142 @@
+"""The admin commands of the CLI: ``mount-all``, ``list`` of every mount, ``install-helper``."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import trio
+
+from nvmeof_fuse import cli, mountall
+from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
+from nvmeof_fuse.mountall import DISCOVERY_CONF, DiscoveryTarget, Outcome
+from nvmeof_fuse.mounthelper import install_helper, key_to_args
+
+MAX_PARALLEL_MOUNTS = 4
+
+
+def add_parsers(sub: Any, add_connection: Callable[..., None]) -> None:
+    ma = sub.add_parser("mount-all", help="mount every subsystem a discovery controller lists "
+                        "at ROOT/<subnqn> (connect-all)")
+    add_connection(ma, port_help="discovery service id (default 8009 tcp, 4420 rdma)",
+                   addr_required=False)
+    ma.add_argument("-O", "--mount-options", action="append", default=[],
+                    metavar="KEY[=VALUE],...",
+                    help="options for every mount, as in fstab (ctrl_loss_tmo=-1,read_only)")
+    ma.add_argument("-o", "--output-format", choices=["normal", "json"], default="normal")
+    ma.add_argument("--discovery-conf", default=DISCOVERY_CONF,
+                    help=f"with no -a: the discovery controllers (default {DISCOVERY_CONF})")
+    ma.add_argument("root", help="directory under which each subsystem gets <subnqn>/")
+
+    ih = sub.add_parser("install-helper", help="let mount(8), fstab and systemd find nvmeof-fuse")
+    ih.add_argument("--bindir", default="/usr/local/sbin",
+                    help="where to link (default %(default)s)")
+
+
+# --- mount-all -------------------------------------------------------------------------
+
+
+def _discovery_records(t: DiscoveryTarget) -> list[dict]:
+    from nvmeof_fuse.host.discovery import discover
+
+    ns = argparse.Namespace(command="discover", transport=t.transport, traddr=t.traddr,
+                            trsvcid=t.trsvcid, host_traddr=t.host_traddr,
+                            hostnqn=t.hostnqn, hostid=t.hostid)
+    port = 8009 if t.transport == "tcp" else 4420
+    conn = cli.connect_options(ns, nqn=cli.DISCOVERY_NQN, default_port=port)
+    return trio.run(discover, conn).to_dict().get("records", [])
+
+
+def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]:
+    """The ``mount`` options every mount gets, checked once; and the log file among them."""
+    items = [i for v in args.mount_options for i in v.split(",") if i.strip()]
+    mountall.check_mount_options(items)
+    common = [a for i in items for a in key_to_args(i)]
+    for flag, value in (("-w", args.host_traddr), ("-q", args.hostnqn), ("-I", args.hostid)):
+        if value is not None:
+            common += [flag, value]
+    probe = cli.build_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
+                                           "nqn.2014-08.org.example:probe", "/"])
+    cli.connect_options(probe, nqn=probe.nqn, default_port=4420)
+    cli.mount_options(probe)
+    return common, probe.log_file
+
+
+def _mount_one(o: Outcome, log_file: str | None) -> None:
+    try:
+        os.makedirs(o.mountpoint, exist_ok=True)
+        cli.spawn_daemon([sys.executable, "-m", "nvmeof_fuse.cli", *o.argv], log_file)
+        o.status = "mounted"
+    except (NVMeoFError, cli.UsageError, OSError) as exc:
+        o.status, o.reason = "failed", cli._one_line(exc)
+
+
+def cmd_mount_all(args: argparse.Namespace) -> int:
+    from nvmeof_fuse.fs.mount import read_mountinfo
+
+    common, log_file = _common_mount_args(args)
+    if args.traddr is not None:
+        targets = [DiscoveryTarget(args.transport or "rdma", args.traddr, args.trsvcid,
+                                   args.host_traddr, args.hostnqn, args.hostid)]
+    else:
+        targets = mountall.read_discovery_conf(args.discovery_conf)
+        if not targets:
+            raise InvalidArgument(f"no -a ADDRESS given and no discovery controllers in "
+                                  f"{args.discovery_conf}")
+    records: list[dict] = []
+    failed: list[Outcome] = []
+    for t in targets:
+        try:
+            records += _discovery_records(t)
+        except (NVMeoFError, cli.UsageError) as exc:
+            failed.append(Outcome(cli.DISCOVERY_NQN, t.transport, t.traddr, t.trsvcid or "", "",
+                                  "failed", cli._one_line(exc)))
+    mounts = [(m.mountpoint, m.fstype) for m in read_mountinfo()]
+    outcomes = failed + mountall.plan(records, args.root, mounts, common)
+    todo = [o for o in outcomes if o.status == "mount"]
+    if todo:
+        with concurrent.futures.ThreadPoolExecutor(min(len(todo), MAX_PARALLEL_MOUNTS)) as pool:
+            list(pool.map(lambda o: _mount_one(o, log_file), todo))
+    if args.output_format == "json":
+        print(json.dumps(mountall.to_json(outcomes), indent=2))
+    elif outcomes:
+        print(mountall.format_table(outcomes))
+    else:
+        print("no NVMe subsystems in the discovery log page")
+    return 1 if any(o.status == "failed" for o in outcomes) else 0
+
+
+# --- list (every mount) and install-helper -----------------------------------------------
+
+
+def cmd_list_all(args: argparse.Namespace) -> int:
+    """Every nvmeof-fuse mount of this mount namespace, as ``nvme list`` lists controllers."""
+    from nvmeof_fuse.fs.mount import read_mountinfo
+
+    docs, texts, rc = [], [], 0
+    for m in read_mountinfo():
+        if m.fstype != mountall.FSTYPE:
+            continue
+        try:
+            doc = trio.run(cli._read_mount_info, m.mountpoint)
+        except (NVMeoFError, cli.UsageError) as exc:
+            print(f"{cli.PROG}: error: {cli._one_line(exc)}", file=sys.stderr)
+            rc = 1
+            continue
+        docs.append({"mountpoint": m.mountpoint, "source": m.source, **doc})
+        texts.append(cli.format_list(m.mountpoint, doc))
+    if args.output_format == "json":
+        print(json.dumps(docs, indent=2))
+    elif texts:
+        print("\n\n".join(texts))
+    return rc
+
+
+def cmd_install_helper(args: argparse.Namespace) -> int:
+    print(install_helper(args.bindir))
+    return 0

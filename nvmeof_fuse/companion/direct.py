@@ -1,0 +1,309 @@
+"""A companion client's own I/O queues on the mounted controller: the daemon leaves the data path.
+
+The mount daemon leases queue IDs over the companion socket (after its uid
+check).  This process connects them itself (RDMA-CM connections and a
+protection domain of its own, a Fabrics Connect carrying the mount's
+controller ID, HostNQN and HostID: :mod:`nvmeof_fuse.host.attached`), registers
+its own memory there, and moves data between the target and that memory with
+nobody in between.  One trio loop on one thread (:class:`SyncController`)
+completes every request's future: no thread per request.
+
+Reads never involve the daemon.  A write asks the daemon for the range lock a
+FUSE write takes (so it never slips between a read-modify-write's read and its
+write), read-modify-writes its partial end LBAs itself, and on unlock the
+daemon drops the kernel's cached pages of the file.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import logging
+import math
+import os
+import threading
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+import trio
+
+from ..concurrency import run_all
+from ..errors import InvalidArgument, NVMeoFError, TransportError
+from ..host.attached import Lease, NamespaceShape, attach
+from ..host.byterange import split_range
+from ..host.controller import ConnectOptions, make_transport
+from ..host.memory import Region, buffer_address
+from ..host.sync import SyncController
+from . import gpu, protocol, shm
+
+log = logging.getLogger(__name__)
+
+REPORT_INTERVAL = 1.0  # s between reports of this client's byte counts to the daemon
+RENEW_FOREVER = 365 * 86400.0  # s: bound of a lease wait when the mount never gives up
+
+
+def lease_from(reply: dict) -> Lease:
+    return Lease(qids=tuple(reply["qids"]), cntlid=reply["cntlid"],
+                 queue_size=reply["queue_size"], in_capsule_bytes=reply["in_capsule_bytes"],
+                 max_transfer=reply["max_transfer"],
+                 namespaces=tuple(NamespaceShape(n, ls, nlb) for n, ls, nlb in
+                                  reply["namespaces"]))
+
+
+def options_from(reply: dict, timeout: float) -> ConnectOptions:
+    """How to connect: the mount's own target, host identity and recovery rules."""
+    return ConnectOptions(
+        traddr=reply["traddr"], nqn=reply["subnqn"], transport=reply["transport"],
+        trsvcid=reply["trsvcid"], host_traddr=reply["host_traddr"],
+        hostnqn=reply["hostnqn"], hostid=reply["hostid"], nr_io_queues=len(reply["qids"]),
+        companion_queues=0, keep_alive_tmo=0, timeout=max(timeout, reply["timeout"]),
+        reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
+        fast_io_fail_tmo=reply["fast_io_fail_tmo"])
+
+
+async def wait_future(future: concurrent.futures.Future, timeout: float) -> Any:
+    """Await a future completed by another thread (the socket's reader), bounded."""
+    token = trio.lowlevel.current_trio_token()
+    done = trio.Event()
+    future.add_done_callback(lambda _: token.run_sync_soon(done.set))
+    with trio.fail_after(timeout):
+        await done.wait()
+    return future.result()
+
+
+class _Registrations:
+    """Caller memory registered in our PD, kept while its owning object lives.
+
+    The key is the object that owns the pages (an ``nvmeof_fuse.empty``
+    allocation, a numpy array's base, a tensor): its registration is dropped once
+    it is freed, so a later allocation at the same address is never served by a
+    stale registration.  Memory with no such owner is registered per call.
+    """
+
+    def __init__(self, register) -> None:
+        self._register = register
+        self._by_owner: dict[int, Region] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def find(self, addr: int, size: int, obj: Any) -> tuple[Region, int, bool]:
+        """``(region, offset of addr in it, temporary)``; close a temporary one after use."""
+        owner, base, length = _owning_span(addr, size, obj)
+        if owner is None:
+            return Region(addr, size, self._register(addr, size, obj), obj), 0, True
+        with self._lock:
+            region = self._by_owner.get(id(owner))
+        if region is None:  # not kept alive by its registration: watched instead
+            region = Region(base, length, self._register(base, length, None))
+            with self._lock:
+                if self._closed:
+                    region.close()
+                    raise InvalidArgument("the file is closed")
+                self._by_owner[id(owner)] = region
+            weakref.finalize(owner, self._forget, id(owner))
+        return region, addr - region.addr, False
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            region = self._by_owner.pop(key, None)
+        if region is not None:
+            region.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            regions, self._by_owner = list(self._by_owner.values()), {}
+        for region in regions:
+            region.close()
+
+
+def _owning_span(addr: int, size: int, obj: Any) -> tuple[Any, int, int]:
+    """``(owner, base, length)`` of the allocation holding ``[addr, addr+size)``.
+
+    ``owner`` is None when no object that owns those pages can be watched.
+    """
+    found = shm.find(addr, size)
+    if found is not None:
+        mem, _ = found
+        return mem, mem.addr, len(mem)
+    if hasattr(obj, "__array_interface__"):
+        import numpy as np
+
+        root = obj
+        while isinstance(getattr(root, "base", None), np.ndarray):
+            root = root.base
+        if isinstance(root, np.ndarray) and root.base is None and root.flags.c_contiguous:
+            base, length, _ = buffer_address(root)
+            if base <= addr and addr + size <= base + length:
+                return root, base, length
+    if hasattr(obj, "data_ptr"):  # a CPU tensor: watched as itself
+        return obj, addr, size
+    return None, addr, size
+
+
+class DirectQueues:
+    """Leased I/O queues of this process on a mount (one per :class:`File`)."""
+
+    def __init__(self, channel: Any, reply: dict, timeout: float) -> None:
+        self._channel = channel
+        self._timeout = timeout
+        self._first: Lease | None = lease_from(reply)
+        self.qids: tuple[int, ...] = self._first.qids
+        self._moved = {"client_queue_read_bytes": 0, "client_queue_write_bytes": 0}
+        self._reported = dict(self._moved)
+        options = options_from(reply, timeout)
+        self.renew_timeout = (RENEW_FOREVER if options.ctrl_loss_tmo < 0 else
+                               options.ctrl_loss_tmo + 2 * options.timeout)
+        self._registrations: _Registrations
+        self._ctrl: Any = None  # the AttachedController, once connected (loop-owned)
+        self._bridge = SyncController(options, connect=self._attach)
+        try:
+            ctrl = self._bridge.controller  # connected, or its error raised here
+            log.debug("queues %s connected to controller %d", self.qids, ctrl.cntlid)
+        except BaseException:
+            self._bridge.close()
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _attach(self, options: ConnectOptions) -> AsyncIterator[Any]:
+        """The leased queues, this client's registrations and its reports, on the loop.
+
+        Registrations go after the requests in flight drained, before the PD goes.
+        """
+        async with attach(options, self._lease, make_transport(options)) as ctrl:
+            self._ctrl = ctrl
+            self._registrations = _Registrations(ctrl.transport.register)
+            self._register_dmabuf = ctrl.transport.register_dmabuf
+            token = trio.lowlevel.current_trio_token()
+            self._channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._report_now_and_then)
+                    yield ctrl
+                    nursery.cancel_scope.cancel()
+            finally:
+                self._channel.on_event = None
+                self._registrations.close()
+
+    def _on_event(self, event: dict) -> None:
+        """News from the daemon (on the loop): a lost controller revokes our queues."""
+        if event.get("event") != "revoked" or not self._ctrl.io_queues:
+            return
+        log.info("the mount daemon lost the controller (%s): reconnecting our queues",
+                 event.get("state"))
+        self._ctrl.connection_lost(self._ctrl.io_queues[0], TransportError(
+            "the mount daemon lost the controller; our queues were revoked"))
+
+    async def _ask(self, op: str, timeout: float, **fields: Any) -> dict:
+        """One request to the daemon from the loop (its reply arrives on the reader thread)."""
+        header = await wait_future(self._channel.call_future(op, **fields), timeout)
+        return protocol.raise_for_reply(header)
+
+    async def _lease(self) -> Lease:
+        if self._first is not None:
+            lease, self._first = self._first, None
+            return lease
+        return lease_from(await self._ask("lease", self.renew_timeout, want=len(self.qids)))
+
+    async def _report_now_and_then(self) -> None:
+        while True:
+            await trio.sleep(REPORT_INTERVAL)
+            if self._moved != self._reported:
+                self._reported = dict(self._moved)
+                try:
+                    self._channel.call_future("report", moved=self._reported)
+                except NVMeoFError as exc:  # the daemon is gone: requests will say so
+                    log.debug("reporting to the mount daemon: %s", exc)
+
+    def moved(self) -> dict[str, int]:
+        """This client's running totals over its own queues (what it reports)."""
+        return dict(self._moved)
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def host_region(self, addr: int, size: int, obj: Any) -> tuple[Region, int, bool]:
+        return self._registrations.find(addr, size, obj)
+
+    def dmabuf_region(self, cuda: gpu.CudaOps, addr: int, size: int, tensor: Any
+                      ) -> tuple[Region, int, bool]:
+        """A CUDA tensor's range, registered as a dma-buf in our PD (temporary)."""
+        base, offset, length = gpu.page_span(addr, size)
+        fd = cuda.export_dmabuf(base, length)
+        try:
+            registration = self._register_dmabuf(fd, offset, size, addr)
+        finally:
+            os.close(fd)  # the registration holds the dma-buf
+        return Region(addr, size, registration, tensor), 0, True
+
+    # -- transfers (run on the loop) ------------------------------------------------------
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        return self._bridge.submit(fn, *args)
+
+    async def read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
+                   put: Any) -> int:
+        """Read ``size`` bytes at ``file_offset`` into ``region`` at ``at``.
+
+        Whole LBAs land in place; the partial ones at either end come through a
+        one-LBA bounce buffer, and ``put(dest, bytes)`` stores the caller's part.
+        """
+        ns = self._ctrl.namespaces[nsid]
+        sp = split_range(file_offset, size, ns.lba_size)
+        jobs = []
+        if sp.middle_nlb:
+            ref = region.ref(at + sp.middle.start, sp.middle.stop - sp.middle.start)
+            jobs.append(lambda: ns.read_into(sp.middle_slba, sp.middle_nlb, ref))
+        for edge in sp.edges():
+            async def read_edge(edge=edge) -> None:
+                data = await ns.lend_lbas(edge.lba, 1)  # lent: used before we yield again
+                put(edge.data.start, data[edge.start:edge.start + edge.data.stop -
+                                          edge.data.start])
+            jobs.append(read_edge)
+        await run_all(jobs)
+        self._moved["client_queue_read_bytes"] += size
+        return size
+
+    async def write(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
+                    get: Any) -> int:
+        """Write ``size`` bytes from ``region`` at ``at`` to ``file_offset``, under the
+        daemon's write lock; ``get(start, length)`` gives caller bytes of the end LBAs."""
+        ns = self._ctrl.namespaces[nsid]
+        budget = self._timeout + size / 5e6
+        reply = await self._ask("lock", budget, nsid=nsid, offset=file_offset, length=size,
+                                hold_s=math.ceil(budget))
+        try:
+            async def write_middle(slba: int, nlb: int) -> None:
+                start = slba * ns.lba_size - file_offset
+                await ns.write_from(slba, nlb, region.ref(at + start, nlb * ns.lba_size))
+
+            await ns.write_placed(file_offset, size,
+                                  lambda edge: get(edge.data.start,
+                                                   edge.data.stop - edge.data.start),
+                                  write_middle)
+            self._moved["client_queue_write_bytes"] += size
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._ask("unlock", self._timeout, token=reply["token"], nsid=nsid,
+                                moved=self._moved)
+        return size
+
+    def close(self) -> None:
+        """Drain the requests in flight (bounded), release the memory, disconnect."""
+        self._bridge.close()
+
+
+def open_direct(channel: Any, timeout: float, queues: int) -> tuple[DirectQueues | None, str]:
+    """This process's own queues on the mount, or None and why not (use the daemon's)."""
+    try:
+        reply = channel.call("lease", want=queues)
+    except NVMeoFError as exc:
+        return None, str(exc)
+    try:
+        return DirectQueues(channel, reply, timeout), ""
+    except (NVMeoFError, OSError, ImportError) as exc:
+        try:
+            channel.call("unlease")  # let another client have them
+        except NVMeoFError:
+            pass
+        return None, f"cannot connect queues of our own: {exc}"

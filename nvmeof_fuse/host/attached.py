@@ -1,0 +1,191 @@
+"""A controller joined through I/O queues of our own, whose admin side another process runs.
+
+NVMe-oF lets any connection whose SubNQN, HostNQN and controller ID match a
+live controller connect one of its I/O queues (nvmet's
+``nvmet_execute_io_connect``).  A mount daemon owns the controller (admin
+queue, keep-alive, reconnects) and *leases* spare queue IDs; a companion
+client connects them itself with a transport of its own and moves data
+between the target and its own registered memory with nobody in between.
+
+:class:`AttachedController` is that client side.  It has no admin queue, so it
+never enables, identifies or shuts the controller down.  When its queues fail
+(a lost connection, or the daemon's reconnect replaced the controller) it asks
+the lease source again, which waits for the daemon's controller to be live and
+names its new controller ID, and connects the same queue IDs again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import trio
+
+from .. import nvme
+from ..concurrency import unwrap_groups
+from ..errors import ConnectError, NVMeoFError
+from ..transport.base import Transport
+from .controller import (
+    ConnectOptions,
+    Controller,
+    make_transport,
+    reconnect_attempts,
+)
+from .memory import BouncePool, host_buffer
+from .namespace import Namespace
+from .state import CONNECTING, LIVE
+
+log = logging.getLogger(__name__)
+
+QID_BUSY_RETRIES = 10
+"""Connects of a leased QID answered Command Sequence Error (its previous holder's queue is
+not torn down yet on the target) are tried again this many times."""
+QID_BUSY_DELAY = 0.5  # s between those tries
+SC_COMMAND_SEQUENCE_ERROR = 0x0C  # generic status: the QID is in use
+EDGE_BUFFERS = 16  # one-LBA bounce buffers for the partial LBAs at the ends of a transfer
+
+
+@dataclass(frozen=True)
+class NamespaceShape:
+    """What a client needs of a namespace to address it: its LBA size and count."""
+
+    nsid: int
+    lba_size: int
+    nsze: int
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Queue IDs of a live controller that we may connect, and how."""
+
+    qids: tuple[int, ...]
+    cntlid: int
+    queue_size: int
+    in_capsule_bytes: int
+    max_transfer: int
+    namespaces: tuple[NamespaceShape, ...]
+
+
+LeaseSource = Callable[[], Awaitable[Lease]]
+"""Asks the controller's owner for a lease; waits while it reconnects; raises
+:class:`ControllerLost` once it never will be live again."""
+
+
+def _qid_busy(exc: ConnectError) -> bool:
+    cause = exc.__cause__
+    return isinstance(cause, nvme.NVMeStatusError) and \
+        (cause.sct, cause.sc) == (0, SC_COMMAND_SEQUENCE_ERROR)
+
+
+class AttachedController(Controller):
+    """I/O queues of our own on a controller another process owns (see the module)."""
+
+    def __init__(self, options: ConnectOptions, transport, nursery: trio.Nursery,
+                 lease_source: LeaseSource) -> None:
+        super().__init__(options, transport, nursery)
+        self._lease_source = lease_source
+        self.lease: Lease | None = None
+
+    async def start(self) -> None:
+        self._change_state(CONNECTING)
+        lease = await self._lease_source()
+        self.max_transfer = lease.max_transfer
+        await self._connect_leased(lease)
+        largest = max((ns.lba_size for ns in lease.namespaces), default=4096)
+        self.bounce = BouncePool(self.transport.register, largest, EDGE_BUFFERS,
+                                 timeout=self.options.timeout)
+        for shape in lease.namespaces:
+            self.namespaces[shape.nsid] = Namespace(self, shape.nsid, shape)
+        await self._nursery.start(self.supervise)  # runs _reconnect after each loss
+        self._change_state(LIVE)
+
+    async def _connect_leased(self, lease: Lease) -> None:
+        """Connect every leased queue ID to the lease's controller.
+
+        A QID whose previous holder's queue the target has not torn down yet is
+        answered Command Sequence Error: then all of them are tried again, a little later.
+        """
+        self.lease = lease
+        self.cntlid = lease.cntlid
+        for attempt in range(QID_BUSY_RETRIES + 1):
+            try:
+                self.io_queues = [await self._connect_one(qid, lease) for qid in lease.qids]
+                return
+            except ConnectError as exc:
+                await self._drop_queues()
+                if not _qid_busy(exc) or attempt == QID_BUSY_RETRIES:
+                    raise
+                log.debug("a leased queue is still held on the target; trying again")
+                await trio.sleep(QID_BUSY_DELAY)
+
+    async def _connect_one(self, qid: int, lease: Lease):
+        queue = await self.transport.connect_queue(self._nursery, qid, lease.queue_size,
+                                                   lease.in_capsule_bytes, cntlid=lease.cntlid)
+        if self._scratch is None:  # the Connect data's buffer; registering needs the PD
+            self._scratch = host_buffer(self.transport.register, 4096)
+        await self._fabrics_connect(queue)
+        return queue
+
+    async def _reconnect(self, reason: str) -> None:
+        """Renew the lease (waits for the owner's reconnect), then connect the queues again."""
+        opts = self.options
+        await self._drop_queues()
+        attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
+        tried = 0
+        if attempts and not self._change_state(CONNECTING):
+            return  # closed meanwhile
+        while tried < attempts:
+            tried += 1
+            try:
+                lease = await self._lease_source()
+            except NVMeoFError as exc:  # the owner gave up on the controller, or is gone
+                self._dead_reason = str(exc)
+                break
+            try:
+                await self._connect_leased(lease)
+            except NVMeoFError as exc:
+                log.warning("reconnecting leased queues failed: %s", exc)
+                await self._drop_queues()
+                await trio.sleep(opts.reconnect_delay)
+                continue
+            if not self._change_state(LIVE):
+                return  # closed meanwhile
+            self._failing_io = ""
+            self.reconnects += 1
+            log.info("leased queues %s connected again to controller %d",
+                     ",".join(map(str, lease.qids)), lease.cntlid)
+            return
+        why = self._dead_reason or (f"the leased queues to {opts.nqn} were lost ({reason}) and "
+                                    f"did not come back after {tried} tries")
+        log.error("%s", why)
+        self.close_state(why)
+
+    async def shutdown(self, why: str = "") -> None:
+        """Nothing to do: the controller's owner shuts it down, not a queue's tenant."""
+
+
+@contextlib.asynccontextmanager
+async def attach(options: ConnectOptions, lease_source: LeaseSource,
+                 transport: Transport | None = None) -> AsyncIterator[AttachedController]:
+    """Connect leased I/O queues; on exit disconnect them and release every resource."""
+    if transport is None:
+        transport = make_transport(options)
+    controller = None
+    try:
+        with unwrap_groups():
+            async with trio.open_nursery() as nursery:
+                controller = AttachedController(options, transport, nursery, lease_source)
+                try:
+                    await controller.start()
+                    yield controller
+                finally:
+                    controller.close_state(f"the leased queues of {options.nqn} are closed")
+                    nursery.cancel_scope.cancel()
+    finally:
+        if controller is not None:
+            controller.release()
+        else:
+            transport.close()
+

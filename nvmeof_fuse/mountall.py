@@ -1,0 +1,152 @@
+"""``nvmeof-fuse mount-all``: nvme-cli's ``connect-all``, with a mount per subsystem.
+
+Each NVMe subsystem a discovery log page lists is mounted at ``ROOT/<subnqn>``;
+subsystems already mounted there are skipped.  With no address, the discovery
+controllers come from ``/etc/nvme/discovery.conf``, read as nvme-cli reads it.
+Planning and reporting are pure; the caller discovers and mounts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+
+from nvmeof_fuse.errors import InvalidArgument
+
+DISCOVERY_CONF = "/etc/nvme/discovery.conf"
+FSTYPE = "fuse.nvmeof-fuse"
+TRANSPORTS = ("rdma", "tcp")
+NVME_SUBSYSTEM = "nvme subsystem"
+REFERRAL = "discovery subsystem referral"
+FROM_DISCOVERY = ("transport", "traddr", "trsvcid", "nqn", "nsid", "namespace_id")
+
+
+@dataclass(frozen=True)
+class DiscoveryTarget:
+    """A discovery controller to ask: one ``-t/-a/-s`` set or one discovery.conf line."""
+
+    transport: str
+    traddr: str
+    trsvcid: str | None = None
+    host_traddr: str | None = None
+    hostnqn: str | None = None
+    hostid: str | None = None
+
+
+@dataclass
+class Outcome:
+    """One row of the report: a subsystem and what became of it."""
+
+    subnqn: str
+    transport: str
+    traddr: str
+    trsvcid: str
+    mountpoint: str
+    status: str  # "mount" (to do), "mounted", "already mounted", "skipped", "failed"
+    reason: str = ""
+    argv: list[str] = field(default_factory=list, repr=False)  # the `mount` command line
+
+
+def read_discovery_conf(path: str = DISCOVERY_CONF) -> list[DiscoveryTarget]:
+    """The discovery controllers in nvme-cli's ``discovery.conf``.
+
+    As nvme-cli: lines starting with ``#`` or empty are skipped, the rest split
+    at spaces and ``=`` into ``discover`` options (``-t tcp -a 10.0.0.1 -s 8009``
+    or ``--transport=tcp --traddr=...``); lines without transport or address are
+    skipped, and options other than the connection's are ignored.
+    """
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("-t", "--transport")
+    parser.add_argument("-a", "--traddr")
+    parser.add_argument("-s", "--trsvcid")
+    parser.add_argument("-w", "--host-traddr")
+    parser.add_argument("-q", "--hostnqn")
+    parser.add_argument("-I", "--hostid")
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise InvalidArgument(f"no -a ADDRESS given and no {path}") from None
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read {path}: {exc.strerror}") from None
+    targets = []
+    for n, line in enumerate(lines, 1):
+        if not line or line.startswith("#"):
+            continue
+        try:
+            args, _ = parser.parse_known_args([t for t in re.split(r"[ =]", line) if t])
+        except argparse.ArgumentError as exc:
+            raise InvalidArgument(f"{path}:{n}: {exc}") from None
+        if args.transport is None or args.traddr is None:
+            continue
+        targets.append(DiscoveryTarget(args.transport, args.traddr, args.trsvcid,
+                                       args.host_traddr, args.hostnqn, args.hostid))
+    return targets
+
+
+def check_mount_options(items: Iterable[str]) -> None:
+    """Refuse ``-O`` keys that the discovery log page decides."""
+    for item in items:
+        key = item.partition("=")[0].strip().replace("-", "_")
+        if key in FROM_DISCOVERY:
+            raise InvalidArgument(f"mount option {key!r} comes from the discovery log page; "
+                                  "mount one subsystem with `nvmeof-fuse mount` instead")
+
+
+def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
+         common: list[str]) -> list[Outcome]:
+    """What to do with each discovery log entry (``records`` as ``DiscoveryLogPage.to_dict``).
+
+    ``mounts`` are (mountpoint, fstype) pairs of the mounts now; ``common`` the
+    ``mount`` options given to every mount.  Entries that are not NVMe subsystems
+    (the discovery controller itself) are left out; a second path to a subsystem
+    already in the plan is skipped: there is one mount per subsystem.
+    """
+    mounted = dict(mounts)  # mountpoint -> fstype, the last mount on a path winning
+    root = os.path.abspath(root)
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        subtype = r.get("subtype")
+        subnqn, trtype = str(r.get("subnqn", "")), str(r.get("trtype", ""))
+        traddr, trsvcid = str(r.get("traddr", "")), str(r.get("trsvcid", ""))
+        if subtype not in (NVME_SUBSYSTEM, REFERRAL):
+            continue
+        point = os.path.join(root, subnqn)
+        o = Outcome(subnqn, trtype, traddr, trsvcid, point, "mount")
+        if subtype == REFERRAL:
+            o.status, o.reason = "skipped", "a referral to another discovery controller"
+        elif not subnqn.startswith("nqn.") or "/" in subnqn:
+            o.status, o.reason = "skipped", f"{subnqn!r} is not an NQN usable as a directory name"
+        elif trtype not in TRANSPORTS:
+            o.status, o.reason = "skipped", f"transport {trtype} is not supported"
+        elif subnqn in seen:
+            o.status, o.reason = "skipped", "another path to a subsystem mounted above"
+        elif mounted.get(point) == FSTYPE:
+            o.status = "already mounted"
+        elif point in mounted:
+            o.status, o.reason = "failed", f"a {mounted[point]} filesystem is mounted there"
+        else:
+            o.argv = ["mount", "-t", trtype, "-a", traddr, "-s", trsvcid or "4420",
+                      "-n", subnqn, *common, point]
+        if o.status in ("mount", "already mounted"):
+            seen.add(subnqn)
+        out.append(o)
+    return out
+
+
+def format_table(outcomes: list[Outcome]) -> str:
+    rows = [["Subsystem NQN", "Transport", "Address", "Mountpoint", "Status"]]
+    for o in outcomes:
+        status = f"{o.status}: {o.reason}" if o.reason else o.status
+        rows.append([o.subnqn, o.transport, f"{o.traddr}:{o.trsvcid}", o.mountpoint, status])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+                     for r in rows)
+
+
+def to_json(outcomes: list[Outcome]) -> list[dict]:
+    return [{k: v for k, v in asdict(o).items() if k != "argv"} for o in outcomes]

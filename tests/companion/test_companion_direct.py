@@ -1,0 +1,182 @@
+"""A File on queues of its own (companion/direct.py), over a fake fabric on the fake disks."""
+
+from __future__ import annotations
+
+import errno
+import logging
+
+import numpy as np
+import pytest
+import trio
+from companion_fakes import FakeCuda, FakeFabric, FakeTensor, LeasingController, serving, wait_for
+
+import nvmeof_fuse
+from nvmeof_fuse.companion import direct, gpu
+from nvmeof_fuse.companion.client import File
+from nvmeof_fuse.companion.protocol import CompanionError
+from nvmeof_fuse.errors import InvalidArgument
+from nvmeof_fuse.host.byterange import NoSpace
+
+OPC_WRITE, OPC_READ = 0x01, 0x02
+
+
+@pytest.fixture
+def served(tmp_path, monkeypatch):
+    ctrl = LeasingController(companion_queues=4)
+    fabric = FakeFabric(ctrl)
+    monkeypatch.setattr(direct, "make_transport", fabric)
+    with serving(ctrl, tmp_path) as (server, mnt):
+        yield ctrl, fabric, server, mnt
+
+
+@pytest.fixture
+def cuda():
+    fake = FakeCuda()
+    gpu.use(fake)
+    yield fake
+    gpu.use(None)
+
+
+@pytest.mark.parametrize("kind", ["empty", "numpy"])
+@pytest.mark.parametrize("nsid", [1, 2])
+def test_reads_and_writes_go_over_the_files_own_queues(served, kind, nsid):
+    ctrl, fabric, server, mnt = served
+    make = nvmeof_fuse.empty if kind == "empty" else (lambda n: np.zeros(n, dtype=np.uint8))
+    size, offset = 100_000, 12_345  # unaligned at both ends for both LBA sizes
+    data = make(size)
+    data[:] = np.random.default_rng(nsid).integers(0, 256, size, dtype=np.uint8)
+    with File(str(mnt / f"n{nsid}")) as f:
+        assert f.own_queues == (3, 4)
+        assert f.write(data, file_offset=offset) == size
+        out = make(size)
+        assert f.read(out, file_offset=offset) == size
+        stats = f.stats()
+    assert bytes(out) == bytes(data) == bytes(ctrl.disks[nsid][offset:offset + size])
+    assert sorted(fabric.connects) == [3, 4]
+    assert {qid for _, qid in fabric.commands} <= {3, 4}  # no command on the daemon's queues
+    assert stats["client_queue_read_bytes"] == stats["client_queue_write_bytes"] == size
+    for counter in ("direct_read_bytes", "direct_write_bytes", "staged_read_bytes",
+                    "staged_write_bytes", "daemon_copied_bytes"):
+        assert stats[counter] == 0, counter
+    assert stats["sessions"][0]["qids"] == [3, 4]
+
+
+def test_sixteen_futures_from_one_thread_and_a_batch(served):
+    ctrl, fabric, server, mnt = served
+    bufs = nvmeof_fuse.empty((16, 4096))
+    with File(str(mnt / "n2")) as f:
+        futures = [f.pread(bufs[i], 4096, file_offset=i * 8192) for i in range(16)]
+        assert [fut.get(10) for fut in futures] == [4096] * 16
+        sizes = f.read_batch([(bufs[i], 4096, (i + 1) * 4096) for i in range(16)])
+    assert sizes == [4096] * 16
+    for i in range(16):
+        at = (i + 1) * 4096
+        assert bytes(bufs[i]) == bytes(ctrl.disks[2][at:at + 4096])
+
+
+def test_a_lost_queue_renews_the_lease_and_the_request_completes(served):
+    ctrl, fabric, server, mnt = served
+    out = nvmeof_fuse.empty(8192)
+    with File(str(mnt / "n2")) as f:
+        fabric.fail_next = 1
+        assert f.read(out, file_offset=4096) == 8192
+    assert bytes(out) == bytes(ctrl.disks[2][4096:4096 + 8192])
+    assert fabric.connects.count(3) == 2  # connected again after the loss
+
+
+def test_a_qid_still_held_on_the_target_is_tried_again(served, monkeypatch):
+    ctrl, fabric, server, mnt = served
+    monkeypatch.setattr("nvmeof_fuse.host.attached.QID_BUSY_DELAY", 0.01)
+    fabric.connect_status = [0x0C]  # Command Sequence Error: the QID's old queue lingers
+    with File(str(mnt / "n1")) as f:
+        assert f.own_queues == (3, 4)
+    assert fabric.connects[:3] == [3, 3, 4]
+
+
+def test_when_every_queue_is_leased_the_file_uses_the_daemons_and_says_so(
+        tmp_path, monkeypatch, caplog):
+    ctrl = LeasingController(companion_queues=2)
+    monkeypatch.setattr(direct, "make_transport", FakeFabric(ctrl))
+    with serving(ctrl, tmp_path) as (server, mnt):
+        arr = nvmeof_fuse.empty(4096)
+        with File(str(mnt / "n1")) as first, caplog.at_level(logging.WARNING):
+            assert first.own_queues == (3, 4)
+            with File(str(mnt / "n1")) as second:
+                assert second.own_queues == ()
+                assert second.read(arr, file_offset=0) == 4096
+            with File(str(mnt / "n1")) as third:  # said once, not again
+                assert third.own_queues == ()
+        said = [r.getMessage() for r in caplog.records if "companion queues" in r.getMessage()]
+        assert said == ["nvmeof_fuse: all 2 companion queues of this mount are leased "
+                        "(--companion-queues); moving data over the mount daemon's queues "
+                        "instead (slower; counted as direct_* or staged_*)"]
+        assert bytes(arr) == bytes(ctrl.disks[1][:4096])
+        assert server.snapshot()["direct_read_bytes"] == 4096
+
+
+def test_bad_input_is_one_line(served):
+    ctrl, fabric, server, mnt = served
+    arr = nvmeof_fuse.empty(4096)
+    f = File(str(mnt / "n2"))
+    with pytest.raises(InvalidArgument, match=r"^size 8192 at buf_offset 0 overruns the "
+                                              r"4096-byte buffer$"):
+        f.read(arr, 8192)
+    with pytest.raises(NoSpace, match=r"extends past the end of .*n2 \(2097152 bytes\)"):
+        f.write(arr, file_offset=(2 << 20) - 100)
+    assert f.read(arr, file_offset=2 << 20) == 0  # at the end: nothing, like pread
+    f.close()
+    with pytest.raises(CompanionError) as closed:
+        f.pread(arr)
+    assert str(closed.value) == f"{mnt / 'n2'} is closed" and closed.value.errno == errno.EBADF
+
+
+def test_a_cuda_tensor_is_registered_as_a_dmabuf_in_the_clients_own_pd(served, cuda):
+    ctrl, fabric, server, mnt = served
+    tensor = FakeTensor(3 * 4096)
+    tensor.bytes[:] = 7
+    with File(str(mnt / "n2")) as f:
+        assert f.write(tensor, file_offset=1000) == tensor.nbytes
+        assert cuda.calls[:2] == ["export", "synchronize"]  # ready before the NIC reads
+        tensor.bytes[:] = 0
+        assert f.read(tensor, file_offset=1000) == tensor.nbytes
+        assert cuda.calls[-1] == "flush"  # target writes visible to CUDA before return
+        assert "to_device" in cuda.calls  # the partial LBAs, put from the caller's thread
+        stats = f.stats()
+    assert bytes(tensor.bytes) == bytes([7]) * tensor.nbytes
+    assert bytes(ctrl.disks[2][1000:1000 + tensor.nbytes]) == bytes([7]) * tensor.nbytes
+    assert stats["client_queue_read_bytes"] == tensor.nbytes
+    assert stats["staged_read_bytes"] == stats["direct_read_bytes"] == 0
+    assert wait_for(lambda: not ctrl.transport.dmabufs)  # each registration let go
+
+
+def test_memory_is_registered_once_per_owning_array_and_let_go_with_it(served):
+    ctrl, fabric, server, mnt = served
+    arr = np.zeros(1 << 20, dtype=np.uint8)
+    with File(str(mnt / "n1")) as f:
+        live = ctrl.transport.live  # the file's own buffers
+        for i in range(4):  # views of one array share one registration
+            assert f.read(arr[i * 4096:(i + 1) * 4096], file_offset=i * 512) == 4096
+        assert ctrl.transport.live == live + 1
+        del arr  # freed: its registration goes with it, never to serve another allocation
+        assert wait_for(lambda: ctrl.transport.live == live)
+        buf = bytearray(5000)  # no owner to watch: registered for the one call
+        assert f.read(buf, file_offset=100) == 5000
+        assert ctrl.transport.live == live
+    assert bytes(buf) == bytes(ctrl.disks[1][100:5100])
+
+
+def test_a_lost_controller_revokes_the_clients_queues_at_once(served):
+    """Without a keep-alive of its own, a client learns of the loss from the daemon."""
+    ctrl, fabric, server, mnt = served
+    out = nvmeof_fuse.empty(4096)
+    with File(str(mnt / "n1")) as f:
+        assert fabric.connects == [3, 4]
+
+        def lose() -> None:
+            ctrl.state = "connecting"
+            ctrl.state_changed.set()
+
+        trio.from_thread.run_sync(lose, trio_token=server.trio_token)
+        assert wait_for(lambda: fabric.connects == [3, 4, 3, 4])  # asked again, connected again
+        assert f.read(out, file_offset=512) == 4096
+    assert bytes(out) == bytes(ctrl.disks[1][512:512 + 4096])

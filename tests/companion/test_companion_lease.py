@@ -1,0 +1,150 @@
+"""Leasing queue IDs and write locks over the real companion socket (the daemon side)."""
+
+from __future__ import annotations
+
+import errno
+import threading
+import uuid
+
+import pytest
+import trio
+from companion_fakes import LeasingController, serving, wait_for
+
+from nvmeof_fuse.companion.channel import SocketChannel
+from nvmeof_fuse.companion.direct import lease_from, options_from
+from nvmeof_fuse.companion.protocol import CompanionError
+
+
+def channel(server) -> SocketChannel:
+    return SocketChannel("\0" + server.info()["socket"][1:], 10)
+
+
+@pytest.fixture
+def served(tmp_path):
+    ctrl = LeasingController()
+    with serving(ctrl, tmp_path) as (server, mnt):
+        yield ctrl, server
+
+
+def test_a_lease_names_the_queues_and_how_to_connect_them(served):
+    ctrl, server = served
+    ch = channel(server)
+    try:
+        assert ch.hello()["leasing"] == "on"
+        reply = ch.call("lease", want=2)
+        lease = lease_from(reply)
+        assert lease.qids == (3, 4) and lease.cntlid == 7 and lease.queue_size == 128
+        assert [(n.nsid, n.lba_size) for n in lease.namespaces] == [(1, 512), (2, 4096)]
+        opts = options_from(reply, 60)
+        assert (opts.traddr, opts.nqn, opts.hostid) == ("10.0.0.1", "nqn.2026-11.io.x:sub",
+                                                        str(uuid.UUID(int=5)))
+        assert opts.companion_queues == 0 and opts.keep_alive_tmo == 0
+        assert ch.call("lease", want=2)["qids"] == [3, 4]  # renewing keeps the same QIDs
+        assert server.snapshot()["sessions"][0]["qids"] == [3, 4]
+    finally:
+        ch.close()
+
+
+def test_queues_run_out_then_come_back_when_a_client_goes(served):
+    ctrl, server = served
+    first, second, third = channel(server), channel(server), channel(server)
+    try:
+        assert first.call("lease", want=2)["qids"] == [3, 4]
+        assert second.call("lease", want=2)["qids"] == [5]
+        with pytest.raises(CompanionError) as refused:
+            third.call("lease", want=2)
+        assert str(refused.value) == ("all 3 companion queues of this mount are leased "
+                                      "(--companion-queues)")
+        assert refused.value.errno == errno.EBUSY
+        first.close()
+        assert wait_for(lambda: server.snapshot()["leases"] == 1)
+        assert third.call("lease", want=2)["qids"] == [3, 4]
+        second.call("unlease")
+        assert server.snapshot()["leases"] == 1
+    finally:
+        for ch in (first, second, third):
+            ch.close()
+
+
+@pytest.mark.parametrize(("queues", "transport", "why"), [
+    (0, "rdma", "queue leasing is off on this mount (--companion-queues 0)"),
+    (2, "tcp", "the mount's tcp transport gives no direct placement into another "
+               "process's memory"),
+])
+def test_no_lease_says_why(tmp_path, queues, transport, why):
+    with serving(LeasingController(queues, transport), tmp_path) as (server, _):
+        ch = channel(server)
+        try:
+            assert ch.hello()["leasing"] == why
+            with pytest.raises(CompanionError) as refused:
+                ch.call("lease", want=1)
+            assert str(refused.value) == why
+        finally:
+            ch.close()
+
+
+def test_a_held_write_lock_keeps_a_read_modify_write_out_until_unlock(served):
+    """A FUSE write of a partial LBA waits for a client's lock on that LBA."""
+    ctrl, server = served
+    dropped: list[int] = []
+
+    async def drop(nsid: int) -> None:
+        dropped.append(nsid)
+
+    server.on_write = drop
+    ns = ctrl.namespaces[1]
+    ch = channel(server)
+    try:
+        token = ch.call("lock", nsid=1, offset=100, length=1000, hold_s=5)["token"]
+        rmw_done = threading.Event()
+
+        async def rmw() -> None:  # on the server's loop, as a FUSE write would run
+            await ns.write(300, b"x" * 10)
+            rmw_done.set()
+
+        def start_rmw() -> None:
+            ch_nursery = next(iter(server.sessions)).nursery
+            ch_nursery.start_soon(rmw)
+
+        trio.from_thread.run_sync(start_rmw, trio_token=server.trio_token)
+        assert wait_for(lambda: len(ns._bytes.lock) == 2)  # queued behind the client's lock
+        assert not rmw_done.is_set()
+        ch.call("unlock", token=token, nsid=1, moved={"client_queue_write_bytes": 1000})
+        assert rmw_done.wait(5)
+        assert dropped == [1]
+        assert server.snapshot()["client_queue_write_bytes"] == 1000
+    finally:
+        ch.close()
+
+
+def test_a_client_that_goes_releases_its_locks(served):
+    ctrl, server = served
+    ch = channel(server)
+    ch.call("lock", nsid=2, offset=0, length=4096, hold_s=5)
+    ch.close()
+    assert wait_for(lambda: not server.sessions)
+    second = channel(server)
+    try:  # the same range is free again
+        token = second.call("lock", nsid=2, offset=0, length=4096, hold_s=5)["token"]
+        second.call("unlock", token=token, nsid=2)
+    finally:
+        second.close()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"nsid": 1, "offset": -1, "length": 10}, "bad write lock: offset -1, length 10 on "
+                                               "namespace 1 (8388608 bytes)"),
+    ({"nsid": 9, "offset": 0, "length": 10}, "namespace 9 does not exist on this mount"),
+])
+def test_bad_locks_are_one_line(served, fields, message):
+    ctrl, server = served
+    ch = channel(server)
+    try:
+        with pytest.raises(CompanionError) as exc:
+            ch.call("lock", hold_s=5, **fields)
+        assert str(exc.value) == message
+        with pytest.raises(CompanionError, match="^write lock 42 is not held$"):
+            ch.call("unlock", token=42, nsid=1)
+    finally:
+        ch.close()
+
