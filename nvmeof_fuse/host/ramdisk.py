@@ -94,6 +94,7 @@ class RamOptions:
     nqn: str = "nqn.2014-08.org.nvmeof-fuse:ram"
     transport: str = "ram"
     trsvcid: int = 0
+    companion_queues: int = 0  # no queues to lease: companion clients are staged
 
 
 def _ram_identify() -> RamIdentify:
