@@ -413,9 +413,10 @@ def read_mount_info(mountpoint: str) -> dict[str, Any]:
 
 
 async def _read_mount_info(mountpoint: str) -> dict[str, Any]:
-    with trio.move_on_after(LIST_TIMEOUT):
-        return await trio.to_thread.run_sync(read_mount_info, mountpoint, abandon_on_cancel=True)
-    raise UsageError(f"{mountpoint} does not respond within {LIST_TIMEOUT:g} s (a hung daemon?)")
+    from nvmeof_fuse.concurrency import in_thread
+
+    return await in_thread(read_mount_info, mountpoint, timeout=LIST_TIMEOUT, too_slow=UsageError(
+        f"{mountpoint} does not respond within {LIST_TIMEOUT:g} s (a hung daemon?)"))
 
 
 def format_list(mountpoint: str, doc: dict[str, Any]) -> str:
@@ -447,9 +448,10 @@ def cmd_list(args: argparse.Namespace) -> int:
 
 def _leaf(exc: BaseException) -> BaseException:
     """The first interesting exception inside (nested) exception groups."""
+    from nvmeof_fuse.concurrency import first_error
+
     while isinstance(exc, BaseExceptionGroup):
-        inner = [e for e in exc.exceptions if not isinstance(e, trio.Cancelled)]
-        exc = (inner or exc.exceptions)[0]
+        exc = first_error(exc) or exc.exceptions[0]
     return exc
 
 

@@ -1,11 +1,16 @@
-"""Small trio helpers: run jobs concurrently and surface their error as itself, not a group."""
+"""Small trio helpers: run jobs concurrently and surface their error as itself, not a group;
+run a blocking call in a thread with a bound."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import trio
+
+T = TypeVar("T")
 
 
 def first_error(group: BaseExceptionGroup) -> BaseException | None:
@@ -41,3 +46,15 @@ async def run_all(jobs: list[Callable[[], Awaitable[object]]]) -> None:
         async with trio.open_nursery() as nursery:
             for job in jobs:
                 nursery.start_soon(job)
+
+
+async def in_thread(fn: Callable[..., T], *args: Any, timeout: float,
+                    too_slow: BaseException) -> T:
+    """``fn(*args)`` in a worker thread, abandoned after ``timeout`` s; then raise ``too_slow``.
+
+    For blocking calls that may hang for good (a stat() on a hung FUSE mount).
+    """
+    with trio.move_on_after(timeout):
+        return await trio.to_thread.run_sync(functools.partial(fn, *args),
+                                             abandon_on_cancel=True)
+    raise too_slow

@@ -44,3 +44,9 @@ class InvalidArgument(NVMeoFError):
     """A caller passed a bad value (an out-of-range LBA, a misaligned buffer)."""
 
     errno = _errno.EINVAL
+
+
+class NamespaceRemoved(NVMeoFError):
+    """The namespace was removed from the subsystem (detached or disabled on the target)."""
+
+    errno = _errno.ENODEV

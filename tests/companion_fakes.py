@@ -41,6 +41,9 @@ class FakeRegistration:
         self.cleanup = cleanup
         transport.live += 1
 
+    def keys(self, domain: object) -> FakeRegistration:
+        return self
+
     def close(self) -> None:
         self.transport.live -= 1
         if self.cleanup:

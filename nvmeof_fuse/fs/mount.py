@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pyfuse3
 import trio
 
-from nvmeof_fuse.concurrency import unwrap_groups
+from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.info import ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
@@ -159,9 +159,8 @@ def check_nsid(controller: ControllerLike, nsid: int | None) -> None:
 
 async def check_mountpoint_async(path: str) -> str:
     """check_mountpoint in a thread, bounded: a hung FUSE mount blocks stat()."""
-    with trio.move_on_after(CHECK_TIMEOUT):
-        return await trio.to_thread.run_sync(check_mountpoint, path, abandon_on_cancel=True)
-    raise MountError(f"mountpoint {path} does not respond (a hung FUSE daemon?)")
+    return await in_thread(check_mountpoint, path, timeout=CHECK_TIMEOUT, too_slow=MountError(
+        f"mountpoint {path} does not respond (a hung FUSE daemon?)"))
 
 
 def _init(ops: NamespaceFS, path: str, options: MountOptions) -> None:
@@ -203,10 +202,13 @@ async def serve(
     _serving = True
     session = _Session(ops, path, drain_timeout)
     log.info("mounted at %s", path)
+    listeners = getattr(getattr(controller, "events", None), "listeners", [])
+    listeners.append(ops.apply_changes)  # namespaces added, removed, resized on the target
     try:
         with unwrap_groups():
             await session.run(task_status)
     finally:
+        listeners.remove(ops.apply_changes)
         pyfuse3.close(unmount=not session.gone)
         _serving = False
         log.info("unmounted %s", path)

@@ -104,16 +104,12 @@ class NamespaceFS(pyfuse3.Operations):
     # --- tree -----------------------------------------------------------------
 
     def _build_tree(self) -> None:
-        inodes = itertools.count(pyfuse3.ROOT_INODE + 1)
-        root = self._add(_Dir(pyfuse3.ROOT_INODE, parent=pyfuse3.ROOT_INODE))
-        infodir = self._add(_Dir(next(inodes)))
+        self._inodes = itertools.count(pyfuse3.ROOT_INODE + 1)
+        root = self._root = self._add(_Dir(pyfuse3.ROOT_INODE, parent=pyfuse3.ROOT_INODE))
+        infodir = self._infodir = self._add(_Dir(next(self._inodes)))
         root.entries[INFO_DIR] = infodir.inode
         ctrl = self.controller
-
-        def add_info(name: str, render: Callable[[], bytes]) -> None:
-            node = self._add(_InfoFile(next(inodes), render))
-            infodir.entries[name.encode()] = node.inode
-
+        add_info = self._add_info
         add_info("controller", lambda: info.controller_text(ctrl))
         add_info("controller.json", lambda: info.to_json(info.controller_dict(ctrl)))
         add_info("stats", lambda: info.stats_text(ctrl))
@@ -122,12 +118,68 @@ class NamespaceFS(pyfuse3.Operations):
         for nsid in sorted(ctrl.namespaces):
             if self.options.nsid is not None and nsid != self.options.nsid:
                 continue
-            ns = ctrl.namespaces[nsid]
-            inode = self.ns_inodes[nsid] = self._add(_NsFile(next(inodes), ns)).inode
-            root.entries[f"n{nsid}".encode()] = inode
-            add_info(f"n{nsid}", lambda ns=ns: info.namespace_text(ns))
-            add_info(f"n{nsid}.json", lambda ns=ns: info.to_json(info.namespace_dict(ns)))
+            self._add_namespace(ctrl.namespaces[nsid])
         infodir.parent = root.inode
+
+    def _add_info(self, name: str, render: Callable[[], bytes]) -> None:
+        assert isinstance(self._infodir, _Dir)
+        node = self._add(_InfoFile(next(self._inodes), render))
+        self._infodir.entries[name.encode()] = node.inode
+
+    def _add_namespace(self, ns: NamespaceLike) -> None:
+        """``n<nsid>`` and its ``.nvmeof/n<nsid>``, ``.nvmeof/n<nsid>.json``."""
+        assert isinstance(self._root, _Dir)
+        nsid = ns.nsid
+        inode = self.ns_inodes[nsid] = self._add(_NsFile(next(self._inodes), ns)).inode
+        self._root.entries[f"n{nsid}".encode()] = inode
+        self._add_info(f"n{nsid}", lambda: info.namespace_text(ns))
+        self._add_info(f"n{nsid}.json", lambda: info.to_json(info.namespace_dict(ns)))
+
+    def _remove_namespace(self, nsid: int) -> list[tuple[int, bytes]]:
+        """Take ``n<nsid>`` out of the tree (open handles keep their node); the
+        ``(parent inode, name)`` entries the kernel must forget."""
+        assert isinstance(self._root, _Dir) and isinstance(self._infodir, _Dir)
+        gone = []
+        self.ns_inodes.pop(nsid, None)
+        for parent, name in ((self._root, f"n{nsid}"), (self._infodir, f"n{nsid}"),
+                             (self._infodir, f"n{nsid}.json")):
+            inode = parent.entries.pop(name.encode(), None)
+            if inode is not None:
+                gone.append((parent.inode, name.encode()))
+        return gone
+
+    async def apply_changes(self, changes: list) -> None:
+        """Follow namespaces added, removed or resized on the target (host.events)."""
+        forget: list[tuple[int, bytes]] = []
+        resized = []
+        for change in changes:
+            if change.kind == "added":
+                ns = self.controller.namespaces.get(change.nsid)
+                shown = self.options.nsid is None or change.nsid == self.options.nsid
+                if ns is not None and shown and change.nsid not in self.ns_inodes:
+                    self._add_namespace(ns)
+            elif change.kind == "removed":
+                forget += self._remove_namespace(change.nsid)
+            elif change.nsid in self.ns_inodes:
+                resized.append(self.ns_inodes[change.nsid])
+        for parent, name in forget:  # ENOENT: the kernel had not looked it up
+            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        for inode in resized:
+            await self._invalidate(inode, attr_only=True)
+
+    async def _invalidate(self, inode: int, attr_only: bool = False) -> None:
+        """Make the kernel forget what it caches of ``inode`` (its pages, or its attributes)."""
+        # In a thread: the kernel waits for pages being read, and this loop answers those reads.
+        with trio.move_on_after(INVALIDATE_TIMEOUT) as scope:
+            try:
+                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, attr_only,
+                                              abandon_on_cancel=True)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: the kernel caches nothing of it
+                    log.warning("cannot drop the kernel's cache of inode %d: %s", inode, exc)
+        if scope.cancelled_caught:
+            log.warning("dropping the kernel's cache of inode %d took over %g s",
+                        inode, INVALIDATE_TIMEOUT)
 
     def _add(self, node: _Node) -> _Node:
         self.nodes[node.inode] = node
@@ -299,17 +351,7 @@ class NamespaceFS(pyfuse3.Operations):
         inode = self.ns_inodes.get(nsid)
         if inode is None:
             return
-        # In a thread: the kernel waits for pages being read, and this loop answers those reads.
-        with trio.move_on_after(INVALIDATE_TIMEOUT) as scope:
-            try:
-                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode,
-                                              abandon_on_cancel=True)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:  # ENOENT: the kernel caches nothing of it
-                    log.warning("cannot drop the kernel's cached pages of n%d: %s", nsid, exc)
-        if scope.cancelled_caught:
-            log.warning("dropping the kernel's cached pages of n%d took over %g s",
-                        nsid, INVALIDATE_TIMEOUT)
+        await self._invalidate(inode)
 
     async def wait_idle(self) -> None:
         """Return once no file is open (after the last release)."""

@@ -28,8 +28,6 @@ from ..concurrency import unwrap_groups
 from ..errors import ConnectError, NVMeoFError
 from ..transport.base import Transport
 from .controller import (
-    DEAD,
-    LIVE,
     ConnectOptions,
     Controller,
     make_transport,
@@ -37,6 +35,7 @@ from .controller import (
 )
 from .memory import BouncePool, host_buffer
 from .namespace import Namespace
+from .state import CONNECTING, LIVE
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +89,7 @@ class AttachedController(Controller):
         self.lease: Lease | None = None
 
     async def start(self) -> None:
+        self._change_state(CONNECTING)
         lease = await self._lease_source()
         self.max_transfer = lease.max_transfer
         await self._connect_leased(lease)
@@ -98,7 +98,8 @@ class AttachedController(Controller):
                                  timeout=self.options.timeout)
         for shape in lease.namespaces:
             self.namespaces[shape.nsid] = Namespace(self, shape.nsid, shape)
-        self._set_state(LIVE)
+        await self._nursery.start(self.supervise)  # runs _reconnect after each loss
+        self._change_state(LIVE)
 
     async def _connect_leased(self, lease: Lease) -> None:
         """Connect every leased queue ID to the lease's controller.
@@ -133,6 +134,8 @@ class AttachedController(Controller):
         await self._drop_queues()
         attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
         tried = 0
+        if attempts and not self._change_state(CONNECTING):
+            return  # closed meanwhile
         while tried < attempts:
             tried += 1
             try:
@@ -147,19 +150,19 @@ class AttachedController(Controller):
                 await self._drop_queues()
                 await trio.sleep(opts.reconnect_delay)
                 continue
+            if not self._change_state(LIVE):
+                return  # closed meanwhile
             self._failing_io = ""
-            self._set_state(LIVE)
             self.reconnects += 1
             log.info("leased queues %s connected again to controller %d",
                      ",".join(map(str, lease.qids)), lease.cntlid)
             return
-        if not self._dead_reason:
-            self._dead_reason = (f"the leased queues to {opts.nqn} were lost ({reason}) and "
-                                 f"did not come back after {tried} tries")
-        log.error("%s", self._dead_reason)
-        self._set_state(DEAD)
+        why = self._dead_reason or (f"the leased queues to {opts.nqn} were lost ({reason}) and "
+                                    f"did not come back after {tried} tries")
+        log.error("%s", why)
+        self.close_state(why)
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, why: str = "") -> None:
         """Nothing to do: the controller's owner shuts it down, not a queue's tenant."""
 
 

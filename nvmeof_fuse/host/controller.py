@@ -38,8 +38,10 @@ from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
 from ..transport.base import Queue, Transport
 from . import auth
+from .events import AsyncEvents
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
+from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +52,7 @@ BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
 IO_RETRIES = 5  # nvme_max_retries: tries of one command across reconnects
-LIVE, CONNECTING, DEAD = "live", "connecting", "dead"
+__all__ = ["CONNECTING", "DEAD", "LIVE", "ConnectOptions", "Controller", "connect"]
 
 
 @dataclass
@@ -167,10 +169,12 @@ class Controller:
         self.in_capsule_bytes = 0
         self._cc = 0
         self.companion: Any = None  # the mount's companion server, while one serves
-        self.state = CONNECTING
-        self._state_changed = trio.Event()
+        self._states = StateMachine()
+        self._lost = trio.Event()  # set by connection_lost: supervise() recovers
+        self._lost_reason = ""
         self._dead_reason = ""
         self._failing_io = ""  # set while I/O fails fast during a reconnect
+        self.events = AsyncEvents(self)  # AERs and namespace rescans, once live
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
 
@@ -236,14 +240,21 @@ class Controller:
 
     # -- losing and regaining the connection ---------------------------------------------------
 
-    def _set_state(self, state: str) -> None:
-        self.state = state
-        self._state_changed.set()
-        self._state_changed = trio.Event()
+    @property
+    def state(self) -> CtrlState:
+        return self._states.current
+
+    def _change_state(self, new: CtrlState) -> bool:
+        """The one place states change; False (and nothing changes) if not allowed."""
+        old = self.state
+        if not self._states.change(new):
+            log.debug("controller %s: no change from %s to %s", self.options.nqn, old, new)
+            return False
+        return True
 
     async def next_state(self) -> str:
         """Wait for the next change of state; the new state."""
-        await self._state_changed.wait()
+        await self._states.wait_changed()
         return self.state
 
     async def wait_live(self, *, fail_fast: bool = True) -> None:
@@ -252,17 +263,30 @@ class Controller:
         With ``fail_fast`` (I/O), also while ``--fast-io-fail-tmo`` fails I/O.
         """
         while self.state is not LIVE:
-            if self.state is DEAD:
+            if self.state in (DELETING, DEAD):
                 raise ControllerLost(self._dead_reason)
             if self._failing_io and fail_fast:
                 raise ControllerLost(self._failing_io)
-            await self._state_changed.wait()
+            await self._states.wait_changed()
+
+    async def wait_connected(self) -> bool:
+        """Wait until live (True) or gone for good (False); --fast-io-fail-tmo aside."""
+        while self.state is not LIVE:
+            if self.state in (DELETING, DEAD):
+                return False
+            await self._states.wait_changed()
+        return True
+
+    async def wait_changed(self) -> None:
+        """Return at the next change of state (or wake-up of waiters)."""
+        await self._states.wait_changed()
 
     def connection_lost(self, queue: Queue | None, exc: BaseException) -> None:
-        """``queue`` failed with ``exc``: start reconnecting (unless that already happened)."""
+        """``queue`` failed with ``exc``: have :meth:`supervise` reconnect (once per loss)."""
         if self.state is not LIVE or (queue is not self.admin and queue not in self.io_queues):
             return  # an older connection's failure, or one already being handled
-        self._set_state(CONNECTING)
+        if not self._change_state(RESETTING):
+            return
         self.losses += 1
         opts = self.options
         where = f"{opts.nqn} at {self.transport.address}"
@@ -272,20 +296,35 @@ class Controller:
             limit = "ever" if opts.ctrl_loss_tmo < 0 else f"up to {opts.ctrl_loss_tmo:g} s"
             log.error("lost the connection to %s: %s; reconnecting every %g s for %s",
                       where, exc, opts.reconnect_delay, limit)
-        self._nursery.start_soon(self._reconnect, str(exc))
-        if opts.fast_io_fail_tmo >= 0 and opts.ctrl_loss_tmo != 0:
-            self._nursery.start_soon(self._fail_io_after, opts.fast_io_fail_tmo, str(exc))
+        self._lost_reason = str(exc)
+        self._lost.set()
+
+    async def supervise(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Recover from each loss of the connection; runs as long as the controller."""
+        task_status.started()
+        while True:
+            await self._lost.wait()
+            self._lost = trio.Event()
+            await self._recover(self._lost_reason)
+
+    async def _recover(self, reason: str) -> None:
+        """Reconnect; with --fast-io-fail-tmo, a timer that ends with the recovery."""
+        opts = self.options
+        async with trio.open_nursery() as timers:
+            if opts.fast_io_fail_tmo >= 0 and opts.ctrl_loss_tmo != 0:
+                timers.start_soon(self._fail_io_after, opts.fast_io_fail_tmo, reason)
+            await self._reconnect(reason)
+            timers.cancel_scope.cancel()
 
     async def _fail_io_after(self, delay: float, reason: str) -> None:
         """--fast-io-fail-tmo: from ``delay`` s after the loss, I/O fails until reconnected."""
-        losses = self.losses
         await trio.sleep(delay)
-        if self.state is CONNECTING and self.losses == losses:
+        if self.state in (RESETTING, CONNECTING):
             self._failing_io = (f"the connection to {self.options.nqn} at "
                                 f"{self.transport.address} was lost ({reason}); failing I/O "
                                 f"while reconnecting (--fast-io-fail-tmo {delay:g})")
             log.warning("%s", self._failing_io)
-            self._set_state(CONNECTING)  # wakes the waiters
+            self._states.wake()
 
     async def _drop_queues(self) -> None:
         self.admin, self.io_queues = None, []
@@ -298,6 +337,8 @@ class Controller:
         await self._drop_queues()  # commands in flight fail now, and wait for the outcome
         attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
         tried = 0
+        if attempts and not self._change_state(CONNECTING):
+            return  # closed meanwhile
         while tried < attempts:
             await trio.sleep(opts.reconnect_delay)
             tried += 1
@@ -309,22 +350,24 @@ class Controller:
                 log.warning("reconnect %d to %s failed: %s", tried, opts.nqn, what)
                 await self._drop_queues()
                 continue
+            if not self._change_state(LIVE):
+                return  # closed meanwhile
             self._failing_io = ""
-            self._set_state(LIVE)
             self.reconnects += 1
             log.info("reconnected to %s at %s as controller %d after %.1f s", opts.nqn,
                      self.transport.address, self.cntlid, trio.current_time() - lost_at)
             return
         where = f"{opts.nqn} at {self.transport.address}"
         if opts.ctrl_loss_tmo == 0:
-            self._dead_reason = (f"the connection to {where} was lost ({reason}) and "
-                                 "reconnecting is off (--ctrl-loss-tmo 0)")
+            reason = (f"the connection to {where} was lost ({reason}) and "
+                      "reconnecting is off (--ctrl-loss-tmo 0)")
         else:
-            self._dead_reason = (f"the connection to {where} was lost ({reason}); gave up "
-                                 f"after {tried} reconnects in {trio.current_time() - lost_at:.0f}"
-                                 f" s (--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
-        log.error("%s", self._dead_reason)
-        self._set_state(DEAD)
+            reason = (f"the connection to {where} was lost ({reason}); gave up after {tried} "
+                      f"reconnects in {trio.current_time() - lost_at:.0f} s "
+                      f"(--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
+        if self.state not in (DELETING, DEAD):
+            log.error("%s", reason)
+        self.close_state(reason)
 
     def connection_snapshot(self) -> dict[str, Any]:
         """What ``.nvmeof/stats`` shows of the connection."""
@@ -333,9 +376,10 @@ class Controller:
 
     def close_state(self, why: str) -> None:
         """No more commands: waiters and new callers get ControllerLost(why)."""
-        if self.state is not DEAD:
+        if self.state not in (DELETING, DEAD):
             self._dead_reason = why
-            self._set_state(DEAD)
+            self._change_state(DELETING)
+        self._change_state(DEAD)
 
     @contextlib.asynccontextmanager
     async def scratch(self, length: int) -> AsyncIterator[DataRef]:
@@ -493,13 +537,14 @@ class Controller:
 
     async def start(self) -> None:
         opts = self.options
+        self._change_state(CONNECTING)
         await self._connect_admin()
         self.identify = nvme.IdentifyController.from_bytes(await self.identify_raw(Cns.CONTROLLER))
         if self.identify.subnqn and self.identify.subnqn != opts.nqn:
             log.warning("controller reports subsystem %s, connected as %s",
                         self.identify.subnqn, opts.nqn)
         if self.identify.cntrltype == 2:  # discovery controller: admin queue only
-            self._set_state(LIVE)
+            self._change_state(LIVE)
             return
         if self.transport.name == "rdma" and not self.identify.keyed_sgl_supported:
             raise ConnectError(f"{self.transport.address}: the controller does not support "
@@ -513,7 +558,9 @@ class Controller:
         self.bounce = BouncePool(self.transport.register, self.max_transfer, BOUNCE_BUFFERS,
                                  timeout=opts.timeout)
         await self._identify_namespaces()
-        self._set_state(LIVE)
+        await self._nursery.start(self.supervise)
+        self._change_state(LIVE)
+        await self._nursery.start(self.events.run)
 
     async def _identify_namespaces(self) -> None:
         from .namespace import Namespace
@@ -539,12 +586,17 @@ class Controller:
             except (TransportError, CommandTimeout) as exc:
                 self.connection_lost(admin, CommandTimeout(f"keep-alive: {exc}"))
                 continue
-            if not completion.ok:
+            if not completion.ok and self.state is LIVE:
                 log.error("keep-alive failed: %s", completion.status_name())
 
-    async def shutdown(self) -> None:
-        """CC.SHN, then wait for CSTS.SHST complete (bounded by CAP.TO)."""
-        if self.admin is None or self.cap is None or self.state is not LIVE:
+    async def shutdown(self, why: str = "") -> None:
+        """Deleting: no new keep-alives or I/O (they get ``why``); then CC.SHN, and wait
+        for CSTS.SHST complete (bounded by CAP.TO)."""
+        was_live = self.state is LIVE
+        if self.state not in (DELETING, DEAD):
+            self._dead_reason = why or f"the controller of {self.options.nqn} is closed"
+            self._change_state(DELETING)
+        if self.admin is None or self.cap is None or not was_live:
             return
         try:
             await self.property_set(Property.CC, nvme.cc_shutdown_value(self._cc))
@@ -606,7 +658,7 @@ async def connect(options: ConnectOptions) -> AsyncIterator[Controller]:
                     yield controller
                 finally:
                     with trio.CancelScope(shield=True):
-                        await controller.shutdown()
+                        await controller.shutdown(f"the controller of {options.nqn} is closed")
                     controller.close_state(f"the controller of {options.nqn} is closed")
                     nursery.cancel_scope.cancel()
     finally:

@@ -1,100 +1,24 @@
-"""Memory the target can reach: registered regions, host buffers and the bounce pool.
+"""Memory the target can reach: caller buffers, registered regions and the bounce pool.
 
-A :class:`Region` is memory registered with a controller's transport once (for
-RDMA: one MR in the controller's protection domain, valid on every queue).
-Commands address it through :class:`DataRef` slices, which the transport turns
-into keyed SGL descriptors or in-capsule data.
+:class:`Region`, :class:`DataRef` and :func:`host_buffer` live in the transport
+layer (:mod:`nvmeof_fuse.transport.region`), which needs them too; they are
+re-exported here for the host side.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
-import mmap
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
-from typing import Any, Protocol
+from collections.abc import AsyncIterator
+from typing import Any
 
 import trio
 
 from ..errors import CommandTimeout, InvalidArgument, TransportError
+from ..transport.region import DataRef, Keys, Region, Register, Registration, host_buffer
 
-
-class Registration(Protocol):
-    """What a transport hands back for registered memory."""
-
-    lkey: int
-    rkey: int
-
-    def close(self) -> None: ...
-
-
-Register = Callable[[int, int, object], Registration]
-"""``register(addr, length, owner)``: a transport's memory registration call."""
-
-
-class Region:
-    """``length`` bytes at ``addr`` registered with a transport; ``view`` when host-visible."""
-
-    def __init__(self, addr: int, length: int, registration: Registration,
-                 owner: object = None, view: memoryview | None = None) -> None:
-        self.addr = addr
-        self.length = length
-        self.registration = registration
-        self.owner = owner  # keeps the backing allocation alive
-        self.view = view
-
-    @property
-    def lkey(self) -> int:
-        return self.registration.lkey
-
-    @property
-    def rkey(self) -> int:
-        return self.registration.rkey
-
-    def ref(self, offset: int = 0, length: int | None = None) -> DataRef:
-        """The slice ``[offset, offset + length)`` of this region, bounds-checked."""
-        if length is None:
-            length = self.length - offset
-        if offset < 0 or length < 0 or offset + length > self.length:
-            raise InvalidArgument(
-                f"range [{offset}, {offset + length}) is outside the {self.length}-byte region")
-        return DataRef(self, offset, length)
-
-    def close(self) -> None:
-        if self.registration is not None:
-            self.registration.close()
-            self.registration = None  # type: ignore[assignment]
-        self.view = None
-
-
-@dataclass(frozen=True, slots=True)
-class DataRef:
-    """A slice of a registered region: what a command's data pointer describes."""
-
-    region: Region
-    offset: int
-    length: int
-
-    @property
-    def addr(self) -> int:
-        return self.region.addr + self.offset
-
-
-def host_buffer(register: Register, length: int) -> Region:
-    """Allocate ``length`` bytes of page-aligned host memory and register it."""
-    if length <= 0:
-        raise InvalidArgument(f"buffer length must be positive, got {length}")
-    mem = mmap.mmap(-1, length)
-    addr = ctypes.addressof(ctypes.c_char.from_buffer(mem))
-    view = memoryview(mem)
-    try:
-        registration = register(addr, length, mem)
-    except BaseException:
-        view.release()
-        mem.close()
-        raise
-    return Region(addr, length, registration, owner=mem, view=view)
+__all__ = ["BouncePool", "DataRef", "Keys", "Region", "Register", "Registration",
+           "buffer_address", "host_buffer"]
 
 
 def buffer_address(obj: Any) -> tuple[int, int, object]:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import CommandTimeout, InvalidArgument, TransportError
+from ..errors import CommandTimeout, InvalidArgument, NamespaceRemoved, TransportError
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO
 from .memory import DataRef
@@ -36,13 +36,31 @@ class Namespace:
         self.size = self.nlb * self.lba_size
         self.stats = IoStats()
         self._bytes = ByteRangeIO(self, self.stats)
+        self.removed = ""  # why, once the namespace is gone from the subsystem
 
     def __repr__(self) -> str:
         return f"<Namespace {self.nsid}: {self.nlb} x {self.lba_size} B>"
 
+    # -- changes on the target (see host.events) -------------------------------------------------
+
+    def resize(self, identify: nvme.IdentifyNamespace) -> int | None:
+        """Take new Identify data; the old size in bytes if the size changed, else None."""
+        old = self.size
+        self.identify = identify
+        self.lba_size = identify.lba_size
+        self.nlb = identify.nsze
+        self.size = self.nlb * self.lba_size
+        return old if self.size != old else None
+
+    def remove(self, reason: str) -> None:
+        """The namespace is gone: every I/O from now on fails with NamespaceRemoved."""
+        self.removed = reason
+
     # -- checks and splitting ------------------------------------------------------------------
 
     def check_range(self, slba: int, nlb: int) -> None:
+        if self.removed:
+            raise NamespaceRemoved(self.removed)
         if nlb <= 0:
             raise InvalidArgument(f"an I/O needs at least one LBA, got {nlb}")
         if slba < 0 or slba + nlb > self.nlb:
@@ -190,6 +208,8 @@ class Namespace:
     # -- other commands --------------------------------------------------------------------------
 
     async def flush(self) -> None:
+        if self.removed:
+            raise NamespaceRemoved(self.removed)
         await self.controller.io_command(cmd.flush(self.nsid))
 
     async def write_zeroes(self, slba: int, nlb: int, deallocate: bool = False) -> None:

@@ -314,11 +314,6 @@ def auth_receive(length: int, *, sgl: BytesLike) -> bytearray:
     return _auth(FabricsType.AUTH_RECEIVE, length, sgl)
 
 
-def disconnect() -> bytearray:
-    """Disconnect the I/O queue this command is sent on (RECFMT 0)."""
-    return _fabrics(FabricsType.DISCONNECT)
-
-
 __all__ = [
     "CNTLID_DYNAMIC",
     "MAX_DSM_RANGES",
@@ -331,7 +326,6 @@ __all__ = [
     "connect",
     "connect_data",
     "dataset_management",
-    "disconnect",
     "dsm_ranges",
     "flush",
     "get_features",

@@ -11,8 +11,8 @@ from typing import Protocol
 
 import trio
 
-from ..host.memory import DataRef, Registration
 from ..nvme import Completion
+from .region import DataRef, Registration
 
 
 class Queue(Protocol):

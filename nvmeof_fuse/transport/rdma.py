@@ -2,9 +2,11 @@
 
 Wire formats first (RDMA-CM private data and the command-slot bookkeeping are
 plain code), then the I/O: one RC queue pair per NVMe queue, connected through
-RDMA-CM, all in one protection domain so a buffer registered once is valid on
-every queue.  Data travels by keyed SGL (the target RDMA-READs/WRITEs our
-registered memory) or, for small writes, inside the command capsule.
+RDMA-CM.  Each queue has its own protection domain (the ``ibverbs`` API ties a
+QP's PD to its RDMA-CM endpoint), so a region registered with the transport
+holds one memory region per queue, and each queue picks its own keys.  Data
+travels by keyed SGL (the target RDMA-READs/WRITEs our registered memory) or,
+for small writes, inside the command capsule.
 Completions wake trio through the completion channel's fd; while completions
 keep coming the reaper polls without sleeping.
 
@@ -25,9 +27,9 @@ import outcome
 import trio
 
 from ..errors import CommandTimeout, ConnectError, TransportError
-from ..host.memory import DataRef, Region, host_buffer
 from ..nvme import Completion, set_command_id
 from ..nvme.sgl import NULL_SGL, in_capsule_data, keyed_data_block
+from .region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
 CQE_BYTES = 16
@@ -193,8 +195,78 @@ def _access(ib) -> int:
     return int(flags.LOCAL_WRITE | flags.REMOTE_WRITE | flags.REMOTE_READ)
 
 
+class RdmaRegistration:
+    """Memory registered in every queue's protection domain: one MR per PD.
+
+    Queues come and go (reconnects); a registration lives on, and is registered
+    in each new queue's PD when that queue is set up.  ``keys(pd)`` is the MR
+    (``lkey``/``rkey``) a queue with that PD must use.
+    """
+
+    __slots__ = ("addr", "length", "owner", "_dmabuf", "_transport", "_mrs")
+
+    def __init__(self, transport: RdmaTransport, addr: int, length: int, owner: object,
+                 dmabuf: tuple[int, int] | None = None) -> None:
+        self.addr = addr
+        self.length = length
+        self.owner = owner  # keeps the memory alive while it is registered
+        self._dmabuf = dmabuf  # (our own fd of the dma-buf, offset in it), for GPU memory
+        self._transport = transport
+        self._mrs: dict = {}  # PD -> MR
+
+    def keys(self, pd):
+        """The MR of this memory in ``pd`` (its ``lkey`` and ``rkey``)."""
+        return self._mrs[pd]
+
+    def add(self, pd) -> None:
+        """Register the memory in ``pd`` as well."""
+        access = _access(_verbs())
+        what = "memory" if self._dmabuf is None else "dma-buf"
+        try:
+            if self._dmabuf is None:
+                mr = pd.reg_mr(self.addr, self.length, access)
+            else:
+                fd, offset = self._dmabuf
+                mr = pd.reg_dmabuf_mr(offset, self.length, self.addr, fd, access)
+        except OSError as exc:
+            raise TransportError(f"cannot register {self.length} bytes of {what} for RDMA: "
+                                 f"{exc.strerror or exc}") from exc
+        self._mrs[pd] = mr
+
+    def remove(self, pd) -> None:
+        """Deregister the memory from ``pd`` (before the PD is closed)."""
+        mr = self._mrs.pop(pd, None)
+        if mr is not None:
+            _close_quietly(mr)
+
+    def close(self) -> None:
+        for pd in list(self._mrs):
+            self.remove(pd)
+        self._transport._registrations.pop(self, None)
+        if self._dmabuf is not None:
+            os.close(self._dmabuf[0])
+            self._dmabuf = None
+        self.owner = None
+
+
+class _QueueMemory:
+    """A queue's own buffers (capsules, responses): registered in its PD only."""
+
+    __slots__ = ("mr",)
+
+    def __init__(self, mr) -> None:
+        self.mr = mr
+
+    def keys(self, pd):
+        return self.mr
+
+    def close(self) -> None:
+        _close_quietly(self.mr)
+
+
 class RdmaTransport:
-    """The RDMA side of one controller: RDMA-CM endpoints, one PD, every queue's QP."""
+    """The RDMA side of one controller: every queue's endpoint, PD and QP, and the
+    registrations that are valid on all of them."""
 
     name = "rdma"
 
@@ -204,35 +276,33 @@ class RdmaTransport:
         self.trsvcid = trsvcid
         self.host_traddr = host_traddr
         self.connect_timeout = connect_timeout
-        self.pd = None
-        self._pd_cm = None  # the endpoint whose context wrapper the PD came from
         self._queues: list[RdmaQueue] = []
-        self._cm_ids: list = []
-        self._own_contexts: dict[int, object] = {}  # id(cm) -> its own context wrapper
+        self._registrations: dict[RdmaRegistration, None] = {}  # ordered set
 
     @property
     def address(self) -> str:
         return f"rdma {self.traddr}:{self.trsvcid}"
 
-    def register(self, addr: int, length: int, owner: object):
-        """Register ``[addr, addr+length)`` in the controller's PD (valid on every queue)."""
-        if self.pd is None:
-            raise TransportError("the RDMA transport is not connected")
-        try:
-            return self.pd.reg_mr(addr, length, _access(_verbs()))._keepalive(owner)
-        except OSError as exc:
-            raise TransportError(f"cannot register {length} bytes of memory for RDMA: "
-                                 f"{exc.strerror or exc}") from exc
+    def register(self, addr: int, length: int, owner: object) -> RdmaRegistration:
+        """Register ``[addr, addr+length)`` on every queue, now and after reconnects."""
+        return self._add(RdmaRegistration(self, addr, length, owner))
 
-    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int):
-        """Register a dma-buf (a GPU allocation exported by its driver) in the PD."""
-        if self.pd is None:
-            raise TransportError("the RDMA transport is not connected")
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> RdmaRegistration:
+        """Register a dma-buf (a GPU allocation exported by its driver) on every queue.
+
+        The transport keeps a duplicate of ``fd``: new queues register it again.
+        """
+        return self._add(RdmaRegistration(self, iova, length, None, (os.dup(fd), offset)))
+
+    def _add(self, registration: RdmaRegistration) -> RdmaRegistration:
         try:
-            return self.pd.reg_dmabuf_mr(offset, length, iova, fd, _access(_verbs()))
-        except OSError as exc:
-            raise TransportError(f"cannot register a {length}-byte dma-buf for RDMA: "
-                                 f"{exc.strerror or exc}") from exc
+            for queue in self._queues:
+                registration.add(queue.pd)
+        except BaseException:
+            registration.close()
+            raise
+        self._registrations[registration] = None
+        return registration
 
     async def _resolve(self):
         ib = _verbs()
@@ -254,95 +324,52 @@ class RdmaTransport:
                             in_capsule_bytes: int = 0, cntlid: int = 0) -> RdmaQueue:
         """Connect queue ``qid`` of ``size`` entries and start its completion reaper."""
         cm = await self._resolve()
-        self._cm_ids.append(cm)
-        if self.pd is None:
-            self.pd = cm.context.alloc_pd()
-            self._pd_cm = cm
-        else:
-            self._own_contexts[id(cm)] = _adopt_context(cm, self.pd.context)
-        queue = RdmaQueue(self, cm, qid, size, in_capsule_bytes)
+        try:
+            pd = cm.context.alloc_pd()
+        except OSError as exc:
+            _close_quietly(cm)
+            raise TransportError(f"cannot allocate an RDMA protection domain: {exc}") from exc
+        try:
+            for registration in self._registrations:
+                registration.add(pd)
+            queue = RdmaQueue(self, cm, pd, qid, size, in_capsule_bytes)
+        except BaseException:
+            self._release_domain(cm, pd)
+            raise
         self._queues.append(queue)
         await queue.connect(cntlid)
         await nursery.start(queue.reap)
         return queue
 
-    async def drop_queues(self) -> None:
-        """Stop and tear down every queue and RDMA-CM endpoint; keep the PD and its memory.
+    def _release_domain(self, cm, pd) -> None:
+        """Deregister every registration from ``pd``, close it, then its endpoint."""
+        for registration in self._registrations:
+            registration.remove(pd)
+        _close_quietly(pd)
+        _close_quietly(cm)
 
-        Commands still waiting fail with TransportError.  For reconnecting: the next
-        ``connect_queue`` builds new endpoints on the same device and PD.
+    async def drop_queues(self) -> None:
+        """Stop and tear down every queue with its endpoint and PD.
+
+        Commands still waiting fail with TransportError.  Registrations stay: the
+        next ``connect_queue`` registers them in the new queue's PD.
         """
-        queues, self._queues = self._queues, []
+        queues = list(self._queues)
         for queue in reversed(queues):
             await queue.stop()
+        self._close_queues()
+
+    def _close_queues(self) -> None:
+        queues, self._queues = self._queues, []
+        for queue in reversed(queues):
             queue.close()
-        # The PD's endpoint stays open (disconnected, without a QP): closing it would close
-        # the context wrapper the PD, and every registration in it, belongs to.
-        cm_ids, self._cm_ids = self._cm_ids, [cm for cm in self._cm_ids if cm is self._pd_cm]
-        for cm in reversed(cm_ids):
-            if cm is not self._pd_cm:
-                own = self._own_contexts.pop(id(cm), None)
-                if own is not None:
-                    _set_context(cm, own)  # so closing cm leaves the PD's wrapper open
-                _close_quietly(cm)
+            self._release_domain(queue.cm, queue.pd)
 
     def close(self) -> None:
-        """Tear down every queue, then the PD, then the RDMA-CM endpoints (in that order)."""
-        for queue in reversed(self._queues):
-            queue.close()
-        self._queues.clear()
-        if self.pd is not None:
-            _close_quietly(self.pd)
-            self.pd = None
-        for cm in reversed(self._cm_ids):
-            _close_quietly(cm)
-        self._cm_ids.clear()
-        self._own_contexts.clear()
-        self._pd_cm = None
-
-
-def _adopt_context(cm, context):
-    """Make ``cm`` use ``context``, the wrapper the controller's PD was allocated from;
-    return the wrapper it had (hand it back with :func:`_set_context` before closing ``cm``:
-    closing an endpoint closes the wrapper it holds).
-
-    librdmacm opens each device once, so every endpoint on a device shares one
-    ``ibv_context``; but ``ibverbs`` wraps it in a new Python object per
-    endpoint and ``CMID.create_qp`` insists, by object identity, that the PD
-    come from the endpoint's own wrapper.  One PD per controller (a buffer
-    registered once is valid on every queue) needs the endpoints to share the
-    wrapper, and its ``context`` attribute is read-only, so we swap the
-    reference in place after checking both wrap the same device context (the
-    async event fd is unique to an open ``ibv_context``).  Both wrappers are
-    borrowed from RDMA-CM, so dropping one closes nothing.
-    """
-    old = cm.context
-    if old is context:
-        return old
-    if old.name != context.name or old.async_fd != context.async_fd:
-        raise TransportError(f"queue routed through RDMA device {old.name}, but the "
-                             f"controller's protection domain is on {context.name}")
-    _set_context(cm, context)
-    return old
-
-
-def _set_context(cm, context) -> None:
-    """Swap the ``context`` reference inside the ``CMID`` object ``cm`` (see _adopt_context)."""
-    import ctypes
-
-    old = cm.context
-    if old is context:
-        return
-    for offset in range(ctypes.sizeof(ctypes.c_void_p) * 2, type(cm).__basicsize__, 8):
-        slot = ctypes.c_void_p.from_address(id(cm) + offset)
-        if slot.value == id(old):
-            ctypes.pythonapi.Py_IncRef(ctypes.py_object(context))
-            slot.value = id(context)
-            ctypes.pythonapi.Py_DecRef(ctypes.py_object(old))
-            assert cm.context is context
-            return
-    raise TransportError("cannot share one RDMA protection domain across queues with this "
-                         "version of the ibverbs package")
+        """Tear down every queue; then nothing of this controller is left on the device."""
+        self._close_queues()
+        for registration in list(self._registrations):
+            registration.close()
 
 
 def _close_quietly(resource) -> None:
@@ -355,14 +382,15 @@ def _close_quietly(resource) -> None:
 class RdmaQueue:
     """One NVMe queue over an RC QP: command capsules out, 16-byte responses in."""
 
-    def __init__(self, transport: RdmaTransport, cm, qid: int, size: int,
+    def __init__(self, transport: RdmaTransport, cm, pd, qid: int, size: int,
                  in_capsule_bytes: int) -> None:
         ib = self._ib = _verbs()
         self.transport = transport
         self.qid = qid
         self.size = size
         self.in_capsule_bytes = in_capsule_bytes
-        self._cm = cm
+        self.cm = cm
+        self.pd = pd
         self._slots = CommandSlots(size)
         self._slot_waiters = trio.lowlevel.ParkingLot()
         self._failed: TransportError | None = None
@@ -373,26 +401,44 @@ class RdmaQueue:
         self._poster_woken = False
         self._queued: list = []  # SendWRs waiting for the poster
         self._queued_requests: list[Request] = []
+        self._recv_armed = self._send_armed = False
+        self._sends: list = []
+        self._recvs: list = []
+        self._capsule_sges: list = []
+        self.channel = self.recv_cq = self.send_cq = self.qp = None
+        self.capsules: Region | None = None
+        self.responses: Region | None = None
+        try:
+            self._create(ib, cm, pd, size)
+        except BaseException:
+            self.close()
+            raise
+
+    def _create(self, ib, cm, pd, size: int) -> None:
+        """The verbs objects: channel, CQs, QP, capsule and response buffers, work requests."""
         # Two CQs on one channel: responses always wake the reaper; capsule SEND
         # completions are picked up alongside them and wake it only when needed.
         self.channel = cm.context.create_comp_channel()
         self.recv_cq = cm.context.create_cq(size + 1, self.channel)
         self.send_cq = cm.context.create_cq(size + 1, self.channel)
-        self._recv_armed = self._send_armed = False
-        self.qp = cm.create_qp(transport.pd, ib.QPInitAttr(
+        self.qp = cm.create_qp(pd, ib.QPInitAttr(
             send_cq=self.send_cq, recv_cq=self.recv_cq, qp_type=ib.QPType.RC,
             max_send_wr=size, max_recv_wr=size, max_send_sge=2, max_recv_sge=1))
-        register = transport.register
-        self.capsules: Region = host_buffer(register, SQE_BYTES * size)
-        self.responses: Region = host_buffer(register, CQE_BYTES * size)
+
+        def register(addr: int, length: int, owner: object) -> _QueueMemory:
+            return _QueueMemory(pd.reg_mr(addr, length, _access(ib)))
+
+        self.capsules = host_buffer(register, SQE_BYTES * size)
+        self.responses = host_buffer(register, CQE_BYTES * size)
         # Work requests never change per slot: build them once.
         caps, resp = self.capsules, self.responses
-        self._capsule_sges = [ib.SGE(caps.addr + cid * SQE_BYTES, SQE_BYTES, caps.lkey)
+        caps_lkey, resp_lkey = caps.registration.keys(pd).lkey, resp.registration.keys(pd).lkey
+        self._capsule_sges = [ib.SGE(caps.addr + cid * SQE_BYTES, SQE_BYTES, caps_lkey)
                               for cid in range(size)]
         self._sends = [[self._send_wr(cid, [sge])] for cid, sge in enumerate(self._capsule_sges)]
         self._recvs = [ib.RecvWR(wr_id=_RECV | slot,
                                  sg_list=[ib.SGE(resp.addr + slot * CQE_BYTES, CQE_BYTES,
-                                                 resp.lkey)])
+                                                 resp_lkey)])
                        for slot in range(size)]
 
     @property
@@ -405,11 +451,11 @@ class RdmaQueue:
         return self._slots.available
 
     async def connect(self, cntlid: int) -> None:
-        device = self._cm.context.query_device()
+        device = self.cm.context.query_device()
         request = cm_request(self.qid, self.size, cntlid)
 
         def connect():
-            return self._cm.connect(request,
+            return self.cm.connect(request,
                                     responder_resources=min(255, device.max_qp_rd_atom),
                                     initiator_depth=0)
 
@@ -441,10 +487,11 @@ class RdmaQueue:
         if data is None or data.length == 0:
             return NULL_SGL, []
         region = data.region
+        keys = region.registration.keys(self.pd)
         if to_controller and data.length <= self.in_capsule_bytes:
             return in_capsule_data(0, data.length), [self._ib.SGE(data.addr, data.length,
-                                                                  region.lkey)]
-        return keyed_data_block(region.addr + data.offset, data.length, region.rkey), []
+                                                                  keys.lkey)]
+        return keyed_data_block(region.addr + data.offset, data.length, keys.rkey), []
 
     async def _allocate(self, data: DataRef | None, timeout: float) -> Request:
         if self._failed:
@@ -658,13 +705,14 @@ class RdmaQueue:
         self._slot_waiters.unpark_all()
 
     def close(self) -> None:
-        """Disconnect and destroy the QP, CQs, channel and queue buffers (not the CM id)."""
+        """Disconnect and destroy the QP, CQs, channel and queue buffers (not the PD and
+        endpoint: the transport releases those)."""
         if self._failed is None:
             self._failed = TransportError(f"{self.name} is closed")
         self._slots.fail_all(self._failed)
-        if getattr(self._cm, "connected", False):
+        if getattr(self.cm, "connected", False):
             try:
-                self._cm.disconnect()
+                self.cm.disconnect()
             except OSError:
                 pass
         self._sends = []
@@ -672,4 +720,5 @@ class RdmaQueue:
         self._capsule_sges = []
         for resource in (self.qp, self.capsules, self.responses, self.recv_cq, self.send_cq,
                          self.channel):
-            _close_quietly(resource)
+            if resource is not None:
+                _close_quietly(resource)

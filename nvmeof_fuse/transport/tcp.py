@@ -29,11 +29,11 @@ import struct
 import trio
 
 from ..errors import CommandTimeout, ConnectError, TransportError
-from ..host.memory import DataRef
 from ..nvme import Completion, set_command_id
 from ..nvme import tcp_pdu as pdu
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
+from .region import DataRef
 
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
 RECV_BUFFER_BYTES = 256 * 1024

@@ -11,7 +11,8 @@ import trio
 import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, ControllerLost, TransportError
-from nvmeof_fuse.host.controller import DEAD, LIVE, ConnectOptions, Controller
+from nvmeof_fuse.host.controller import ConnectOptions, Controller
+from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion
 from nvmeof_fuse.nvme import command as cmd
 
@@ -76,7 +77,8 @@ def run(test, **options) -> None:
             ctrl.admin = FakeQueue(0)
             ctrl.io_queues = [FakeQueue(1, TransportError("work request failed: retry "
                                                           "counter exceeded"))]
-            ctrl._set_state(LIVE)
+            assert ctrl._change_state(CONNECTING) and ctrl._change_state(LIVE)
+            await nursery.start(ctrl.supervise)
             await test(ctrl)
             nursery.cancel_scope.cancel()
 
@@ -163,7 +165,7 @@ def test_fast_io_fail_tmo_fails_io_while_reconnecting_goes_on():
 def test_admin_commands_while_reconnecting_fail_by_name():
     async def test(ctrl: Controller) -> None:
         ctrl.admin = None
-        ctrl.state = "connecting"
+        assert ctrl._change_state(RESETTING) and ctrl._change_state(CONNECTING)
         with pytest.raises(TransportError, match="the admin queue to nqn.2014-08.org.example:t "
                                                  r"is not connected \(the controller is "
                                                  r"connecting\)"):
@@ -186,3 +188,64 @@ def test_closing_wakes_waiters_with_the_reason():
                 await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
 
     run(test)
+
+
+class RefusingTransport:
+    """A target that answers the admin queue's Connect with Connect Invalid Host, DNR set."""
+
+    address = "rdma 192.0.2.1:4420"
+    name = "rdma"
+
+    def __init__(self) -> None:
+        self.queues: list[FakeQueue] = []
+
+    def register(self, addr, length, owner):
+        return FakeRegistration()
+
+    async def connect_queue(self, nursery, qid, size, in_capsule_bytes=0, cntlid=0):
+        queue = RefusingQueue(qid)
+        self.queues.append(queue)
+        return queue
+
+    async def drop_queues(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class FakeRegistration:
+    lkey = rkey = 1
+
+    def keys(self, domain):
+        return self
+
+    def close(self) -> None:
+        pass
+
+
+class RefusingQueue(FakeQueue):
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        self.ran += 1
+        dnr_invalid_host = 1 << 14 | 1 << 8 | 0x84  # DNR, SCT 1 (command specific), SC 0x84
+        return Completion(0, 0, 0, 0, dnr_invalid_host, True)
+
+
+def test_a_connect_refused_with_dnr_fails_at_once_by_name(monkeypatch):
+    from nvmeof_fuse.errors import ConnectError
+    from nvmeof_fuse.host import controller
+
+    transport = RefusingTransport()
+    monkeypatch.setattr(controller, "make_transport", lambda options: transport)
+
+    async def main() -> None:
+        start = trio.current_time()
+        opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t")
+        with pytest.raises(ConnectError, match=r"nqn.2014-08.org.example:t\) failed: Connect "
+                                               r"failed: Connect Invalid Host .*dnr"):
+            async with controller.connect(opts):
+                pass
+        assert trio.current_time() == start  # no delay, no retry
+        assert [q.ran for q in transport.queues] == [1]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -33,7 +33,6 @@ ALL_BUILDERS = [
     lambda: c.connect(0, 32, sgl=SGL),
     lambda: c.property_get(Property.CAP, True),
     lambda: c.property_set(Property.CC, 1, False),
-    c.disconnect,
 ]
 
 
@@ -244,11 +243,6 @@ def test_property_set_layout():
     assert le(sqe, 48, 56) == 0x00460001  # VALUE bytes 55:48
     with pytest.raises(ValueError, match="property value must fit in 32 bits"):
         c.property_set(Property.CC, 1 << 32, size8=False)
-
-
-def test_disconnect():
-    sqe = c.disconnect()
-    assert (sqe[0], sqe[4]) == (0x7F, 0x08)
 
 
 def test_command_name():

@@ -1,7 +1,8 @@
 """Integration tests against the real Linux nvmet target inside the testbed VM.
 
-They run only under ``scripts/testbed run`` (which sets ``TESTBED_NQN`` and friends);
-elsewhere they are skipped.
+They run under ``scripts/testbed run`` (which sets ``TESTBED_NQN`` and friends).  Elsewhere
+they fail, so that a run that never reached the target cannot pass; on the host, deselect
+them with ``-m 'not testbed'`` or ``--ignore=tests/testbed``.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from dataclasses import dataclass
 
 import pytest
 from fabrics import Fabric, make_fabric
+
+TESTBED_VARIABLES = ("TESTBED_NQN", "TESTBED_RDMA_ADDR", "TESTBED_TCP_ADDR", "TESTBED_PORT",
+                     "TESTBED_OUT")
 
 
 @dataclass(frozen=True)
@@ -31,9 +35,12 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def testbed() -> Testbed:
-    if "TESTBED_NQN" not in os.environ:
-        pytest.skip("needs the testbed VM: run via scripts/testbed run (scripts/test does)")
     env = os.environ
+    missing = [name for name in TESTBED_VARIABLES if name not in env]
+    if missing:
+        pytest.fail(f"{', '.join(missing)} not set: VM tests run inside the testbed "
+                    "(scripts/testbed run ...); deselect them with -m 'not testbed'",
+                    pytrace=False)
     return Testbed(env["TESTBED_NQN"], env["TESTBED_RDMA_ADDR"], env["TESTBED_TCP_ADDR"],
                    int(env["TESTBED_PORT"]), env["TESTBED_OUT"])
 

@@ -12,10 +12,9 @@ import json
 import os
 import subprocess
 import sys
-import time
 
 from kernel_initiator import connected, pread_direct
-from vm import rdma_objects, sh, target_away, wait_for
+from vm import rdma_objects, sh, target_away, wait_for, waits_on_fuse
 
 MNT = "/tmp/nvmeof-reconnect"
 @contextlib.contextmanager
@@ -49,7 +48,8 @@ def test_a_write_during_an_outage_waits_and_lands_after_the_reconnect(testbed, t
                 [sys.executable, "-c", "import os, sys; fd = os.open(sys.argv[1], os.O_WRONLY);"
                  f" os.pwrite(fd, bytes.fromhex(sys.argv[2]), {offset})", f"{mnt}/n2",
                  new.hex()], stderr=subprocess.PIPE, text=True)
-            time.sleep(3)
+            # the write reaches the daemon and waits there while the target is away
+            assert wait_for(lambda: waits_on_fuse(writer.pid), 60), writer.poll()
             assert writer.poll() is None, "the write should wait for the target"
         _, err = writer.communicate(timeout=120)
         assert writer.returncode == 0, err + open(log).read()

@@ -45,3 +45,15 @@ def target_away(nqn: str, port: int = RDMA_PORT):
     finally:
         if not os.path.lexists(link):
             os.symlink(f"{NVMET}/subsystems/{nqn}", link)
+
+
+def waits_on_fuse(pid: int) -> bool:
+    """Whether process ``pid`` is blocked in the kernel waiting for a FUSE daemon's answer."""
+    try:
+        with open(f"/proc/{pid}/wchan") as f:
+            wchan = f.read()
+        with open(f"/proc/{pid}/stack") as f:
+            stack = f.read()
+    except OSError:  # gone, or no kernel stacks to show
+        return False
+    return "fuse" in wchan or "request_wait_answer" in wchan or "fuse_" in stack

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 
 from nvmeof_fuse.errors import ConnectError, TransportError
-from nvmeof_fuse.host.memory import Region
 from nvmeof_fuse.nvme import Completion
 from nvmeof_fuse.nvme.sgl import NULL_SGL, in_capsule_data, keyed_data_block
 from nvmeof_fuse.transport.rdma import CommandSlots, RdmaQueue, cm_request, parse_cm_accept
+from nvmeof_fuse.transport.region import Region
 
 
 def completion(cid: int) -> Completion:
@@ -168,12 +168,14 @@ def queue():
     """An RdmaQueue with no verbs objects: enough for ``data_pointer``."""
     q = RdmaQueue.__new__(RdmaQueue)
     q._ib = SimpleNamespace(SGE=FakeSGE)
+    q.pd = object()
     q.in_capsule_bytes = 4096
     return q
 
 
 def region() -> Region:
-    return Region(0x10000, 1 << 20, SimpleNamespace(lkey=0x11, rkey=0x22, close=lambda: None))
+    keys = SimpleNamespace(lkey=0x11, rkey=0x22)
+    return Region(0x10000, 1 << 20, SimpleNamespace(keys=lambda pd: keys, close=lambda: None))
 
 
 def test_no_data_is_a_null_keyed_sgl(queue):

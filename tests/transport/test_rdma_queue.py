@@ -19,10 +19,10 @@ import trio
 import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, TransportError
-from nvmeof_fuse.host.memory import host_buffer
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
 from nvmeof_fuse.transport import rdma
+from nvmeof_fuse.transport.region import host_buffer
 
 
 class FakeSGE:
@@ -38,7 +38,8 @@ class FakeWR:
 FAKE_VERBS = SimpleNamespace(
     SGE=FakeSGE, SendWR=FakeWR, RecvWR=FakeWR, QPInitAttr=lambda **kw: SimpleNamespace(**kw),
     QPType=SimpleNamespace(RC=2), WROpcode=SimpleNamespace(SEND=2),
-    SendFlags=SimpleNamespace(SIGNALED=2))
+    SendFlags=SimpleNamespace(SIGNALED=2),
+    AccessFlags=SimpleNamespace(LOCAL_WRITE=1, REMOTE_WRITE=2, REMOTE_READ=4))
 
 
 class WC:
@@ -123,23 +124,27 @@ class QP:
         self.recv_cq.add(WC(recv.wr_id))
 
 
-class Registration:
+class MR:
     lkey, rkey = 0x11, 0x22
 
     def close(self) -> None:
         pass
 
 
+class PD:
+    def reg_mr(self, addr: int, length: int, access: int) -> MR:
+        return MR()
+
+
 @pytest.fixture
 def queue(monkeypatch):
     monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
-    transport = SimpleNamespace(pd=object(), register=lambda addr, length, owner: Registration(),
-                                traddr="fake", trsvcid=4420)
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420)
     channel = Channel()
     context = SimpleNamespace(create_comp_channel=lambda: channel,
                               create_cq=lambda size, ch: CQ(ch))
     cm = SimpleNamespace(context=context, create_qp=lambda pd, attr: QP(attr), connected=False)
-    q = rdma.RdmaQueue(transport, cm, 1, 8, in_capsule_bytes=4096)
+    q = rdma.RdmaQueue(transport, cm, PD(), 1, 8, in_capsule_bytes=4096)
     q.qp.post_recv(q._recvs)
     yield q
     q.close()
@@ -197,7 +202,8 @@ async def test_response_completes_the_command_and_the_send_frees_its_slot(queue)
 
 @in_trio
 async def test_in_capsule_write_waits_for_its_send(queue):
-    buf = host_buffer(lambda addr, length, owner: Registration(), 4096)
+    buf = host_buffer(lambda addr, length, owner: SimpleNamespace(keys=lambda pd: MR(),
+                                                                  close=lambda: None), 4096)
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         done = []

@@ -1,0 +1,167 @@
+"""Asynchronous events and namespace rescans, as the kernel's ``nvme_async_event_work`` and
+``nvme_scan_work`` do them.
+
+One Asynchronous Event Request stays outstanding on the admin queue, re-armed
+after each event and after each reconnect.  A Namespace Attribute Changed
+notice reads the Changed Namespace List (which also lets the controller report
+the next one) and rescans those namespaces; a reconnect rescans them all.  Each
+change is applied to ``controller.namespaces``, logged in one line, and handed to
+the listeners (the mount adds, removes or resizes its files).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import trio
+
+from .. import nvme
+from ..errors import CommandTimeout, NVMeoFError, TransportError
+from ..nvme import Cns, FeatureId
+from ..nvme import command as cmd
+from ..nvme.events import (
+    AEN_NS_ATTRIBUTE,
+    CHANGED_NS_LIST,
+    CHANGED_NS_LIST_BYTES,
+    AsyncEvent,
+    parse_changed_ns_list,
+)
+from .state import LIVE
+
+if TYPE_CHECKING:
+    from .controller import Controller
+    from .namespace import Namespace
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NamespaceChange:
+    """One namespace that appeared, went away or changed size."""
+
+    kind: str  # "added", "removed", "resized"
+    nsid: int
+    old_size: int = 0
+    new_size: int = 0
+
+    def describe(self) -> str:
+        if self.kind == "added":
+            return f"namespace n{self.nsid} added ({self.new_size} bytes)"
+        if self.kind == "removed":
+            return f"namespace n{self.nsid} removed"
+        return f"namespace n{self.nsid} resized from {self.old_size} to {self.new_size} bytes"
+
+
+Listener = Callable[[list[NamespaceChange]], Awaitable[None]]
+
+
+async def rescan(ctrl: Controller, nsids: list[int] | None = None) -> list[NamespaceChange]:
+    """Look at ``nsids`` (all of them: None) again; apply and return what changed."""
+    from .namespace import Namespace
+
+    active = set(nvme.parse_active_ns_list(await ctrl.identify_raw(Cns.ACTIVE_NS_LIST)))
+    wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
+    changes = []
+    for nsid in wanted:
+        ns: Namespace | None = ctrl.namespaces.get(nsid)
+        ident = None
+        if nsid in active:
+            ident = nvme.IdentifyNamespace.from_bytes(
+                await ctrl.identify_raw(Cns.NAMESPACE, nsid))
+            if not ident.nsze:
+                ident = None
+        if ident is None:
+            if ns is not None:
+                del ctrl.namespaces[nsid]
+                ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
+                changes.append(NamespaceChange("removed", nsid, ns.size, 0))
+        elif ns is None:
+            ns = ctrl.namespaces[nsid] = Namespace(ctrl, nsid, ident)
+            changes.append(NamespaceChange("added", nsid, 0, ns.size))
+        else:
+            old = ns.resize(ident)
+            if old is not None:
+                changes.append(NamespaceChange("resized", nsid, old, ns.size))
+    for change in changes:
+        log.info("%s", change.describe())
+    return changes
+
+
+class AsyncEvents:
+    """Keeps an AER outstanding on ``ctrl``'s admin queue and rescans on namespace changes."""
+
+    def __init__(self, ctrl: Controller) -> None:
+        self.ctrl = ctrl
+        self.listeners: list[Listener] = []
+        self.events = 0  # AER completions seen
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Until the controller is gone: arm, wait, handle, re-arm (also on new queues)."""
+        task_status.started()
+        ctrl = self.ctrl
+        armed_on = ctrl.admin
+        await self._configure()
+        while await ctrl.wait_connected():
+            admin = ctrl.admin
+            if admin is None:
+                await trio.sleep(0)
+                continue
+            if admin is not armed_on:  # reconnected: anything may have changed meanwhile
+                armed_on = admin
+                await self._configure()
+                await self._rescan(None)
+                continue
+            try:
+                completion = await admin.execute(cmd.async_event_request(), timeout=math.inf)
+            except (TransportError, CommandTimeout) as exc:
+                ctrl.connection_lost(admin, exc)
+                await self._wait_for_other_than(admin)  # re-arm on the next admin queue
+                continue
+            if not completion.ok:
+                if ctrl.state is LIVE and ctrl.admin is admin:
+                    log.warning("Asynchronous Event Request failed: %s; re-armed after the "
+                                "next reconnect", completion.status_name())
+                await self._wait_for_other_than(admin)
+                continue
+            self.events += 1
+            await self._handle(AsyncEvent.from_dw0(completion.dw0))
+
+    async def _wait_for_other_than(self, admin: object) -> None:
+        while self.ctrl.admin is admin and self.ctrl.state is LIVE:
+            await self.ctrl.wait_changed()
+
+    async def _configure(self) -> None:
+        """Ask for namespace attribute notices where the controller offers them."""
+        ident = self.ctrl.identify
+        if ident is None or not ident.oaes & AEN_NS_ATTRIBUTE:
+            return
+        try:
+            await self.ctrl.set_features(FeatureId.ASYNC_EVENT_CONFIG, AEN_NS_ATTRIBUTE)
+        except NVMeoFError as exc:
+            log.warning("cannot enable namespace attribute notices: %s", exc)
+
+    async def _handle(self, event: AsyncEvent) -> None:
+        if not event.namespace_changed:
+            log.info("asynchronous event: %s", event.describe())
+            return
+        try:
+            page = await self.ctrl.get_log_page(CHANGED_NS_LIST, CHANGED_NS_LIST_BYTES)
+        except NVMeoFError as exc:
+            log.warning("cannot read the changed namespace list: %s; rescanning all", exc)
+            await self._rescan(None)
+            return
+        await self._rescan(parse_changed_ns_list(page))
+
+    async def _rescan(self, nsids: list[int] | None) -> None:
+        try:
+            changes = await rescan(self.ctrl, nsids)
+        except NVMeoFError as exc:
+            log.warning("namespace rescan failed: %s", exc)
+            return
+        if changes:
+            for listener in list(self.listeners):
+                await listener(changes)

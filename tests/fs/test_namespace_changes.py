@@ -1,0 +1,68 @@
+"""The tree follows namespaces added, removed and resized on the target (host.events)."""
+
+from __future__ import annotations
+
+import errno
+
+import pyfuse3
+import pytest
+import trio
+from fakes import FakeNamespace, make_controller
+
+from nvmeof_fuse.fs.operations import NamespaceFS
+from nvmeof_fuse.host.events import NamespaceChange
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    """What the filesystem asks the kernel to forget."""
+    calls = []
+    monkeypatch.setattr(pyfuse3, "invalidate_entry_async",
+                        lambda parent, name, ignore_enoent=False:
+                        calls.append(("entry", parent, name, ignore_enoent)))
+    monkeypatch.setattr(pyfuse3, "invalidate_inode",
+                        lambda inode, attr_only=False: calls.append(("inode", inode, attr_only)))
+    return calls
+
+
+def lookup(fs, *names) -> int:
+    inode = pyfuse3.ROOT_INODE
+    for name in names:
+        inode = trio.run(fs.lookup, inode, name.encode(), None).st_ino
+    return inode
+
+
+def test_an_added_namespace_gets_its_file_and_reports(kernel):
+    ctrl = make_controller((1, 512, 64))
+    fs = NamespaceFS(ctrl)
+    ctrl.namespaces[3] = FakeNamespace(3, 4096, 16)
+    trio.run(fs.apply_changes, [NamespaceChange("added", 3, 0, 16 * 4096)])
+    assert trio.run(fs.getattr, lookup(fs, "n3")).st_size == 16 * 4096
+    lookup(fs, ".nvmeof", "n3.json")
+    assert len({lookup(fs, "n1"), lookup(fs, "n3")}) == 2
+
+
+def test_a_removed_namespace_leaves_the_tree_and_the_kernel_forgets_it(kernel):
+    ctrl = make_controller((1, 512, 64), (2, 512, 64))
+    fs = NamespaceFS(ctrl)
+    n2, info = lookup(fs, "n2"), lookup(fs, ".nvmeof")
+    fh = trio.run(fs.open, n2, 0, None).fh
+    del ctrl.namespaces[2]
+    trio.run(fs.apply_changes, [NamespaceChange("removed", 2, 64 * 512, 0)])
+    with pytest.raises(pyfuse3.FUSEError) as gone:
+        lookup(fs, "n2")
+    assert gone.value.errno == errno.ENOENT
+    assert ("entry", pyfuse3.ROOT_INODE, b"n2", True) in kernel
+    assert ("entry", info, b"n2.json", True) in kernel
+    assert fh in fs.handles  # an open handle keeps its node: its I/O fails in the namespace
+
+
+def test_a_resized_namespace_shows_its_size_and_the_kernel_drops_its_attributes(kernel):
+    ctrl = make_controller((1, 512, 64))
+    fs = NamespaceFS(ctrl)
+    ns = ctrl.namespaces[1]
+    ns.size = 128 * 512
+    trio.run(fs.apply_changes, [NamespaceChange("resized", 1, 64 * 512, 128 * 512)])
+    n1 = lookup(fs, "n1")
+    assert trio.run(fs.getattr, n1).st_size == 128 * 512
+    assert ("inode", n1, True) in kernel

@@ -1,0 +1,121 @@
+"""Namespace rescans and the AER loop over a fake controller (the target's side faked)."""
+
+from __future__ import annotations
+
+import logging
+import struct
+from types import SimpleNamespace
+
+import pytest
+import trio
+
+from nvmeof_fuse.errors import NamespaceRemoved
+from nvmeof_fuse.host.events import AsyncEvents, NamespaceChange, rescan
+from nvmeof_fuse.host.namespace import Namespace
+from nvmeof_fuse.host.state import LIVE
+from nvmeof_fuse.nvme import Cns, Completion, IdentifyNamespace
+
+
+def identify_namespace(nlb: int, lba_shift: int = 9) -> bytes:
+    data = bytearray(4096)
+    struct.pack_into("<QQQ", data, 0, nlb, nlb, 0)
+    struct.pack_into("<HBB", data, 128, 0, lba_shift, 0)  # one format, in use
+    return bytes(data)
+
+
+class Target:
+    """Active namespaces as ``{nsid: nlb}`` (512-byte LBAs)."""
+
+    def __init__(self, namespaces: dict[int, int]) -> None:
+        self.namespaces = dict(namespaces)
+
+    async def identify_raw(self, cns: int, nsid: int = 0) -> bytes:
+        if cns == Cns.ACTIVE_NS_LIST:
+            ids = sorted(self.namespaces)
+            return struct.pack(f"<{len(ids)}I", *ids) + bytes(4096 - 4 * len(ids))
+        return identify_namespace(self.namespaces.get(nsid, 0))
+
+
+def controller(target: Target, known: dict[int, int]):
+    ctrl = SimpleNamespace(options=SimpleNamespace(nqn="nqn.2014-08.org.example:t"),
+                           identify_raw=target.identify_raw, namespaces={})
+    for nsid, nlb in known.items():
+        ctrl.namespaces[nsid] = Namespace(ctrl, nsid,
+                                          IdentifyNamespace.from_bytes(identify_namespace(nlb)))
+    return ctrl
+
+
+def test_rescan_adds_removes_and_resizes_and_logs_each_change_in_one_line(caplog):
+    target = Target({1: 100, 2: 300, 4: 8})
+    ctrl = controller(target, {1: 100, 2: 200, 3: 50})
+    removed = ctrl.namespaces[3]
+    with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.events"):
+        changes = trio.run(rescan, ctrl, None)
+    assert changes == [NamespaceChange("resized", 2, 200 * 512, 300 * 512),
+                       NamespaceChange("removed", 3, 50 * 512, 0),
+                       NamespaceChange("added", 4, 0, 8 * 512)]
+    assert sorted(ctrl.namespaces) == [1, 2, 4] and ctrl.namespaces[2].nlb == 300
+    assert caplog.messages == [f"namespace n2 resized from {200 * 512} to {300 * 512} bytes",
+                               "namespace n3 removed", f"namespace n4 added ({8 * 512} bytes)"]
+    with pytest.raises(NamespaceRemoved, match="namespace n3 was removed from nqn"):
+        trio.run(removed.read_lbas, 0, 1)
+
+
+def test_rescan_of_a_changed_list_looks_only_at_those():
+    target = Target({1: 100, 2: 999})
+    ctrl = controller(target, {1: 100, 2: 200})
+    assert trio.run(rescan, ctrl, [1]) == []
+    assert ctrl.namespaces[2].nlb == 200
+
+
+class AdminQueue:
+    """Answers each AER with the next event of ``events``; then waits."""
+
+    def __init__(self, events: list[int]) -> None:
+        self.events = list(events)
+        self.armed = 0
+        self.idle = trio.Event()
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        self.armed += 1
+        if not self.events:
+            self.idle.set()
+            await trio.sleep_forever()
+        return Completion(self.events.pop(0), 0, 0, 0, 0, True)
+
+
+def test_each_event_is_handled_and_the_request_re_armed():
+    ns_changed = 0x04 << 16 | 0x00 << 8 | 0x2
+
+    async def main():
+        admin = AdminQueue([ns_changed, ns_changed])
+        pages = []
+
+        async def get_log_page(lid, length, offset=0):
+            pages.append(lid)
+            return struct.pack("<2I", 5, 0) + bytes(length - 8)
+
+        seen = []
+
+        async def listener(changes):
+            seen.append(changes)
+
+        target = Target({5: 10})
+        ctrl = SimpleNamespace(admin=admin, state=LIVE, identify=None, namespaces={},
+                               options=SimpleNamespace(nqn="nqn.2014-08.org.example:t"),
+                               identify_raw=target.identify_raw, get_log_page=get_log_page)
+
+        async def wait_connected():
+            return True
+
+        ctrl.wait_connected = wait_connected
+        events = AsyncEvents(ctrl)
+        events.listeners.append(listener)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(events.run)
+            await admin.idle.wait()
+            nursery.cancel_scope.cancel()
+        assert admin.armed == 3 and events.events == 2 and pages == [0x04, 0x04]
+        assert seen == [[NamespaceChange("added", 5, 0, 10 * 512)]]  # the second: no change
+
+    trio.run(main)

@@ -1,0 +1,120 @@
+"""Namespaces added, removed and resized on the target while mounted: the mount follows.
+
+nvmet raises a Namespace Attribute Changed event when a namespace is enabled, disabled
+or its size revalidated; the daemon keeps an Asynchronous Event Request outstanding,
+reads the Changed Namespace List and rescans, and the FUSE tree follows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+
+import pytest
+from kernel_initiator import connected, pwrite_direct
+from vm import sh, wait_for
+
+MNT = "/tmp/nvmeof-events"
+FILES = "/tmp/nvmeof-events-files"  # a tmpfs for file-backed namespaces
+NVMET = "/sys/kernel/config/nvmet"
+MIB = 1 << 20
+
+
+def write(path: str, value: str) -> None:
+    with open(path, "w") as f:
+        f.write(value)
+
+
+@contextlib.contextmanager
+def file_namespace(nqn: str, nsid: int, size: int):
+    """Namespace ``nsid`` backed by a file of ``size`` bytes (not yet enabled)."""
+    os.makedirs(FILES, exist_ok=True)
+    if not os.path.ismount(FILES):
+        sh("mount", "-t", "tmpfs", "-o", "size=512m", "none", FILES)
+    backing = f"{FILES}/ns{nsid}.img"
+    with open(backing, "wb") as f:
+        f.truncate(size)
+    ns = f"{NVMET}/subsystems/{nqn}/namespaces/{nsid}"
+    os.mkdir(ns)
+    try:
+        write(f"{ns}/device_path", backing)
+        write(f"{ns}/buffered_io", "1")
+        yield ns, backing
+    finally:
+        with contextlib.suppress(OSError):
+            write(f"{ns}/enable", "0")
+        os.rmdir(ns)
+        os.unlink(backing)
+
+
+@contextlib.contextmanager
+def mounted(testbed, log: str):
+    os.makedirs(MNT, exist_ok=True)
+    started = subprocess.run(
+        ["nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
+         "-n", testbed.nqn, "--daemon", "--log-file", log, "-k", "2", MNT],
+        capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, started.stderr + open(log).read()
+    try:
+        yield MNT
+    finally:
+        subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
+        wait_for(lambda: not os.path.ismount(MNT), 60)
+
+
+def log_has(log: str, text: str) -> bool:
+    with open(log) as f:
+        return text in f.read()
+
+
+def size_of(path: str) -> int | None:
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError:
+        return None
+
+
+def test_a_namespace_added_then_removed_on_the_target_appears_then_fails_by_name(testbed,
+                                                                                   tmp_path):
+    log = str(tmp_path / "daemon.log")
+    data = os.urandom(64 * 1024)
+    with mounted(testbed, log) as mnt, file_namespace(testbed.nqn, 3, 64 * MIB) as (ns, _):
+        write(f"{ns}/enable", "1")
+        assert wait_for(lambda: size_of(f"{mnt}/n3") == 64 * MIB, 60), \
+            (os.listdir(mnt), open(log).read())
+        assert os.path.exists(f"{mnt}/.nvmeof/n3.json")
+        assert log_has(log, f"namespace n3 added ({64 * MIB} bytes)"), open(log).read()
+        with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn,
+                       namespaces=3) as kernel:
+            pwrite_direct(kernel[3], 4096, data)
+        fd = os.open(f"{mnt}/n3", os.O_RDONLY)
+        try:
+            assert os.pread(fd, len(data), 4096) == data
+            write(f"{ns}/enable", "0")
+            assert wait_for(lambda: "n3" not in os.listdir(mnt), 60), open(log).read()
+            assert not os.path.exists(f"{mnt}/.nvmeof/n3")
+            with pytest.raises(OSError) as info:
+                os.pread(fd, 4096, 1 << 20)  # not cached: goes to the daemon
+            assert info.value.errno in (errno.ENODEV, errno.EIO), info.value
+        finally:
+            os.close(fd)
+        text = open(log).read()
+        assert "namespace n3 removed" in text and "Traceback" not in text, text
+        assert sorted(n for n in os.listdir(mnt) if not n.startswith(".")) == ["n1", "n2"]
+
+
+def test_a_namespace_grown_on_the_target_shows_its_new_size(testbed, tmp_path):
+    log = str(tmp_path / "daemon.log")
+    with mounted(testbed, log) as mnt, file_namespace(testbed.nqn, 4, 32 * MIB) as (ns, backing):
+        write(f"{ns}/enable", "1")
+        assert wait_for(lambda: size_of(f"{mnt}/n4") == 32 * MIB, 60), open(log).read()
+        with open(backing, "r+b") as f:
+            f.truncate(48 * MIB)
+        write(f"{ns}/revalidate_size", "1")
+        assert wait_for(lambda: size_of(f"{mnt}/n4") == 48 * MIB, 60), open(log).read()
+        assert log_has(log, f"namespace n4 resized from {32 * MIB} to {48 * MIB} bytes")
+        with open(f"{mnt}/n4", "rb") as f:
+            f.seek(40 * MIB)
+            assert f.read(4096) == bytes(4096)  # the new space reads back
