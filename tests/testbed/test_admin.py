@@ -139,6 +139,7 @@ def test_fstab_line_mounts_and_umount_flushes_and_disconnects(testbed, root, fst
     unmount_and_wait(good, baseline)
 
 
+@pytest.mark.slow
 def test_mount_t_with_a_uri_ending_in_an_nsid_mounts_that_namespace(testbed, root):
     point = f"{root}/n2only"
     os.makedirs(point, exist_ok=True)
@@ -194,6 +195,7 @@ def second_subsystem(testbed):
         os.rmdir(nullb)
 
 
+@pytest.mark.slow
 def test_mount_all_mounts_each_subsystem_once(testbed, root):
     top = f"{root}/all"
     baseline = rc_qps()

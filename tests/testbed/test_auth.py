@@ -109,7 +109,7 @@ def key_file(tmp_path, name: str, key: str) -> str:
 
 @pytest.mark.parametrize("transform, length, hash_name, dhgroup", [
     (1, 32, "hmac(sha256)", "null"),
-    (3, 64, "hmac(sha512)", "ffdhe4096"),
+    pytest.param(3, 64, "hmac(sha512)", "ffdhe4096", marks=pytest.mark.slow),
 ])
 def test_mount_authenticates_and_agrees_with_the_kernel(testbed, tmp_path, transform, length,
                                                         hash_name, dhgroup):
@@ -143,6 +143,7 @@ def test_mount_authenticates_and_agrees_with_the_kernel(testbed, tmp_path, trans
             assert pread_direct(kernel[1], 8192, len(data)) == data
 
 
+@pytest.mark.slow
 def test_bidirectional_authentication(testbed, tmp_path):
     key, ctrl_key = gen_key(1, 32, HOSTNQN), gen_key(2, 48, SUBNQN)
     log = str(tmp_path / "daemon.log")
@@ -196,12 +197,14 @@ def test_wrong_secret_fails_fast_by_name(testbed, tmp_path):
     assert "--dhchap-secret" in err and wrong.split(":")[2] not in err
 
 
+@pytest.mark.slow
 def test_missing_secret_fails_fast_by_name(testbed, tmp_path):
     with auth_subsystem("hmac(sha256)", "null", gen_key(1, 32, HOSTNQN)):
         failing_mount(testbed, tmp_path, "requires in-band authentication (DH-HMAC-CHAP): give "
                       "the host's secret with --dhchap-secret")
 
 
+@pytest.mark.slow
 def test_wrong_controller_secret_fails_fast_by_name(testbed, tmp_path):
     key, ctrl_key, wrong = gen_key(1, 32, HOSTNQN), gen_key(1, 32, SUBNQN), gen_key(1, 32, SUBNQN)
     with auth_subsystem("hmac(sha256)", "ffdhe2048", key, ctrl_key):
@@ -211,6 +214,7 @@ def test_wrong_controller_secret_fails_fast_by_name(testbed, tmp_path):
                       "-C", key_file(tmp_path, "ctrl", wrong))
 
 
+@pytest.mark.slow
 def test_reconnect_authenticates_again(testbed, tmp_path):
     key = gen_key(1, 32, HOSTNQN)
     log = str(tmp_path / "daemon.log")

@@ -113,6 +113,7 @@ def test_a_companion_write_reaches_a_reader_holding_cached_pages(cmnt):
         assert os.pread(cached.fileno(), size, offset) == new.tobytes()
 
 
+@pytest.mark.slow
 def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(cmnt):
     """A real dma-buf (udmabuf over a memfd) stands in for a CUDA tensor's."""
     size, offset = 8 << 20, (1 << 20) + 333
@@ -272,6 +273,7 @@ def test_a_killed_client_leaves_the_mount_and_the_other_client_working(cmnt, tmp
     assert wait_for(lambda: rdma_objects("mr") <= mrs_before)
 
 
+@pytest.mark.slow
 def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
     import numpy as np
 
@@ -298,7 +300,7 @@ def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
     assert not os.path.ismount(mnt)
 
 
-@pytest.mark.parametrize("loss_tmo", ["120", "3"])
+@pytest.mark.parametrize("loss_tmo", ["120", pytest.param("3", marks=pytest.mark.slow)])
 def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path, loss_tmo):
     """Acceptance 2: the port is gone ~8 s while a client writes and reads in a loop.
 
