@@ -10,7 +10,9 @@ Data moves once: a read's C2HData payload is received straight into the
 caller's memory (``recv_into``); a write's data is sent from it, inside the
 capsule up to the in-capsule limit, otherwise in H2CData PDUs answering the
 controller's R2Ts (split at MAXH2CDATA).  Memory needs no registration, so
-:meth:`TcpTransport.register` hands back a trivial one.
+:meth:`TcpTransport.register` hands back a trivial one.  The socket reaches host
+memory only: GPU memory (a dma-buf, a CUDA tensor) is refused by name, and the
+companion API stages it through host memory instead, as kvikio's compat mode does.
 
 A receive task per queue reads every PDU; anything that breaks the protocol (a
 bad digest, a length that disagrees with its header, an unknown PDU type, data
@@ -40,6 +42,16 @@ RECV_BUFFER_BYTES = 256 * 1024
 STOP_TIMEOUT = 5.0
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
+
+
+HOST_MEMORY_ONLY = ("NVMe/TCP receives data into host memory only, so GPU memory is staged "
+                    "(received into host memory, then copied to the device)")
+
+
+def is_device_memory(owner: object) -> bool:
+    """Whether ``owner`` is a GPU array (torch ``is_cuda``, the CUDA Array Interface)."""
+    return getattr(owner, "is_cuda", False) is True \
+        or hasattr(owner, "__cuda_array_interface__")
 
 
 def transport_data_block(length: int) -> bytes:
@@ -108,7 +120,14 @@ class TcpTransport:
         return f"tcp {self.traddr}:{self.trsvcid}"
 
     def register(self, addr: int, length: int, owner: object) -> TcpRegistration:
+        """A trivial registration of host memory; GPU memory is refused by name."""
+        if is_device_memory(owner):
+            raise TransportError(f"cannot register GPU memory: {HOST_MEMORY_ONLY}")
         return TcpRegistration(addr, length, owner)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> TcpRegistration:
+        """Refused: a socket cannot receive into a dma-buf (the caller stages instead)."""
+        raise TransportError(f"cannot register the dma-buf: {HOST_MEMORY_ONLY}")
 
     async def _open(self, what: str) -> trio.socket.SocketType:
         where = f"{self.traddr}:{self.trsvcid}"

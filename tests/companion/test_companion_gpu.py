@@ -15,6 +15,7 @@ from companion_fakes import AddressController, FakeTensor, serving, wait_for
 
 from nvmeof_fuse.companion import gpu
 from nvmeof_fuse.companion.client import File
+from nvmeof_fuse.transport.tcp import TcpTransport
 
 
 @pytest.fixture
@@ -76,3 +77,26 @@ def test_page_span():
     assert gpu.page_span(page * 3 + 10, 20) == (page * 3, 10, page)
     assert gpu.page_span(page * 3, page) == (page * 3, 0, page)
     assert gpu.page_span(page - 1, 2) == (0, page - 1, 2 * page)
+
+
+def test_over_tcp_a_dmabuf_is_refused_by_name_and_the_tensor_staged(cuda, served, caplog):
+    """A mount over NVMe/TCP: the socket reaches host memory only, so GPU data is staged
+    (received into host memory, then copied to the device), like kvikio's compat mode."""
+    ctrl, server, mnt = served
+    ctrl.transport.register_dmabuf = TcpTransport("192.0.2.1").register_dmabuf
+    tensor = FakeTensor(70_000)
+    tensor.bytes[:] = np.frombuffer(os.urandom(70_000), np.uint8)
+    with File(str(mnt / "n1")) as f:
+        assert f.write(tensor, file_offset=4096) == 70_000
+        tensor.bytes[:] = 0
+        assert f.read(tensor, file_offset=4096) == 70_000
+    assert tensor.bytes.tobytes() == ctrl.disks[1][4096:74_096]
+    assert "to_host" in cuda.calls and "to_device" in cuda.calls and "flush" not in cuda.calls
+    said = [r.getMessage() for r in caplog.records if "GPU memory" in r.getMessage()]
+    assert len(said) == 1, said  # once, naming the reason; no AttributeError
+    assert "NVMe/TCP receives data into host memory only" in said[0], said
+    assert "attribute" not in caplog.text
+    snap = server.snapshot()
+    assert snap["direct_read_bytes"] == snap["direct_write_bytes"] == 0
+    assert snap["staged_read_bytes"] >= 70_000 and snap["staged_write_bytes"] >= 69_632
+    assert wait_for(lambda: server.snapshot()["regions"] == 0)

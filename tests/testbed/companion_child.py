@@ -9,9 +9,9 @@
                                                            exported as a real dma-buf (udmabuf)
 
 ``roundtrip`` prints one JSON line: the SHA-256 of what it wrote, whether the read
-matched, the queue IDs the file used on its own, and the daemon's companion counters
-before and after the read.  KIND is ``empty`` (``nvmeof_fuse.empty``, the default) or
-``numpy`` (a plain array).
+matched, the queue IDs the file used on its own, the daemon's companion counters
+before and after the read, and what ``nvmeof_fuse`` logged in this process so far.
+KIND is ``empty`` (``nvmeof_fuse.empty``, the default) or ``numpy`` (a plain array).
 """
 
 from __future__ import annotations
@@ -27,6 +27,14 @@ import sys
 import numpy as np
 
 import nvmeof_fuse
+
+LOGGED: list[str] = []  # nvmeof_fuse's log messages in this process (fallbacks say why)
+
+
+def _capture_log() -> None:
+    handler = logging.Handler()
+    handler.emit = lambda record: LOGGED.append(record.getMessage())
+    logging.getLogger("nvmeof_fuse").addHandler(handler)
 
 
 def _array(size: int, kind: str) -> np.ndarray:
@@ -45,8 +53,8 @@ def roundtrip(path: str, offset: int, size: int, kind: str = "empty") -> None:
         after = f.stats()
         own = list(f.own_queues)
     print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "own_queues": own,
-                      "equal": bool((out == data).all()), "before": before, "after": after}),
-          flush=True)
+                      "equal": bool((out == data).all()), "before": before, "after": after,
+                      "log": LOGGED}), flush=True)
 
 
 def churn(path: str, offset: int, size: int, stop: str) -> None:
@@ -159,6 +167,8 @@ def dmabuf(path: str, offset: int, size: int) -> None:
 
 if __name__ == "__main__":
     mode, path, *numbers = sys.argv[1:]
+    if mode in ("roundtrip", "both"):
+        _capture_log()
     if mode == "roundtrip":
         roundtrip(path, int(numbers[0]), int(numbers[1]), *sys.argv[5:6])
     elif mode == "both":  # PATH is the mountpoint: n1, then n2

@@ -1,7 +1,10 @@
 """The companion API against the real target: another process reads and writes directly.
 
 One mount (RDMA, ``-o allow_other`` so that another uid can even try) serves the
-whole module.  The second process is a real one (``companion_child.py``).
+whole module; the cross-process data tests also run on a mount over NVMe/TCP, where
+clients get no queues of their own and the daemon's queues carry their data (as on
+any mount that gives no direct placement).  The second process is a real one
+(``companion_child.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import sys
 import time
 
 import pytest
+from fabrics import make_fabric
 from kernel_initiator import connected, pread_direct
 from vm import rdma_objects, sh, target_away, wait_for
 
@@ -24,14 +28,16 @@ from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.protocol import CompanionError
 
 MNT = "/tmp/nvmeof-companion"
+TCP_MNT = "/tmp/nvmeof-companion-tcp"
+NO_LEASE = "transport gives no direct placement"  # the client's one-time fallback message
 CHILD = os.path.join(os.path.dirname(__file__), "companion_child.py")
 SIZE = 64 << 20
 OFFSET = (8 << 20) + 12_345  # unaligned for both LBA sizes
 TIMEOUT = 600
 
 
-def daemon_stats() -> dict:
-    with open(f"{MNT}/.nvmeof/stats.json") as f:
+def daemon_stats(mnt: str = MNT) -> dict:
+    with open(f"{mnt}/.nvmeof/stats.json") as f:
         return json.load(f)["companion"]
 
 
@@ -50,21 +56,42 @@ def cmnt(testbed):
     subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
 
 
-def _check_against_file_and_kernel(testbed, path: str, nsid: int, offset: int,
+@pytest.fixture(scope="module", params=["rdma", "tcp"])
+def fmnt(request, testbed):
+    """``(fabric, mountpoint)``: the RDMA mount above, then one over NVMe/TCP."""
+    fabric = make_fabric(testbed, request.param)
+    if fabric.transport == "rdma":
+        yield fabric, request.getfixturevalue("cmnt")
+        return
+    os.makedirs(TCP_MNT, exist_ok=True)
+    sh("nvmeof-fuse", "mount", "-t", "tcp", "-a", fabric.addr, "-s", str(fabric.port),
+       "-n", fabric.nqn, "--daemon",
+       "--log-file", os.path.join(testbed.out, "companion-daemon-tcp.log"), TCP_MNT)
+    yield fabric, TCP_MNT
+    subprocess.run(["fusermount3", "-u", TCP_MNT], capture_output=True, timeout=120)
+
+
+def _check_against_file_and_kernel(fabric, path: str, nsid: int, offset: int,
                                    sha256: str) -> None:
     with open(path, "rb") as f:  # what the file shows
         f.seek(offset)
         assert hashlib.sha256(f.read(SIZE)).hexdigest() == sha256
-    with connected("rdma", testbed.rdma_addr, testbed.port, testbed.nqn) as kernel:
+    with connected(fabric.transport, fabric.addr, fabric.port, fabric.nqn) as kernel:
         start = offset // 4096 * 4096
         raw = pread_direct(kernel[nsid], start, SIZE + 8192)
         skip = offset - start
         assert hashlib.sha256(raw[skip:skip + SIZE]).hexdigest() == sha256
 
 
-def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(testbed, cmnt):
-    """Acceptance 1: both namespaces, empty arrays and plain numpy arrays, fio beside."""
-    before = daemon_stats()
+def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(fmnt):
+    """Acceptance 1: both namespaces, empty arrays and plain numpy arrays, fio beside.
+
+    Over RDMA the clients use queues of their own; over TCP the daemon's queues place
+    the data in the clients' shared memory (``empty``) or stage it (plain ``numpy``),
+    and each client says so once.
+    """
+    fabric, cmnt = fmnt
+    before = daemon_stats(cmnt)
     fio = subprocess.Popen(
         ["fio", "--name=bg", f"--filename={cmnt}/n2", "--rw=randread", "--bs=4k",
          "--iodepth=4", "--ioengine=libaio", "--direct=1", "--size=64M", "--time_based",
@@ -87,16 +114,35 @@ def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(testbed, cm
         assert len(results) == 2, out
         for nsid, result in zip((1, 2), results, strict=True):
             assert result["equal"], (kind, nsid)
-            assert result["own_queues"], f"{kind} client used no queues of its own: {err}"
-            _check_against_file_and_kernel(testbed, f"{cmnt}/n{nsid}", nsid, offsets[kind],
+            if fabric.transport == "rdma":
+                assert result["own_queues"], f"{kind} client used no queues of its own: {err}"
+            else:
+                assert result["own_queues"] == [], (kind, result["own_queues"])
+            _check_against_file_and_kernel(fabric, f"{cmnt}/n{nsid}", nsid, offsets[kind],
                                            result["sha256"])
-    after = daemon_stats()
-    moved = 2 * 2 * SIZE  # two processes, two namespaces, each way
-    assert after["client_queue_read_bytes"] - before["client_queue_read_bytes"] >= moved
-    assert after["client_queue_write_bytes"] - before["client_queue_write_bytes"] >= moved
-    for counter in ("direct_read_bytes", "direct_write_bytes", "staged_read_bytes",
-                    "staged_write_bytes", "daemon_copied_bytes"):  # nothing through the daemon
-        assert after[counter] == before[counter], counter
+        if fabric.transport == "tcp":  # said once per process, with the reason
+            said = [line for line in results[-1]["log"] if NO_LEASE in line]
+            assert len(said) == 1, results[-1]["log"]
+            assert "the mount's tcp transport" in said[0] and "daemon's queues" in said[0]
+    after = daemon_stats(cmnt)
+    delta = {name: after[name] - before[name] for name in after if name.endswith("_bytes")}
+    if fabric.transport == "rdma":
+        moved = 2 * 2 * SIZE  # two processes, two namespaces, each way
+        assert delta["client_queue_read_bytes"] >= moved
+        assert delta["client_queue_write_bytes"] >= moved
+        for counter in ("direct_read_bytes", "direct_write_bytes", "staged_read_bytes",
+                        "staged_write_bytes", "daemon_copied_bytes"):  # nothing via the daemon
+            assert delta[counter] == 0, counter
+    else:
+        # no queues of their own: the daemon's queues placed the whole LBAs of the shared
+        # arrays (edges staged or in the message) and staged the plain arrays' data
+        whole = 2 * (SIZE - 2 * 4096)  # one process, two namespaces, partial LBAs aside
+        assert delta["client_queue_read_bytes"] == delta["client_queue_write_bytes"] == 0
+        for way in ("read", "write"):
+            assert delta[f"direct_{way}_bytes"] >= whole, (way, delta)
+            assert delta[f"staged_{way}_bytes"] >= whole, (way, delta)
+            moved = delta[f"direct_{way}_bytes"] + delta[f"staged_{way}_bytes"]
+            assert moved <= 2 * 2 * SIZE + 4 * 2 * 8192, (way, delta)  # counted once
 
 
 def test_a_companion_write_reaches_a_reader_holding_cached_pages(cmnt):
@@ -114,8 +160,13 @@ def test_a_companion_write_reaches_a_reader_holding_cached_pages(cmnt):
 
 
 @pytest.mark.slow
-def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(cmnt):
-    """A real dma-buf (udmabuf over a memfd) stands in for a CUDA tensor's."""
+def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(fmnt):
+    """A real dma-buf (udmabuf over a memfd) stands in for a CUDA tensor's.
+
+    Over TCP the daemon refuses it by name (data arrives in host memory) and the
+    client stages: received into host memory, then copied to the "device".
+    """
+    fabric, cmnt = fmnt
     size, offset = 8 << 20, (1 << 20) + 333
     child = subprocess.run([sys.executable, CHILD, "dmabuf", f"{cmnt}/n2", str(offset),
                             str(size)], capture_output=True, text=True, timeout=TIMEOUT)
@@ -127,10 +178,13 @@ def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(cmnt
     before, after = result["before"], result["after"]
     assert result["calls"][0] == "export"
     direct = after["direct_read_bytes"] - before["direct_read_bytes"]
+    assert not (direct and fabric.transport == "tcp"), "no direct placement over TCP"
     if direct:  # the verbs provider registered the dma-buf: placed directly, then flushed
         assert direct >= size - 8192 and result["calls"][-1] == "flush"
-    else:  # Soft-RoCE has no dma-buf MRs: the daemon says so and the client stages
+    else:  # Soft-RoCE has no dma-buf MRs, TCP none at all: the daemon says so, the client stages
         assert any("cannot register" in line and "dma-buf" in line for line in result["log"])
+        if fabric.transport == "tcp":
+            assert any("NVMe/TCP" in line for line in result["log"]), result["log"]
         assert after["staged_read_bytes"] - before["staged_read_bytes"] >= size
         assert "to_device" in result["calls"] and "flush" not in result["calls"]
 

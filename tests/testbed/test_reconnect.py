@@ -1,8 +1,8 @@
 """Losing the target: I/O waits for the reconnect and lands, or fails by name after ctrl-loss-tmo.
 
 The target goes away the way a port reconfiguration or a target restart takes it:
-the subsystem is unlinked from the RDMA port, so nvmet deletes our controller and
-refuses new connects until the link is back.
+the subsystem is unlinked from the RDMA (or TCP) port, so nvmet deletes our controller
+and refuses new connects until the link is back.
 """
 
 from __future__ import annotations
@@ -13,14 +13,16 @@ import os
 import subprocess
 import sys
 
+import pytest
 from kernel_initiator import connected, pread_direct
-from vm import rdma_objects, sh, target_away, wait_for, waits_on_fuse
+from vm import NVMET_PORTS, rdma_objects, sh, target_away, wait_for, waits_on_fuse
 
 MNT = "/tmp/nvmeof-reconnect"
 @contextlib.contextmanager
-def mounted(testbed, log: str, *options: str):
+def mounted(testbed, log: str, *options: str, transport: str = "rdma"):
     os.makedirs(MNT, exist_ok=True)
-    sh("nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
+    addr = testbed.rdma_addr if transport == "rdma" else testbed.tcp_addr
+    sh("nvmeof-fuse", "mount", "-t", transport, "-a", addr, "-s", str(testbed.port),
        "-n", testbed.nqn, "--daemon", "--log-file", log, *options, MNT)
     try:
         yield MNT
@@ -69,10 +71,12 @@ def test_a_write_during_an_outage_waits_and_lands_after_the_reconnect(testbed, t
     assert wait_for(lambda: rdma_objects("qp") <= baseline, 90), sh("rdma", "resource", "show")
 
 
-def test_io_fails_by_name_once_ctrl_loss_tmo_passes(testbed, tmp_path):
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_io_fails_by_name_once_ctrl_loss_tmo_passes(testbed, tmp_path, transport):
+    """The target stays away longer than --ctrl-loss-tmo: one clear EIO, over either fabric."""
     log = str(tmp_path / "daemon.log")
-    with mounted(testbed, log, "-k", "2", "-c", "1", "-l", "3") as mnt:
-        with target_away(testbed.nqn):
+    with mounted(testbed, log, "-k", "2", "-c", "1", "-l", "3", transport=transport) as mnt:
+        with target_away(testbed.nqn, NVMET_PORTS[transport]):
             assert wait_for(lambda: log_has(log, "gave up after"), 90), open(log).read()
             dd = subprocess.run(["dd", f"if={mnt}/n2", "of=/dev/null", "bs=4k", "count=1",
                                  "iflag=direct"], capture_output=True, text=True, timeout=60)

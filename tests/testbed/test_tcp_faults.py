@@ -3,7 +3,8 @@
 The subsystem is unlinked from the TCP port for about 8 s: nvmet deletes our
 controller, closes its connections and refuses new ones until the link is back.
 The mount reconnects and fio's writes land, so its crc32c verify passes.
-(Refused connections and a wrong NQN over TCP: test_fs's bad-mount cases.)
+(Refused connections and a wrong NQN over TCP: test_fs's bad-mount cases; the target
+away for longer than --ctrl-loss-tmo: test_reconnect, parametrized over rdma and tcp.)
 """
 
 from __future__ import annotations
