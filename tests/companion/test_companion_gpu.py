@@ -7,14 +7,20 @@ ordering calls come at the right moments, and failures fall back to staging.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 
 import numpy as np
 import pytest
+import trio
 from companion_fakes import AddressController, FakeTensor, serving, wait_for
+from tcp_target import NQN, FakeTcpTarget
 
+import nvmeof_fuse
 from nvmeof_fuse.companion import gpu
 from nvmeof_fuse.companion.client import File
+from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.transport.tcp import TcpTransport
 
 
@@ -100,3 +106,55 @@ def test_over_tcp_a_dmabuf_is_refused_by_name_and_the_tensor_staged(cuda, served
     assert snap["direct_read_bytes"] == snap["direct_write_bytes"] == 0
     assert snap["staged_read_bytes"] >= 70_000 and snap["staged_write_bytes"] >= 69_632
     assert wait_for(lambda: server.snapshot()["regions"] == 0)
+
+
+@contextlib.contextmanager
+def tcp_target():
+    """The fake NVMe/TCP target on 127.0.0.1, served from a thread of its own."""
+    target, state, ready = FakeTcpTarget(), {}, threading.Event()
+
+    async def main() -> None:
+        state["token"] = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as state["scope"]:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(target.serve)
+                ready.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(10), "the fake target did not start"
+    try:
+        yield target
+    finally:
+        trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
+        thread.join(10)
+
+
+def test_in_process_over_tcp_a_cuda_tensor_is_staged_not_received_in_place(cuda, tmp_path,
+                                                                            caplog):
+    """The mount's own process: a device address must never reach ``recv_into``."""
+    if not os.path.exists("/dev/fuse"):
+        pytest.skip("needs /dev/fuse")
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    data = np.frombuffer(os.urandom(20_000), np.uint8)
+    with tcp_target() as target, nvmeof_fuse.mount(
+            str(mnt), traddr="127.0.0.1", nqn=NQN, transport="tcp", trsvcid=target.port,
+            keep_alive_tmo=0) as m:
+        tensor = FakeTensor(20_000)
+        with pytest.raises(NVMeoFError, match=r"cannot register the CUDA tensor: dma-buf: "
+                           r"cannot register the dma-buf: NVMe/TCP receives data into host "
+                           r"memory only.*; peer memory: cannot register GPU memory: NVMe/TCP"):
+            m.register(tensor)
+        tensor.bytes[:] = data
+        with m.open(1) as f:
+            assert f.write(tensor, file_offset=1000) == 20_000
+            tensor.bytes[:] = 0
+            assert f.read(tensor, file_offset=1000) == 20_000
+        stats = m.stats()
+        assert bytes(target.data[1000:21_000]) == data.tobytes()
+    assert tensor.bytes.tobytes() == data.tobytes()
+    assert "to_host" in cuda.calls and "to_device" in cuda.calls and "flush" not in cuda.calls
+    assert "NVMe/TCP receives data into host memory only" in caplog.text
+    assert stats["direct_read_bytes"] == stats["direct_write_bytes"] == 0
+    assert stats["staged_read_bytes"] >= 20_000 and stats["staged_write_bytes"] >= 19_456

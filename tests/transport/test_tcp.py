@@ -432,3 +432,16 @@ def test_a_broken_pdu_makes_the_controller_reconnect_and_the_read_lands(fault, c
     assert lost[0].startswith("lost the connection to nqn.2026-11.io.nvmeof-fuse:fake-tcp at "
                               "tcp 127.0.0.1:"), lost
     assert re.search(FAULTS[fault][1], lost[0]), lost
+
+
+def test_gpu_memory_is_refused_by_name():
+    from types import SimpleNamespace
+
+    transport = TcpTransport("192.0.2.1")
+    with pytest.raises(TransportError, match=r"^cannot register the dma-buf: NVMe/TCP receives "
+                       r"data into host memory only, so GPU memory is staged"):
+        transport.register_dmabuf(5, 0, 4096, 1 << 40)
+    for owner in (SimpleNamespace(is_cuda=True), SimpleNamespace(__cuda_array_interface__={})):
+        with pytest.raises(TransportError, match="^cannot register GPU memory: NVMe/TCP"):
+            transport.register(1 << 40, 4096, owner)
+    assert transport.register(0, 0, SimpleNamespace(is_cuda=False)).length == 0
