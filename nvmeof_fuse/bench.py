@@ -5,7 +5,8 @@
   python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
   python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
   python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
-      --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F] [--out DIR]
+      --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F]
+      [--core-tcp-host F --fuse-tcp-host F] [--out DIR]
 
 ``core``, ``nvmeof`` and ``companion`` (``nvmeof_fuse.File`` on a mounted namespace, from this
 separate process, into ``nvmeof_fuse.empty`` arrays, ``qd`` futures outstanding from one
@@ -53,6 +54,15 @@ TCP_COLUMNS = ("kernel_tcp", "core_tcp", "fuse_tcp")
 TITLES.update({"kernel_tcp": "kernel nvme-tcp (fio)", "core_tcp": "our core over TCP",
                "fuse_tcp": "FUSE file over TCP (fio)"})
 TCP_RATIOS = (("core_tcp", "kernel_tcp"), ("fuse_tcp", "kernel_tcp"))
+HOST_COLUMNS = ("kernel_tcp", "core_tcp_host", "fuse_tcp_host")
+"""Our core and the FUSE file on the host over the forwarded port, against the kernel in the VM."""
+TITLES.update({"core_tcp_host": "our core on the host",
+               "fuse_tcp_host": "FUSE file on the host (fio)"})
+HOST_RATIOS = (("core_tcp_host", "kernel_tcp"), ("fuse_tcp_host", "kernel_tcp"))
+HOST_CAVEAT = ("From the host: our core and the FUSE file reach the target through the VM's "
+               "forwarded port (QEMU user networking is part of their figures); the kernel "
+               "nvme-tcp figure is measured inside the VM.")
+ALL_COLUMNS = tuple(dict.fromkeys(COLUMNS + TCP_COLUMNS + HOST_COLUMNS))
 
 
 @dataclass
@@ -395,27 +405,42 @@ def _grid(loaded: dict, columns: tuple[str, ...], ratios: tuple) -> list[str]:
     return [fmt(heads), line("-" * w for w in widths), *(fmt(r) for r in rows)]
 
 
+def _given(path: str | None) -> bool:
+    """Whether a part was run: its result, or its ``.err`` file, exists."""
+    return bool(path) and (os.path.exists(path) or os.path.exists(path + ".err"))
+
+
 def table(sources: dict[str, str | None]) -> tuple[str, dict]:
     """The side-by-side table text and a JSON-able dict of every figure and failure.
 
-    The NVMe/TCP columns make a second table, shown when any of them was given.
+    A grid is shown for the parts that were run: RDMA (the first), NVMe/TCP in the VM,
+    NVMe/TCP from the host (with its caveat); with nothing run, the first, all n/a.
     """
-    tcp = any(sources.get(c) for c in TCP_COLUMNS)
-    columns = COLUMNS + TCP_COLUMNS if tcp else COLUMNS
+    run = {c for c in ALL_COLUMNS if _given(sources.get(c))}
+    host = bool(run & {"core_tcp_host", "fuse_tcp_host"})
+    tcp = bool(run & {"core_tcp", "fuse_tcp"}) or ("kernel_tcp" in run and not host)
+    rdma = bool(run & set(COLUMNS)) or not (tcp or host)
+    grids = [(title, columns, ratios) for shown, title, columns, ratios in (
+        (rdma, "", COLUMNS, RATIOS), (tcp, "NVMe/TCP:", TCP_COLUMNS, TCP_RATIOS),
+        (host, "NVMe/TCP from the host:", HOST_COLUMNS, HOST_RATIOS)) if shown]
+    columns = tuple(dict.fromkeys(c for _, cols, _ in grids for c in cols))
     loaded = {c: load(sources.get(c)) for c in columns}
-    out = _grid(loaded, COLUMNS, RATIOS)
-    if tcp:
-        out += ["", "NVMe/TCP:", *_grid(loaded, TCP_COLUMNS, TCP_RATIOS)]
+    out: list[str] = []
+    for title, cols, ratios in grids:
+        out += (["", title] if out else [title] if title else []) + _grid(loaded, cols, ratios)
+    if host:
+        out += ["", HOST_CAVEAT]
     notes = []
     for c in columns:
         errs = loaded[c][1]
         if "*" in errs:
             notes.append(f"n/a {TITLES[c]}: {errs['*']}")
         notes += [f"n/a {TITLES[c]}, {METRICS[k][0]}: {v}" for k, v in errs.items() if k != "*"]
-    blank = [METRICS[k][0] for k in METRICS if k not in loaded["core"][0]
-             and k not in loaded["core"][1] and "*" not in loaded["core"][1]]
-    if blank:
-        notes.append(f"n/a our core: not measured: {', '.join(blank)}")
+    if rdma:
+        blank = [METRICS[k][0] for k in METRICS if k not in loaded["core"][0]
+                 and k not in loaded["core"][1] and "*" not in loaded["core"][1]]
+        if blank:
+            notes.append(f"n/a our core: not measured: {', '.join(blank)}")
     out += ["", "MB = 10^6 bytes.", *notes]
     data = {"figures": {c: loaded[c][0] for c in columns},
             "errors": {c: loaded[c][1] for c in columns}, "sources": sources}
@@ -480,7 +505,7 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--size-mib", type=int, default=256, help="namespace size (default 256)")
     r.add_argument("--lba-size", type=int, choices=(512, 4096), default=4096)
     t = sub.add_parser("table", help="side-by-side table of saved results")
-    for c in COLUMNS + TCP_COLUMNS:
+    for c in ALL_COLUMNS:
         t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")
     t.add_argument("--out", metavar="DIR", help="also write DIR/bench.txt and DIR/bench.json")
     return ap
@@ -489,7 +514,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.what == "table":
-        text, data = table({c: getattr(args, c) for c in COLUMNS + TCP_COLUMNS})
+        text, data = table({c: getattr(args, c) for c in ALL_COLUMNS})
         print(text, end="")
         if args.out:
             with open(os.path.join(args.out, "bench.txt"), "w") as f:

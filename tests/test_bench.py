@@ -105,3 +105,29 @@ def test_table_shows_the_tcp_columns_in_a_table_of_their_own(tmp_path):
     assert data["figures"]["core_tcp"] == {"seq_write": 160.0}
     assert "NVMe/TCP" not in bench.table(saved_results(tmp_path, "seq_read", kernel=1.0))[0]
     assert bench.parser().parse_args(["core", "-a", "x", "-n", "y", "-t", "tcp"]).transport == "tcp"
+
+
+def test_table_shows_only_the_parts_that_ran(tmp_path):
+    """BENCH_PARTS='kernel-tcp core-tcp fuse-tcp': no RDMA grid of n/a; a failed part shows."""
+    files = saved_results(tmp_path, "seq_read", kernel_tcp=100.0, core_tcp=90.0)
+    (tmp_path / "fuse_tcp.json.err").write_text("nvmeof-fuse mount -t tcp failed: refused\n")
+    files.update(fuse_tcp=str(tmp_path / "fuse_tcp.json"), kernel=str(tmp_path / "kernel.json"),
+                 core=str(tmp_path / "core.json"))  # not run: no file, no .err
+    text, data = bench.table(files)
+    assert text.startswith("NVMe/TCP:\n") and "kernel (fio)" not in text
+    assert "n/a FUSE file over TCP (fio): nvmeof-fuse mount -t tcp failed: refused" in text
+    assert "our core:" not in text and set(data["figures"]) == {"kernel_tcp", "core_tcp",
+                                                                "fuse_tcp"}
+
+
+def test_table_sets_the_host_figures_against_the_kernel_in_the_vm_with_the_caveat(tmp_path):
+    files = saved_results(tmp_path, "rand_read_qd1", kernel_tcp=400.0, core_tcp_host=600.0,
+                          fuse_tcp_host=200.0)
+    text, data = bench.table(files)
+    assert text.startswith("NVMe/TCP from the host:\n") and "our core over TCP" not in text
+    row = next(line for line in text.splitlines() if line.startswith("4 KiB randread QD1 "))
+    assert row.split()[-2:] == ["1.50", "0.50"], row
+    assert "QEMU user networking is part of their figures" in text
+    assert "measured inside the VM" in text
+    args = bench.parser().parse_args(["table", "--core-tcp-host", "A", "--fuse-tcp-host", "B"])
+    assert (args.core_tcp_host, args.fuse_tcp_host) == ("A", "B")
