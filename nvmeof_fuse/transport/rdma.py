@@ -31,8 +31,8 @@ import outcome
 import trio
 
 from ..errors import CommandTimeout, ConnectError, TransportError
-from ..nvme import Completion, set_command_id
-from ..nvme.sgl import NULL_SGL, in_capsule_data, keyed_data_block
+from ..nvme import Completion
+from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
 from .region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
@@ -47,6 +47,7 @@ completion channel; queues whose recent latency is above it are not polled at al
 _LATENCY_WEIGHT = 0.125  # of the newest sample in a queue's moving average latency
 _SEND, _RECV = 1 << 62, 1 << 61
 _INDEX = (1 << 32) - 1
+_CID = struct.Struct("<H")  # the command ID, bytes 2..3 of a capsule
 
 
 # --- wire formats -------------------------------------------------------------------------------
@@ -495,14 +496,23 @@ class RdmaQueue:
 
     def data_pointer(self, data: DataRef | None, to_controller: bool) -> tuple[bytes, list]:
         """The SGL for ``data`` and the extra send SGEs (in-capsule data) it needs."""
+        sgl = bytearray(16)
+        extra = self._place_data(sgl, 0, data, to_controller)
+        return bytes(sgl), list(extra)
+
+    def _place_data(self, buf, at: int, data: DataRef | None, to_controller: bool):
+        """Write the SGL for ``data`` into ``buf`` at ``at``; the extra send SGEs
+        (in-capsule data) it needs, if any."""
         if data is None or data.length == 0:
-            return NULL_SGL, []
+            buf[at:at + 16] = NULL_SGL
+            return ()
         region = data.region
         keys = region.registration.keys(self.pd)
         if to_controller and data.length <= self.in_capsule_bytes:
-            return in_capsule_data(0, data.length), [self._ib.SGE(data.addr, data.length,
-                                                                  keys.lkey)]
-        return keyed_data_block(region.addr + data.offset, data.length, keys.rkey), []
+            buf[at:at + 16] = in_capsule_data(0, data.length)
+            return (self._ib.SGE(region.addr + data.offset, data.length, keys.lkey),)
+        pack_keyed_data_block_into(buf, at, region.addr + data.offset, data.length, keys.rkey)
+        return ()
 
     async def _allocate(self, data: DataRef | None, timeout: float) -> Request:
         if self._failed:
@@ -525,11 +535,12 @@ class RdmaQueue:
             request = await self._allocate(data, timeout)
         alone = len(slots.pending) == 1
         cid = request.cid
-        sgl, extra = self.data_pointer(data, to_controller)
-        sqe[24:40] = sgl
-        set_command_id(sqe, cid)
+        # Straight into the registered capsule: command ID and SGL are written there.
         offset = cid * SQE_BYTES
-        self.capsules.view[offset:offset + SQE_BYTES] = sqe
+        capsule = self.capsules.view
+        capsule[offset:offset + SQE_BYTES] = sqe
+        _CID.pack_into(capsule, offset + 2, cid)
+        extra = self._place_data(capsule, offset + 24, data, to_controller)
         if extra:
             request.inline = True
             wrs = [self._send_wr(cid, [self._capsule_sges[cid], *extra])]
@@ -553,7 +564,8 @@ class RdmaQueue:
         if alone and self.latency < POLL_MAX and self._idle_reaper is not None:
             await self._poll_for(request, posted + 2 * self.latency)
         if not request.finished:
-            self._wake_reaper()
+            if self._idle_reaper is not None:
+                self._wake_reaper()
             request.task = trio.lowlevel.current_task()
             request.timeout = timeout
             request.deadline = deadline = trio.current_time() + timeout
@@ -638,12 +650,13 @@ class RdmaQueue:
                 finally:
                     self._idle_reaper = None
                 continue
-            self._arm()
-            if self._drain() and len(slots.pending) > 1:
-                await trio.sleep(0)  # more are due soon: let callers post, then look again
+            if self._drain() or self._poll_while_idle():
+                if len(slots.pending) > 1:
+                    await trio.sleep(0)  # more are due soon: let callers post, then look again
                 continue
-            if slots.awaiting_send and not self._send_armed:
-                continue  # a caller now waits on a SEND completion: arm its CQ too
+            self._arm()
+            if self._drain():
+                continue  # they came before the arming: look again, unarmed
             await trio.lowlevel.wait_readable(fd)
             try:
                 cq = self.channel.get_cq_event()
@@ -658,6 +671,20 @@ class RdmaQueue:
                 self._send_armed = False
             else:  # a wrapper of its own: re-arming an armed CQ is harmless
                 self._recv_armed = self._send_armed = False
+
+    def _poll_while_idle(self) -> bool:
+        """With several commands in flight and no other task to run, poll the CQs for
+        up to twice the queue's latency before sleeping on the channel; True if
+        completions came.  (A command alone is polled for by its caller.)"""
+        if (len(self._slots.pending) < 2 or self.latency >= POLL_MAX or self._queued
+                or trio.lowlevel.current_statistics().tasks_runnable):
+            return False
+        clock = time.perf_counter
+        until = clock() + 2 * self.latency
+        while clock() < until:
+            if self._drain():
+                return True
+        return False
 
     def _arm(self) -> None:
         """Ask for a wakeup on responses, and on SEND completions while one is awaited.

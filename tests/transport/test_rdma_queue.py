@@ -378,10 +378,12 @@ async def test_an_unanswered_command_stops_polling_and_sleeps_on_the_channel(que
 async def test_a_queue_slower_than_the_poll_limit_is_not_polled(queue):
     answer_at_once(queue)
     queue.latency = rdma.POLL_MAX * 2
+    polls = []
+    queue._poll_for = lambda *args: polls.append(args)
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        assert (await queue.execute(read_command(), timeout=30)).ok
-        assert queue.channel.events or queue.recv_cq.armed  # completed by the reaper
+        assert (await queue.execute(read_command(), timeout=30)).ok  # the reaper found it
+        assert not polls and queue.latency < rdma.POLL_MAX * 2  # moving back towards polling
         nursery.cancel_scope.cancel()
 
 
