@@ -561,7 +561,8 @@ class RdmaQueue:
                 slots.release(request)
                 raise TransportError(f"{self.name}: cannot post a command: {exc}") from exc
         posted = time.perf_counter()
-        if alone and self.latency < POLL_MAX and self._idle_reaper is not None:
+        if (alone and self.latency < POLL_MAX and self._idle_reaper is not None
+                and not self._others_in_flight()):
             await self._poll_for(request, posted + 2 * self.latency)
         if not request.finished:
             if self._idle_reaper is not None:
@@ -600,6 +601,14 @@ class RdmaQueue:
             self._fail(exc)
             if self._reaper is not None:
                 self._reaper.cancel()
+
+    def _others_in_flight(self) -> bool:
+        """Whether another queue of this controller has commands in flight: polling this
+        one would hold up their completions (one thread reaps every queue)."""
+        for queue in self.transport._queues:
+            if queue is not self and queue._slots.pending:
+                return True
+        return False
 
     def _wake_reaper(self) -> None:
         task, self._idle_reaper = self._idle_reaper, None
@@ -677,7 +686,7 @@ class RdmaQueue:
         up to twice the queue's latency before sleeping on the channel; True if
         completions came.  (A command alone is polled for by its caller.)"""
         if (len(self._slots.pending) < 2 or self.latency >= POLL_MAX or self._queued
-                or trio.lowlevel.current_statistics().tasks_runnable):
+                or self._others_in_flight() or trio.lowlevel.current_statistics().tasks_runnable):
             return False
         clock = time.perf_counter
         until = clock() + 2 * self.latency

@@ -53,8 +53,8 @@ def make_queue(size: int = 128) -> rdma.RdmaQueue:
                               create_cq=lambda n, ch: CQ(ch))
     cm = SimpleNamespace(context=context, create_qp=lambda pd, attr: InstantQP(attr),
                          connected=False)
-    queue = rdma.RdmaQueue(SimpleNamespace(traddr="fake", trsvcid=4420), cm, PD(), 1, size,
-                           in_capsule_bytes=8192)
+    queue = rdma.RdmaQueue(SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[]), cm, PD(),
+                           1, size, in_capsule_bytes=8192)
     queue.qp.post_recv(queue._recvs)
     return queue
 

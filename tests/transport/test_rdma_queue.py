@@ -139,7 +139,7 @@ class PD:
 @pytest.fixture
 def queue(monkeypatch):
     monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
-    transport = SimpleNamespace(traddr="fake", trsvcid=4420)
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
     channel = Channel()
     context = SimpleNamespace(create_comp_channel=lambda: channel,
                               create_cq=lambda size, ch: CQ(ch))
@@ -396,3 +396,26 @@ async def test_a_failed_completion_found_by_polling_fails_the_queue(queue):
             await queue.execute(read_command(), timeout=30)
         with pytest.raises(TransportError, match="work request failed"):
             await queue.execute(read_command(), timeout=30)
+
+
+@in_trio
+async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
+    answer_at_once(queue)
+    busy = SimpleNamespace(_slots=SimpleNamespace(pending={5: object()}))
+    queue.transport._queues[:] = [queue, busy]  # one thread reaps both: do not hold it up
+    polls = []
+    poll_for = queue._poll_for
+
+    async def recording(*args):
+        polls.append(args)
+        await poll_for(*args)
+
+    queue._poll_for = recording
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert not polls
+        busy._slots.pending.clear()
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert len(polls) == 1
+        nursery.cancel_scope.cancel()
