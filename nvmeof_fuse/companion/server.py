@@ -296,9 +296,14 @@ class CompanionServer:
         which waits for the reconnect.
         """
         ctrl = self.controller
+        told = False  # since the controller was last live (resetting, then connecting: once)
         while True:
             if await ctrl.next_state() == "live":
+                told = False
                 continue
+            if told:
+                continue
+            told = True
             for session in list(self.sessions):
                 if session.qids and session.notify is not None:
                     await session.notify({"event": "revoked", "state": ctrl.state})
