@@ -1,6 +1,7 @@
 """CPU per command of the core over fake verbs, on the host (no VM): a micro-benchmark.
 
-  .venv/bin/python tests/transport/bench_rdma_queue.py [--ios 20000] [--qd 1,16] [--profile]
+  .venv/bin/python tests/transport/bench_rdma_queue.py [--ios 20000] [--qd 1,16] [--queues 1]
+                                                        [--profile]
 
 Runs ``Namespace.read_into`` (4 KiB, registered memory) through the real ``Controller``,
 ``RdmaQueue`` and reaper, over the fake verbs of test_rdma_queue.py whose target answers
@@ -46,16 +47,16 @@ class InstantQP(QP):
             self.respond(cid)
 
 
-def make_queue(size: int = 128) -> rdma.RdmaQueue:
+def make_queue(transport, qid: int, size: int = 128) -> rdma.RdmaQueue:
     rdma._ibverbs = FAKE_VERBS
     channel = Channel()
     context = SimpleNamespace(create_comp_channel=lambda: channel,
                               create_cq=lambda n, ch: CQ(ch))
     cm = SimpleNamespace(context=context, create_qp=lambda pd, attr: InstantQP(attr),
                          connected=False)
-    queue = rdma.RdmaQueue(SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[]), cm, PD(),
-                           1, size, in_capsule_bytes=8192)
+    queue = rdma.RdmaQueue(transport, cm, PD(), qid, size, in_capsule_bytes=8192)
     queue.qp.post_recv(queue._recvs)
+    transport._queues.append(queue)
     return queue
 
 
@@ -63,15 +64,17 @@ class FakeTransport:
     address = "rdma 192.0.2.1:4420"
 
 
-async def run(ios: int, qd: int) -> tuple[float, float]:
-    """(CPU s, wall s) for ``ios`` 4 KiB reads at queue depth ``qd``."""
-    queue = make_queue()
+async def run(ios: int, qd: int, nr_queues: int = 1) -> tuple[float, float]:
+    """(CPU s, wall s) for ``ios`` 4 KiB reads at queue depth ``qd`` over ``nr_queues``."""
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
+    queues = [make_queue(transport, qid) for qid in range(1, nr_queues + 1)]
     opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", keep_alive_tmo=0)
     async with trio.open_nursery() as nursery:
         ctrl = Controller(opts, FakeTransport(), nursery)
-        ctrl.io_queues = [queue]
+        ctrl.io_queues = queues
         assert ctrl._change_state(CONNECTING) and ctrl._change_state(LIVE)
-        await nursery.start(queue.reap)
+        for queue in queues:
+            await nursery.start(queue.reap)
         ns = Namespace(ctrl, 1, SimpleNamespace(lba_size=LBA, nsze=NLB_TOTAL))
         memory = host_buffer(lambda addr, length, owner: SimpleNamespace(
             keys=lambda pd: SimpleNamespace(lkey=1, rkey=2), close=lambda: None), qd * LBA)
@@ -92,7 +95,8 @@ async def run(ios: int, qd: int) -> tuple[float, float]:
                 workers.start_soon(worker, i)
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         nursery.cancel_scope.cancel()
-    queue.close()
+    for queue in queues:
+        queue.close()
     return cpu, wall
 
 
@@ -100,19 +104,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ios", type=int, default=20000)
     ap.add_argument("--qd", default="1,16")
+    ap.add_argument("--queues", type=int, default=1, help="I/O queues (the testbed VM has 2)")
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     for qd in (int(q) for q in args.qd.split(",")):
-        trio.run(run, 2000, qd)  # warm up
+        trio.run(run, 2000, qd, args.queues)  # warm up
         if args.profile:
             prof = cProfile.Profile()
             prof.enable()
-            trio.run(run, args.ios, qd)
+            trio.run(run, args.ios, qd, args.queues)
             prof.disable()
             print(f"== QD{qd}")
             pstats.Stats(prof).sort_stats("tottime").print_stats(25)
             continue
-        best = min(trio.run(run, args.ios, qd) for _ in range(3))
+        best = min(trio.run(run, args.ios, qd, args.queues) for _ in range(3))
         print(f"QD{qd:<3} {best[0] / args.ios * 1e6:6.1f} us CPU per I/O  "
               f"({best[1] / args.ios * 1e6:6.1f} us wall)")
 
