@@ -62,11 +62,9 @@ def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
 
-def table(results: dict) -> str:
-    """Text table of ``results`` (as :func:`run` returns): figures, server CPU per request
-    (in µs, in parentheses), ratios; then the notes and failures."""
+def _rows(results: dict) -> list[list[str]]:
+    """One row per job: label, each server's figure (with its CPU per request), ratios."""
     figures, cpu = results["figures"], results.get("cpu_us", {})
-    heads = ["job", *COLUMNS.values(), *(f"{a}/{b}" for a, b in RATIOS)]
     rows = []
     for job in JOBS:
         cells = []
@@ -79,14 +77,25 @@ def table(results: dict) -> str:
             va, vb = figures.get(a, {}).get(job.key), figures.get(b, {}).get(job.key)
             ratios.append(f"{va / vb:.2f}x" if va and vb else "n/a")
         rows.append([f"{job.label}, {job.unit}", *cells, *ratios])
-    widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads))]
+    return rows
+
+
+HEADS = ["job", *COLUMNS.values(), *(f"{a}/{b}" for a, b in RATIOS)]
+CPU_NOTE = "(N us) = CPU time of the serving process per request"
+
+
+def table(results: dict) -> str:
+    """Text table of ``results`` (as :func:`run` returns): figures, server CPU per request
+    (in µs, in parentheses), ratios; then the notes and failures."""
+    rows = _rows(results)
+    widths = [max(len(r[i]) for r in [HEADS, *rows]) for i in range(len(HEADS))]
 
     def fmt(r: list[str]) -> str:
         return "  ".join(r[i].ljust(widths[i]) if i == 0 else r[i].rjust(widths[i])
                          for i in range(len(r)))
 
-    out = [fmt(heads), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows), ""]
-    out.append("MB = 10^6 bytes; (N us) = CPU time of the serving process per request.")
+    out = [fmt(HEADS), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows), ""]
+    out.append(f"MB = 10^6 bytes; {CPU_NOTE}.")
     out += [f"note: {n}" for n in results.get("notes", [])]
     out += [f"n/a {COLUMNS[c]}, {k}: {why}" for c, errs in results.get("errors", {}).items()
             for k, why in errs.items()]
@@ -94,18 +103,9 @@ def table(results: dict) -> str:
 
 
 def markdown(results: dict) -> str:
-    """The same figures as a Markdown table (for the README)."""
-    figures = results["figures"]
-    heads = ["", *COLUMNS.values(), *(f"{a}/{b}" for a, b in RATIOS)]
-    lines = ["| " + " | ".join(heads) + " |", "|---|" + "---:|" * (len(heads) - 1)]
-    for job in JOBS:
-        vals = [figures.get(c, {}).get(job.key) for c in COLUMNS]
-        ratios = []
-        for a, b in RATIOS:
-            va, vb = figures.get(a, {}).get(job.key), figures.get(b, {}).get(job.key)
-            ratios.append(f"{va / vb:.2f}x" if va and vb else "n/a")
-        lines.append(f"| {job.label}, {job.unit} | " + " | ".join(map(_fmt, vals)) + " | "
-                     + " | ".join(ratios) + " |")
+    """The same rows as a Markdown table (for the README)."""
+    lines = ["| " + " | ".join(HEADS) + " |", "|---|" + "---:|" * (len(HEADS) - 1)]
+    lines += ["| " + " | ".join(r) + " |" for r in _rows(results)]
     return "\n".join(lines) + "\n"
 
 
