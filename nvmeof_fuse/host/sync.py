@@ -202,7 +202,8 @@ class SyncController:
     def _live_token(self) -> trio.lowlevel.TrioToken:
         if self._closed:
             raise self._closed_error()
-        self._wait_connected()
+        if self._controller is None:  # connected once is enough: a dead loop says so itself
+            self._wait_connected()
         assert self._token is not None
         return self._token
 

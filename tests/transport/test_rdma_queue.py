@@ -139,7 +139,7 @@ class PD:
 @pytest.fixture
 def queue(monkeypatch):
     monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
-    transport = SimpleNamespace(traddr="fake", trsvcid=4420)
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
     channel = Channel()
     context = SimpleNamespace(create_comp_channel=lambda: channel,
                               create_cq=lambda size, ch: CQ(ch))
@@ -326,4 +326,96 @@ async def test_a_failed_batched_post_fails_its_callers_and_frees_their_slots(que
         assert [str(r) for r in results] == ["I/O queue 1: cannot post a command: "
                                              "[Errno 12] send queue full"] * 2
         assert queue.available == 6  # only the first command holds a slot
+        nursery.cancel_scope.cancel()
+
+
+# -- polling for a command alone on its queue (hybrid polling) ----------------------------------
+
+def answer_at_once(queue, status: int = 0) -> None:
+    """Make the fake target answer each capsule by the time ``post_send`` returns."""
+    qp, post = queue.qp, queue.qp.post_send
+
+    def post_send(wrs) -> None:
+        post(wrs)
+        for wr in wrs:
+            qp.send_done(wr.wr_id & rdma._INDEX, status)
+            qp.respond(wr.wr_id & rdma._INDEX)
+
+    qp.post_send = post_send
+
+
+@in_trio
+async def test_a_command_alone_is_polled_for_without_arming_the_channel(queue):
+    answer_at_once(queue)
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        for _ in range(3):
+            assert (await queue.execute(read_command(), timeout=30)).ok
+        # No wake-up was asked for: an idle queue's reaper waits unarmed, and the
+        # caller found its completion by polling.
+        assert not queue.recv_cq.armed and not queue.send_cq.armed
+        assert not queue.channel.events and queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_an_unanswered_command_stops_polling_and_sleeps_on_the_channel(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results = []
+        nursery.start_soon(read_recording, queue, results)
+        await trio.testing.wait_all_tasks_blocked()  # polled in vain, then parked
+        assert queue.recv_cq.armed and not results
+        (cid,) = queue.qp.sent
+        queue.qp.send_done(cid)
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert results and results[0].ok and queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_a_queue_slower_than_the_poll_limit_is_not_polled(queue):
+    answer_at_once(queue)
+    queue.latency = rdma.POLL_MAX * 2
+    polls = []
+    queue._poll_for = lambda *args: polls.append(args)
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        assert (await queue.execute(read_command(), timeout=30)).ok  # the reaper found it
+        assert not polls and queue.latency < rdma.POLL_MAX * 2  # moving back towards polling
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_a_failed_completion_found_by_polling_fails_the_queue(queue):
+    answer_at_once(queue, status=5)
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        with pytest.raises(TransportError, match="work request failed: flushed"):
+            await queue.execute(read_command(), timeout=30)
+        with pytest.raises(TransportError, match="work request failed"):
+            await queue.execute(read_command(), timeout=30)
+
+
+@in_trio
+async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
+    answer_at_once(queue)
+    busy = SimpleNamespace(_slots=SimpleNamespace(pending={5: object()}))
+    queue.transport._queues[:] = [queue, busy]  # one thread reaps both: do not hold it up
+    polls = []
+    poll_for = queue._poll_for
+
+    async def recording(*args):
+        polls.append(args)
+        await poll_for(*args)
+
+    queue._poll_for = recording
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert not polls
+        busy._slots.pending.clear()
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert len(polls) == 1
         nursery.cancel_scope.cancel()
