@@ -3,7 +3,7 @@
   python -m nvmeof_fuse.bench core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
   python -m nvmeof_fuse.bench nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
   python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
-  python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
+  python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096] [--image F]
   python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
       --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F]
       [--core-tcp-host F --fuse-tcp-host F] [--out DIR]
@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import random
 import sys
@@ -335,9 +336,25 @@ def serve_ram(args: argparse.Namespace) -> int:
 
     from nvmeof_fuse.concurrency import unwrap_groups
     from nvmeof_fuse.fs.mount import MountError, MountOptions, serve
-    from nvmeof_fuse.host.ramdisk import ram_controller
+    from nvmeof_fuse.host.ramdisk import RamDevice, RamNamespace, ram_controller
 
-    ctrl = ram_controller((1, args.lba_size, args.size_mib * MIB // args.lba_size))
+    ctrl = ram_controller()
+    if args.image:  # the image's bytes, shared with whoever else serves that file
+        try:
+            with open(args.image, "r+b") as f:
+                data = mmap.mmap(f.fileno(), 0)
+        except (OSError, ValueError) as e:
+            print(f"bench fuse-ram: cannot map {args.image}: {_reason(e)}", file=sys.stderr)
+            return 1
+        nlb = len(data) // args.lba_size
+        if not nlb or len(data) % args.lba_size:
+            print(f"bench fuse-ram: {args.image} is {len(data)} bytes, not a positive "
+                  f"multiple of the {args.lba_size} B LBA size", file=sys.stderr)
+            return 1
+        ctrl.namespaces[1] = RamNamespace(1, RamDevice(args.lba_size, nlb, data))
+    else:
+        ctrl.namespaces[1] = RamNamespace(1, RamDevice(args.lba_size,
+                                                       args.size_mib * MIB // args.lba_size))
 
     async def main() -> None:
         with unwrap_groups():
@@ -531,6 +548,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("mountpoint")
     r.add_argument("--size-mib", type=int, default=256, help="namespace size (default 256)")
     r.add_argument("--lba-size", type=int, choices=(512, 4096), default=4096)
+    r.add_argument("--image", metavar="FILE",
+                   help="serve this file's bytes (mapped shared) instead of fresh RAM")
     t = sub.add_parser("table", help="side-by-side table of saved results")
     for c in ALL_COLUMNS:
         t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")

@@ -14,6 +14,7 @@ import trio
 
 from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.fs.heap import keep_write_buffers
 from nvmeof_fuse.fs.info import CompanionLike, ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.options import MountOptions
@@ -38,6 +39,13 @@ DRAIN_TIMEOUT = 30.0  # s for in-flight requests to finish once asked to stop
 # so we raise it through fusectl when we may.  32 matches the controller's bounce buffers,
 # which each request in flight holds.
 MAX_BACKGROUND = 32
+# pyfuse3.main's worker tasks (each reads one request from /dev/fuse and serves it).  With its
+# default min_tasks=1 a worker that finds two others idle exits, and the next burst starts new
+# ones, each with a fresh libfuse receive buffer (max_write, 1 MiB, malloc'd and page-faulted
+# anew): under load that churn costs more CPU than a request.  Keep as many as the kernel may
+# send at once (async requests plus a few synchronous ones); idle workers cost only memory.
+MIN_WORKERS = MAX_BACKGROUND + 4
+MAX_WORKERS = 2 * MIN_WORKERS
 FUSECTL = "/sys/fs/fuse/connections"
 
 _serving = False
@@ -201,6 +209,7 @@ async def serve(
     ops = NamespaceFS(controller, options, companion)
     _init(ops, path, options)
     raise_max_background(path)
+    keep_write_buffers()
     _serving = True
     session = _Session(ops, path, drain_timeout)
     log.info("mounted at %s", path)
@@ -230,7 +239,7 @@ class _Session:
     async def _main(self) -> None:
         try:
             with self.main_scope:
-                await pyfuse3.main()
+                await pyfuse3.main(min_tasks=MIN_WORKERS, max_tasks=MAX_WORKERS)
         finally:
             self.done.set()
 

@@ -7,6 +7,7 @@ the kernel's FUSE, pyfuse3 and our file layer alone.  The tests' fakes build on 
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,12 +18,19 @@ from nvmeof_fuse.host.stats import IoStats
 
 
 class RamDevice:
-    """A bytearray addressed in LBAs; each command is one trio checkpoint, like a real one."""
+    """A bytearray addressed in LBAs; each command is one trio checkpoint, like a real one.
 
-    def __init__(self, lba_size: int, nlb: int) -> None:
+    ``data`` may be any writable buffer of ``lba_size * nlb`` bytes instead (an ``mmap`` of
+    an image file, so that other servers can serve the same bytes).
+    """
+
+    def __init__(self, lba_size: int, nlb: int, data: bytearray | mmap.mmap | None = None) -> None:
         self.lba_size = lba_size
         self.nlb = nlb
-        self.data = bytearray(lba_size * nlb)
+        self.data = bytearray(lba_size * nlb) if data is None else data
+        if len(self.data) != lba_size * nlb:
+            raise ValueError(f"a RAM device of {nlb} LBAs of {lba_size} B needs "
+                             f"{lba_size * nlb} bytes, got {len(self.data)}")
 
     async def read_lbas(self, slba: int, nlb: int) -> bytes:
         await trio.lowlevel.checkpoint()

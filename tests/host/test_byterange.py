@@ -241,14 +241,21 @@ def test_concurrent_writers_sharing_lbas_lose_nothing(seed):
 def test_without_the_lock_updates_get_lost():
     """Guard the test above: it would catch a missing or broken lock."""
 
-    @asynccontextmanager
-    async def no_lock(parts):
-        yield
+    class NoLock:
+        @asynccontextmanager
+        async def hold(self, parts):
+            yield
+
+        async def acquire(self, parts):
+            return None
+
+        def release(self, req):
+            pass
 
     lost = 0
     for seed in range(30):
         dev, io = make(ls=16, nlb=32, seed=seed)
-        io.lock.hold = no_lock
+        io.lock = NoLock()
         rng = random.Random(seed)
         writes = _disjoint_writes(rng, len(dev.data), 16)
         run(_concurrent, io, writes)
@@ -307,3 +314,39 @@ def test_range_lock_is_fifo_and_shares_aligned_ranges():
         assert len(lock) == 0
 
     run(main)
+
+
+def test_range_lock_waiter_cancelled_leaves_no_trace():
+    """A request cancelled while it waits leaves the queue; those behind it still get in."""
+    lock = LbaRangeLock()
+    log = []
+
+    async def main():
+        held = await lock.acquire([(0, 1, True)])
+        with trio.move_on_after(0):
+            await lock.acquire([(0, 4, False)])  # conflicts with the held exclusive LBA
+        assert len(lock) == 1
+        async with trio.open_nursery() as nursery:
+            async def later():
+                async with lock.hold([(0, 4, False)]):
+                    log.append("later")
+            nursery.start_soon(later)
+            await trio.testing.wait_all_tasks_blocked()
+            assert log == []
+            lock.release(held)
+        assert log == ["later"] and len(lock) == 0
+        shared = [await lock.acquire([(0, 8, False)]) for _ in range(3)]  # no exclusive: at once
+        assert all(r.granted and r.event is None for r in shared)
+        for r in shared:
+            lock.release(r)
+        assert len(lock) == 0
+
+    run(main)
+
+
+def test_aligned_write_is_one_command_and_recorded():
+    dev, io = make(ls=16, nlb=8, seed=1)
+    run(io.write, 32, b"x" * 48)
+    assert bytes(dev.data[32:80]) == b"x" * 48 and dev.writes == [(2, 3)] and not dev.reads
+    assert io.stats.ops["write"].ops == 1 and io.stats.ops["write"].bytes == 48
+    assert len(io.lock) == 0
