@@ -14,7 +14,6 @@ import trio
 
 from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
-from nvmeof_fuse.fs.heap import keep_write_buffers
 from nvmeof_fuse.fs.info import CompanionLike, ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.options import MountOptions
@@ -209,7 +208,6 @@ async def serve(
     ops = NamespaceFS(controller, options, companion)
     _init(ops, path, options)
     raise_max_background(path)
-    keep_write_buffers()
     _serving = True
     session = _Session(ops, path, drain_timeout)
     log.info("mounted at %s", path)
