@@ -43,6 +43,11 @@ class AuthenticationError(ConnectError):
     """The target or this host refused the DH-HMAC-CHAP exchange."""
 
 
+REFUSED_AFTER_REPLY = ("the target closed the connection after the host's DH-HMAC-CHAP_Reply, "
+                       "so it likely rejected the secret (is --dhchap-secret the host key the "
+                       "target has for this host NQN?)")
+
+
 def secret_text(value: str, option: str) -> tuple[str, str]:
     """``(secret, where)``: ``value`` itself, or the file it names read; ``where`` names
     the option (and file) for messages, never the secret."""
@@ -109,15 +114,17 @@ class DhChap:
             c2, s2 = None, 0
             if self._ctrl_key is not None:
                 c2, s2 = secrets.token_bytes(auth.hash_length(hash_id)), next_seqnum()
-            await send(auth.reply(tid, response, c2, s2, dh_value))
             try:
+                await send(auth.reply(tid, response, c2, s2, dh_value))
                 answer = await receive()
-            except (CommandTimeout, TransportError) as exc:
+            except TransportError as exc:
                 # nvmet tears the controller down as it answers AUTH_Failure1, and the
-                # answer can lose that race
-                raise AuthenticationError(
-                    "no answer to the host's DH-HMAC-CHAP_Reply (nvmet drops the connection "
-                    f"when it rejects the response: is --dhchap-secret right?): {exc}") from None
+                # answer can lose that race: the transport then sees the connection close
+                log.debug("connection lost after the DH-HMAC-CHAP_Reply: %s", exc)
+                raise AuthenticationError(REFUSED_AFTER_REPLY) from None
+            except CommandTimeout as exc:
+                raise AuthenticationError(f"no answer to the host's DH-HMAC-CHAP_Reply: {exc} "
+                                          "(is --dhchap-secret right?)") from None
             success = auth.parse_success1(answer, tid, hash_id)
             if self._ctrl_key is not None:
                 assert c2 is not None

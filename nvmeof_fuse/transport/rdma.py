@@ -14,6 +14,12 @@ The per-command path is kept lean (it runs ~9x slower in the testbed VM): work
 requests are built once per command slot, capsule SENDs complete on their own
 CQ that raises no wakeup unless a caller waits on it, and a waiting caller is
 parked without a cancel scope; one watchdog per queue enforces the timeouts.
+
+The ``ibverbs`` API shows no RDMA-CM events (its endpoints are synchronous), so a
+target that disconnects is seen only when a work request fails.  While a command
+waits unanswered, the queue probes the target with a zero-length RDMA WRITE: a
+target that closed the connection never acknowledges it, the QP's retries run
+out, and every command on the queue fails at once, instead of at its timeout.
 """
 
 from __future__ import annotations
@@ -37,6 +43,8 @@ CM_PRIVATE_DATA_BYTES = 32
 _CM_REQUEST = struct.Struct("<HHHHH22x")  # recfmt, qid, hrqsize, hsqsize, cntlid
 _CM_ACCEPT = struct.Struct("<HH28x")  # recfmt, crqsize
 STOP_TIMEOUT = 5.0  # s for a queue's reaper to end once stopped
+PROBE_AFTER = 1.0  # s a command waits unanswered before the queue checks the target is there
+_WC_RETRY_EXC_ERR = 12  # IBV_WC_RETRY_EXC_ERR: the peer acknowledged nothing
 _SEND, _RECV = 1 << 62, 1 << 61
 _INDEX = (1 << 32) - 1
 
@@ -97,6 +105,10 @@ class CommandSlots:
     def __init__(self, size: int) -> None:
         self.size = size
         self._free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
+        self.probe_cid = size - 1
+        """Never a command's: the ID of the liveness probe (the SQ's N-th entry)."""
+        self.probing = False
+        """A probe is posted and its completion not yet seen."""
         self.pending: dict[int, Request] = {}
         self.awaiting_send = 0
         """Requests answered whose SEND completion has not been seen yet."""
@@ -116,6 +128,9 @@ class CommandSlots:
         self._free.append(request.cid)
 
     def send_completed(self, cid: int) -> None:
+        if cid == self.probe_cid:
+            self.probing = False
+            return
         request = self._lookup(cid, "send completion")
         request.sent = True
         if request.completion is not None:
@@ -144,6 +159,11 @@ class CommandSlots:
             if not request.finished:
                 self.finish(request)
         self.awaiting_send = 0
+
+    def stalled(self, now: float, after: float) -> bool:
+        """Whether a caller has waited for an answer for ``after`` seconds or more."""
+        return any(not r.finished and r.deadline - r.timeout <= now - after
+                   for r in self.pending.values())
 
     def _lookup(self, cid: int, what: str) -> Request:
         try:
@@ -402,6 +422,7 @@ class RdmaQueue:
         self._queued: list = []  # SendWRs waiting for the poster
         self._queued_requests: list[Request] = []
         self._recv_armed = self._send_armed = False
+        self._probe_wr = None  # built on first use
         self._sends: list = []
         self._recvs: list = []
         self._capsule_sges: list = []
@@ -562,6 +583,7 @@ class RdmaQueue:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self._watchdog)
                     await nursery.start(self._post_queued)
+                    nursery.start_soon(self._probe_while_stalled)
                     task_status.started()
                     try:
                         await self._reap()
@@ -651,8 +673,43 @@ class RdmaQueue:
         return bool(sends or recvs)
 
     def _wc_error(self, wc) -> TransportError:
+        if wc.status == _WC_RETRY_EXC_ERR:
+            where = f"{self.transport.traddr}:{self.transport.trsvcid}"
+            return TransportError(f"{self.name}: the target at {where} closed the connection "
+                                  "(it acknowledges nothing any more)")
         return TransportError(f"{self.name}: work request failed: {wc.status_str} "
                               f"(vendor error {wc.vendor_err:#x})")
+
+    async def _probe_while_stalled(self) -> None:
+        """While a command waits unanswered, check that the target is still there.
+
+        RDMA-CM's DISCONNECTED event does not reach us through ``ibverbs``; a
+        zero-length RDMA WRITE (no memory touched, so no key) is acknowledged by a
+        live target and fails with retries exhausted on a closed connection, which
+        fails every command on the queue (see ``_wc_error``).
+        """
+        slots = self._slots
+        while True:
+            await trio.sleep(PROBE_AFTER)
+            if (self._failed is None and not slots.probing
+                    and slots.stalled(trio.current_time(), PROBE_AFTER)):
+                self._probe()
+
+    def _probe(self) -> None:
+        ib = self._ib
+        if self._probe_wr is None:
+            self._probe_wr = [ib.SendWR(wr_id=_SEND | self._slots.probe_cid,
+                                        opcode=ib.WROpcode.RDMA_WRITE,
+                                        send_flags=ib.SendFlags.SIGNALED, sg_list=[])]
+        if not self._send_armed:  # its completion, good or bad, wakes the reaper
+            self.send_cq.req_notify()
+            self._send_armed = True
+        try:
+            self.qp.post_send(self._probe_wr)
+        except OSError as exc:
+            self._fail(TransportError(f"{self.name}: cannot reach the target: {exc}"))
+            return
+        self._slots.probing = True
 
     async def _post_queued(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Post the capsules queued during one trio batch with a single ``post_send``."""

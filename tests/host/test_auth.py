@@ -7,7 +7,7 @@ import hmac
 import pytest
 import trio
 
-from nvmeof_fuse.errors import CommandTimeout, InvalidArgument
+from nvmeof_fuse.errors import CommandTimeout, InvalidArgument, TransportError
 from nvmeof_fuse.host import auth as host_auth
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.nvme import auth
@@ -235,19 +235,37 @@ def test_a_failed_auth_command_is_one_line():
                  *host_auth.queue_messages(ScratchController(), queue))
 
 
-def test_no_answer_after_the_reply_suggests_the_secret():
-    class DroppingQueue(QueueTarget):
-        async def execute(self, sqe, data=None, *, to_controller=False, timeout):
-            if len(self.commands) == 3:  # the Receive after the Reply: nvmet hung up
-                raise CommandTimeout("admin queue: command 30 got no completion within 30 s")
-            return await super().execute(sqe, data, to_controller=to_controller,
-                                         timeout=timeout)
+class DroppingQueue(QueueTarget):
+    """The Receive after the Reply fails as ``error`` does (nvmet hung up, or went silent)."""
 
-    queue = DroppingQueue(FakeController(OTHER_SECRET))
+    def __init__(self, target: FakeController, error: Exception) -> None:
+        super().__init__(target)
+        self.error = error
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        if len(self.commands) == 3:
+            raise self.error
+        return await super().execute(sqe, data, to_controller=to_controller, timeout=timeout)
+
+
+def test_a_target_that_hangs_up_after_the_reply_is_named():
+    closed = TransportError("admin queue: the target at 192.0.2.1:4420 closed the connection")
+    queue = DroppingQueue(FakeController(OTHER_SECRET), closed)
     with pytest.raises(host_auth.AuthenticationError) as info:
         trio.run(host_auth.authenticate_queue, dhchap(), 0, "sub",
                  *host_auth.queue_messages(ScratchController(), queue))
     assert str(info.value) == (
-        "sub: authentication of queue 0 failed: no answer to the host's DH-HMAC-CHAP_Reply "
-        "(nvmet drops the connection when it rejects the response: is --dhchap-secret right?): "
-        "admin queue: command 30 got no completion within 30 s")
+        "sub: authentication of queue 0 failed: the target closed the connection after the "
+        "host's DH-HMAC-CHAP_Reply, so it likely rejected the secret (is --dhchap-secret the "
+        "host key the target has for this host NQN?)")
+
+
+def test_no_answer_after_the_reply_suggests_the_secret():
+    silent = CommandTimeout("admin queue: command 30 got no completion within 30 s")
+    queue = DroppingQueue(FakeController(OTHER_SECRET), silent)
+    with pytest.raises(host_auth.AuthenticationError) as info:
+        trio.run(host_auth.authenticate_queue, dhchap(), 0, "sub",
+                 *host_auth.queue_messages(ScratchController(), queue))
+    assert str(info.value) == (
+        "sub: authentication of queue 0 failed: no answer to the host's DH-HMAC-CHAP_Reply: "
+        "admin queue: command 30 got no completion within 30 s (is --dhchap-secret right?)")

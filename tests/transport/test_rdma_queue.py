@@ -37,7 +37,7 @@ class FakeWR:
 
 FAKE_VERBS = SimpleNamespace(
     SGE=FakeSGE, SendWR=FakeWR, RecvWR=FakeWR, QPInitAttr=lambda **kw: SimpleNamespace(**kw),
-    QPType=SimpleNamespace(RC=2), WROpcode=SimpleNamespace(SEND=2),
+    QPType=SimpleNamespace(RC=2), WROpcode=SimpleNamespace(SEND=2, RDMA_WRITE=0),
     SendFlags=SimpleNamespace(SIGNALED=2),
     AccessFlags=SimpleNamespace(LOCAL_WRITE=1, REMOTE_WRITE=2, REMOTE_READ=4))
 
@@ -326,4 +326,78 @@ async def test_a_failed_batched_post_fails_its_callers_and_frees_their_slots(que
         assert [str(r) for r in results] == ["I/O queue 1: cannot post a command: "
                                              "[Errno 12] send queue full"] * 2
         assert queue.available == 6  # only the first command holds a slot
+        nursery.cancel_scope.cancel()
+
+
+def with_mock_clock(test):
+    """Run an async test under trio with a clock that jumps whenever every task waits."""
+    @functools.wraps(test)
+    def run(queue):
+        async def guarded():
+            with trio.fail_after(HANG_GUARD):
+                await test(queue)
+
+        trio.run(guarded, clock=trio.testing.MockClock(autojump_threshold=0))
+
+    return run
+
+
+async def probe_posted(queue) -> int:
+    """Wait (in mock time) until the queue probed the target; the probe's command ID."""
+    probe = queue._slots.probe_cid
+    while probe not in queue.qp.sent:
+        await trio.sleep(rdma.PROBE_AFTER / 4)
+    return probe
+
+
+@with_mock_clock
+async def test_a_target_that_closed_the_connection_fails_waiting_commands_at_once(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results = []
+        nursery.start_soon(read_recording, queue, results)
+        probe = await probe_posted(queue)
+        assert not results  # a probe, not a verdict: the command still waits
+        queue.qp.send_done(probe, status=rdma._WC_RETRY_EXC_ERR)  # nobody acknowledged it
+        await trio.testing.wait_all_tasks_blocked()
+        assert results and isinstance(results[0], TransportError), results
+        assert "the target at fake:4420 closed the connection" in str(results[0])
+        with pytest.raises(TransportError, match="closed the connection"):
+            await queue.execute(read_command(), timeout=30)
+
+
+@with_mock_clock
+async def test_a_live_target_acknowledges_the_probe_and_the_command_goes_on(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results = []
+        nursery.start_soon(read_recording, queue, results)
+        probe = await probe_posted(queue)
+        (cid,) = set(queue.qp.sent) - {probe}
+        queue.qp.send_done(probe)  # acknowledged: the send CQ wakes the reaper
+        await trio.testing.wait_all_tasks_blocked()
+        assert not queue._slots.probing and not results
+        del queue.qp.sent[probe]
+        assert await probe_posted(queue) == probe  # still unanswered: probed again
+        queue.qp.send_done(probe)
+        queue.qp.send_done(cid)
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert results and results[0].ok
+        nursery.cancel_scope.cancel()
+
+
+@with_mock_clock
+async def test_an_idle_or_answering_queue_sends_no_probe(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        await trio.sleep(10 * rdma.PROBE_AFTER)  # idle
+        results = []
+        nursery.start_soon(read_recording, queue, results)
+        await trio.sleep(rdma.PROBE_AFTER / 2)  # answered before a probe is due
+        (cid,) = queue.qp.sent
+        queue.qp.send_done(cid)
+        queue.qp.respond(cid)
+        await trio.sleep(10 * rdma.PROBE_AFTER)
+        assert results and results[0].ok and set(queue.qp.sent) == {cid}
         nursery.cancel_scope.cancel()
