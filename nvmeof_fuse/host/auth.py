@@ -40,7 +40,15 @@ def next_seqnum() -> int:
 
 
 class AuthenticationError(ConnectError):
-    """The target or this host refused the DH-HMAC-CHAP exchange."""
+    """The target or this host refused the DH-HMAC-CHAP exchange.
+
+    ``final``: trying again with the same secrets cannot help (the kernel's EKEYREJECTED
+    and ENOKEY, which end its reconnects); not for a timeout or a lost connection.
+    """
+
+    def __init__(self, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
 
 
 REFUSED_AFTER_REPLY = ("the target closed the connection after the host's DH-HMAC-CHAP_Reply, "
@@ -121,7 +129,7 @@ class DhChap:
                 # nvmet tears the controller down as it answers AUTH_Failure1, and the
                 # answer can lose that race: the transport then sees the connection close
                 log.debug("connection lost after the DH-HMAC-CHAP_Reply: %s", exc)
-                raise AuthenticationError(REFUSED_AFTER_REPLY) from None
+                raise AuthenticationError(REFUSED_AFTER_REPLY, final=True) from None
             except CommandTimeout as exc:
                 raise AuthenticationError(f"no answer to the host's DH-HMAC-CHAP_Reply: {exc} "
                                           "(is --dhchap-secret right?)") from None
@@ -179,7 +187,7 @@ async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
     """Authenticate queue ``qid`` after a Connect that asked for it; one-line errors."""
     if dhchap is None:
         raise AuthenticationError(f"{where} requires in-band authentication (DH-HMAC-CHAP): "
-                                  "give the host's secret with --dhchap-secret")
+                                  "give the host's secret with --dhchap-secret", final=True)
     try:
         how = await dhchap.authenticate(send, receive)
     except auth.AuthFailure as failure:
@@ -187,10 +195,11 @@ async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
         if failure.by_controller and failure.code == auth.FailureReason.FAILED:
             hint = " (is --dhchap-secret the host key the target has for this host NQN?)"
         raise AuthenticationError(f"{where}: authentication of queue {qid} failed: "
-                                  f"{failure}{hint}") from None
+                                  f"{failure}{hint}", final=True) from None
     except NVMeoFError as exc:
+        final = isinstance(exc, AuthenticationError) and exc.final
         raise AuthenticationError(f"{where}: authentication of queue {qid} failed: "
-                                  f"{exc}") from None
+                                  f"{exc}", final=final) from None
     if qid == 0:
         mode = "bidirectional" if dhchap.bidirectional else "host only"
         log.info("authenticated to %s with DH-HMAC-CHAP (%s, %s)", where, how, mode)

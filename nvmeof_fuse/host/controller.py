@@ -41,6 +41,7 @@ from .events import AsyncEvents
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
+from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 
 log = logging.getLogger(__name__)
@@ -272,7 +273,7 @@ class Controller:
         lost_at = trio.current_time()
         await self._drop_queues()  # commands in flight fail now, and wait for the outcome
         attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
-        tried = 0
+        tried, refused = 0, ""
         if attempts and not self._change_state(CONNECTING):
             return  # closed meanwhile
         while tried < attempts:
@@ -285,6 +286,9 @@ class Controller:
                 what = exc if isinstance(exc, NVMeoFError) else f"{type(exc).__name__}: {exc}"
                 log.warning("reconnect %d to %s failed: %s", tried, opts.nqn, what)
                 await self._drop_queues()
+                if final_failure(exc):  # DNR, or a rejected secret: as nvmf_should_reconnect
+                    refused = f"; stopped reconnecting: {what}"
+                    break
                 continue
             if not self._change_state(LIVE):
                 return  # closed meanwhile
@@ -294,7 +298,9 @@ class Controller:
                      self.transport.address, self.cntlid, trio.current_time() - lost_at)
             return
         where = f"{opts.nqn} at {self.transport.address}"
-        if opts.ctrl_loss_tmo == 0:
+        if refused:
+            reason = f"the connection to {where} was lost ({reason}){refused}"
+        elif opts.ctrl_loss_tmo == 0:
             reason = (f"the connection to {where} was lost ({reason}) and "
                       "reconnecting is off (--ctrl-loss-tmo 0)")
         else:

@@ -121,12 +121,14 @@ def test_wrong_secret_names_the_targets_failure_reason():
                              r"refused \(AUTH_Failure1 for SUCCESS1\) \(is --dhchap-secret") as e:
         run(dhchap(), target)
     assert HOST_SECRET not in str(e.value) and target.sent[-1] == auth.MessageId.REPLY
+    assert e.value.final  # a reconnect would be refused the same way: it stops
 
 
 def test_missing_secret_is_one_line():
     with pytest.raises(host_auth.AuthenticationError,
-                       match="requires in-band authentication .* --dhchap-secret"):
+                       match="requires in-band authentication .* --dhchap-secret") as e:
         run(None, FakeController(HOST_SECRET))
+    assert e.value.final
 
 
 def test_secrets_from_files(tmp_path):
@@ -258,6 +260,7 @@ def test_a_target_that_hangs_up_after_the_reply_is_named():
         "sub: authentication of queue 0 failed: the target closed the connection after the "
         "host's DH-HMAC-CHAP_Reply, so it likely rejected the secret (is --dhchap-secret the "
         "host key the target has for this host NQN?)")
+    assert info.value.final
 
 
 def test_no_answer_after_the_reply_suggests_the_secret():
@@ -269,3 +272,4 @@ def test_no_answer_after_the_reply_suggests_the_secret():
     assert str(info.value) == (
         "sub: authentication of queue 0 failed: no answer to the host's DH-HMAC-CHAP_Reply: "
         "admin queue: command 30 got no completion within 30 s (is --dhchap-secret right?)")
+    assert not info.value.final  # silence may pass: reconnecting goes on

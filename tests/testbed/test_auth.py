@@ -240,3 +240,27 @@ def test_reconnect_authenticates_again(testbed, tmp_path):
             assert open(log).read().count("authenticated to") == 2, open(log).read()
         finally:
             unmount()
+
+
+@pytest.mark.slow
+def test_a_secret_changed_on_the_target_stops_reconnecting_by_name(testbed, tmp_path):
+    key, new_key = gen_key(1, 32, HOSTNQN), gen_key(1, 32, HOSTNQN)
+    log = str(tmp_path / "daemon.log")
+    with auth_subsystem("hmac(sha256)", "null", key):
+        mount(testbed, log, "-S", key_file(tmp_path, "key", key), "-i", "1",
+              "-k", "2", "-c", "2", "-l", "600")
+        try:
+            with target_away(SUBNQN):
+                write(f"{NVMET}/hosts/{HOSTNQN}/dhchap_key", new_key)
+                assert wait_for(lambda: "lost the connection" in open(log).read(), 90), \
+                    open(log).read()
+            # the kernel's nvmf_should_reconnect stops on a rejected key: so do we, long
+            # before --ctrl-loss-tmo, with a line that names the failure
+            assert wait_for(lambda: "stopped reconnecting" in open(log).read(), 120), \
+                open(log).read()
+            text = open(log).read()
+            (line,) = [li for li in text.splitlines() if "stopped reconnecting" in li]
+            assert "authentication of queue 0 failed" in line and "--dhchap-secret" in line, line
+            assert new_key.split(":")[2] not in text and key.split(":")[2] not in text
+        finally:
+            unmount()
