@@ -161,7 +161,10 @@ class CommandSlots:
         self.awaiting_send = 0
 
     def stalled(self, now: float, after: float) -> bool:
-        """Whether a caller has waited for an answer for ``after`` seconds or more."""
+        """Whether a caller has waited for an answer for ``after`` seconds or more.
+
+        A command without a timeout (the AER: inf - inf is NaN) never counts.
+        """
         return any(not r.finished and r.deadline - r.timeout <= now - after
                    for r in self.pending.values())
 
