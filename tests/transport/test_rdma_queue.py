@@ -10,6 +10,7 @@ import collections
 import ctypes
 import errno
 import functools
+import math
 import os
 import struct
 from types import SimpleNamespace
@@ -400,4 +401,18 @@ async def test_an_idle_or_answering_queue_sends_no_probe(queue):
         queue.qp.respond(cid)
         await trio.sleep(10 * rdma.PROBE_AFTER)
         assert results and results[0].ok and set(queue.qp.sent) == {cid}
+        nursery.cancel_scope.cancel()
+
+
+@with_mock_clock
+async def test_a_command_without_timeout_sends_no_probe(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        async def forever() -> None:
+            with pytest.raises(TransportError, match="stopped"):  # by the cancel below
+                await queue.execute(read_command(), timeout=math.inf)
+
+        nursery.start_soon(forever)
+        await trio.sleep(10 * rdma.PROBE_AFTER)  # an AER waits for ever: no reason to probe
+        assert queue._slots.probe_cid not in queue.qp.sent and len(queue.qp.sent) == 1
         nursery.cancel_scope.cancel()
