@@ -1,14 +1,15 @@
 """nvmeof_fuse: a userspace NVMe over Fabrics initiator on trio, with a FUSE view of namespaces.
 
-The companion API is importable from here: :func:`mount`, :class:`File`, :func:`empty`
-(see :mod:`nvmeof_fuse.companion`).
+The companion API is importable from here: :func:`mount` (see :mod:`nvmeof_fuse.inprocess`),
+:class:`File` and :func:`empty` (see :mod:`nvmeof_fuse.companion`).
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
 
-_COMPANION = ("CompanionError", "File", "IOFuture", "Mount", "Registration", "empty", "mount")
+_COMPANION = ("CompanionError", "File", "IOFuture", "empty")
+_INPROCESS = ("Mount", "Registration", "mount")
 
 
 def __getattr__(name: str) -> Any:  # imported on first use: the CLI need not load it
@@ -16,4 +17,8 @@ def __getattr__(name: str) -> Any:  # imported on first use: the CLI need not lo
         from . import companion
 
         return getattr(companion, name)
+    if name in _INPROCESS:
+        from . import inprocess
+
+        return getattr(inprocess, name)
     raise AttributeError(f"module 'nvmeof_fuse' has no attribute {name!r}")

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 MIB = 1 << 20
 SMALL = 4096
+IDLE_SECONDS = 2.0
+"""How long ``core`` sits connected with no I/O to measure its idle CPU."""
 
 # metric key -> (row label, unit)
 METRICS: dict[str, tuple[str, str]] = {
@@ -144,6 +146,11 @@ async def _core(args: argparse.Namespace) -> dict:
                     results["sys_us_per_io"][job.key] = round(system / count * 1e6)
             except Exception as e:  # noqa: BLE001 - one failed job shows as n/a
                 results["errors"][job.key] = _reason(e)
+        # An idle controller must not burn a core (completion polling is bounded): its
+        # CPU over a quiet interval, keep-alive included.
+        cpu = time.process_time()
+        await trio.sleep(IDLE_SECONDS)
+        results["idle_cpu_percent"] = round((time.process_time() - cpu) / IDLE_SECONDS * 100, 2)
         results["notes"] = {"queues": len(ctrl.io_queues),
                             "path": "read_into/write_from on registered buffers; "
                                     "bounce = read_lbas"}
@@ -373,6 +380,22 @@ def load(path: str | None) -> tuple[dict[str, float], dict[str, str]]:
     return metrics, {}
 
 
+def _cpu_notes(path: str | None) -> list[str]:
+    """Our core's CPU per I/O and its idle CPU, from its JSON output (if it has them)."""
+    try:
+        with open(path or "") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return []
+    cpu, system = data.get("cpu_us_per_io", {}), data.get("sys_us_per_io", {})
+    notes = [f"our core, {METRICS[k][0]}: {v:,} us CPU per I/O ({system.get(k, 0):,} in the "
+             "kernel)" for k, v in cpu.items() if k in METRICS]
+    if "idle_cpu_percent" in data:
+        notes.append(f"our core, connected and idle for {IDLE_SECONDS:g} s: "
+                     f"{data['idle_cpu_percent']:g}% of a CPU")
+    return notes
+
+
 def _fmt(v: float | None) -> str:
     return "n/a" if v is None else f"{v:,.0f}" if v >= 100 else f"{v:.1f}"
 
@@ -416,6 +439,7 @@ def table(sources: dict[str, str | None]) -> tuple[str, dict]:
              and k not in loaded["core"][1] and "*" not in loaded["core"][1]]
     if blank:
         notes.append(f"n/a our core: not measured: {', '.join(blank)}")
+    notes += _cpu_notes(sources.get("core"))
     out += ["", "MB = 10^6 bytes.", *notes]
     data = {"figures": {c: loaded[c][0] for c in columns},
             "errors": {c: loaded[c][1] for c in columns}, "sources": sources}
@@ -436,6 +460,9 @@ def _print(results: dict, as_json: bool) -> None:
         print(f"{results['initiator']:7} {label:42} {_fmt(v):>10} {unit}{extra}")
     for key, why in results["errors"].items():
         print(f"{results['initiator']:7} {METRICS[key][0]:42} {'n/a':>10} ({why})")
+    if "idle_cpu_percent" in results:
+        print(f"{results['initiator']:7} idle CPU over {IDLE_SECONDS:g} s connected: "
+              f"{results['idle_cpu_percent']:g}% of a CPU")
 
 
 def _job_keys(text: str) -> list[str]:

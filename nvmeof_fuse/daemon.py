@@ -65,7 +65,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 await inner.start(companion.serve)
 
                 async def filesystem(task_status: trio.TaskStatus[Any]) -> None:
-                    await serve(ctrl, path, mopts, task_status=task_status)
+                    await serve(ctrl, path, mopts, companion=companion, task_status=task_status)
                     inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
 
                 fs = await inner.start(filesystem)

@@ -95,7 +95,6 @@ class AddressController:
         for nsid, ls, nlb in specs:
             ident = SimpleNamespace(lba_size=ls, nsze=nlb, to_dict=lambda: {})
             self.namespaces[nsid] = Namespace(self, nsid, ident)
-        self.companion = None
         self.commands = 0
         self.on_command: Any = None  # called with each I/O command's opcode
         self.identify = SimpleNamespace(mn="fake", sn="1", fr="1", subnqn="nqn.x:fake",

@@ -1,4 +1,7 @@
-"""Each layer imports only the layers below it (nvme, transport < host < fs, companion)."""
+"""Each layer imports only the layers below it.
+
+nvme, transport < host < fs, companion < daemon, inprocess (nvmeof_fuse.mount), cli.
+"""
 
 from __future__ import annotations
 
@@ -34,3 +37,15 @@ def test_wire_formats_and_transports_load_nothing_of_the_host(module):
 def test_the_host_loads_nothing_of_the_filesystem_or_the_companion(module):
     loaded = loaded_after_import(module)
     assert within(loaded, "nvmeof_fuse.fs") + within(loaded, "nvmeof_fuse.companion") == []
+
+
+TOP = ("nvmeof_fuse.daemon", "nvmeof_fuse.inprocess", "nvmeof_fuse.cli")
+
+
+@pytest.mark.parametrize("module", ["nvmeof_fuse.companion", "nvmeof_fuse.companion.server",
+                                    "nvmeof_fuse.companion.direct", "nvmeof_fuse.fs.mount"])
+def test_the_filesystem_and_the_companion_load_nothing_above_them(module):
+    loaded = loaded_after_import(module)
+    assert [m for m in TOP if m in loaded] == []
+    if module.startswith("nvmeof_fuse.fs"):
+        assert within(loaded, "nvmeof_fuse.companion") == []

@@ -1,13 +1,13 @@
-"""The companion API: register caller memory with a mounted controller, zero-copy.
+"""The companion API: move data between a mounted namespace and caller memory, zero-copy.
 
-``nvmeof_fuse.mount`` mounts from Python; ``nvmeof_fuse.File`` reads and writes a
-namespace file of any mount of the same user straight into registered memory;
-``nvmeof_fuse.empty`` allocates arrays a daemon in another process can map.
+``nvmeof_fuse.File`` reads and writes a namespace file of any mount of the same
+user straight into the caller's memory; ``nvmeof_fuse.empty`` allocates arrays a
+daemon in another process can map.  (``nvmeof_fuse.mount``, which mounts from
+Python, sits above this layer: :mod:`nvmeof_fuse.inprocess`.)
 """
 
 from .client import File, IOFuture
-from .inprocess import Mount, Registration, mount
 from .protocol import CompanionError
 from .shm import empty
 
-__all__ = ["CompanionError", "File", "IOFuture", "Mount", "Registration", "empty", "mount"]
+__all__ = ["CompanionError", "File", "IOFuture", "empty"]

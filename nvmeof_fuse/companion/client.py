@@ -32,6 +32,7 @@ from ..host.byterange import NoSpace
 from ..host.memory import buffer_address
 from . import gpu, shm
 from .channel import LocalChannel, SocketChannel
+from .local import served_here
 from .protocol import CompanionError, Piece, chunks, plan_read, plan_write
 
 if TYPE_CHECKING:
@@ -244,15 +245,13 @@ class File:
     def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT,
                  compat_mode: bool | None = None, workers: int = 4,
                  queues: int = QUEUES_PER_CLIENT) -> None:
-        from . import inprocess
-
         self.path = path
         self.timeout = timeout
         if compat_mode is None:
             compat_mode = os.environ.get("NVMEOF_FUSE_COMPAT_MODE", "").upper() in {"ON", "1"}
         self.compat_mode = compat_mode
         self.mountpoint, self.nsid, info = locate(path)
-        local = inprocess.served_here(info["socket"])
+        local = served_here(info["socket"])
         address = "\0" + info["socket"][1:] if info["socket"].startswith("@") else info["socket"]
         self._channel: Any = (LocalChannel(local, timeout) if local is not None
                               else SocketChannel(address, timeout))

@@ -124,20 +124,25 @@ def _owning_span(addr: int, size: int, obj: Any) -> tuple[Any, int, int]:
 
     ``owner`` is None when no object that owns those pages can be watched.
     """
-    found = shm.find(addr, size)
-    if found is not None:
-        mem, _ = found
-        return mem, mem.addr, len(mem)
     if hasattr(obj, "__array_interface__"):
         import numpy as np
 
         root = obj
         while isinstance(getattr(root, "base", None), np.ndarray):
             root = root.base
-        if isinstance(root, np.ndarray) and root.base is None and root.flags.c_contiguous:
-            base, length, _ = buffer_address(root)
-            if base <= addr and addr + size <= base + length:
-                return root, base, length
+        if isinstance(root, np.ndarray):
+            exporter = root.base.obj if isinstance(root.base, memoryview) else root.base
+            if isinstance(exporter, shm.SharedMemory):  # nvmeof_fuse.empty: no search
+                if exporter.addr <= addr and addr + size <= exporter.addr + len(exporter):
+                    return exporter, exporter.addr, len(exporter)
+            elif root.base is None and root.flags.c_contiguous:
+                base, length, _ = buffer_address(root)
+                if base <= addr and addr + size <= base + length:
+                    return root, base, length
+    found = shm.find(addr, size)
+    if found is not None:
+        mem, _ = found
+        return mem, mem.addr, len(mem)
     if hasattr(obj, "data_ptr"):  # a CPU tensor: watched as itself
         return obj, addr, size
     return None, addr, size

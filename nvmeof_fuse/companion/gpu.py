@@ -16,6 +16,7 @@ Ordering rules for GPUDirect RDMA:
 from __future__ import annotations
 
 import mmap
+import sys
 from typing import Any, Protocol
 
 from ..errors import InvalidArgument
@@ -51,6 +52,9 @@ class TorchCuda:
     """:class:`CudaOps` over torch tensors and ``ibverbs.cuda``."""
 
     def is_cuda(self, obj: Any) -> bool:
+        np = sys.modules.get("numpy")
+        if np is not None and type(obj) is np.ndarray:  # never: skip probing its attributes
+            return False
         return bool(getattr(obj, "is_cuda", False))
 
     def span(self, tensor: Any) -> tuple[int, int]:

@@ -115,7 +115,6 @@ class CompanionServer:
         try:
             await listener.bind(self.address)
             listener.listen(64)
-            self.controller.companion = self
             task_status.started()
             async with trio.open_nursery() as nursery:
                 if not self.leasing():
@@ -125,7 +124,6 @@ class CompanionServer:
                     nursery.start_soon(self._client, conn)
         finally:
             listener.close()
-            self.controller.companion = None
             self.close()
 
     async def _client(self, conn: trio.socket.SocketType) -> None:
@@ -298,9 +296,14 @@ class CompanionServer:
         which waits for the reconnect.
         """
         ctrl = self.controller
+        told = False  # since the controller was last live (resetting, then connecting: once)
         while True:
             if await ctrl.next_state() == "live":
+                told = False
                 continue
+            if told:
+                continue
+            told = True
             for session in list(self.sessions):
                 if session.qids and session.notify is not None:
                     await session.notify({"event": "revoked", "state": ctrl.state})

@@ -35,6 +35,14 @@ class ControllerLike(Protocol):
     def describe(self) -> dict: ...
 
 
+class CompanionLike(Protocol):
+    """The mount's companion server, as ``.nvmeof/`` reports it (handed down by the daemon)."""
+
+    def info(self) -> dict[str, Any]: ...
+
+    def snapshot(self) -> dict[str, Any]: ...
+
+
 def _json_default(value: Any) -> Any:
     if isinstance(value, enum.Enum):
         return value.name
@@ -101,26 +109,24 @@ def namespace_text(ns: NamespaceLike) -> bytes:
     return _text(title, {"identify": ns.identify.to_dict()})
 
 
-def stats_dict(ctrl: ControllerLike) -> dict[str, Any]:
+def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {
         f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())
     }
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         doc["connection"] = connection()
-    companion = getattr(ctrl, "companion", None)
     if companion is not None:
         doc["companion"] = companion.snapshot()
     return doc
 
 
-def companion_dict(ctrl: ControllerLike) -> dict[str, Any]:
+def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:
     """Where companion clients (``nvmeof_fuse.File``) find this mount's daemon."""
-    companion = getattr(ctrl, "companion", None)
     return companion.info() if companion is not None else {"socket": None}
 
 
-def stats_text(ctrl: ControllerLike) -> bytes:
+def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> bytes:
     parts = []
     for n, ns in sorted(ctrl.namespaces.items()):
         body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
@@ -128,7 +134,6 @@ def stats_text(ctrl: ControllerLike) -> bytes:
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         parts.append(_section("connection", connection()))
-    companion = getattr(ctrl, "companion", None)
     if companion is not None:
         fields = companion.snapshot()
         fields.pop("sessions", None)

@@ -14,7 +14,7 @@ import trio
 
 from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
-from nvmeof_fuse.fs.info import ControllerLike
+from nvmeof_fuse.fs.info import CompanionLike, ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.options import MountOptions
 
@@ -181,6 +181,7 @@ async def serve(
     options: MountOptions,
     *,
     drain_timeout: float = DRAIN_TIMEOUT,
+    companion: CompanionLike | None = None,
     task_status: trio.TaskStatus[NamespaceFS] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Mount ``controller`` at ``mountpoint`` and serve until unmounted or cancelled.
@@ -189,14 +190,15 @@ async def serve(
     unmount (``fusermount3 -u``) serve cleans up and returns. On cancellation
     the mount is detached at once (lazy unmount: no new opens), files still
     open get up to ``drain_timeout`` seconds to be closed, in-flight requests
-    finish, then serve re-raises.
+    finish, then serve re-raises.  ``companion`` (the daemon's companion server) is
+    reported under ``.nvmeof/``.
     """
     global _serving
     if _serving:
         raise MountError("this process already serves a mount (pyfuse3 allows one per process)")
     path = await check_mountpoint_async(mountpoint)
     check_nsid(controller, options.nsid)
-    ops = NamespaceFS(controller, options)
+    ops = NamespaceFS(controller, options, companion)
     _init(ops, path, options)
     raise_max_background(path)
     _serving = True

@@ -86,9 +86,11 @@ async def _deny(*_args: object, **_kwargs: object) -> None:
 class NamespaceFS(pyfuse3.Operations):
     """One file ``n<NSID>`` per active namespace and ``.nvmeof/`` with reports."""
 
-    def __init__(self, controller: ControllerLike, options: MountOptions | None = None) -> None:
+    def __init__(self, controller: ControllerLike, options: MountOptions | None = None,
+                 companion: info.CompanionLike | None = None) -> None:
         super().__init__()
         self.controller = controller
+        self.companion = companion  # reported in .nvmeof/ (stats, companion.json)
         self.options = options or MountOptions()
         self.uid = os.getuid() if self.options.uid is None else self.options.uid
         self.gid = os.getgid() if self.options.gid is None else self.options.gid
@@ -112,9 +114,10 @@ class NamespaceFS(pyfuse3.Operations):
         add_info = self._add_info
         add_info("controller", lambda: info.controller_text(ctrl))
         add_info("controller.json", lambda: info.to_json(info.controller_dict(ctrl)))
-        add_info("stats", lambda: info.stats_text(ctrl))
-        add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl)))
-        add_info("companion.json", lambda: info.to_json(info.companion_dict(ctrl)))
+        companion = self.companion
+        add_info("stats", lambda: info.stats_text(ctrl, companion))
+        add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl, companion)))
+        add_info("companion.json", lambda: info.to_json(info.companion_dict(companion)))
         for nsid in sorted(ctrl.namespaces):
             if self.options.nsid is not None and nsid != self.options.nsid:
                 continue

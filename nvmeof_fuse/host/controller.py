@@ -105,7 +105,6 @@ class Controller:
         """I/O queue IDs granted by the target beyond our own: companion clients lease them."""
         self.in_capsule_bytes = 0
         self._cc = 0
-        self.companion: Any = None  # the mount's companion server, while one serves
         self._states = StateMachine()
         self._lost = trio.Event()  # set by connection_lost: supervise() recovers
         self._lost_reason = ""

@@ -77,12 +77,21 @@ class SyncNamespace:
 class SyncController:
     """Connects on a background trio thread at construction; use as a context manager.
 
-    ``connect`` substitutes :func:`nvmeof_fuse.host.controller.connect` (tests).
+    ``connect`` substitutes :func:`nvmeof_fuse.host.controller.connect`: any async
+    context manager that yields a controller-like object (an attached controller,
+    a served mount).  ``ready_timeout`` bounds the connect (default: the options'
+    connect timeout plus command timeout), ``stop_timeout`` the orderly shutdown.
     """
 
-    def __init__(self, options: ConnectOptions, *, connect: Connect | None = None) -> None:
+    def __init__(self, options: ConnectOptions, *, connect: Connect | None = None,
+                 ready_timeout: float | None = None, stop_timeout: float | None = None
+                 ) -> None:
         self.options = options
         self._connect = connect
+        self._ready_timeout = (options.connect_timeout + options.timeout
+                               if ready_timeout is None else ready_timeout)
+        self._stop_timeout = (options.timeout + SHUTDOWN_GRACE
+                              if stop_timeout is None else stop_timeout)
         self._where = (f"{options.transport} {options.traddr}:{options.trsvcid} "
                        f"({options.nqn})")
         self._lock = threading.Lock()
@@ -179,7 +188,7 @@ class SyncController:
         return ConnectError(f"controller {self._where} is closed")
 
     def _wait_connected(self) -> None:
-        limit = self.options.connect_timeout + self.options.timeout
+        limit = self._ready_timeout
         if not self._settled.wait(limit):
             self._shutdown(quiet=True)
             raise ConnectError(f"controller {self._where}: not connected within {limit:g} s")
@@ -253,7 +262,7 @@ class SyncController:
         self._live_token()
         return self._controller
 
-    def _call_sync(self, fn: Callable[..., T], *args: Any) -> T:
+    def call_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run ``fn(*args)`` on the controller's loop (it may touch loop-owned state)."""
         token = self._live_token()
         try:
@@ -262,7 +271,7 @@ class SyncController:
             raise self._closed_error() from None
 
     def describe(self) -> dict:
-        return self._call_sync(lambda: self._controller.describe())
+        return self.call_sync(lambda: self._controller.describe())
 
     @property
     def namespaces(self) -> dict[int, SyncNamespace]:
@@ -271,14 +280,14 @@ class SyncController:
 
     def register(self, obj: Any) -> Region:
         """Register caller memory (numpy array, host tensor, writable buffer) for I/O."""
-        return self._call_sync(lambda: self._controller.register(obj))
+        return self.call_sync(lambda: self._controller.register(obj))
 
     def unregister(self, region: Region) -> None:
-        self._call_sync(lambda: self._controller.unregister(region))
+        self.call_sync(lambda: self._controller.unregister(region))
 
     def allocate(self, length: int) -> Region:
         """Registered, page-aligned host memory owned by the controller."""
-        return self._call_sync(lambda: self._controller.allocate(length))
+        return self.call_sync(lambda: self._controller.allocate(length))
 
     # -- lifetime -------------------------------------------------------------------------------
 
@@ -293,7 +302,7 @@ class SyncController:
                 trio.from_thread.run_sync(self._request_stop, trio_token=token)
             except trio.RunFinishedError:
                 pass
-        limit = self.options.timeout + SHUTDOWN_GRACE
+        limit = self._stop_timeout
         self._thread.join(limit)
         if self._thread.is_alive():
             raise CommandTimeout(f"controller {self._where} did not shut down within {limit:g} s")

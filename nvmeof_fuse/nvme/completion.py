@@ -19,9 +19,13 @@ from .status import NVMeStatusError, status_name
 _CQE = struct.Struct("<QHHHH")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Completion:
-    """A parsed completion queue entry."""
+    """A parsed completion queue entry (treat it as read-only).
+
+    Not ``frozen``: a frozen dataclass sets each field through ``object.__setattr__``,
+    which made building one per I/O four times dearer.
+    """
 
     result: int
     """DW0 | DW1 << 32, the command specific result."""

@@ -39,6 +39,20 @@ def keyed_data_block(addr: int, length: int, key: int, invalidate: bool = False)
     )
 
 
+def pack_keyed_data_block_into(buf, offset: int, addr: int, length: int, key: int) -> None:
+    """:func:`keyed_data_block` (address subtype) written into ``buf`` at ``offset``.
+
+    For the I/O path: builds no bytes object.
+    """
+    if not (type(length) is int and type(key) is int
+            and 0 <= length <= MAX_KEYED_LENGTH and 0 <= key < 1 << 32):
+        raise ValueError(f"keyed SGL length {length} or key {key} out of range")
+    try:
+        _KEYED.pack_into(buf, offset, addr, length | key << 24 | TYPE_KEYED_DATA_BLOCK << 60)
+    except struct.error:
+        raise ValueError(f"SGL address {addr!r} out of range") from None
+
+
 def in_capsule_data(offset: int, length: int) -> bytes:
     """Data Block with Offset subtype: ``length`` bytes of in-capsule data at ``offset``.
 

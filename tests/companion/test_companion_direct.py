@@ -172,3 +172,32 @@ def test_a_lost_controller_revokes_the_clients_queues_at_once(served):
         assert wait_for(lambda: fabric.connects == [3, 4, 3, 4])  # asked again, connected again
         assert f.read(out, file_offset=512) == 4096
     assert bytes(out) == bytes(ctrl.disks[1][512:512 + 4096])
+
+
+def test_one_loss_is_told_once_however_many_states_it_passes(served):
+    ctrl, fabric, server, mnt = served
+    told: list[str] = []
+    with File(str(mnt / "n1")) as f:
+        session = next(s for s in server.sessions if s.qids)
+        notify = session.notify
+
+        async def counting(event: dict) -> None:
+            told.append(event["state"])
+            await notify(event)
+
+        def move(state: str) -> None:
+            ctrl.state = state
+            ctrl.state_changed.set()
+
+        session.notify = counting
+        for state in ("resetting", "connecting"):  # one loss, two states
+            trio.from_thread.run_sync(move, state, trio_token=server.trio_token)
+            assert wait_for(lambda: not ctrl.state_changed.is_set())  # the server looked
+        assert wait_for(lambda: fabric.connects == [3, 4, 3, 4])
+        trio.from_thread.run_sync(move, "live", trio_token=server.trio_token)
+        assert wait_for(lambda: not ctrl.state_changed.is_set())
+        trio.from_thread.run_sync(move, "connecting", trio_token=server.trio_token)  # a new loss
+        assert wait_for(lambda: len(told) == 2)
+        out = nvmeof_fuse.empty(4096)
+        assert f.read(out, file_offset=0) == 4096
+    assert told == ["resetting", "connecting"]

@@ -18,3 +18,22 @@ def test_stats_show_the_connection_when_the_controller_reports_it():
     assert doc["connection"] == {"state": "live", "cntlid": 3, "losses": 1, "reconnects": 1}
     text = info.stats_text(ctrl).decode()
     assert "connection:\n  state      : live\n  cntlid     : 3\n  losses     : 1\n" in text
+
+
+class _Companion:
+    def info(self) -> dict:
+        return {"socket": "@nvmeof-fuse-1", "uid": 1000}
+
+    def snapshot(self) -> dict:
+        return {"clients": 1, "daemon_copied_bytes": 0, "sessions": [{"pid": 9}]}
+
+
+def test_the_companion_handed_down_by_the_daemon_is_reported():
+    ctrl = make_controller((1, 512, 8))
+    assert info.companion_dict(None) == {"socket": None}
+    assert "companion" not in info.stats_dict(ctrl)
+    companion = _Companion()
+    assert info.companion_dict(companion)["socket"] == "@nvmeof-fuse-1"
+    assert info.stats_dict(ctrl, companion)["companion"]["sessions"] == [{"pid": 9}]
+    text = info.stats_text(ctrl, companion).decode()
+    assert "companion:\n  clients" in text and "sessions" not in text

@@ -3,7 +3,13 @@ descriptor" (byte 15: type in bits 7:4, subtype in bits 3:0)."""
 
 import pytest
 
-from nvmeof_fuse.nvme.sgl import MAX_KEYED_LENGTH, NULL_SGL, in_capsule_data, keyed_data_block
+from nvmeof_fuse.nvme.sgl import (
+    MAX_KEYED_LENGTH,
+    NULL_SGL,
+    in_capsule_data,
+    keyed_data_block,
+    pack_keyed_data_block_into,
+)
 
 
 def test_keyed_data_block_layout():
@@ -39,3 +45,17 @@ def test_in_capsule_data_layout():
 
 def test_null_sgl_is_zero_length_keyed():
     assert NULL_SGL == bytes(15) + b"\x40"
+
+
+def test_keyed_data_block_packed_into_a_buffer_is_the_same_descriptor():
+    buf = bytearray(b"\xff" * 40)
+    pack_keyed_data_block_into(buf, 24, 0x1122334455667788, 0x123456, 0xA1B2C3D4)
+    assert buf[24:40] == keyed_data_block(0x1122334455667788, 0x123456, 0xA1B2C3D4)
+    assert buf[:24] == b"\xff" * 24
+
+
+@pytest.mark.parametrize("addr, length, key, what", [
+    (0, MAX_KEYED_LENGTH + 1, 1, "length"), (0, 1, 1 << 32, "key"), (-1, 1, 1, "address")])
+def test_keyed_data_block_packed_into_a_buffer_refuses_bad_fields(addr, length, key, what):
+    with pytest.raises(ValueError, match=what):
+        pack_keyed_data_block_into(bytearray(16), 0, addr, length, key)

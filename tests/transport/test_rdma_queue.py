@@ -10,7 +10,6 @@ import collections
 import ctypes
 import errno
 import functools
-import math
 import os
 import struct
 from types import SimpleNamespace
@@ -38,7 +37,7 @@ class FakeWR:
 
 FAKE_VERBS = SimpleNamespace(
     SGE=FakeSGE, SendWR=FakeWR, RecvWR=FakeWR, QPInitAttr=lambda **kw: SimpleNamespace(**kw),
-    QPType=SimpleNamespace(RC=2), WROpcode=SimpleNamespace(SEND=2, RDMA_WRITE=0),
+    QPType=SimpleNamespace(RC=2), WROpcode=SimpleNamespace(SEND=2),
     SendFlags=SimpleNamespace(SIGNALED=2),
     AccessFlags=SimpleNamespace(LOCAL_WRITE=1, REMOTE_WRITE=2, REMOTE_READ=4))
 
@@ -140,7 +139,7 @@ class PD:
 @pytest.fixture
 def queue(monkeypatch):
     monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
-    transport = SimpleNamespace(traddr="fake", trsvcid=4420)
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
     channel = Channel()
     context = SimpleNamespace(create_comp_channel=lambda: channel,
                               create_cq=lambda size, ch: CQ(ch))
@@ -330,89 +329,93 @@ async def test_a_failed_batched_post_fails_its_callers_and_frees_their_slots(que
         nursery.cancel_scope.cancel()
 
 
-def with_mock_clock(test):
-    """Run an async test under trio with a clock that jumps whenever every task waits."""
-    @functools.wraps(test)
-    def run(queue):
-        async def guarded():
-            with trio.fail_after(HANG_GUARD):
-                await test(queue)
+# -- polling for a command alone on its queue (hybrid polling) ----------------------------------
 
-        trio.run(guarded, clock=trio.testing.MockClock(autojump_threshold=0))
+def answer_at_once(queue, status: int = 0) -> None:
+    """Make the fake target answer each capsule by the time ``post_send`` returns."""
+    qp, post = queue.qp, queue.qp.post_send
 
-    return run
+    def post_send(wrs) -> None:
+        post(wrs)
+        for wr in wrs:
+            qp.send_done(wr.wr_id & rdma._INDEX, status)
+            qp.respond(wr.wr_id & rdma._INDEX)
 
-
-async def probe_posted(queue) -> int:
-    """Wait (in mock time) until the queue probed the target; the probe's command ID."""
-    probe = queue._slots.probe_cid
-    while probe not in queue.qp.sent:
-        await trio.sleep(rdma.PROBE_AFTER / 4)
-    return probe
+    qp.post_send = post_send
 
 
-@with_mock_clock
-async def test_a_target_that_closed_the_connection_fails_waiting_commands_at_once(queue):
+@in_trio
+async def test_a_command_alone_is_polled_for_without_arming_the_channel(queue):
+    answer_at_once(queue)
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        results = []
-        nursery.start_soon(read_recording, queue, results)
-        probe = await probe_posted(queue)
-        assert not results  # a probe, not a verdict: the command still waits
-        queue.qp.send_done(probe, status=rdma._WC_RETRY_EXC_ERR)  # nobody acknowledged it
-        await trio.testing.wait_all_tasks_blocked()
-        assert results and isinstance(results[0], TransportError), results
-        assert "the target at fake:4420 closed the connection" in str(results[0])
-        with pytest.raises(TransportError, match="closed the connection"):
-            await queue.execute(read_command(), timeout=30)
-
-
-@with_mock_clock
-async def test_a_live_target_acknowledges_the_probe_and_the_command_goes_on(queue):
-    async with trio.open_nursery() as nursery:
-        await started(queue, nursery)
-        results = []
-        nursery.start_soon(read_recording, queue, results)
-        probe = await probe_posted(queue)
-        (cid,) = set(queue.qp.sent) - {probe}
-        queue.qp.send_done(probe)  # acknowledged: the send CQ wakes the reaper
-        await trio.testing.wait_all_tasks_blocked()
-        assert not queue._slots.probing and not results
-        del queue.qp.sent[probe]
-        assert await probe_posted(queue) == probe  # still unanswered: probed again
-        queue.qp.send_done(probe)
-        queue.qp.send_done(cid)
-        queue.qp.respond(cid)
-        await trio.testing.wait_all_tasks_blocked()
-        assert results and results[0].ok
+        for _ in range(3):
+            assert (await queue.execute(read_command(), timeout=30)).ok
+        # No wake-up was asked for: an idle queue's reaper waits unarmed, and the
+        # caller found its completion by polling.
+        assert not queue.recv_cq.armed and not queue.send_cq.armed
+        assert not queue.channel.events and queue.available == 7
         nursery.cancel_scope.cancel()
 
 
-@with_mock_clock
-async def test_an_idle_or_answering_queue_sends_no_probe(queue):
+@in_trio
+async def test_an_unanswered_command_stops_polling_and_sleeps_on_the_channel(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        await trio.sleep(10 * rdma.PROBE_AFTER)  # idle
         results = []
         nursery.start_soon(read_recording, queue, results)
-        await trio.sleep(rdma.PROBE_AFTER / 2)  # answered before a probe is due
+        await trio.testing.wait_all_tasks_blocked()  # polled in vain, then parked
+        assert queue.recv_cq.armed and not results
         (cid,) = queue.qp.sent
         queue.qp.send_done(cid)
         queue.qp.respond(cid)
-        await trio.sleep(10 * rdma.PROBE_AFTER)
-        assert results and results[0].ok and set(queue.qp.sent) == {cid}
+        await trio.testing.wait_all_tasks_blocked()
+        assert results and results[0].ok and queue.available == 7
         nursery.cancel_scope.cancel()
 
 
-@with_mock_clock
-async def test_a_command_without_timeout_sends_no_probe(queue):
+@in_trio
+async def test_a_queue_slower_than_the_poll_limit_is_not_polled(queue):
+    answer_at_once(queue)
+    queue.latency = rdma.POLL_MAX * 2
+    polls = []
+    queue._poll_for = lambda *args: polls.append(args)
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        async def forever() -> None:
-            with pytest.raises(TransportError, match="stopped"):  # by the cancel below
-                await queue.execute(read_command(), timeout=math.inf)
+        assert (await queue.execute(read_command(), timeout=30)).ok  # the reaper found it
+        assert not polls and queue.latency < rdma.POLL_MAX * 2  # moving back towards polling
+        nursery.cancel_scope.cancel()
 
-        nursery.start_soon(forever)
-        await trio.sleep(10 * rdma.PROBE_AFTER)  # an AER waits for ever: no reason to probe
-        assert queue._slots.probe_cid not in queue.qp.sent and len(queue.qp.sent) == 1
+
+@in_trio
+async def test_a_failed_completion_found_by_polling_fails_the_queue(queue):
+    answer_at_once(queue, status=5)
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        with pytest.raises(TransportError, match="work request failed: flushed"):
+            await queue.execute(read_command(), timeout=30)
+        with pytest.raises(TransportError, match="work request failed"):
+            await queue.execute(read_command(), timeout=30)
+
+
+@in_trio
+async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
+    answer_at_once(queue)
+    busy = SimpleNamespace(_slots=SimpleNamespace(pending={5: object()}))
+    queue.transport._queues[:] = [queue, busy]  # one thread reaps both: do not hold it up
+    polls = []
+    poll_for = queue._poll_for
+
+    async def recording(*args):
+        polls.append(args)
+        await poll_for(*args)
+
+    queue._poll_for = recording
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert not polls
+        busy._slots.pending.clear()
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert len(polls) == 1
         nursery.cancel_scope.cancel()

@@ -13,33 +13,25 @@ drains, flushes, unmounts and disconnects.
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import trio
 
-from ..concurrency import first_error
-from ..errors import InvalidArgument, NVMeoFError
-from ..host.memory import buffer_address
-from . import gpu
-from .protocol import CompanionError
-from .session import Session
+from .companion import gpu, local
+from .companion.protocol import CompanionError
+from .companion.session import Session
+from .daemon import serve_mount
+from .errors import InvalidArgument, NVMeoFError
+from .host.memory import buffer_address
+from .host.sync import SyncController
 
 T = TypeVar("T")
 READY_TIMEOUT = 120.0  # s for connect + mount
 STOP_TIMEOUT = 90.0  # s for drain + flush + unmount + disconnect
-
-_served: dict[str, Mount] = {}  # companion socket name -> mount served by this process
-_served_lock = threading.Lock()
-
-
-def served_here(socket_name: str) -> Mount | None:
-    """The :class:`Mount` of this process publishing ``socket_name``, if any."""
-    with _served_lock:
-        return _served.get(socket_name)
 
 
 @dataclass(eq=False)
@@ -63,76 +55,66 @@ class Registration:
 
 
 class Mount:
-    """A controller mounted by this process; see :func:`mount`."""
+    """A controller mounted by this process; see :func:`mount`.
+
+    The mount is served on the loop of a :class:`SyncController` (the one bridge
+    between trio and the caller's threads); its "controller" is the served mount.
+    """
 
     def __init__(self, mountpoint: str, conn: Any, mopts: Any, *,
                  ready_timeout: float = READY_TIMEOUT, connect: Any = None) -> None:
         self.mountpoint = mountpoint
-        self._conn = conn
         self._mopts = mopts
         self._connect = connect
-        self._ready = threading.Event()
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._scope: trio.CancelScope | None = None
-        self._stop: trio.Event | None = None
-        self._error: BaseException | None = None
         self.controller: Any = None
         self.server: Any = None
         self.session: Session | None = None
         self._registrations: list[Registration] = []
-        self._thread = threading.Thread(target=self._main, daemon=True,
-                                        name=f"nvmeof-fuse mount {mountpoint}")
-        self._thread.start()
-        if not self._ready.wait(ready_timeout):
-            self.close()
-            raise CompanionError(f"the mount at {mountpoint} was not ready within "
-                                 f"{ready_timeout:g} s", errno.ETIMEDOUT)
-        if self.controller is None:
-            self._thread.join(STOP_TIMEOUT)
-            raise self._error or CompanionError(f"mounting {mountpoint} failed")
-
-    # -- the mount's thread ----------------------------------------------------------------
-
-    def _main(self) -> None:
+        self._bridge = SyncController(conn, connect=self._serving, ready_timeout=ready_timeout,
+                                      stop_timeout=STOP_TIMEOUT)
         try:
-            trio.run(self._serve)
-        except BaseException as exc:  # handed to the caller's thread
-            self._error = first_error(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            self._bridge.controller  # mounted, or its error raised here  # noqa: B018
+        except BaseException:
+            self._bridge.close()
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _serving(self, conn: Any) -> AsyncIterator[Any]:
+        """Serve the mount on the bridge's loop; leaving stops it in order (drain, flush,
+        unmount, disconnect).  An unmount from outside ends the bridge with its reason."""
+        ready, stop = trio.Event(), trio.Event()
+
+        def on_ready(controller: Any, server: Any) -> None:
+            self.controller, self.server = controller, server
+            self.session = server.new_session("in-process")
+            local.publish(server.info()["socket"], self)
+            ready.set()
+
+        async def run() -> None:
+            await serve_mount(conn, self._mopts, self.mountpoint, on_ready, self._connect, stop)
+            if not stop.is_set():
+                raise CompanionError(f"the mount at {self.mountpoint} was unmounted",
+                                     errno.ENOTCONN)
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(run)
+                await ready.wait()
+                try:
+                    yield self.controller
+                finally:
+                    stop.set()
         finally:
-            with _served_lock:
-                for name in [n for n, m in _served.items() if m is self]:
-                    del _served[name]
-            self._ready.set()
-
-    async def _serve(self) -> None:
-        from ..daemon import serve_mount
-
-        self._token = trio.lowlevel.current_trio_token()
-        self._stop = trio.Event()
-        with trio.CancelScope() as self._scope:
-            await serve_mount(self._conn, self._mopts, self.mountpoint, self._on_ready,
-                              self._connect, self._stop)
-
-    def _on_ready(self, controller: Any, server: Any) -> None:
-        self.controller, self.server = controller, server
-        self.session = server.new_session("in-process")
-        with _served_lock:
-            _served[server.info()["socket"]] = self
-        self._ready.set()
+            local.withdraw(self)
 
     # -- calls from other threads -------------------------------------------------------------
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """``await fn(*args)`` on the mount's loop (callers bound it themselves)."""
-        return trio.from_thread.run(fn, *args, trio_token=self._live_token())
+        return self._bridge.call(fn, *args)
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
-        return trio.from_thread.run_sync(fn, *args, trio_token=self._live_token())
-
-    def _live_token(self) -> trio.lowlevel.TrioToken:
-        if self._token is None or not self._thread.is_alive():
-            raise CompanionError(f"the mount at {self.mountpoint} is closed", errno.ENOTCONN)
-        return self._token
+        return self._bridge.call_sync(fn, *args)
 
     @property
     def namespaces(self) -> dict[int, Any]:
@@ -146,7 +128,7 @@ class Mount:
 
     def open(self, nsid: int, **kwargs: Any) -> Any:
         """An :class:`~nvmeof_fuse.File` on namespace ``nsid``."""
-        from .client import File
+        from .companion.client import File
 
         return File(self.path(nsid), **kwargs)
 
@@ -185,9 +167,11 @@ class Mount:
     def _unregister(self, reg: Registration) -> None:
         if reg in self._registrations:
             self._registrations.remove(reg)
-            if self._thread.is_alive():
-                assert self.session is not None
+            assert self.session is not None
+            try:
                 self.run_sync(self.session.unregister, reg.region)
+            except NVMeoFError:  # the mount is gone, and its registrations with it
+                pass
 
     def registered(self, addr: int, nbytes: int) -> tuple[int, int] | None:
         """``(region, offset)`` of a registration holding ``[addr, addr + nbytes)``."""
@@ -200,19 +184,7 @@ class Mount:
 
     def close(self) -> None:
         """Drain, flush, unmount and disconnect (bounded); idempotent."""
-        token, scope, stop = self._token, self._scope, self._stop
-        if token is not None and scope is not None and stop is not None \
-                and self._thread.is_alive():
-            # mounted: stop in order (drain, flush, shut down); still connecting: abandon
-            leave = stop.set if self.controller is not None else scope.cancel
-            try:
-                trio.from_thread.run_sync(leave, trio_token=token)
-            except trio.RunFinishedError:
-                pass
-        self._thread.join(STOP_TIMEOUT)
-        if self._thread.is_alive():
-            raise CompanionError(f"the mount at {self.mountpoint} did not stop within "
-                                 f"{STOP_TIMEOUT:g} s", errno.ETIMEDOUT)
+        self._bridge.close()
 
     def __enter__(self) -> Mount:
         return self
@@ -231,8 +203,8 @@ def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
     nvme-cli's names (``host_traddr``, ``hostnqn``, ``hostid``, ``nr_io_queues``,
     ``queue_size``, ``keep_alive_tmo``, ``reconnect_delay``, ``ctrl_loss_tmo``, ``timeout``).
     """
-    from ..fs.options import DEFAULT_MODE, MountOptions
-    from ..host.controller import ConnectOptions
+    from .fs.options import DEFAULT_MODE, MountOptions
+    from .host.controller import ConnectOptions
 
     try:
         conn = ConnectOptions(traddr=traddr, nqn=nqn, transport=transport, trsvcid=trsvcid,
