@@ -10,8 +10,6 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-import trio
-
 from nvmeof_fuse import cli, mountall
 from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
 from nvmeof_fuse.mountall import DISCOVERY_CONF, DiscoveryTarget, Outcome
@@ -42,6 +40,8 @@ def add_parsers(sub: Any, add_connection: Callable[..., None]) -> None:
 
 
 def _discovery_records(t: DiscoveryTarget) -> list[dict]:
+    import trio
+
     from nvmeof_fuse.host.discovery import discover
 
     ns = argparse.Namespace(command="discover", transport=t.transport, traddr=t.traddr,
@@ -117,6 +117,8 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
 
 def cmd_list_all(args: argparse.Namespace) -> int:
     """Every nvmeof-fuse mount of this mount namespace, as ``nvme list`` lists controllers."""
+    import trio
+
     from nvmeof_fuse.fs.mount import read_mountinfo
 
     docs, texts, rc = [], [], 0

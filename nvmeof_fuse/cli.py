@@ -18,11 +18,12 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
-
-import trio
+from typing import TYPE_CHECKING, Any
 
 from nvmeof_fuse.errors import NVMeoFError
+
+if TYPE_CHECKING:  # trio is imported where it runs: `mount --daemon` checks options without it
+    import trio
 
 PROG = "nvmeof-fuse"
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
@@ -102,7 +103,7 @@ def _mount_flags(values: list[str]) -> set[str]:
 
 def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) -> Any:
     """ConnectOptions from the parsed nvme-cli style options."""
-    from nvmeof_fuse.host.controller import ConnectOptions
+    from nvmeof_fuse.host.options import ConnectOptions
 
     kwargs: dict[str, Any] = {
         "traddr": args.traddr,
@@ -245,6 +246,8 @@ async def run_mount(
     conn: Any, mopts: Any, mountpoint: str, ready: Callable[[], None], connect: Any = None
 ) -> None:
     """Serve the mount (see :func:`nvmeof_fuse.daemon.serve_mount`) until SIGINT/SIGTERM."""
+    import trio
+
     from nvmeof_fuse.daemon import serve_mount
 
     stop, mounted = trio.Event(), trio.Event()
@@ -280,6 +283,8 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     mopts = mount_options(args)
     if args.daemon:
         return spawn_daemon(daemon_command(args, argv), args.log_file)
+    import trio
+
     fd = args.ready_fd
     try:
         trio.run(run_mount, conn, mopts, args.mountpoint, lambda: _report(fd, "ready"))
@@ -376,6 +381,8 @@ def format_discovery(page: Any) -> str:
 
 
 def cmd_discover(args: argparse.Namespace) -> int:
+    import trio
+
     from nvmeof_fuse.host.discovery import discover
 
     port = 8009 if args.transport == "tcp" else 4420
@@ -435,6 +442,8 @@ def format_list(mountpoint: str, doc: dict[str, Any]) -> str:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    import trio
+
     doc = trio.run(_read_mount_info, args.mountpoint)
     if args.output_format == "json":
         print(json.dumps({"mountpoint": os.path.abspath(args.mountpoint), **doc}, indent=2))

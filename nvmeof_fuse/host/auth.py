@@ -28,8 +28,10 @@ from ..nvme import auth
 
 log = logging.getLogger(__name__)
 
-Send = Callable[[bytes], Awaitable[None]]
-Receive = Callable[[], Awaitable[bytes]]
+Send = Callable[..., Awaitable[None]]
+"""``send(message, prompt=False)``: ``prompt`` waits only as long as a live target needs."""
+Receive = Callable[..., Awaitable[bytes]]
+"""``receive(prompt=False)``, as ``send``."""
 
 _seqnum = itertools.count(secrets.randbelow(1 << 31) + 1)  # like nvme_auth_get_seqnum
 
@@ -40,7 +42,20 @@ def next_seqnum() -> int:
 
 
 class AuthenticationError(ConnectError):
-    """The target or this host refused the DH-HMAC-CHAP exchange."""
+    """The target or this host refused the DH-HMAC-CHAP exchange.
+
+    ``final``: trying again with the same secrets cannot help (the kernel's EKEYREJECTED
+    and ENOKEY, which end its reconnects); not for a timeout or a lost connection.
+    """
+
+    def __init__(self, message: str, *, final: bool = False) -> None:
+        super().__init__(message)
+        self.final = final
+
+
+REFUSED_AFTER_REPLY = ("the target closed the connection after the host's DH-HMAC-CHAP_Reply, "
+                       "so it likely rejected the secret (is --dhchap-secret the host key the "
+                       "target has for this host NQN?)")
 
 
 def secret_text(value: str, option: str) -> tuple[str, str]:
@@ -109,15 +124,22 @@ class DhChap:
             c2, s2 = None, 0
             if self._ctrl_key is not None:
                 c2, s2 = secrets.token_bytes(auth.hash_length(hash_id)), next_seqnum()
-            await send(auth.reply(tid, response, c2, s2, dh_value))
             try:
-                answer = await receive()
-            except (CommandTimeout, TransportError) as exc:
+                await send(auth.reply(tid, response, c2, s2, dh_value))
+                # the answer was made while the Reply was checked: a live target gives it at
+                # once, and nvmet closes the connection as it rejects a response, which over
+                # RDMA (rxe) was seen to go unnoticed: so wait only as long as a live one needs
+                answer = await receive(prompt=True)
+            except TransportError as exc:
                 # nvmet tears the controller down as it answers AUTH_Failure1, and the
-                # answer can lose that race
-                raise AuthenticationError(
-                    "no answer to the host's DH-HMAC-CHAP_Reply (nvmet drops the connection "
-                    f"when it rejects the response: is --dhchap-secret right?): {exc}") from None
+                # answer can lose that race: the transport then sees the connection close
+                log.debug("connection lost after the DH-HMAC-CHAP_Reply: %s", exc)
+                raise AuthenticationError(REFUSED_AFTER_REPLY, final=True) from None
+            except CommandTimeout as exc:
+                raise AuthenticationError(f"no answer to the host's DH-HMAC-CHAP_Reply ({exc}): "
+                                          "the target likely closed the connection as it "
+                                          "rejected the secret (is --dhchap-secret right?)"
+                                          ) from None
             success = auth.parse_success1(answer, tid, hash_id)
             if self._ctrl_key is not None:
                 assert c2 is not None
@@ -136,7 +158,7 @@ class DhChap:
         except auth.AuthFailure as failure:
             if not failure.by_controller:
                 try:
-                    await send(auth.failure2(tid, failure.code))
+                    await send(auth.failure2(tid, failure.code), prompt=True)
                 except NVMeoFError as exc:
                     log.debug("AUTH_Failure2 not delivered: %s", exc)
             raise
@@ -172,7 +194,7 @@ async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
     """Authenticate queue ``qid`` after a Connect that asked for it; one-line errors."""
     if dhchap is None:
         raise AuthenticationError(f"{where} requires in-band authentication (DH-HMAC-CHAP): "
-                                  "give the host's secret with --dhchap-secret")
+                                  "give the host's secret with --dhchap-secret", final=True)
     try:
         how = await dhchap.authenticate(send, receive)
     except auth.AuthFailure as failure:
@@ -180,10 +202,11 @@ async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
         if failure.by_controller and failure.code == auth.FailureReason.FAILED:
             hint = " (is --dhchap-secret the host key the target has for this host NQN?)"
         raise AuthenticationError(f"{where}: authentication of queue {qid} failed: "
-                                  f"{failure}{hint}") from None
+                                  f"{failure}{hint}", final=True) from None
     except NVMeoFError as exc:
+        final = isinstance(exc, AuthenticationError) and exc.final
         raise AuthenticationError(f"{where}: authentication of queue {qid} failed: "
-                                  f"{exc}") from None
+                                  f"{exc}", final=final) from None
     if qid == 0:
         mode = "bidirectional" if dhchap.bidirectional else "host only"
         log.info("authenticated to %s with DH-HMAC-CHAP (%s, %s)", where, how, mode)
@@ -194,16 +217,21 @@ def queue_messages(ctrl, queue) -> tuple[Send, Receive]:
     from ..nvme import NULL_SGL
     from ..nvme import command as cmd
 
-    timeout = ctrl.options.timeout
+    opts = ctrl.options
+    # a prompt answer comes within the keep-alive timeout, or the connection is gone (the
+    # kernel's keep-alive rule; nvmet also expires an unfinished transaction after KATO)
+    prompt_timeout = min(opts.timeout, opts.keep_alive_tmo or opts.timeout)
 
-    async def send(message: bytes) -> None:
+    async def send(message: bytes, prompt: bool = False) -> None:
+        timeout = prompt_timeout if prompt else opts.timeout
         async with ctrl.scratch(len(message)) as ref:
             ref.region.view[: len(message)] = message
             completion = await queue.execute(cmd.auth_send(len(message), sgl=NULL_SGL), ref,
                                              to_controller=True, timeout=timeout)
             completion.raise_for_status("Authentication Send", fabrics=True)
 
-    async def receive() -> bytes:
+    async def receive(prompt: bool = False) -> bytes:
+        timeout = prompt_timeout if prompt else opts.timeout
         async with ctrl.scratch(auth.RECEIVE_BUFFER) as ref:
             completion = await queue.execute(cmd.auth_receive(auth.RECEIVE_BUFFER, sgl=NULL_SGL),
                                              ref, timeout=timeout)

@@ -19,7 +19,6 @@ import logging
 import math
 import os
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -41,81 +40,19 @@ from . import auth
 from .events import AsyncEvents
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
+from .options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
+from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 
 log = logging.getLogger(__name__)
 
 ADMIN_QUEUE_SIZE = 32  # NVME_AQ_DEPTH
 MAX_DEFAULT_IO_QUEUES = 8
-DEFAULT_COMPANION_QUEUES = 8
 BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
 IO_RETRIES = 5  # nvme_max_retries: tries of one command across reconnects
 __all__ = ["CONNECTING", "DEAD", "LIVE", "ConnectOptions", "Controller", "connect"]
-
-
-@dataclass
-class ConnectOptions:
-    """What to connect to and how; the names follow nvme-cli's options."""
-
-    traddr: str
-    nqn: str
-    transport: str = "rdma"
-    trsvcid: int = 4420
-    host_traddr: str | None = None
-    hostnqn: str | None = None
-    hostid: str | None = None
-    nr_io_queues: int | None = None
-    companion_queues: int = DEFAULT_COMPANION_QUEUES
-    """Extra I/O queue IDs asked for at connect time and leased to companion clients."""
-    queue_size: int = 128
-    keep_alive_tmo: float = 5.0
-    reconnect_delay: float = 10.0
-    """Seconds between reconnect attempts after the connection is lost."""
-    ctrl_loss_tmo: float = 600.0
-    """Seconds to keep reconnecting before I/O fails for good; 0: never, -1: forever."""
-    fast_io_fail_tmo: float = -1.0
-    """Seconds after a loss from which I/O fails while reconnecting goes on; -1: off."""
-    timeout: float = 30.0
-    """Per-command timeout in seconds."""
-    connect_timeout: float = 10.0
-    dhchap_secret: str | None = field(default=None, repr=False)
-    """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it."""
-    dhchap_ctrl_secret: str | None = field(default=None, repr=False)
-    """Controller secret (or its file): the host also authenticates the controller."""
-    hdr_digest: bool = False
-    """NVMe/TCP: CRC32C header digests (nvme-cli's --hdr-digest)."""
-    data_digest: bool = False
-    """NVMe/TCP: CRC32C data digests (nvme-cli's --data-digest)."""
-
-    def validate(self) -> None:
-        if self.transport not in ("rdma", "tcp"):
-            raise InvalidArgument(f"--transport {self.transport!r} is not supported "
-                                  "(supported: rdma, tcp)")
-        if (self.hdr_digest or self.data_digest) and self.transport != "tcp":
-            raise InvalidArgument("--hdr-digest and --data-digest apply only to -t tcp")
-        if not 0 < self.trsvcid < 65536:
-            raise InvalidArgument(f"--trsvcid {self.trsvcid} is not a port number (1-65535)")
-        if self.nr_io_queues is not None and not 1 <= self.nr_io_queues <= 65535:
-            raise InvalidArgument(f"--nr-io-queues {self.nr_io_queues} must be 1-65535")
-        if not 0 <= self.companion_queues <= 65534:
-            raise InvalidArgument(f"--companion-queues {self.companion_queues} must be 0-65534")
-        if not 2 <= self.queue_size <= 65536:
-            raise InvalidArgument(f"--queue-size {self.queue_size} must be 2-65536")
-        if not 0 <= self.keep_alive_tmo <= 65535:
-            raise InvalidArgument(f"--keep-alive-tmo {self.keep_alive_tmo} must be 0-65535 s")
-        if not 1 <= self.reconnect_delay <= 65535:
-            raise InvalidArgument(f"--reconnect-delay {self.reconnect_delay} must be 1-65535 s")
-        if not (self.ctrl_loss_tmo == -1 or 0 <= self.ctrl_loss_tmo <= 2**31):
-            raise InvalidArgument(f"--ctrl-loss-tmo {self.ctrl_loss_tmo} must be -1 (forever) "
-                                  "or 0 or more seconds")
-        if not (self.fast_io_fail_tmo == -1 or 0 <= self.fast_io_fail_tmo <= 2**31):
-            raise InvalidArgument(f"--fast-io-fail-tmo {self.fast_io_fail_tmo} must be -1 (off) "
-                                  "or 0 or more seconds")
-        if not self.nqn:
-            raise InvalidArgument("--nqn is required")
-        auth.load_secrets(self.dhchap_secret, self.dhchap_ctrl_secret)
 
 
 def reconnect_attempts(ctrl_loss_tmo: float, reconnect_delay: float) -> float:
@@ -335,7 +272,7 @@ class Controller:
         lost_at = trio.current_time()
         await self._drop_queues()  # commands in flight fail now, and wait for the outcome
         attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
-        tried = 0
+        tried, refused = 0, ""
         if attempts and not self._change_state(CONNECTING):
             return  # closed meanwhile
         while tried < attempts:
@@ -348,6 +285,9 @@ class Controller:
                 what = exc if isinstance(exc, NVMeoFError) else f"{type(exc).__name__}: {exc}"
                 log.warning("reconnect %d to %s failed: %s", tried, opts.nqn, what)
                 await self._drop_queues()
+                if final_failure(exc):  # DNR, or a rejected secret: as nvmf_should_reconnect
+                    refused = f"; stopped reconnecting: {what}"
+                    break
                 continue
             if not self._change_state(LIVE):
                 return  # closed meanwhile
@@ -357,7 +297,9 @@ class Controller:
                      self.transport.address, self.cntlid, trio.current_time() - lost_at)
             return
         where = f"{opts.nqn} at {self.transport.address}"
-        if opts.ctrl_loss_tmo == 0:
+        if refused:
+            reason = f"the connection to {where} was lost ({reason}){refused}"
+        elif opts.ctrl_loss_tmo == 0:
             reason = (f"the connection to {where} was lost ({reason}) and "
                       "reconnecting is off (--ctrl-loss-tmo 0)")
         else:

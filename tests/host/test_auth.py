@@ -7,7 +7,7 @@ import hmac
 import pytest
 import trio
 
-from nvmeof_fuse.errors import CommandTimeout, InvalidArgument
+from nvmeof_fuse.errors import CommandTimeout, InvalidArgument, TransportError
 from nvmeof_fuse.host import auth as host_auth
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.nvme import auth
@@ -32,7 +32,7 @@ class FakeController:
         self.outbox: list[bytes] = []
         self.authenticated = False
 
-    async def send(self, message: bytes) -> None:  # the host's Authentication Send
+    async def send(self, message: bytes, prompt: bool = False) -> None:  # Authentication Send
         kind, tid = message[1], int.from_bytes(message[4:6], "little")
         self.sent.append(kind)
         if kind == auth.MessageId.NEGOTIATE:
@@ -71,7 +71,7 @@ class FakeController:
         elif kind == auth.MessageId.SUCCESS2:
             self.authenticated = True
 
-    async def receive(self) -> bytes:  # the host's Authentication Receive
+    async def receive(self, prompt: bool = False) -> bytes:  # Authentication Receive
         return self.outbox.pop(0) + bytes(64)
 
 
@@ -121,12 +121,14 @@ def test_wrong_secret_names_the_targets_failure_reason():
                              r"refused \(AUTH_Failure1 for SUCCESS1\) \(is --dhchap-secret") as e:
         run(dhchap(), target)
     assert HOST_SECRET not in str(e.value) and target.sent[-1] == auth.MessageId.REPLY
+    assert e.value.final  # a reconnect would be refused the same way: it stops
 
 
 def test_missing_secret_is_one_line():
     with pytest.raises(host_auth.AuthenticationError,
-                       match="requires in-band authentication .* --dhchap-secret"):
+                       match="requires in-band authentication .* --dhchap-secret") as e:
         run(None, FakeController(HOST_SECRET))
+    assert e.value.final
 
 
 def test_secrets_from_files(tmp_path):
@@ -178,11 +180,12 @@ class QueueTarget:
     qid = 1
 
     def __init__(self, target: FakeController, status: int = 0) -> None:
-        self.target, self.status, self.commands = target, status, []
+        self.target, self.status, self.commands, self.timeouts = target, status, [], []
 
     async def execute(self, sqe, data=None, *, to_controller=False, timeout):
         from nvmeof_fuse.nvme import Completion
 
+        self.timeouts.append(timeout)
         self.commands.append((sqe[4], int.from_bytes(sqe[44:48], "little"), data.length,
                               to_controller))
         if not self.status:
@@ -200,7 +203,7 @@ class ScratchController:
     def __init__(self) -> None:
         from types import SimpleNamespace
 
-        self.options = SimpleNamespace(timeout=5.0)
+        self.options = SimpleNamespace(timeout=30.0, keep_alive_tmo=5.0)
         self.region = SimpleNamespace(view=memoryview(bytearray(8192)))
 
     def scratch(self, length):
@@ -225,6 +228,8 @@ def test_messages_travel_in_auth_send_and_receive_commands():
     # Receive: the transfer length always matches the data, as nvmet checks
     assert queue.commands == [(0x05, 72, 72, True), (0x06, 4096, 4096, False),
                               (0x05, 80, 80, True), (0x06, 4096, 4096, False)]
+    # the answer to the Reply is due at once: it waits only the keep-alive timeout
+    assert queue.timeouts == [30.0, 30.0, 30.0, 5.0]
 
 
 def test_a_failed_auth_command_is_one_line():
@@ -235,19 +240,40 @@ def test_a_failed_auth_command_is_one_line():
                  *host_auth.queue_messages(ScratchController(), queue))
 
 
-def test_no_answer_after_the_reply_suggests_the_secret():
-    class DroppingQueue(QueueTarget):
-        async def execute(self, sqe, data=None, *, to_controller=False, timeout):
-            if len(self.commands) == 3:  # the Receive after the Reply: nvmet hung up
-                raise CommandTimeout("admin queue: command 30 got no completion within 30 s")
-            return await super().execute(sqe, data, to_controller=to_controller,
-                                         timeout=timeout)
+class DroppingQueue(QueueTarget):
+    """The Receive after the Reply fails as ``error`` does (nvmet hung up, or went silent)."""
 
-    queue = DroppingQueue(FakeController(OTHER_SECRET))
+    def __init__(self, target: FakeController, error: Exception) -> None:
+        super().__init__(target)
+        self.error = error
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        if len(self.commands) == 3:
+            raise self.error
+        return await super().execute(sqe, data, to_controller=to_controller, timeout=timeout)
+
+
+def test_a_target_that_hangs_up_after_the_reply_is_named():
+    closed = TransportError("admin queue: the target at 192.0.2.1:4420 closed the connection")
+    queue = DroppingQueue(FakeController(OTHER_SECRET), closed)
+    with pytest.raises(host_auth.AuthenticationError) as info:
+        trio.run(host_auth.authenticate_queue, dhchap(), 0, "sub",
+                 *host_auth.queue_messages(ScratchController(), queue))
+    assert str(info.value) == (
+        "sub: authentication of queue 0 failed: the target closed the connection after the "
+        "host's DH-HMAC-CHAP_Reply, so it likely rejected the secret (is --dhchap-secret the "
+        "host key the target has for this host NQN?)")
+    assert info.value.final
+
+
+def test_no_answer_after_the_reply_suggests_the_secret():
+    silent = CommandTimeout("admin queue: command 30 got no completion within 5 s")
+    queue = DroppingQueue(FakeController(OTHER_SECRET), silent)
     with pytest.raises(host_auth.AuthenticationError) as info:
         trio.run(host_auth.authenticate_queue, dhchap(), 0, "sub",
                  *host_auth.queue_messages(ScratchController(), queue))
     assert str(info.value) == (
         "sub: authentication of queue 0 failed: no answer to the host's DH-HMAC-CHAP_Reply "
-        "(nvmet drops the connection when it rejects the response: is --dhchap-secret right?): "
-        "admin queue: command 30 got no completion within 30 s")
+        "(admin queue: command 30 got no completion within 5 s): the target likely closed the "
+        "connection as it rejected the secret (is --dhchap-secret right?)")
+    assert not info.value.final  # silence may pass: reconnecting goes on

@@ -10,7 +10,7 @@ import pytest
 import trio
 import trio.testing
 
-from nvmeof_fuse.errors import CommandTimeout, ControllerLost, TransportError
+from nvmeof_fuse.errors import CommandTimeout, ConnectError, ControllerLost, TransportError
 from nvmeof_fuse.host.controller import ConnectOptions, Controller
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion
@@ -249,3 +249,65 @@ def test_a_connect_refused_with_dnr_fails_at_once_by_name(monkeypatch):
         assert [q.ran for q in transport.queues] == [1]
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+# -- when reconnecting stops early (host/reconnect_policy.py decides; see its tests) -----------
+
+DNR = 1 << 14
+
+
+def connect_failed(status: int) -> ConnectError:
+    """A Connect answered with ``status``, as _fabrics_connect raises it."""
+    from nvmeof_fuse.nvme import NVMeStatusError
+
+    try:
+        raise ConnectError("connect to rdma 192.0.2.1:4420 failed: "
+                           f"{NVMeStatusError(status, 'Connect', fabrics=True)}") \
+            from NVMeStatusError(status, "Connect", fabrics=True)
+    except ConnectError as exc:
+        return exc
+
+
+def run_reconnects(failure: Exception, **options):
+    """Lose the connection; every reconnect fails with ``failure``; how it ended."""
+    outcome = {}
+
+    async def test(ctrl) -> None:
+        target = Target()
+        target.attach(ctrl)
+
+        async def refused() -> None:
+            target.connects += 1
+            raise failure
+
+        ctrl._connect_admin = refused
+        with pytest.raises(ControllerLost) as info:
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        outcome.update(message=str(info.value), connects=target.connects, state=ctrl.state)
+
+    run(test, **options)
+    return outcome
+
+
+def test_a_connect_refused_with_dnr_stops_reconnecting_by_name():
+    outcome = run_reconnects(connect_failed(DNR | 1 << 8 | 0x84), ctrl_loss_tmo=600)
+    assert outcome["connects"] == 1 and outcome["state"] is DEAD
+    assert outcome["message"].endswith(
+        "; stopped reconnecting: connect to rdma 192.0.2.1:4420 failed: Connect failed: "
+        "Connect Invalid Host (sct 0x1, sc 0x84, dnr)")
+
+
+def test_a_rejected_secret_stops_reconnecting_by_name():
+    from nvmeof_fuse.host.auth import AuthenticationError
+
+    rejected = AuthenticationError("rdma 192.0.2.1:4420 (sub): authentication of queue 0 "
+                                   "failed: Authentication failed (0x01)", final=True)
+    outcome = run_reconnects(rejected, ctrl_loss_tmo=600)
+    assert outcome["connects"] == 1
+    assert "stopped reconnecting: rdma 192.0.2.1:4420 (sub): authentication of queue 0 " \
+           "failed: Authentication failed (0x01)" in outcome["message"]
+
+
+def test_a_subsystem_off_the_port_is_retried_until_ctrl_loss_tmo():
+    outcome = run_reconnects(connect_failed(DNR | 1 << 8 | 0x82), ctrl_loss_tmo=25)
+    assert outcome["connects"] == 3 and "gave up after 3 reconnects" in outcome["message"]

@@ -23,6 +23,7 @@ NVMET = "/sys/kernel/config/nvmet"
 SUBNQN = "nqn.2026-11.io.nvmeof-fuse:auth"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000a0715"
 RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma
+PORTS = {"rdma": 1, "tcp": 2}  # scripts/testbed-guest's nvmet ports
 MNT = "/tmp/nvmeof-auth"
 CHILD = os.path.join(os.path.dirname(__file__), "companion_child.py")
 TIMEOUT = 300  # s: bounds any mount; a failing one must end too (nvme connect retries for ever)
@@ -40,11 +41,12 @@ def gen_key(transform: int, length: int, nqn: str) -> str:
 
 
 @contextlib.contextmanager
-def auth_subsystem(hash_name: str, dhgroup: str, host_key: str, ctrl_key: str | None = None):
-    """A subsystem on the RDMA port that admits HOSTNQN only, with DH-HMAC-CHAP."""
+def auth_subsystem(hash_name: str, dhgroup: str, host_key: str, ctrl_key: str | None = None,
+                   port: int = RDMA_PORT):
+    """A subsystem on the RDMA (or another) port that admits HOSTNQN only, with DH-HMAC-CHAP."""
     nullb, sub, host = "/sys/kernel/config/nullb/authtest", f"{NVMET}/subsystems/{SUBNQN}", \
         f"{NVMET}/hosts/{HOSTNQN}"
-    port_link = f"{NVMET}/ports/{RDMA_PORT}/subsystems/{SUBNQN}"
+    port_link = f"{NVMET}/ports/{port}/subsystems/{SUBNQN}"
     made: list[tuple] = []
     try:
         os.mkdir(nullb)
@@ -82,11 +84,13 @@ def auth_subsystem(hash_name: str, dhgroup: str, host_key: str, ctrl_key: str | 
                 print(f"cleanup {undo.__name__}{tuple(args)}: {exc}")
 
 
-def mount(testbed, log: str, *options: str, check: bool = True) -> subprocess.CompletedProcess:
+def mount(testbed, log: str, *options: str, check: bool = True,
+          transport: str = "rdma") -> subprocess.CompletedProcess:
     os.makedirs(MNT, exist_ok=True)
+    addr = testbed.rdma_addr if transport == "rdma" else testbed.tcp_addr
     try:
         result = subprocess.run(
-            ["nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s",
+            ["nvmeof-fuse", "mount", "-t", transport, "-a", addr, "-s",
              str(testbed.port), "-n", SUBNQN, "-q", HOSTNQN, "--daemon", "--log-file", log,
              *options, MNT], capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
@@ -171,14 +175,14 @@ def test_bidirectional_authentication(testbed, tmp_path):
             unmount()
 
 
-def failing_mount(testbed, tmp_path, match: str, *options: str) -> str:
+def failing_mount(testbed, tmp_path, match: str, *options: str, transport: str = "rdma") -> str:
     baseline = rdma_objects("qp")
     log = str(tmp_path / "daemon.log")
     started = time.monotonic()
-    result = mount(testbed, log, *options, check=False)
+    result = mount(testbed, log, *options, check=False, transport=transport)
     err = result.stderr
     with open(os.path.join(testbed.out, "auth-failures.txt"), "a") as f:  # for the record
-        f.write(f"{time.monotonic() - started:.1f} s: {err}")
+        f.write(f"{time.monotonic() - started:.1f} s ({transport}): {err}")
     assert result.returncode != 0 and err.count("\n") == 1, (err, open(log).read())
     assert any(m in err for m in match.split("|")), (err, open(log).read())
     assert "Traceback" not in err + open(log).read()
@@ -187,13 +191,18 @@ def failing_mount(testbed, tmp_path, match: str, *options: str) -> str:
     return err
 
 
-def test_wrong_secret_fails_fast_by_name(testbed, tmp_path):
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_wrong_secret_fails_fast_by_name(testbed, tmp_path, transport):
     key, wrong = gen_key(1, 32, HOSTNQN), gen_key(1, 32, HOSTNQN)
-    with auth_subsystem("hmac(sha256)", "null", key):
-        # nvmet sends AUTH_Failure1 and tears the controller down at once: either may come first
-        err = failing_mount(testbed, tmp_path, "Authentication failed (0x01)|no answer to the "
-                            "host's DH-HMAC-CHAP_Reply",
-                            "-S", key_file(tmp_path, "key", wrong))
+    with auth_subsystem("hmac(sha256)", "null", key, port=PORTS[transport]):
+        # nvmet sends AUTH_Failure1 and tears the controller down at once: either may come
+        # first.  Over TCP the host then sees the socket close; over RDMA (rxe) the closed
+        # connection goes unnoticed (measured), so the answer is waited for only as long as the
+        # keep-alive timeout, and the line names the likely cause.
+        err = failing_mount(testbed, tmp_path, "Authentication failed (0x01)|the target closed "
+                            "the connection after the host's DH-HMAC-CHAP_Reply|no answer to "
+                            "the host's DH-HMAC-CHAP_Reply",
+                            "-S", key_file(tmp_path, "key", wrong), transport=transport)
     assert "--dhchap-secret" in err and wrong.split(":")[2] not in err
 
 
@@ -232,5 +241,31 @@ def test_reconnect_authenticates_again(testbed, tmp_path):
                 f.seek(0)
                 assert f.read(4096) == data
             assert open(log).read().count("authenticated to") == 2, open(log).read()
+        finally:
+            unmount()
+
+
+@pytest.mark.slow
+def test_a_secret_changed_on_the_target_stops_reconnecting_by_name(testbed, tmp_path):
+    key, new_key = gen_key(1, 32, HOSTNQN), gen_key(1, 32, HOSTNQN)
+    log = str(tmp_path / "daemon.log")
+    with auth_subsystem("hmac(sha256)", "null", key):
+        mount(testbed, log, "-S", key_file(tmp_path, "key", key), "-i", "1",
+              "-k", "2", "-c", "2", "-l", "600")
+        try:
+            with target_away(SUBNQN):
+                write(f"{NVMET}/hosts/{HOSTNQN}/dhchap_key", new_key)
+                assert wait_for(lambda: "lost the connection" in open(log).read(), 90), \
+                    open(log).read()
+            # the kernel's nvmf_should_reconnect stops on a rejected key: so do we when nvmet's
+            # AUTH_Failure1 arrives; when nvmet closes the connection first (over rxe unseen),
+            # each reconnect fails with a line that names the likely rejected secret
+            named = ("stopped reconnecting", "it rejected the secret (is --dhchap-secret right?)")
+            assert wait_for(lambda: any(n in open(log).read() for n in named), 120), \
+                open(log).read()
+            text = open(log).read()
+            line = [li for li in text.splitlines() if any(n in li for n in named)][0]
+            assert "authentication of queue 0 failed" in line and "--dhchap-secret" in line, line
+            assert new_key.split(":")[2] not in text and key.split(":")[2] not in text
         finally:
             unmount()
