@@ -28,7 +28,7 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 MIB = 1 << 20
@@ -507,13 +507,21 @@ def _print(results: dict, as_json: bool) -> None:
               f"{results['idle_cpu_percent']:g}% of a CPU")
 
 
-def _job_keys(text: str) -> list[str]:
-    keys = [k for k in text.split(",") if k]
-    unknown = [k for k in keys if k not in METRICS]
-    if unknown or not keys:
-        raise argparse.ArgumentTypeError(f"unknown job {', '.join(unknown) or repr(text)} "
-                                         f"(have {', '.join(METRICS)})")
-    return keys
+def name_list(choices: Iterable[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names from ``choices``."""
+    allowed = list(choices)
+
+    def parse(text: str) -> list[str]:
+        names = [n for n in text.split(",") if n]
+        unknown = [n for n in names if n not in allowed]
+        if unknown or not names:
+            raise argparse.ArgumentTypeError(f"unknown {what} {', '.join(unknown) or repr(text)} "
+                                             f"(have {', '.join(allowed)})")
+        return names
+    return parse
+
+
+_job_keys = name_list(METRICS, "job")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from nvmeof_fuse.bench import MIB
+from nvmeof_fuse.bench import MIB, name_list
 
 FUSECTL = "/sys/fs/fuse/connections"
 MAX_BACKGROUND = 32  # the same for both FUSE servers (ours raises it to this itself)
@@ -300,15 +300,6 @@ def run(seconds: float, size_mib: int, only: list[str], log=print) -> dict:
     return results
 
 
-def _columns(text: str) -> list[str]:
-    names = [n for n in text.split(",") if n]
-    bad = [n for n in names if n not in COLUMNS]
-    if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown server {', '.join(bad) or repr(text)} "
-                                         f"(have {', '.join(COLUMNS)})")
-    return names
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["table"]:
@@ -324,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0, help="per job and server (default 5)")
     ap.add_argument("--size-mib", type=int, default=256, help="image size (default 256)")
-    ap.add_argument("--only", type=_columns, default=list(COLUMNS), metavar="NAME[,NAME...]",
+    ap.add_argument("--only", type=name_list(COLUMNS, "server"), default=list(COLUMNS),
+                    metavar="NAME[,NAME...]",
                     help=f"serve only these ways (of {', '.join(COLUMNS)})")
     ap.add_argument("--out", metavar="DIR", help="also write DIR/bench-host.txt and .json")
     args = ap.parse_args(argv)
