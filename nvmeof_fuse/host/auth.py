@@ -133,8 +133,10 @@ class DhChap:
             except TransportError as exc:
                 # nvmet tears the controller down as it answers AUTH_Failure1, and the
                 # answer can lose that race: the transport then sees the connection close
+                # Not final (the kernel retries a lost connection too): only the target's own
+                # AUTH_Failure1 proves the secret wrong, and a reconnect says it again if so.
                 log.debug("connection lost after the DH-HMAC-CHAP_Reply: %s", exc)
-                raise AuthenticationError(REFUSED_AFTER_REPLY, final=True) from None
+                raise AuthenticationError(REFUSED_AFTER_REPLY) from None
             except CommandTimeout as exc:
                 raise AuthenticationError(f"no answer to the host's DH-HMAC-CHAP_Reply ({exc}): "
                                           "the target likely closed the connection as it "

@@ -263,7 +263,7 @@ def test_a_target_that_hangs_up_after_the_reply_is_named():
         "sub: authentication of queue 0 failed: the target closed the connection after the "
         "host's DH-HMAC-CHAP_Reply, so it likely rejected the secret (is --dhchap-secret the "
         "host key the target has for this host NQN?)")
-    assert info.value.final
+    assert not info.value.final  # a lost connection may be a blip: reconnecting goes on
 
 
 def test_no_answer_after_the_reply_suggests_the_secret():
