@@ -400,11 +400,17 @@ def load(path: str | None) -> tuple[dict[str, float], dict[str, str]]:
         key = FIO_JOBS.get(j.get("jobname", ""))
         if key is None:
             continue
-        side = j["write"] if key == "seq_write" else j["read"]
         if j.get("error"):
             continue
-        metrics[key] = side["bw_bytes"] / 1e6 if METRICS[key][1] == "MB/s" else side["iops"]
+        metrics[key] = fio_job_figure(j, write=key == "seq_write",
+                                      mb_per_s=METRICS[key][1] == "MB/s")
     return metrics, {}
+
+
+def fio_job_figure(job: dict, *, write: bool, mb_per_s: bool) -> float:
+    """One job of fio's JSON output as MB/s (10^6 bytes) or IOPS."""
+    side = job["write" if write else "read"]
+    return side["bw_bytes"] / 1e6 if mb_per_s else side["iops"]
 
 
 def _cpu_notes(path: str | None) -> list[str]:

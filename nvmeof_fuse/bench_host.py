@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from nvmeof_fuse.bench import MIB, name_list
+from nvmeof_fuse.bench import MIB, fio_job_figure, name_list
 
 FUSECTL = "/sys/fs/fuse/connections"
 MAX_BACKGROUND = 32  # the same for both FUSE servers (ours raises it to this itself)
@@ -114,8 +114,7 @@ def fio_figure(job: FioJob, data: dict) -> float:
     (j,) = data["jobs"]
     if j.get("error"):
         raise RuntimeError(f"fio error {j['error']}")
-    side = j["write" if "write" in job.rw else "read"]
-    return side["iops"] if job.unit == "IOPS" else side["bw_bytes"] / 1e6
+    return fio_job_figure(j, write="write" in job.rw, mb_per_s=job.unit != "IOPS")
 
 
 # -- the servers --------------------------------------------------------------------------------
