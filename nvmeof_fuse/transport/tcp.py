@@ -422,22 +422,24 @@ class TcpQueue:
             self._rview[:kept] = self._rview[self._rstart:self._rend]
             self._rstart, self._rend = 0, kept
         while self._rend < count:
-            n = await self._recv_into(self._rview[self._rend:])
-            if n == 0:
-                raise TransportError(f"{self.name}: {self.transport.traddr}:"
-                                     f"{self.transport.trsvcid} closed the connection")
-            self._rend += n
+            self._rend += await self._recv_into(self._rview[self._rend:])
 
     async def _recv_into(self, dest: memoryview) -> int:
+        """Receive at least one byte into ``dest``; a closed connection is an error."""
         while True:
             try:
-                return self.sock.recv_into(dest)
+                n = self.sock.recv_into(dest)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
+                continue
             except OSError:
                 if self._closed:
                     raise trio.ClosedResourceError from None
                 raise
+            if n == 0:
+                raise TransportError(f"{self.name}: {self.transport.traddr}:"
+                                     f"{self.transport.trsvcid} closed the connection")
+            return n
 
     async def _read_into(self, dest: memoryview) -> None:
         """Fill ``dest`` from the stream: buffered bytes first, the rest received in place."""
@@ -446,11 +448,7 @@ class TcpQueue:
             dest[:have] = self._rview[self._rstart:self._rstart + have]
             self._rstart += have
         while have < len(dest):
-            n = await self._recv_into(dest[have:])
-            if n == 0:
-                raise TransportError(f"{self.name}: {self.transport.traddr}:"
-                                     f"{self.transport.trsvcid} closed the connection")
-            have += n
+            have += await self._recv_into(dest[have:])
 
     async def _skip(self, count: int) -> bytes:
         await self._fill(count)
