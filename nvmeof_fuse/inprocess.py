@@ -34,6 +34,10 @@ READY_TIMEOUT = 120.0  # s for connect + mount
 STOP_TIMEOUT = 90.0  # s for drain + flush + unmount + disconnect
 
 
+class _Unmounted(CompanionError):
+    """The mount was unmounted from outside: its normal end, not a failure of close()."""
+
+
 @dataclass(eq=False)
 class Registration:
     """Memory registered on a mount; ``close()`` (or leaving ``with``) unregisters it."""
@@ -92,9 +96,9 @@ class Mount:
 
         async def run() -> None:
             await serve_mount(conn, self._mopts, self.mountpoint, on_ready, self._connect, stop)
-            if not stop.is_set():
-                raise CompanionError(f"the mount at {self.mountpoint} was unmounted",
-                                     errno.ENOTCONN)
+            if not stop.is_set():  # ends the bridge: later calls name it
+                raise _Unmounted(f"the mount at {self.mountpoint} was unmounted",
+                                 errno.ENOTCONN)
 
         try:
             async with trio.open_nursery() as nursery:
@@ -183,8 +187,14 @@ class Mount:
     # -- stopping --------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Drain, flush, unmount and disconnect (bounded); idempotent."""
-        self._bridge.close()
+        """Drain, flush, unmount and disconnect (bounded); idempotent.
+
+        A mount already unmounted from outside (``fusermount3 -u``) closes quietly.
+        """
+        try:
+            self._bridge.close()
+        except _Unmounted:
+            pass
 
     def __enter__(self) -> Mount:
         return self
