@@ -182,6 +182,12 @@ class SyncController:
 
     # -- the caller's thread --------------------------------------------------------------------
 
+    def _finished_error(self) -> ConnectError:
+        """The loop has ended: its error, once the thread has recorded it (bounded)."""
+        if threading.current_thread() is not self._thread:
+            self._thread.join(self._stop_timeout)
+        return self._closed_error()
+
     def _closed_error(self) -> ConnectError:
         if self._error is not None:
             return ConnectError(f"controller {self._where} stopped: {self._error}")
@@ -213,7 +219,7 @@ class SyncController:
         try:
             return trio.from_thread.run(self._guarded, async_fn, args, trio_token=token)
         except (trio.RunFinishedError, trio.Cancelled):
-            raise self._closed_error() from None
+            raise self._finished_error() from None
 
     def submit(self, async_fn: Callable[..., Awaitable[T]], *args: Any
                ) -> concurrent.futures.Future[T]:
@@ -230,7 +236,7 @@ class SyncController:
             try:
                 token.run_sync_soon(self._start_submitted)
             except trio.RunFinishedError:
-                raise self._closed_error() from None
+                raise self._finished_error() from None
         return future
 
     def _start_submitted(self) -> None:
@@ -269,7 +275,7 @@ class SyncController:
         try:
             return trio.from_thread.run_sync(self._guarded_sync, fn, args, trio_token=token)
         except trio.RunFinishedError:
-            raise self._closed_error() from None
+            raise self._finished_error() from None
 
     def describe(self) -> dict:
         return self.call_sync(lambda: self._controller.describe())

@@ -241,6 +241,29 @@ def test_controller_failure_after_connect():
     ctrl.close()
 
 
+def test_a_call_just_after_the_loop_ends_names_its_error(monkeypatch):
+    """The loop has finished but its thread has not yet recorded why: the call waits for it."""
+    from nvmeof_fuse.host import sync as sync_module
+
+    recorded = sync_module._unwrap
+
+    def slow_unwrap(exc):
+        time.sleep(0.3)  # widens the window the call must not fall into
+        return recorded(exc)
+
+    monkeypatch.setattr(sync_module, "_unwrap", slow_unwrap)
+    fake = Fake()
+    ctrl = SyncController(options(), connect=fake)
+    ctrl.__enter__()
+    ctrl.call(_set, fake.crash)
+    with pytest.raises(ConnectError, match="stopped: I/O queue 1: work request failed"):
+        for _ in range(int(WAIT / 0.01)):  # until the loop has ended
+            ctrl.describe()
+            time.sleep(0.01)
+    with pytest.raises(TransportError):
+        ctrl.close()
+
+
 async def _set(event: trio.Event) -> None:
     event.set()
 
