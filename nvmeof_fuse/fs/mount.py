@@ -1,4 +1,5 @@
-"""Mount a controller with pyfuse3 and serve it until unmounted or cancelled."""
+"""Mount a controller (our FUSE session, fs/session.py) and serve it until unmounted or
+cancelled."""
 
 from __future__ import annotations
 
@@ -9,7 +10,6 @@ import re
 import stat
 from dataclasses import dataclass
 
-import pyfuse3
 import trio
 
 from nvmeof_fuse.concurrency import in_thread, unwrap_groups
@@ -17,6 +17,8 @@ from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.info import CompanionLike, ControllerLike
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd
+from nvmeof_fuse.fs.wire import InitParams
 
 __all__ = [
     "MountError",
@@ -33,21 +35,12 @@ FSNAME = "nvmeof-fuse"
 SUBTYPE = "nvmeof-fuse"  # mounts show up as fstype fuse.nvmeof-fuse, the type fstab names
 CHECK_TIMEOUT = 10.0  # s for stat()s of the mountpoint: a hung FUSE mount blocks them
 DRAIN_TIMEOUT = 30.0  # s for in-flight requests to finish once asked to stop
-# Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us.  Its default of 12
-# (FUSE_DEFAULT_MAX_BACKGROUND) holds back a queue depth of 16; libfuse sets it only from C,
-# so we raise it through fusectl when we may.  32 matches the controller's bounce buffers,
-# which each request in flight holds.
+# Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us (INIT's max_background).
+# The kernel's default of 12 (FUSE_DEFAULT_MAX_BACKGROUND) holds back a queue depth of 16.
+# 32 matches the controller's bounce buffers, which each request in flight holds.
 MAX_BACKGROUND = 32
-# pyfuse3.main's worker tasks (each reads one request from /dev/fuse and serves it).  With its
-# default min_tasks=1 a worker that finds two others idle exits, and the next burst starts new
-# ones, each with a fresh libfuse receive buffer (max_write, 1 MiB, malloc'd and page-faulted
-# anew): under load that churn costs more CPU than a request.  Keep as many as the kernel may
-# send at once (async requests plus a few synchronous ones); idle workers cost only memory.
-MIN_WORKERS = MAX_BACKGROUND + 4
-MAX_WORKERS = 2 * MIN_WORKERS
+MAX_WRITE = 1 << 20  # bytes per READ/WRITE request (FUSE_MAX_PAGES)
 FUSECTL = "/sys/fs/fuse/connections"
-
-_serving = False
 
 
 class MountError(NVMeoFError):
@@ -116,15 +109,13 @@ def check_mountpoint(path: str) -> str:
 
 
 def fuse_options(options: MountOptions) -> set[str]:
+    """The mount options given to fusermount3 (``,`` in the fsname escaped for it)."""
     fsname = (options.source or FSNAME).replace("\\", "\\\\").replace(",", "\\,")
-    opts = set(pyfuse3.default_options) | {f"fsname={fsname}", f"subtype={SUBTYPE}"}
-    opts.add("default_permissions")
+    opts = {f"fsname={fsname}", f"subtype={SUBTYPE}", "default_permissions"}
     if options.allow_other:
         opts.add("allow_other")
     if options.read_only:
         opts.add("ro")
-    if options.debug:
-        opts.add("debug")
     return opts
 
 
@@ -170,14 +161,13 @@ async def check_mountpoint_async(path: str) -> str:
         f"mountpoint {path} does not respond (a hung FUSE daemon?)"))
 
 
-def _init(ops: NamespaceFS, path: str, options: MountOptions) -> None:
+def _mount(path: str, options: MountOptions) -> int:
+    """The /dev/fuse descriptor of a new mount at ``path``, or MountError saying why not."""
     try:
-        pyfuse3.init(ops, path, fuse_options(options))
-    except RuntimeError as exc:
-        if "mount" in str(exc):  # the session exists: destroy it
-            pyfuse3.close(unmount=False)
+        return mount_fd(path, sorted(fuse_options(options)))
+    except FuseMountError as exc:
         hint = ""
-        if options.allow_other and os.geteuid() != 0:
+        if options.allow_other and os.geteuid() != 0 and "allow_other" not in str(exc):
             hint = " (allow_other needs user_allow_other in /etc/fuse.conf)"
         raise MountError(f"cannot mount at {path}: {exc}{hint}") from None
 
@@ -200,16 +190,14 @@ async def serve(
     finish, then serve re-raises.  ``companion`` (the daemon's companion server) is
     reported under ``.nvmeof/``.
     """
-    global _serving
-    if _serving:
-        raise MountError("this process already serves a mount (pyfuse3 allows one per process)")
     path = await check_mountpoint_async(mountpoint)
     check_nsid(controller, options.nsid)
     ops = NamespaceFS(controller, options, companion)
-    _init(ops, path, options)
-    raise_max_background(path)
-    _serving = True
-    session = _Session(ops, path, drain_timeout)
+    fd = await trio.to_thread.run_sync(_mount, path, options)
+    fuse = FuseSession(ops, fd, InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
+                       debug=options.debug)
+    ops.kernel = fuse
+    session = _Session(ops, fuse, path, drain_timeout)
     log.info("mounted at %s", path)
     listeners = getattr(getattr(controller, "events", None), "listeners", [])
     listeners.append(ops.apply_changes)  # namespaces added, removed, resized on the target
@@ -218,16 +206,21 @@ async def serve(
             await session.run(task_status)
     finally:
         listeners.remove(ops.apply_changes)
-        pyfuse3.close(unmount=not session.gone)
-        _serving = False
+        ops.kernel = None
+        if not (session.gone or fuse.gone):
+            with trio.CancelScope(shield=True), trio.move_on_after(CHECK_TIMEOUT):
+                await _lazy_unmount(path)
+        fuse.close()
         log.info("unmounted %s", path)
 
 
 class _Session:
-    """pyfuse3.main in a shielded task, so that cancelling us drains instead of aborting."""
+    """The FUSE session in a shielded task, so that cancelling us drains instead of aborting."""
 
-    def __init__(self, ops: NamespaceFS, path: str, drain_timeout: float) -> None:
+    def __init__(self, ops: NamespaceFS, fuse: FuseSession, path: str,
+                 drain_timeout: float) -> None:
         self.ops = ops
+        self.fuse = fuse
         self.path = path
         self.drain_timeout = drain_timeout
         self.done = trio.Event()
@@ -237,7 +230,7 @@ class _Session:
     async def _main(self) -> None:
         try:
             with self.main_scope:
-                await pyfuse3.main(min_tasks=MIN_WORKERS, max_tasks=MAX_WORKERS)
+                await self.fuse.run()
         finally:
             self.done.set()
 
@@ -265,7 +258,7 @@ class _Session:
                 )
             await self.ops.wait_idle()
         if not self.done.is_set():
-            pyfuse3.terminate()  # workers finish their current request, then exit
+            self.fuse.stop_reading()  # requests in flight are answered, then run() returns
             with trio.move_on_after(self.drain_timeout, shield=True):
                 await self.done.wait()
         if not self.done.is_set():

@@ -1,9 +1,10 @@
-"""pyfuse3 operations: namespaces as fixed-size files, plus a read-only ``.nvmeof`` dir.
+"""FUSE operations: namespaces as fixed-size files, plus a read-only ``.nvmeof`` dir.
 
 Namespace files behave like block devices: their size never changes, writes
 past the end get ENOSPC, truncation to another size fails with EINVAL, and
-O_TRUNC at open is ignored (libfuse 3 negotiates atomic_o_trunc, so the kernel
-passes O_TRUNC to ``open`` instead of sending a size-0 setattr).
+O_TRUNC at open is ignored (the session negotiates atomic_o_trunc, as libfuse 3
+does, so the kernel passes O_TRUNC to ``open`` instead of sending a size-0 setattr).
+The session (fs/session.py) calls these handlers and encodes their answers.
 """
 
 from __future__ import annotations
@@ -17,15 +18,22 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import pyfuse3
 import trio
-from pyfuse3 import FUSEError
 
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.fs.info import ControllerLike, NamespaceLike
 from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.wire import (
+    ROOT_INODE,
+    DirBuffer,
+    EntryAttributes,
+    FileInfo,
+    FUSEError,
+    StatvfsData,
+)
 
 log = logging.getLogger(__name__)
 
@@ -35,11 +43,19 @@ INFO_DIR = b".nvmeof"
 _STATIC_TIMEOUT = 60.0  # s: namespace sizes and the tree never change while mounted
 
 
+class Kernel(Protocol):
+    """Where the filesystem asks the kernel to forget what it caches (the FUSE session)."""
+
+    async def invalidate_inode(self, inode: int, attr_only: bool = False) -> None: ...
+
+    async def invalidate_entry(self, parent: int, name: bytes) -> None: ...
+
+
 @dataclass
 class _Dir:
     inode: int
     entries: dict[bytes, int] = field(default_factory=dict)
-    parent: int = pyfuse3.ROOT_INODE
+    parent: int = ROOT_INODE
 
 
 @dataclass
@@ -83,12 +99,15 @@ async def _deny(*_args: object, **_kwargs: object) -> None:
     raise FUSEError(errno.EPERM)
 
 
-class NamespaceFS(pyfuse3.Operations):
-    """One file ``n<NSID>`` per active namespace and ``.nvmeof/`` with reports."""
+class NamespaceFS:
+    """One file ``n<NSID>`` per active namespace and ``.nvmeof/`` with reports.
+
+    ``kernel`` is set by the session once mounted (None before: nothing is cached then).
+    """
 
     def __init__(self, controller: ControllerLike, options: MountOptions | None = None,
                  companion: info.CompanionLike | None = None) -> None:
-        super().__init__()
+        self.kernel: Kernel | None = None
         self.controller = controller
         self.companion = companion  # reported in .nvmeof/ (stats, companion.json)
         self.options = options or MountOptions()
@@ -106,8 +125,8 @@ class NamespaceFS(pyfuse3.Operations):
     # --- tree -----------------------------------------------------------------
 
     def _build_tree(self) -> None:
-        self._inodes = itertools.count(pyfuse3.ROOT_INODE + 1)
-        root = self._root = self._add(_Dir(pyfuse3.ROOT_INODE, parent=pyfuse3.ROOT_INODE))
+        self._inodes = itertools.count(ROOT_INODE + 1)
+        root = self._root = self._add(_Dir(ROOT_INODE, parent=ROOT_INODE))
         infodir = self._infodir = self._add(_Dir(next(self._inodes)))
         root.entries[INFO_DIR] = infodir.inode
         ctrl = self.controller
@@ -165,18 +184,35 @@ class NamespaceFS(pyfuse3.Operations):
                 forget += self._remove_namespace(change.nsid)
             elif change.nsid in self.ns_inodes:
                 resized.append(self.ns_inodes[change.nsid])
-        for parent, name in forget:  # ENOENT: the kernel had not looked it up
-            pyfuse3.invalidate_entry_async(parent, name, ignore_enoent=True)
+        for parent, name in forget:
+            await self._forget_entry(parent, name)
         for inode in resized:
             await self._invalidate(inode, attr_only=True)
 
-    async def _invalidate(self, inode: int, attr_only: bool = False) -> None:
-        """Make the kernel forget what it caches of ``inode`` (its pages, or its attributes)."""
-        # In a thread: the kernel waits for pages being read, and this loop answers those reads.
+    async def _forget_entry(self, parent: int, name: bytes) -> None:
+        kernel = self.kernel
+        if kernel is None:
+            return
         with trio.move_on_after(INVALIDATE_TIMEOUT) as scope:
             try:
-                await trio.to_thread.run_sync(pyfuse3.invalidate_inode, inode, attr_only,
-                                              abandon_on_cancel=True)
+                await kernel.invalidate_entry(parent, name)
+            except OSError as exc:
+                if exc.errno != errno.ENOENT:  # ENOENT: the kernel had not looked it up
+                    log.warning("cannot make the kernel forget %r: %s", name.decode(), exc)
+        if scope.cancelled_caught:
+            log.warning("making the kernel forget %r took over %g s", name.decode(),
+                        INVALIDATE_TIMEOUT)
+
+    async def _invalidate(self, inode: int, attr_only: bool = False) -> None:
+        """Make the kernel forget what it caches of ``inode`` (its pages, or its attributes)."""
+        kernel = self.kernel
+        if kernel is None:
+            return
+        # The session writes from a thread: the kernel waits for pages being read, and the
+        # trio loop answers those reads.
+        with trio.move_on_after(INVALIDATE_TIMEOUT) as scope:
+            try:
+                await kernel.invalidate_inode(inode, attr_only)
             except OSError as exc:
                 if exc.errno != errno.ENOENT:  # ENOENT: the kernel caches nothing of it
                     log.warning("cannot drop the kernel's cache of inode %d: %s", inode, exc)
@@ -196,8 +232,8 @@ class NamespaceFS(pyfuse3.Operations):
 
     # --- attributes -------------------------------------------------------------
 
-    def _attr(self, node: _Node) -> pyfuse3.EntryAttributes:
-        a = pyfuse3.EntryAttributes()
+    def _attr(self, node: _Node) -> EntryAttributes:
+        a = EntryAttributes()
         a.st_ino = node.inode
         a.st_uid, a.st_gid = self.uid, self.gid
         a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = self.mount_ns
@@ -253,7 +289,7 @@ class NamespaceFS(pyfuse3.Operations):
         return self._attr(node)  # atime/mtime updates are accepted and ignored
 
     async def statfs(self, ctx):
-        s = pyfuse3.StatvfsData()
+        s = StatvfsData()
         s.f_bsize = s.f_frsize = 4096
         total = sum(ns.size for ns in self.controller.namespaces.values())
         s.f_blocks = total // 4096
@@ -268,13 +304,14 @@ class NamespaceFS(pyfuse3.Operations):
             raise FUSEError(errno.ENOTDIR)
         return inode
 
-    async def readdir(self, fh, start_id, token):
+    async def readdir(self, fh: int, start_id: int, out: DirBuffer) -> None:
+        """Add the entries from ``start_id`` on to ``out`` until it is full."""
         node = self._node(fh)
         assert isinstance(node, _Dir)
         entries = list(node.entries.items())
         for i in range(start_id, len(entries)):
             name, inode = entries[i]
-            if not pyfuse3.readdir_reply(token, name, self._attr(self._node(inode)), i + 1):
+            if not out.add(name, self._attr(self._node(inode)), i + 1):
                 break
 
     async def releasedir(self, fh):
@@ -296,11 +333,13 @@ class NamespaceFS(pyfuse3.Operations):
             self._idle = trio.Event()
         if isinstance(node, _InfoFile):
             self.handles[fh] = _Handle(node, False, node.render())
-            return pyfuse3.FileInfo(fh=fh, direct_io=True, keep_cache=False)
+            return FileInfo(fh=fh, direct_io=True, keep_cache=False)
         # O_TRUNC is deliberately ignored, as on a block device.
         self.handles[fh] = _Handle(node, writable)
         direct = bool(flags & os.O_DIRECT)
-        return pyfuse3.FileInfo(fh=fh, direct_io=direct, keep_cache=False)
+        # Parallel direct writes: the namespace's range lock orders overlapping writes (and
+        # their read-modify-write), so the kernel need not serialize them per file.
+        return FileInfo(fh=fh, direct_io=direct, keep_cache=False, parallel_direct_writes=True)
 
     async def read(self, fh, off, size):
         h = self.handles[fh]
@@ -308,7 +347,7 @@ class NamespaceFS(pyfuse3.Operations):
             return h.content[off : off + size]
         ns = h.node.ns
         try:
-            # Lent data (straight from the bounce buffer): pyfuse3 sends the reply
+            # Lent data (straight from the bounce buffer): the session sends the reply
             # before this task yields again, so no copy is needed.
             return await ns.read_lent(off, size)
         except NVMeoFError as exc:

@@ -7,13 +7,13 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-import pyfuse3
 import pytest
 import trio
 
 from nvmeof_fuse.errors import CommandTimeout
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.wire import ROOT_INODE, DirBuffer, EntryAttributes, FUSEError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes import make_controller  # noqa: E402
@@ -34,22 +34,27 @@ def fs(ctrl):
 
 
 def lookup(fs, *names):
-    inode = pyfuse3.ROOT_INODE
+    inode = ROOT_INODE
     for name in names:
         inode = call(fs.lookup, inode, name.encode(), None).st_ino
     return inode
 
 
-def listdir(fs, inode, monkeypatch):
-    got = []
+def listdir(fs, inode, monkeypatch=None, start=0, size=1 << 16):
+    out = DirBuffer(size)
+    call(fs.readdir, call(fs.opendir, inode, None), start, out)
+    return [name.decode() for name in _names(out)]
 
-    def reply(token, name, attr, next_id):
-        got.append(name.decode())
-        return True
 
-    monkeypatch.setattr(pyfuse3, "readdir_reply", reply)
-    call(fs.readdir, call(fs.opendir, inode, None), 0, None)
-    return got
+def _names(out):
+    import struct
+
+    data, names = b"".join(out.parts), []
+    while data:
+        _, _, namelen, _ = struct.unpack_from("<QQII", data)
+        names.append(data[24 : 24 + namelen])
+        data = data[(24 + namelen + 7) & ~7 :]
+    return names
 
 
 def read_all(fs, inode, flags=os.O_RDONLY):
@@ -68,7 +73,7 @@ def fields(**set_):
 
 
 def test_tree(fs, monkeypatch):
-    assert listdir(fs, pyfuse3.ROOT_INODE, monkeypatch) == [".nvmeof", "n1", "n7"]
+    assert listdir(fs, ROOT_INODE, monkeypatch) == [".nvmeof", "n1", "n7"]
     infodir = lookup(fs, ".nvmeof")
     assert listdir(fs, infodir, monkeypatch) == [
         "controller",
@@ -81,9 +86,9 @@ def test_tree(fs, monkeypatch):
         "n7",
         "n7.json",
     ]
-    assert call(fs.lookup, infodir, b"..", None).st_ino == pyfuse3.ROOT_INODE
-    with pytest.raises(pyfuse3.FUSEError) as e:
-        call(fs.lookup, pyfuse3.ROOT_INODE, b"n2", None)
+    assert call(fs.lookup, infodir, b"..", None).st_ino == ROOT_INODE
+    with pytest.raises(FUSEError) as e:
+        call(fs.lookup, ROOT_INODE, b"n2", None)
     assert e.value.errno == errno.ENOENT
 
 
@@ -100,7 +105,7 @@ def test_read_only_clears_write_bits_and_refuses_writes(ctrl):
     inode = lookup(fs, "n1")
     assert stat.S_IMODE(call(fs.getattr, inode, None).st_mode) == 0o444
     for flags in (os.O_WRONLY, os.O_RDWR):
-        with pytest.raises(pyfuse3.FUSEError) as e:
+        with pytest.raises(FUSEError) as e:
             call(fs.open, inode, flags, None)
         assert e.value.errno == errno.EROFS
 
@@ -117,7 +122,7 @@ def test_read_write_round_trip_and_bounds(fs, ctrl):
     # straddling the end: cut short like a block device; at or past it: ENOSPC
     assert call(fs.write, fi.fh, size - 3, b"abcdef") == 3
     for off in (size, size + 4096):
-        with pytest.raises(pyfuse3.FUSEError) as e:
+        with pytest.raises(FUSEError) as e:
             call(fs.write, fi.fh, off, b"x")
         assert e.value.errno == errno.ENOSPC
     call(fs.flush, fi.fh)
@@ -141,7 +146,7 @@ def test_o_direct_open_gets_direct_io(fs):
 def test_nvme_errors_become_errno_and_a_warning(fs, ctrl, caplog):
     ctrl.namespaces[1].device.fail = CommandTimeout("Read timed out after 30 s (qid 1, cid 7)")
     fi = call(fs.open, lookup(fs, "n1"), os.O_RDWR, None)
-    with caplog.at_level(logging.WARNING), pytest.raises(pyfuse3.FUSEError) as e:
+    with caplog.at_level(logging.WARNING), pytest.raises(FUSEError) as e:
         call(fs.read, fi.fh, 0, 512)
     assert e.value.errno == errno.ETIMEDOUT
     assert "read of 512 bytes at offset 0 of n1: Read timed out" in caplog.text
@@ -149,26 +154,26 @@ def test_nvme_errors_become_errno_and_a_warning(fs, ctrl, caplog):
 
 def test_setattr_size(fs, ctrl):
     inode = lookup(fs, "n1")
-    attr = pyfuse3.EntryAttributes()
+    attr = EntryAttributes()
     attr.st_size = ctrl.namespaces[1].size
     assert call(fs.setattr, inode, attr, fields(size=True), None, None).st_size == attr.st_size
     for size in (0, 100, attr.st_size + 512):
         attr.st_size = size
-        with pytest.raises(pyfuse3.FUSEError) as e:
+        with pytest.raises(FUSEError) as e:
             call(fs.setattr, inode, attr, fields(size=True), None, None)
         assert e.value.errno == errno.EINVAL
-    with pytest.raises(pyfuse3.FUSEError) as e:
+    with pytest.raises(FUSEError) as e:
         call(fs.setattr, inode, attr, fields(mode=True), None, None)
     assert e.value.errno == errno.EPERM
     call(fs.setattr, inode, attr, fields(atime=True, mtime=True), None, None)  # touch is fine
 
 
 def test_tree_cannot_change(fs):
-    with pytest.raises(pyfuse3.FUSEError) as e:
-        call(fs.create, pyfuse3.ROOT_INODE, b"x", 0o644, os.O_RDWR, None)
+    with pytest.raises(FUSEError) as e:
+        call(fs.create, ROOT_INODE, b"x", 0o644, os.O_RDWR, None)
     assert e.value.errno == errno.EPERM
-    with pytest.raises(pyfuse3.FUSEError):
-        call(fs.unlink, pyfuse3.ROOT_INODE, b"n1", None)
+    with pytest.raises(FUSEError):
+        call(fs.unlink, ROOT_INODE, b"n1", None)
 
 
 def test_info_files(fs, ctrl):
@@ -182,7 +187,7 @@ def test_info_files(fs, ctrl):
     ns = json.loads(read_all(fs, lookup(fs, ".nvmeof", "n7.json"))[0])
     assert ns["identify"]["nsze"] == 4
     assert b"namespace 1: 32768 bytes" in read_all(fs, lookup(fs, ".nvmeof", "n1"))[0]
-    with pytest.raises(pyfuse3.FUSEError):
+    with pytest.raises(FUSEError):
         call(fs.open, lookup(fs, ".nvmeof", "stats"), os.O_WRONLY, None)
 
 
@@ -203,10 +208,10 @@ def test_statfs(fs):
 
 def test_nsid_option_shows_only_that_namespace(ctrl, monkeypatch):
     fs = NamespaceFS(ctrl, MountOptions(nsid=7))
-    assert listdir(fs, pyfuse3.ROOT_INODE, monkeypatch) == [".nvmeof", "n7"]
+    assert listdir(fs, ROOT_INODE, monkeypatch) == [".nvmeof", "n7"]
     infodir = lookup(fs, ".nvmeof")
     names = listdir(fs, infodir, monkeypatch)
     assert "n7.json" in names and "n1" not in names and "n1.json" not in names
-    with pytest.raises(pyfuse3.FUSEError) as e:
+    with pytest.raises(FUSEError) as e:
         lookup(fs, "n1")
     assert e.value.errno == errno.ENOENT

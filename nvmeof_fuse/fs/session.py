@@ -1,0 +1,290 @@
+"""Our FUSE session on ``/dev/fuse``: mount with fusermount3, read requests, answer them.
+
+The protocol is :mod:`nvmeof_fuse.fs.wire`; the answers come from an operations object
+(:class:`nvmeof_fuse.fs.operations.NamespaceFS`).  One trio task reads: it drains every
+queued request with nonblocking reads and parks in ``wait_readable`` only when the kernel
+has none.  Each request that may wait (I/O, flush, open...) runs in a task of its own; its
+reply goes out with one ``writev`` (a READ's data straight from the buffer the namespace
+lends, before the task yields again).  A WRITE's data is read into a buffer of its own,
+which the write task owns until it completes, so it is never copied here.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import socket
+import subprocess
+from typing import Any
+
+import trio
+
+from nvmeof_fuse.fs import wire
+from nvmeof_fuse.fs.wire import (
+    IN_HEADER,
+    OUT_HEADER,
+    OUT_HEADER_SIZE,
+    READ_IN,
+    WRITE_HEADERS,
+    WRITE_IN,
+    FUSEError,
+)
+
+log = logging.getLogger(__name__)
+
+FUSERMOUNT = "fusermount3"
+BATCH = 64  # requests read before the reader lets the handlers run
+
+
+class FuseMountError(Exception):
+    """fusermount3 could not mount (its message), or sent no /dev/fuse descriptor."""
+
+
+def mount_fd(path: str, options: list[str]) -> int:
+    """Mount a FUSE file system at ``path`` with fusermount3 and return the /dev/fuse fd.
+
+    fusermount3 (setuid root, so this works for users too) opens /dev/fuse, mounts it and
+    passes the descriptor back over the socket named by ``_FUSE_COMMFD``, as libfuse does.
+    Blocking: call it in a thread.
+    """
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
+        try:
+            result = subprocess.run([FUSERMOUNT, "-o", ",".join(options), "--", path], env=env,
+                                    pass_fds=(theirs.fileno(),), capture_output=True, text=True,
+                                    timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise FuseMountError(f"cannot run {FUSERMOUNT}: {exc}") from None
+        theirs.close()
+        if result.returncode != 0:
+            msg = result.stderr.strip().removeprefix(f"{FUSERMOUNT}: ")
+            raise FuseMountError(msg or f"{FUSERMOUNT} failed with status {result.returncode}")
+        ours.setblocking(False)
+        try:
+            _, fds, _, _ = socket.recv_fds(ours, 1, 1)
+        except BlockingIOError:
+            fds = []
+        if not fds:
+            raise FuseMountError(f"{FUSERMOUNT} mounted but passed no /dev/fuse descriptor")
+        for extra in fds[1:]:
+            os.close(extra)
+        return fds[0]
+
+
+class FuseSession:
+    """Serves ``ops`` on the /dev/fuse descriptor ``fd`` (which it closes in :meth:`close`).
+
+    ``ops`` has NamespaceFS's methods: lookup, getattr, setattr, statfs, opendir, readdir,
+    releasedir, open, read, write, flush, fsync, release, and the tree-changing ones (which
+    refuse).  Its handlers raise :class:`wire.FUSEError` to answer with an errno.
+    """
+
+    def __init__(self, ops: Any, fd: int, params: wire.InitParams | None = None,
+                 debug: bool = False) -> None:
+        self.ops = ops
+        self.fd = fd
+        self.params = params = params or wire.InitParams()
+        self.debug = debug
+        self.negotiated: wire.Negotiated | None = None
+        self.gone = False  # the kernel ended the session (unmounted): nothing to unmount
+        self.initialized = trio.Event()
+        self._reader_scope = trio.CancelScope()
+        self._free: list[bytearray] = []  # receive buffers of WRITE data, for reuse
+        self._bufsize = params.max_write + wire.PAGE
+        os.set_blocking(fd, False)
+
+    # --- the loop --------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Serve until the kernel ends the session or :meth:`stop_reading`, then wait for
+        the requests still in flight."""
+        async with trio.open_nursery() as handlers:
+            with self._reader_scope:
+                await self._read_loop(handlers)
+
+    def stop_reading(self) -> None:
+        """Take no new requests; :meth:`run` returns once those in flight are answered."""
+        self._reader_scope.cancel()
+
+    def _take(self) -> bytearray:
+        return self._free.pop() if self._free else bytearray(self._bufsize)
+
+    async def _read_loop(self, handlers: trio.Nursery) -> None:
+        fd = self.fd
+        head = bytearray(WRITE_HEADERS)  # fuse_in_header + the biggest fixed args we unpack
+        data = self._take()
+        bufs = [head, data]
+        readv = os.readv
+        unpack_header = IN_HEADER.unpack_from
+        unpack_rw = READ_IN.unpack_from
+        start = handlers.start_soon
+        read, write, meta = self._read, self._write, self._meta
+        got = 0  # requests read since the handlers last ran
+        while True:
+            try:
+                n = readv(fd, bufs)
+            except BlockingIOError:
+                if got:  # let the handlers run (their replies bring new requests), then retry
+                    got = 0
+                    await trio.lowlevel.checkpoint()
+                else:
+                    await trio.lowlevel.wait_readable(fd)
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted meanwhile
+                    continue
+                if exc.errno == errno.ENODEV:  # unmounted: the kernel ended the session
+                    self.gone = True
+                    return
+                raise
+            got += 1
+            if got >= BATCH:
+                got = 0
+                await trio.lowlevel.checkpoint()
+            _, opcode, unique, nodeid, _, _, _, _, _ = unpack_header(head)
+            if opcode == 15:  # READ
+                fh, offset, size, _ = unpack_rw(head, 40)
+                start(read, unique, fh, offset, size)
+            elif opcode == 16:  # WRITE: its data is at the start of ``data``
+                fh, offset, size, _ = WRITE_IN.unpack_from(head, 40)
+                start(write, unique, fh, offset, size, data)
+                data = bufs[1] = self._take()
+            else:
+                request = bytes(head[:n]) if n <= WRITE_HEADERS else (
+                    bytes(head) + bytes(memoryview(data)[: n - WRITE_HEADERS]))
+                if opcode in wire.NO_REPLY:
+                    continue  # FORGET, BATCH_FORGET (the tree is fixed), INTERRUPT
+                if opcode == wire.INIT:
+                    self._init(unique, request)
+                elif opcode == wire.DESTROY:
+                    self._send(wire.empty_reply(unique))
+                    self.gone = True
+                    return
+                else:
+                    start(meta, opcode, unique, nodeid, request)
+
+    def _init(self, unique: int, request: bytes) -> None:
+        try:
+            self.negotiated, body = wire.negotiate(request, self.params)
+        except wire.ProtocolError as exc:
+            log.error("FUSE INIT: %s", exc)
+            self._send(wire.error_reply(unique, errno.EPROTO))
+            return
+        self._send(wire.out_header(unique, len(body)) + body)
+        log.debug("FUSE %d.%d, flags %#x", self.negotiated.major, self.negotiated.minor,
+                  self.negotiated.flags)
+        self.initialized.set()
+
+    # --- replies ---------------------------------------------------------------------------
+
+    def _send(self, *parts: bytes | bytearray | memoryview) -> None:
+        try:
+            os.writev(self.fd, parts)
+        except OSError as exc:
+            # ENOENT: the request was interrupted and is gone; ENODEV: unmounted meanwhile.
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning("cannot answer a FUSE request: %s", exc)
+
+    def _fail(self, unique: int, exc: BaseException, what: str) -> None:
+        if isinstance(exc, FUSEError):
+            self._send(wire.error_reply(unique, exc.errno))
+        else:
+            log.error("%s failed", what, exc_info=exc)
+            self._send(wire.error_reply(unique, errno.EIO))
+
+    async def _read(self, unique: int, fh: int, offset: int, size: int) -> None:
+        try:
+            data = await self.ops.read(fh, offset, size)
+        except Exception as exc:  # noqa: BLE001 -- every failure becomes the request's errno
+            self._fail(unique, exc, f"read of {size} bytes at {offset}")
+            return
+        # Lent data: sent before this task yields again.
+        try:
+            os.writev(self.fd, (OUT_HEADER.pack(OUT_HEADER_SIZE + len(data), 0, unique), data))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning("cannot answer a FUSE read: %s", exc)
+
+    async def _write(self, unique: int, fh: int, offset: int, size: int,
+                     buf: bytearray) -> None:
+        try:
+            written = await self.ops.write(fh, offset, memoryview(buf)[:size])
+        except Exception as exc:  # noqa: BLE001
+            self._fail(unique, exc, f"write of {size} bytes at {offset}")
+        else:
+            self._send(wire.write_reply(unique, written))
+        self._free.append(buf)
+
+    async def _meta(self, opcode: int, unique: int, nodeid: int, request: bytes) -> None:
+        if self.debug:
+            log.debug("FUSE opcode %d unique %d node %d", opcode, unique, nodeid)
+        try:
+            reply = await self._dispatch(opcode, unique, nodeid, request)
+        except Exception as exc:  # noqa: BLE001
+            self._fail(unique, exc, f"FUSE opcode {opcode}")
+            return
+        self._send(reply)
+
+    async def _dispatch(self, opcode: int, unique: int, nodeid: int, request: bytes) -> bytes:
+        ops = self.ops
+        if opcode == wire.GETATTR:
+            return wire.attr_reply(unique, await ops.getattr(nodeid, self._ctx(request)))
+        if opcode == wire.LOOKUP:
+            name = wire.parse_name(request)
+            return wire.entry_reply(unique, await ops.lookup(nodeid, name, self._ctx(request)))
+        if opcode == wire.OPEN:
+            fi = await ops.open(nodeid, wire.parse_open(request), self._ctx(request))
+            return wire.open_reply(unique, fi.fh, fi.open_flags)
+        if opcode in (wire.RELEASE, wire.FLUSH, wire.RELEASEDIR, wire.FSYNCDIR):
+            fh = wire.parse_fh(request, opcode)
+            if opcode == wire.RELEASE:
+                await ops.release(fh)
+            elif opcode == wire.FLUSH:
+                await ops.flush(fh)
+            elif opcode == wire.RELEASEDIR:
+                await ops.releasedir(fh)
+            return wire.empty_reply(unique)
+        if opcode == wire.FSYNC:
+            await ops.fsync(*wire.parse_fsync(request))
+            return wire.empty_reply(unique)
+        if opcode == wire.SETATTR:
+            attr, fields, fh = wire.parse_setattr(request)
+            return wire.attr_reply(unique, await ops.setattr(nodeid, attr, fields, fh,
+                                                             self._ctx(request)))
+        if opcode == wire.OPENDIR:
+            return wire.open_reply(unique, await ops.opendir(nodeid, self._ctx(request)))
+        if opcode == wire.READDIR:
+            fh, offset, size = wire.parse_read(request)
+            entries = wire.DirBuffer(size)
+            await ops.readdir(fh, offset, entries)
+            return entries.reply(unique)
+        if opcode == wire.STATFS:
+            return wire.statfs_reply(unique, await ops.statfs(self._ctx(request)))
+        if opcode in wire.TREE_CHANGES:
+            await getattr(ops, wire.TREE_CHANGES[opcode])()  # refused: the tree is fixed
+        raise FUSEError(errno.ENOSYS)
+
+    @staticmethod
+    def _ctx(request: bytes) -> wire.RequestContext:
+        return wire.parse_header(request).ctx
+
+    # --- notifications ---------------------------------------------------------------------
+
+    async def notify(self, message: bytes) -> None:
+        """Send a notification; in a thread, as the kernel may wait on pages that this
+        session's loop must serve first.  Raises OSError (ENOENT: nothing cached)."""
+        fd = self.fd
+        await trio.to_thread.run_sync(os.write, fd, message, abandon_on_cancel=True)
+
+    async def invalidate_inode(self, inode: int, attr_only: bool = False) -> None:
+        await self.notify(wire.inval_inode(inode, -1 if attr_only else 0, 0))
+
+    async def invalidate_entry(self, parent: int, name: bytes) -> None:
+        await self.notify(wire.inval_entry(parent, name))
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
