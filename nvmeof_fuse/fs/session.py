@@ -16,6 +16,8 @@ import logging
 import os
 import socket
 import subprocess
+from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
@@ -73,6 +75,49 @@ def mount_fd(path: str, options: list[str]) -> int:
         return fds[0]
 
 
+class _Workers:
+    """Tasks that run request handlers: handing a request to a parked worker costs one
+    reschedule, where a task per request costs a spawn and an exit.  A worker is started
+    whenever none is idle (so a handler that waits never holds up another), and parks when
+    the queue is empty."""
+
+    def __init__(self, nursery: trio.Nursery) -> None:
+        self.nursery = nursery
+        self.queue: deque[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]] = deque()
+        self.idle: list[trio.lowlevel.Task] = []
+        self.closing = False
+
+    def submit(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        self.queue.append((fn, args))
+        if self.idle:
+            trio.lowlevel.reschedule(self.idle.pop())
+        else:
+            self.nursery.start_soon(self._work)
+
+    async def _work(self) -> None:
+        queue, idle = self.queue, self.idle
+        task = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            idle.remove(task)
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        while True:
+            while queue:
+                fn, args = queue.popleft()
+                await fn(*args)
+            if self.closing:
+                return
+            idle.append(task)
+            await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def close(self) -> None:
+        """Let the workers exit once the queue is done."""
+        self.closing = True
+        while self.idle:
+            trio.lowlevel.reschedule(self.idle.pop())
+
+
 class FuseSession:
     """Serves ``ops`` on the /dev/fuse descriptor ``fd`` (which it closes in :meth:`close`).
 
@@ -100,9 +145,13 @@ class FuseSession:
     async def run(self) -> None:
         """Serve until the kernel ends the session or :meth:`stop_reading`, then wait for
         the requests still in flight."""
-        async with trio.open_nursery() as handlers:
-            with self._reader_scope:
-                await self._read_loop(handlers)
+        async with trio.open_nursery() as nursery:
+            workers = _Workers(nursery)
+            try:
+                with self._reader_scope:
+                    await self._read_loop(workers)
+            finally:
+                workers.close()
 
     def stop_reading(self) -> None:
         """Take no new requests; :meth:`run` returns once those in flight are answered."""
@@ -111,7 +160,7 @@ class FuseSession:
     def _take(self) -> bytearray:
         return self._free.pop() if self._free else bytearray(self._bufsize)
 
-    async def _read_loop(self, handlers: trio.Nursery) -> None:
+    async def _read_loop(self, workers: _Workers) -> None:
         fd = self.fd
         head = bytearray(WRITE_HEADERS)  # fuse_in_header + the biggest fixed args we unpack
         data = self._take()
@@ -119,18 +168,15 @@ class FuseSession:
         readv = os.readv
         unpack_header = IN_HEADER.unpack_from
         unpack_rw = READ_IN.unpack_from
-        start = handlers.start_soon
+        start = workers.submit
         read, write, meta = self._read, self._write, self._meta
         got = 0  # requests read since the handlers last ran
         while True:
             try:
                 n = readv(fd, bufs)
             except BlockingIOError:
-                if got:  # let the handlers run (their replies bring new requests), then retry
-                    got = 0
-                    await trio.lowlevel.checkpoint()
-                else:
-                    await trio.lowlevel.wait_readable(fd)
+                got = 0
+                await trio.lowlevel.wait_readable(fd)
                 continue
             except OSError as exc:
                 if exc.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted meanwhile
