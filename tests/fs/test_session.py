@@ -1,0 +1,145 @@
+"""The FUSE session: against a fake kernel (a SOCK_SEQPACKET socket keeps each request one
+message, as /dev/fuse does), and through the real kernel (two mounts in one process)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import socket
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+import trio
+
+from nvmeof_fuse.fs import wire
+from nvmeof_fuse.fs.mount import MountOptions, serve
+from nvmeof_fuse.fs.operations import NamespaceFS
+from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fakes import make_controller  # noqa: E402
+
+STEP = 20  # s: bound on every wait
+
+
+def request(opcode, args=b"", unique=1, nodeid=1):
+    return struct.pack("<IIQQIIIHH", 40 + len(args), opcode, unique, nodeid, 0, 0, 0, 0,
+                       0) + args
+
+
+class FakeKernel:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    async def ask(self, opcode, args=b"", unique=1, nodeid=1):
+        """(errno, body) of the reply to one request."""
+        await trio.to_thread.run_sync(self.sock.send, request(opcode, args, unique, nodeid))
+        with trio.fail_after(STEP):
+            reply = await trio.to_thread.run_sync(self.sock.recv, 2 << 20)
+        length, error, got_unique = struct.unpack_from("<IiQ", reply)
+        assert (length, got_unique) == (len(reply), unique)
+        return -error, reply[16:]
+
+
+async def with_session(test):
+    ctrl = make_controller((1, 512, 64))
+    ops = NamespaceFS(ctrl)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    session = FuseSession(ops, os.dup(ours.fileno()))
+    ours.close()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session.run)
+        kernel = FakeKernel(theirs)
+        init = struct.pack("<IIII", 7, 38, 65536, 0xFFFFFFFF) + bytes(48)
+        assert (await kernel.ask(wire.INIT, init))[0] == 0
+        await test(kernel, ctrl)
+        theirs.close()  # the session ends as on an unmount
+    assert session.gone
+    session.close()
+
+
+def test_requests_through_a_fake_kernel():
+    async def test(kernel, ctrl):
+        err, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
+        assert err == 0
+        inode = struct.unpack_from("<Q", body)[0]
+        err, body = await kernel.ask(wire.OPEN, struct.pack("<II", os.O_RDWR | os.O_DIRECT, 0),
+                                     unique=3, nodeid=inode)
+        fh, flags, _ = struct.unpack("<QII", body)
+        assert flags == wire.FOPEN_DIRECT_IO | wire.FOPEN_PARALLEL_DIRECT_WRITES
+        payload = bytes(range(256)) * 4
+        args = struct.pack("<QQIIQII", fh, 512, len(payload), 0, 0, 0, 0) + payload
+        assert await kernel.ask(wire.WRITE, args, unique=4) == (0, struct.pack("<II", 1024, 0))
+        assert bytes(ctrl.namespaces[1].device.data[512:1536]) == payload
+        args = struct.pack("<QQIIQII", fh, 768, 100, 0, 0, 0, 0)
+        assert await kernel.ask(wire.READ, args, unique=5) == (0, payload[256:356])
+        assert (await kernel.ask(wire.MKDIR, bytes(8) + b"x\0", unique=6))[0] == errno.EPERM
+        assert (await kernel.ask(22, bytes(8) + b"user.x\0", unique=7))[0] == (
+            errno.ENOSYS)
+        assert (await kernel.ask(wire.LOOKUP, b"n9\0", unique=8))[0] == errno.ENOENT
+        args = struct.pack("<QQIIQII", fh, 64 * 512, 512, 0, 0, 0, 0) + bytes(512)
+        assert (await kernel.ask(wire.WRITE, args, unique=9))[0] == errno.ENOSPC
+
+    trio.run(with_session, test)
+
+
+def test_a_kernel_too_old_gets_eproto(caplog):
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        session = FuseSession(NamespaceFS(make_controller((1, 512, 8))), os.dup(ours.fileno()))
+        ours.close()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(session.run)
+            init = struct.pack("<IIII", 7, 19, 65536, 0) + bytes(48)
+            assert (await FakeKernel(theirs).ask(wire.INIT, init))[0] == errno.EPROTO
+            theirs.close()
+        session.close()
+
+    trio.run(main)
+    assert "FUSE INIT: the kernel speaks FUSE 7.19; we need 7.23 or newer" in caplog.text
+
+
+needs_fuse = pytest.mark.skipif(
+    not os.access("/dev/fuse", os.R_OK | os.W_OK) or shutil.which("fusermount3") is None,
+    reason="needs /dev/fuse and fusermount3")
+
+
+@needs_fuse
+def test_fusermount3_errors_are_one_line(tmp_path):
+    with pytest.raises(FuseMountError, match=r"^unknown option 'bogus'$"):
+        mount_fd(str(tmp_path), ["bogus"])
+    with pytest.raises(FuseMountError, match=r"^failed to access mountpoint .*/nowhere: "):
+        mount_fd(str(tmp_path / "nowhere"), ["fsname=x"])
+
+
+@needs_fuse
+def test_two_mounts_in_one_process(tmp_path):
+    """Each mount has its own session: one process can serve several."""
+    paths = [tmp_path / "a", tmp_path / "b"]
+
+    def use_both() -> list[bytes]:
+        got = []
+        for p in paths:
+            assert sorted(os.listdir(p)) == [".nvmeof", "n1"]
+            with open(p / "n1", "r+b", buffering=0) as f:
+                f.write(p.name.encode() * 512)
+                f.seek(0)
+                got.append(f.read(4))
+        return got
+
+    async def main():
+        ctrls = [make_controller((1, 512, 64)), make_controller((1, 512, 64))]
+        with trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                for p, ctrl in zip(paths, ctrls, strict=True):
+                    p.mkdir()
+                    await nursery.start(serve, ctrl, str(p), MountOptions())
+                assert await trio.to_thread.run_sync(use_both) == [b"aaaa", b"bbbb"]
+                nursery.cancel_scope.cancel()
+        assert [bytes(c.namespaces[1].device.data[:2]) for c in ctrls] == [b"aa", b"bb"]
+
+    trio.run(main)
+    assert not any(os.path.ismount(p) for p in paths)
