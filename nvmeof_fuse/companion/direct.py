@@ -244,8 +244,23 @@ class DirectQueues:
 
     # -- transfers (run on the loop) ------------------------------------------------------
 
-    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
-        return self._bridge.submit(fn, *args)
+    def start(self, job: Any, nsid: int, region: Region, at: int, size: int,
+              file_offset: int, edge: Any, temporary: bool) -> Any:
+        """Start ``job`` (:meth:`read` or :meth:`write`) on the loop: its future.
+
+        A ``temporary`` region is closed once the job ended.
+        """
+        if temporary:
+            return self._bridge.submit(self._then_close, job, nsid, region, at, size,
+                                       file_offset, edge)
+        return self._bridge.submit(job, nsid, region, at, size, file_offset, edge)
+
+    @staticmethod
+    async def _then_close(job: Any, nsid: int, region: Region, *args: Any) -> int:
+        try:
+            return await job(nsid, region, *args)
+        finally:
+            region.close()
 
     async def read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
                    put: Any) -> int:
