@@ -45,16 +45,18 @@ class CallFuture(Generic[T]):
 
     Lighter than :class:`concurrent.futures.Future` (one lock, no condition): a
     small read's future is made and waited for on the hot path.  A caller about
-    to block first wakes the loop for calls it has not started yet.
+    to block on a call the loop has not started yet first wakes the loop for it
+    (one that has started will, as it ends, start those submitted after it).
     """
 
-    __slots__ = ("_owner", "_lock", "_done", "_result", "_error")
+    __slots__ = ("_owner", "_lock", "_done", "_started", "_result", "_error")
 
     def __init__(self, owner: SyncController) -> None:
         self._owner = owner
         self._lock = threading.Lock()
         self._lock.acquire()  # released once, when the result is set
         self._done = False
+        self._started = False  # set on the loop: the call runs there
         self._result: Any = None
         self._error: BaseException | None = None
 
@@ -69,14 +71,15 @@ class CallFuture(Generic[T]):
         self._lock.release()
 
     def done(self) -> bool:
-        if not self._done:
+        if not self._started:
             self._owner.flush()
         return self._done
 
     def result(self, timeout: float | None = None) -> T:
         """The call's result (or its error raised); ``TimeoutError`` after ``timeout`` s."""
         if not self._done:
-            self._owner.flush()
+            if not self._started:
+                self._owner.flush()
             if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
                 raise concurrent.futures.TimeoutError
             self._lock.release()  # for other waiters on the same future
@@ -319,6 +322,7 @@ class SyncController:
     def _start(self, batch: list) -> None:
         """Start submitted calls (on the loop); each was counted in ``_running``."""
         for async_fn, args, future in batch:
+            future._started = True
             try:
                 self._admit()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
@@ -343,16 +347,21 @@ class SyncController:
 
     async def _complete(self, async_fn: Callable[..., Awaitable[T]], args: tuple,
                         future: CallFuture[T]) -> None:
+        error: BaseException | None = None
         try:
             result = await async_fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-            future.set_exception(_unwrap(exc) if not isinstance(exc, trio.Cancelled)
-                                 else self._closed_error())
-        else:
-            future.set_result(result)
+            error = (_unwrap(exc) if not isinstance(exc, trio.Cancelled)
+                     else self._closed_error())
         finally:
             self._leave()
+            # Calls submitted meanwhile start first: the caller woken by this future
+            # finds them running and need not wake the loop for them.
             self._finished_one()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     @property
     def controller(self) -> Any:
