@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -124,9 +125,8 @@ def _owning_span(addr: int, size: int, obj: Any) -> tuple[Any, int, int]:
 
     ``owner`` is None when no object that owns those pages can be watched.
     """
-    if hasattr(obj, "__array_interface__"):
-        import numpy as np
-
+    np = sys.modules.get("numpy")  # no array without it; hasattr(__array_interface__) builds a dict
+    if np is not None and isinstance(obj, np.ndarray):
         root = obj
         while isinstance(getattr(root, "base", None), np.ndarray):
             root = root.base
