@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Generic, TypeVar
@@ -159,6 +160,8 @@ class SyncController:
         self._submitted: list[tuple[Any, tuple, concurrent.futures.Future]] = []
         self._wake_pending = False  # the loop was asked to start what is submitted
         self._running = 0  # submitted calls started on the loop and not finished
+        self._jobs: deque = deque()  # admitted calls for the workers (loop-owned)
+        self._idle_workers: list = []  # parked worker tasks (loop-owned)
         self._thread = threading.Thread(target=self._main, daemon=True,
                                         name=f"nvmeof {options.traddr}:{options.trsvcid}")
         self._thread.start()
@@ -329,12 +332,34 @@ class SyncController:
                 future.set_exception(exc)
                 self._finished_one()
                 continue
-            try:
-                self._tasks.start_soon(self._complete, async_fn, args, future)
+            self._jobs.append((async_fn, args, future))
+            if self._idle_workers:
+                trio.lowlevel.reschedule(self._idle_workers.pop())
+                continue
+            try:  # every worker is busy: one more, kept for later calls
+                self._tasks.start_soon(self._worker)
             except RuntimeError:  # the nursery is closed: the loop is ending
+                self._jobs.pop()
                 self._leave()
                 future.set_exception(self._closed_error())
                 self._finished_one()
+
+    async def _worker(self) -> None:
+        """Runs submitted calls one after another; parks when there are none (cheaper
+        than a task per call)."""
+        jobs, idle = self._jobs, self._idle_workers
+        while True:
+            if not jobs:
+                task = trio.lowlevel.current_task()
+
+                def abort(_: Any, task: Any = task) -> trio.lowlevel.Abort:
+                    idle.remove(task)  # cancelled while parked: nobody may wake it now
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                idle.append(task)
+                await trio.lowlevel.wait_task_rescheduled(abort)
+                continue
+            await self._complete(*jobs.popleft())
 
     def _finished_one(self) -> None:
         """A submitted call ended (on the loop): start those that waited for one to."""
