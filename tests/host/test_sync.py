@@ -402,3 +402,18 @@ def test_calls_waiting_to_start_when_the_loop_crashes_end_and_never_hang():
         ctrl.close()
     with pytest.raises(ConnectError, match="stopped: I/O queue 1"):
         ctrl.submit(_echo, "late")
+
+
+def test_many_calls_some_blocked_all_end_and_close_is_clean():
+    """Workers are reused: a blocked call holds one, the others go on; parked ones end at close."""
+    release = threading.Event()
+    fake = Fake()
+    with SyncController(options(), connect=fake) as ctrl:
+        blocked = [ctrl.submit(_wait_then, release, f"b{i}") for i in range(3)]
+        for round_ in range(5):
+            futures = [ctrl.submit(_echo, (round_, i)) for i in range(40)]
+            assert [f.result(WAIT) for f in futures] == [(round_, i) for i in range(40)]
+        assert not any(f.done() for f in blocked)
+        release.set()
+        assert [f.result(WAIT) for f in blocked] == ["b0", "b1", "b2"]
+    assert fake.events[-1] == "exit"
