@@ -47,6 +47,9 @@ RECV_BYTES = 64 * 1024
 of a large C2HData payload is copied out of the buffer instead of received in place."""
 DIRECT_RECV_BYTES = 16 * 1024
 """A C2HData payload rest at least this large is received straight into its destination."""
+AFTER_PAYLOAD_BYTES = 128
+"""Bytes asked for after a payload received in place: its digest, a CapsuleResp and the
+next C2HData header, with digests and padding."""
 MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
 STOP_TIMEOUT = 5.0
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
@@ -309,6 +312,7 @@ class TcpQueue:
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
         self._rview = memoryview(self._rbuf)
         self._rstart = self._rend = 0
+        self._after_payload = False  # the last receive went straight into a payload
 
     @property
     def name(self) -> str:
@@ -520,9 +524,13 @@ class TcpQueue:
             kept = self._rend - self._rstart
             self._rview[:kept] = self._rview[self._rstart:self._rend]
             self._rstart, self._rend = 0, kept
+        # Right after a payload received in place, more large ones likely follow: ask for
+        # about the PDU headers between them, so that little payload is copied twice.
+        ask = AFTER_PAYLOAD_BYTES if self._after_payload else RECV_BYTES
+        self._after_payload = False
         while self._rend < count:
             self._rend += await self._recv_into(
-                self._rview[self._rend:max(self._rend + RECV_BYTES, count)])
+                self._rview[self._rend:max(self._rend + ask, count)])
 
     async def _recv_into(self, dest: memoryview) -> int:
         """Receive at least one byte into ``dest``; a closed connection is an error."""
@@ -558,6 +566,7 @@ class TcpQueue:
                 self._rstart += rest
                 return
             have += await self._recv_into(dest[have:])
+            self._after_payload = True
 
     async def _skip(self, count: int) -> bytes:
         await self._fill(count)
