@@ -251,6 +251,61 @@ def test_many_pipelined_commands_each_get_their_own_data():
     with_target(test)
 
 
+class CountingSocket:
+    """A queue's socket that counts ``sendmsg`` calls, or refuses every send (``full``)."""
+
+    def __init__(self, sock, *, full: bool = False) -> None:
+        self.sock = sock
+        self.full = full
+        self.sendmsgs = 0
+
+    def sendmsg(self, buffers):
+        self.sendmsgs += 1
+        if self.full:
+            raise BlockingIOError
+        return self.sock.sendmsg(buffers)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_capsules_submitted_together_go_out_in_one_sendmsg():
+    async def test(target, transport, queue):
+        for i in range(16):
+            target.data[i * LBA:(i + 1) * LBA] = bytes([i]) * LBA
+        queue.sock = counting = CountingSocket(queue.sock)
+        wrong = []
+
+        async def one(i):
+            got, _ = await read(queue, transport, i, LBA)
+            if got != bytes([i]) * LBA:
+                wrong.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        # the first alone, at once; the fifteen submitted with it in the same trio batch
+        # together, by the sender
+        assert wrong == [] and counting.sendmsgs == 2 and len(target.commands) == 16
+
+    with_target(test)
+
+
+def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
+    async def test(target, transport, queue):
+        queue.sock = CountingSocket(queue.sock, full=True)
+        buf = host_buffer(transport.register, 4096)
+        with pytest.raises(TransportError, match=r"^I/O queue 1: command \d+ could not be "
+                                                 r"sent within 0.2 s$"):
+            await queue.execute(cmd.write(1, 0, 8, NULL_SGL), buf.ref(), to_controller=True,
+                                timeout=0.2)
+        with pytest.raises(TransportError, match="could not be sent"):
+            await queue.execute(cmd.flush(1), timeout=5)
+        assert target.commands == []
+
+    with_target(test)
+
+
 def test_registered_memory_without_a_view_is_received_in_place():
     import numpy as np
 
