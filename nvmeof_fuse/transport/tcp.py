@@ -39,6 +39,7 @@ from ..nvme import tcp_pdu as pdu
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 from .region import DataRef
+from .splice import Spliced, Splicer, open_splicer
 
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
 RECV_BUFFER_BYTES = 256 * 1024
@@ -50,6 +51,8 @@ DIRECT_RECV_BYTES = 16 * 1024
 AFTER_PAYLOAD_BYTES = 128
 """Bytes asked for after a payload received in place: its digest, a CapsuleResp and the
 next C2HData header, with digests and padding."""
+SPLICE_MIN_BYTES = 64 * 1024
+"""Write data answering an R2T from this size on is spliced into the socket, not copied."""
 MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
 STOP_TIMEOUT = 5.0
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
@@ -118,8 +121,9 @@ class TcpTransport:
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0, *, header_digest: bool = False,
-                 data_digest: bool = False) -> None:
+                 data_digest: bool = False, splice: bool = True) -> None:
         self.traddr = traddr
+        self.splice = splice  # large write data by vmsplice/splice (see .splice)
         self.trsvcid = trsvcid
         self.host_traddr = host_traddr
         self.connect_timeout = connect_timeout
@@ -308,6 +312,8 @@ class TcpQueue:
         self._sender = None  # the sender task
         self._sender_idle = False  # parked, waiting for PDUs to send
         self._watch: trio.CancelScope | None = None
+        self._splicer: Splicer | None = None  # opened for the first large H2CData
+        self._splice = transport.splice
         self._woke = False  # the receive loop let a caller go since it last yielded
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
         self._rview = memoryview(self._rbuf)
@@ -421,32 +427,49 @@ class TcpQueue:
         out = self._outgoing
         sock = self.sock
         while out:
-            iov: list = []
-            for entry in out:
-                iov += entry[0]
-                if len(iov) >= MAX_IOV:
-                    break
+            first = out[0][0][0]
             try:
+                if type(first) is Spliced:
+                    self._splicer.send(sock.fileno(), first)  # advances ``first``
+                    if not len(first):
+                        self._sent_head()
+                    continue
+                iov: list = []
+                for entry in out:
+                    for buffer in entry[0]:
+                        if type(buffer) is Spliced:
+                            break
+                        iov.append(buffer)
+                    else:
+                        if len(iov) < MAX_IOV:
+                            continue
+                    break  # at a spliced buffer, or enough for one call
                 sent = sock.sendmsg(iov)
             except BlockingIOError:
                 return False
-            while sent:
-                entry = out[0]
-                buffers = entry[0]
+            while sent:  # (never into a spliced buffer: the gather stopped before it)
+                buffers = out[0][0]
                 first = buffers[0]
                 if sent < len(first):
                     buffers[0] = memoryview(first)[sent:]
                     break
                 sent -= len(first)
-                del buffers[0]
-                if not buffers:
-                    out.popleft()
-                    request = entry[1]
-                    if request is not None:
-                        request.unsent -= 1
-                        if not request.unsent and request.completion is not None:
-                            self._finish(request, request.completion)
+                self._sent_head()
         return True
+
+    def _sent_head(self) -> None:
+        """The first queued buffer is wholly with the kernel: drop it (and its PDU if done)."""
+        out = self._outgoing
+        entry = out[0]
+        buffers = entry[0]
+        del buffers[0]
+        if not buffers:
+            out.popleft()
+            request = entry[1]
+            if request is not None:
+                request.unsent -= 1
+                if not request.unsent and request.completion is not None:
+                    self._finish(request, request.completion)
 
     async def _send_queued(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The sender: hands queued PDUs to the kernel, waiting while the socket is full."""
@@ -668,13 +691,16 @@ class TcpQueue:
                                  f"{request.data.length} bytes")
         payload = request.buffer()
         pieces = pdu.h2c_pieces(header.offset, header.length, self.maxh2cdata)
+        splice = self._splice and header.length >= SPLICE_MIN_BYTES and not payload.readonly
+        if splice and self._splicer is None:
+            self._splicer = open_splicer()
         for i, (at, length) in enumerate(pieces):
             piece = payload[at:at + length]
             buffers = [pdu.h2c_data_header(header.cid, header.ttag, at, length,
                                            last=i == len(pieces) - 1,
                                            header_digest=self.header_digest,
                                            data_digest=self.data_digest, cpda=self.cpda),
-                       piece]
+                       Spliced(piece) if splice and self._splicer is not None else piece]
             if self.data_digest:
                 buffers.append(pdu.digest(piece))
             # At once when nothing else waits: the target waits for this data.
@@ -728,6 +754,8 @@ class TcpQueue:
             self._closed = True
             trio.lowlevel.notify_closing(self.sock)  # wakes a task waiting on it
             self.sock.close()
+            if self._splicer is not None:
+                self._splicer.close()
 
     def close(self) -> None:
         if self._failed is None:

@@ -306,6 +306,34 @@ def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
     with_target(test)
 
 
+@pytest.mark.parametrize("splice", [True, False], ids=["spliced", "copied"])
+@pytest.mark.parametrize("digests", [{}, {"header_digest": True, "data_digest": True}],
+                         ids=["plain", "digests"])
+def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, monkeypatch):
+    from nvmeof_fuse.transport import splice as splicing
+
+    spliced = []
+    send = splicing.Splicer.send
+
+    def counting(self, fd, data):
+        sent = send(self, fd, data)
+        spliced.append(sent)
+        return sent
+
+    monkeypatch.setattr(splicing.Splicer, "send", counting)
+    data = random.Random(5).randbytes(768 * 1024)
+
+    async def test(target, transport, queue):
+        assert (await write(queue, transport, 8, data)).ok
+        assert target.h2c_lengths == [512 * 1024, 256 * 1024]
+        assert target.data[8 * LBA:8 * LBA + len(data)] == data
+        assert sum(spliced) == (len(data) if splice else 0)
+        got, _ = await read(queue, transport, 8, len(data))
+        assert got == data
+
+    with_target(test, transport_kw={"splice": splice, **digests}, maxh2cdata=512 * 1024)
+
+
 def test_registered_memory_without_a_view_is_received_in_place():
     import numpy as np
 
