@@ -15,6 +15,7 @@ are missing, and the caller sends with ``sendmsg`` instead.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import os
 
@@ -80,6 +81,8 @@ class Splicer:
             if n < 0:
                 err = ctypes.get_errno()
                 raise OSError(err, f"vmsplice: {os.strerror(err)}")
+            if n == 0:  # an empty pipe takes at least a page: never spin on it
+                raise OSError(errno.EIO, "vmsplice moved nothing into an empty pipe")
             self._piped = n
         sent = os.splice(self._read, fd, self._piped, flags=SPLICE_F_NONBLOCK)
         self._piped -= sent
