@@ -334,6 +334,24 @@ def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, 
     with_target(test, transport_kw={"splice": splice, **digests}, maxh2cdata=512 * 1024)
 
 
+def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
+    import errno
+
+    from nvmeof_fuse.transport import splice as splicing
+
+    def failing(self, fd, data):
+        raise OSError(errno.EIO, "vmsplice: Input/output error")
+
+    monkeypatch.setattr(splicing.Splicer, "send", failing)
+
+    async def test(target, transport, queue):
+        with pytest.raises(TransportError, match=r"^I/O queue 1: sending to 127.0.0.1:\d+ "
+                                                 r"failed: vmsplice: Input/output error$"):
+            await write(queue, transport, 0, bytes(128 * 1024))
+
+    with_target(test, maxh2cdata=512 * 1024)
+
+
 def test_registered_memory_without_a_view_is_received_in_place():
     import numpy as np
 
