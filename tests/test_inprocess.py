@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -75,26 +77,14 @@ def test_mount_options_are_checked(tmp_path):
         nvmeof_fuse.mount(str(tmp_path), traddr="192.0.2.1", nqn=NQN, colour=1)
 
 
-def test_an_unmount_from_outside_ends_the_mount_by_name(tmp_path):
-    if not os.path.exists("/dev/fuse"):
-        pytest.skip("needs /dev/fuse")
-    import subprocess
-    import time
-
-    ctrl = AddressController()
-
-    @asynccontextmanager
-    async def connect(_options):
-        yield ctrl
-
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    with nvmeof_fuse.mount(str(mnt), traddr="192.0.2.1", nqn=NQN, connect=connect) as m:
-        subprocess.run(["fusermount3", "-u", str(mnt)], check=True, timeout=30)
-        deadline = time.monotonic() + 30
-        while os.path.ismount(mnt) and time.monotonic() < deadline:  # a condition, bounded
+def test_an_unmount_from_outside_ends_the_mount_by_name(mounted):
+    _ctrl, m = mounted
+    mnt = m.mountpoint
+    subprocess.run(["fusermount3", "-u", mnt], check=True, timeout=30)
+    deadline = time.monotonic() + 30
+    while os.path.ismount(mnt) and time.monotonic() < deadline:  # a condition, bounded
+        time.sleep(0.05)
+    with pytest.raises(NVMeoFError, match=f"the mount at {mnt} was unmounted"):
+        for _ in range(600):  # the loop ends just after the kernel lets go of the mount
+            m.stats()
             time.sleep(0.05)
-        with pytest.raises(NVMeoFError, match=f"the mount at {mnt} was unmounted"):
-            for _ in range(600):  # the loop ends just after the kernel lets go of the mount
-                m.stats()
-                time.sleep(0.05)
