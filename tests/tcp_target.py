@@ -16,6 +16,7 @@ from nvmeof_fuse.nvme import tcp_pdu as pdu
 
 READ, WRITE, FLUSH = 0x02, 0x01, 0x00
 ADMIN_IDENTIFY, ADMIN_SET_FEATURES, ADMIN_KEEP_ALIVE, FABRICS = 0x06, 0x09, 0x18, 0x7F
+ADMIN_ASYNC_EVENT = 0x0C
 LBA = 512
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
 FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown command",
@@ -95,6 +96,8 @@ class FakeTcpTarget:
         if self.fault == "silent":
             self.fault = None
             return
+        if opcode == ADMIN_ASYNC_EVENT and state["qid"] == 0:
+            return  # held, as a real controller holds it until an event happens
         if opcode == FABRICS and sqe[4] == 0x01:
             state["qid"] = struct.unpack_from("<H", sqe, 40)[0]
         admin = self._admin(sqe) if opcode == FABRICS or state["qid"] == 0 else None

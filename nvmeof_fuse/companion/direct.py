@@ -21,6 +21,7 @@ import contextlib
 import logging
 import math
 import os
+import sys
 import threading
 import weakref
 from collections.abc import AsyncIterator
@@ -124,9 +125,8 @@ def _owning_span(addr: int, size: int, obj: Any) -> tuple[Any, int, int]:
 
     ``owner`` is None when no object that owns those pages can be watched.
     """
-    if hasattr(obj, "__array_interface__"):
-        import numpy as np
-
+    np = sys.modules.get("numpy")  # no array without it; hasattr(__array_interface__) builds a dict
+    if np is not None and isinstance(obj, np.ndarray):
         root = obj
         while isinstance(getattr(root, "base", None), np.ndarray):
             root = root.base
@@ -244,8 +244,23 @@ class DirectQueues:
 
     # -- transfers (run on the loop) ------------------------------------------------------
 
-    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
-        return self._bridge.submit(fn, *args)
+    def start(self, job: Any, nsid: int, region: Region, at: int, size: int,
+              file_offset: int, edge: Any, temporary: bool) -> Any:
+        """Start ``job`` (:meth:`read` or :meth:`write`) on the loop: its future.
+
+        A ``temporary`` region is closed once the job ended.
+        """
+        if temporary:
+            return self._bridge.submit(self._then_close, job, nsid, region, at, size,
+                                       file_offset, edge)
+        return self._bridge.submit(job, nsid, region, at, size, file_offset, edge)
+
+    @staticmethod
+    async def _then_close(job: Any, nsid: int, region: Region, *args: Any) -> int:
+        try:
+            return await job(nsid, region, *args)
+        finally:
+            region.close()
 
     async def read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
                    put: Any) -> int:

@@ -13,9 +13,10 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 import trio
 
@@ -38,6 +39,54 @@ def _unwrap(exc: BaseException) -> BaseException:
     if isinstance(exc, BaseExceptionGroup):
         return first_error(exc) or exc
     return exc
+
+
+class CallFuture(Generic[T]):
+    """The result of :meth:`SyncController.submit`, set once by the loop.
+
+    Lighter than :class:`concurrent.futures.Future` (one lock, no condition): a
+    small read's future is made and waited for on the hot path.  A caller about
+    to block on a call the loop has not started yet first wakes the loop for it
+    (one that has started will, as it ends, start those submitted after it).
+    """
+
+    __slots__ = ("_owner", "_lock", "_done", "_started", "_result", "_error")
+
+    def __init__(self, owner: SyncController) -> None:
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._lock.acquire()  # released once, when the result is set
+        self._done = False
+        self._started = False  # set on the loop: the call runs there
+        self._result: Any = None
+        self._error: BaseException | None = None
+
+    def set_result(self, result: T) -> None:
+        self._result = result
+        self._done = True
+        self._lock.release()
+
+    def set_exception(self, error: BaseException) -> None:
+        self._error = error
+        self._done = True
+        self._lock.release()
+
+    def done(self) -> bool:
+        if not self._started:
+            self._owner.flush()
+        return self._done
+
+    def result(self, timeout: float | None = None) -> T:
+        """The call's result (or its error raised); ``TimeoutError`` after ``timeout`` s."""
+        if not self._done:
+            if not self._started:
+                self._owner.flush()
+            if not self._lock.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+                raise concurrent.futures.TimeoutError
+            self._lock.release()  # for other waiters on the same future
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 class SyncNamespace:
@@ -110,6 +159,9 @@ class SyncController:
         self._submit_lock = threading.Lock()
         self._submitted: list[tuple[Any, tuple, concurrent.futures.Future]] = []
         self._wake_pending = False  # the loop was asked to start what is submitted
+        self._running = 0  # submitted calls started on the loop and not finished
+        self._jobs: deque = deque()  # admitted calls for the workers (loop-owned)
+        self._idle_workers: list = []  # parked worker tasks (loop-owned)
         self._thread = threading.Thread(target=self._main, daemon=True,
                                         name=f"nvmeof {options.traddr}:{options.trsvcid}")
         self._thread.start()
@@ -221,47 +273,120 @@ class SyncController:
         except (trio.RunFinishedError, trio.Cancelled):
             raise self._finished_error() from None
 
-    def submit(self, async_fn: Callable[..., Awaitable[T]], *args: Any
-               ) -> concurrent.futures.Future[T]:
+    def submit(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> CallFuture[T]:
         """Start ``await async_fn(*args)`` on the loop without waiting: its future.
 
-        No thread waits per call: the loop completes the future.
+        No thread waits per call: the loop completes the future.  The loop is woken
+        (a syscall, and a fight for the GIL) only when nothing submitted runs there;
+        otherwise the call is started when the next submitted call finishes there,
+        or when a caller blocks on a future, whichever comes first.
         """
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
         token = self._live_token()
-        with self._submit_lock:  # calls made before the loop looks go over in one wakeup
+        future: CallFuture[T] = CallFuture(self)
+        with self._submit_lock:
             self._submitted.append((async_fn, args, future))
-            wake, self._wake_pending = not self._wake_pending, True
+            wake = not self._running and not self._wake_pending
+            if wake:
+                self._wake_pending = True
         if wake:
-            try:
-                token.run_sync_soon(self._start_submitted)
-            except trio.RunFinishedError:
-                raise self._finished_error() from None
+            self._wake(token)
         return future
+
+    def flush(self) -> None:
+        """Wake the loop for calls submitted but not started yet (a caller is about to wait)."""
+        with self._submit_lock:
+            wake = bool(self._submitted) and not self._wake_pending
+            if wake:
+                self._wake_pending = True
+        if wake and self._token is not None:
+            try:
+                self._wake(self._token)
+            except ConnectError:  # their futures hold the error now
+                pass
+
+    def _wake(self, token: trio.lowlevel.TrioToken) -> None:
+        try:
+            token.run_sync_soon(self._start_submitted)
+        except trio.RunFinishedError:  # the loop is gone: nothing will start them
+            with self._submit_lock:
+                batch, self._submitted = self._submitted, []
+            error = self._finished_error()
+            for _, _, future in batch:
+                future.set_exception(error)
+            raise error from None
 
     def _start_submitted(self) -> None:
         with self._submit_lock:
             batch, self._submitted = self._submitted, []
             self._wake_pending = False
+            self._running += len(batch)
+        self._start(batch)
+
+    def _start(self, batch: list) -> None:
+        """Start submitted calls (on the loop); each was counted in ``_running``."""
         for async_fn, args, future in batch:
+            future._started = True
             try:
                 self._admit()
             except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
                 future.set_exception(exc)
+                self._finished_one()
                 continue
-            self._tasks.start_soon(self._complete, async_fn, args, future)
+            self._jobs.append((async_fn, args, future))
+            if self._idle_workers:
+                trio.lowlevel.reschedule(self._idle_workers.pop())
+                continue
+            try:  # every worker is busy: one more, kept for later calls
+                self._tasks.start_soon(self._worker)
+            except RuntimeError:  # the nursery is closed: the loop is ending
+                self._jobs.pop()
+                self._leave()
+                future.set_exception(self._closed_error())
+                self._finished_one()
+
+    async def _worker(self) -> None:
+        """Runs submitted calls one after another; parks when there are none (cheaper
+        than a task per call)."""
+        jobs, idle = self._jobs, self._idle_workers
+        while True:
+            if not jobs:
+                task = trio.lowlevel.current_task()
+
+                def abort(_: Any, task: Any = task) -> trio.lowlevel.Abort:
+                    idle.remove(task)  # cancelled while parked: nobody may wake it now
+                    return trio.lowlevel.Abort.SUCCEEDED
+
+                idle.append(task)
+                await trio.lowlevel.wait_task_rescheduled(abort)
+                continue
+            await self._complete(*jobs.popleft())
+
+    def _finished_one(self) -> None:
+        """A submitted call ended (on the loop): start those that waited for one to."""
+        with self._submit_lock:
+            self._running -= 1
+            batch, self._submitted = self._submitted, []
+            self._running += len(batch)
+        if batch:
+            self._start(batch)
 
     async def _complete(self, async_fn: Callable[..., Awaitable[T]], args: tuple,
-                        future: concurrent.futures.Future[T]) -> None:
+                        future: CallFuture[T]) -> None:
+        error: BaseException | None = None
         try:
             result = await async_fn(*args)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller's future
-            future.set_exception(_unwrap(exc) if not isinstance(exc, trio.Cancelled)
-                                 else self._closed_error())
-        else:
-            future.set_result(result)
+            error = (_unwrap(exc) if not isinstance(exc, trio.Cancelled)
+                     else self._closed_error())
         finally:
             self._leave()
+            # Calls submitted meanwhile start first: the caller woken by this future
+            # finds them running and need not wake the loop for them.
+            self._finished_one()
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
     @property
     def controller(self) -> Any:

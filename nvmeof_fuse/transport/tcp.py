@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import math
 import socket
 import struct
+from collections import deque
 
+import outcome
 import trio
 
 from ..errors import CommandTimeout, ConnectError, TransportError
@@ -36,9 +39,21 @@ from ..nvme import tcp_pdu as pdu
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 from .region import DataRef
+from .splice import Spliced, Splicer, open_splicer
 
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
 RECV_BUFFER_BYTES = 256 * 1024
+RECV_BYTES = 64 * 1024
+"""Bytes asked for per receive into the buffer: enough for many small PDUs, while little
+of a large C2HData payload is copied out of the buffer instead of received in place."""
+DIRECT_RECV_BYTES = 16 * 1024
+"""A C2HData payload rest at least this large is received straight into its destination."""
+AFTER_PAYLOAD_BYTES = 128
+"""Bytes asked for after a payload received in place: its digest, a CapsuleResp and the
+next C2HData header, with digests and padding."""
+SPLICE_MIN_BYTES = 64 * 1024
+"""Write data answering an R2T from this size on is spliced into the socket, not copied."""
+MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
 STOP_TIMEOUT = 5.0
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
@@ -106,8 +121,9 @@ class TcpTransport:
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0, *, header_digest: bool = False,
-                 data_digest: bool = False) -> None:
+                 data_digest: bool = False, splice: bool = True) -> None:
         self.traddr = traddr
+        self.splice = splice  # large write data by vmsplice/splice (see .splice)
         self.trsvcid = trsvcid
         self.host_traddr = host_traddr
         self.connect_timeout = connect_timeout
@@ -218,10 +234,16 @@ class TcpTransport:
 
 
 class Request:
-    """One command in flight on a TCP queue."""
+    """One command in flight on a TCP queue.
+
+    Its caller is parked on it (``task``), without a cancel scope, until the
+    receive task finishes it or the queue's watchdog times it out.  ``unsent``
+    counts its PDUs still queued for the socket: they read the caller's memory,
+    so the caller is not let go while any is left.
+    """
 
     __slots__ = ("cid", "data", "view", "to_controller", "received", "completion", "error",
-                 "done", "abandoned")
+                 "finished", "abandoned", "unsent", "task", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
         self.cid = cid
@@ -231,8 +253,13 @@ class Request:
         self.received = 0
         self.completion: Completion | None = None
         self.error: Exception | None = None
-        self.done = trio.Event()
+        self.finished = False
+        """The caller may go on: answered with nothing left to send, or failed."""
         self.abandoned = False
+        self.unsent = 0
+        self.task = None  # the trio task parked on this request, if any
+        self.deadline = math.inf
+        self.timeout = 0.0
 
     def buffer(self) -> memoryview:
         if self.view is None:
@@ -241,8 +268,23 @@ class Request:
         return self.view
 
 
+def _uncancellable(raise_cancel) -> trio.lowlevel.Abort:
+    # The target may still be moving data: a command is waited for, not cancelled.
+    return trio.lowlevel.Abort.FAILED
+
+
+def _cancellable(raise_cancel) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.SUCCEEDED
+
+
 class TcpQueue:
-    """One NVMe queue over one TCP connection."""
+    """One NVMe queue over one TCP connection.
+
+    Three tasks per queue, all in :meth:`receive`: the receive loop, which
+    dispatches PDUs and wakes the callers parked on their commands; a sender,
+    which hands the PDUs queued during one trio batch to the kernel in one
+    ``sendmsg``; a watchdog, which times out commands past their deadline.
+    """
 
     def __init__(self, transport: TcpTransport, sock, qid: int, size: int,
                  in_capsule_bytes: int, resp: ICResp) -> None:
@@ -262,13 +304,21 @@ class TcpQueue:
         self._free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
         self._pending: dict[int, Request] = {}
         self._slot_waiters = trio.lowlevel.ParkingLot()
-        self._send_lock = trio.StrictFIFOLock()
         self._failed: TransportError | None = None
         self._receiver: trio.CancelScope | None = None
         self._received = trio.Event()
+        self._outgoing: deque[list] = deque()
+        """PDUs not yet (wholly) handed to the kernel: ``[buffers, request or None]``."""
+        self._sender = None  # the sender task
+        self._sender_idle = False  # parked, waiting for PDUs to send
+        self._watch: trio.CancelScope | None = None
+        self._splicer: Splicer | None = None  # opened for the first large H2CData
+        self._splice = transport.splice
+        self._woke = False  # the receive loop let a caller go since it last yielded
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
         self._rview = memoryview(self._rbuf)
         self._rstart = self._rend = 0
+        self._after_payload = False  # the last receive went straight into a payload
 
     @property
     def name(self) -> str:
@@ -300,7 +350,10 @@ class TcpQueue:
 
     async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False, timeout: float) -> Completion:
-        cid = await self._allocate(timeout)
+        if self._failed is None and self._free:
+            cid = self._free.pop()
+        else:
+            cid = await self._allocate(timeout)
         length = data.length if data is not None else 0
         request = Request(cid, data if length else None, to_controller)
         self._pending[cid] = request
@@ -321,87 +374,160 @@ class TcpQueue:
             buffers.append(payload)
             if self.data_digest:
                 buffers.append(pdu.digest(payload))
-        try:
-            await self._send(buffers)
-        except TransportError:
-            self._release(request)
-            raise
-        # Not cancellable: the target may still be moving data into the caller's memory.
-        with trio.CancelScope(shield=True):
-            with trio.move_on_after(timeout):
-                await request.done.wait()
-        if not request.done.is_set():
-            request.abandoned = True  # its slot stays taken until the target answers
-            raise CommandTimeout(f"{self.name}: command {cid} got no completion within "
-                                 f"{timeout:g} s")
+        # With others in flight, other callers likely submit in this trio batch too: the
+        # sender hands them to the kernel together, in one sendmsg.
+        self._submit(buffers, request, batch=len(self._pending) > 1)
+        if not request.finished:
+            request.task = trio.lowlevel.current_task()
+            request.timeout = timeout
+            request.deadline = deadline = trio.current_time() + timeout
+            watch = self._watch
+            if watch is not None and deadline < watch.deadline:
+                watch.deadline = deadline
+            # Not cancellable (the target may still be moving data); the watchdog
+            # reschedules us with CommandTimeout once the deadline passed.
+            await trio.lowlevel.wait_task_rescheduled(_uncancellable)
         if request.error is not None:
             raise request.error
         return request.completion  # type: ignore[return-value]
 
-    async def _send(self, buffers: list) -> None:
-        """Send one PDU (a list of buffers) whole; PDUs never interleave."""
+    # -- sending ------------------------------------------------------------------------------
+
+    def _submit(self, buffers: list, request: Request | None, *, batch: bool) -> None:
+        """Queue one PDU (a list of buffers) for the socket; PDUs never interleave.
+
+        Sent at once when nothing else is queued and ``batch`` is false; otherwise
+        by the sender task, with whatever else was queued meanwhile.
+        """
         if self._failed is not None:
-            raise self._failed
-        lock = self._send_lock
-        if lock.locked():
-            await lock.acquire()
-        else:
-            lock.acquire_nowait()
+            if request is not None and not request.finished:
+                request.error = self._failed
+                self._let_go(request)
+            return
+        if request is not None:
+            request.unsent += 1
+        out = self._outgoing
+        out.append([buffers, request])
+        if len(out) > 1 or (batch and self._sender is not None):
+            self._wake_sender()
+            return
         try:
+            if not self._flush():
+                self._wake_sender()  # the rest when the socket takes more
+        except OSError as exc:
+            self._fail(self._send_error(exc))
+
+    def _wake_sender(self) -> None:
+        if self._sender_idle:
+            self._sender_idle = False
+            trio.lowlevel.reschedule(self._sender)
+
+    def _flush(self) -> bool:
+        """Hand the kernel as much of the queued PDUs as it takes now; True if all."""
+        out = self._outgoing
+        sock = self.sock
+        while out:
+            first = out[0][0][0]
             try:
-                while buffers:
-                    try:
-                        sent = self.sock.sendmsg(buffers)
-                    except BlockingIOError:
-                        # A PDU begun is finished (or the connection closed): a caller's
-                        # cancellation must not leave half of one on the wire.
-                        with trio.CancelScope(shield=True):
-                            await trio.lowlevel.wait_writable(self.sock)
-                        continue
-                    while sent:
-                        first = buffers[0]
-                        if sent >= len(first):
-                            sent -= len(first)
-                            buffers.pop(0)
-                        else:
-                            buffers[0] = memoryview(first)[sent:]
-                            sent = 0
-            except OSError as exc:
-                if self._failed is not None:
-                    raise self._failed from None
-                error = TransportError(f"{self.name}: sending to "
-                                       f"{self.transport.traddr}:{self.transport.trsvcid} "
-                                       f"failed: {exc.strerror or exc}")
-                self._fail(error)
-                raise error from None
-            except trio.ClosedResourceError:
-                raise self._failed or TransportError(f"{self.name} is closed") from None
+                if type(first) is Spliced:
+                    self._splicer.send(sock.fileno(), first)  # advances ``first``
+                    if not len(first):
+                        self._sent_head()
+                    continue
+                iov: list = []
+                for entry in out:
+                    for buffer in entry[0]:
+                        if type(buffer) is Spliced:
+                            break
+                        iov.append(buffer)
+                    else:
+                        if len(iov) < MAX_IOV:
+                            continue
+                    break  # at a spliced buffer, or enough for one call
+                sent = sock.sendmsg(iov)
+            except BlockingIOError:
+                return False
+            while sent:  # (never into a spliced buffer: the gather stopped before it)
+                buffers = out[0][0]
+                first = buffers[0]
+                if sent < len(first):
+                    buffers[0] = memoryview(first)[sent:]
+                    break
+                sent -= len(first)
+                self._sent_head()
+        return True
+
+    def _sent_head(self) -> None:
+        """The first queued buffer is wholly with the kernel: drop it (and its PDU if done)."""
+        out = self._outgoing
+        entry = out[0]
+        buffers = entry[0]
+        del buffers[0]
+        if not buffers:
+            out.popleft()
+            request = entry[1]
+            if request is not None:
+                request.unsent -= 1
+                if not request.unsent and request.completion is not None:
+                    self._finish(request, request.completion)
+
+    async def _send_queued(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """The sender: hands queued PDUs to the kernel, waiting while the socket is full."""
+        self._sender = trio.lowlevel.current_task()
+        task_status.started()
+        try:
+            while True:
+                if not self._outgoing or self._failed is not None:
+                    self._sender_idle = True
+                    await trio.lowlevel.wait_task_rescheduled(_cancellable)
+                    continue
+                try:
+                    if not self._flush():
+                        await trio.lowlevel.wait_writable(self.sock)
+                except OSError as exc:
+                    if self._failed is None:
+                        self._fail(self._send_error(exc))
+                except trio.ClosedResourceError:
+                    pass  # failed and closed meanwhile: nothing more to send
         finally:
-            lock.release()
+            self._sender = None
+            self._sender_idle = False
+
+    def _send_error(self, exc: OSError) -> TransportError:
+        return TransportError(f"{self.name}: sending to "
+                              f"{self.transport.traddr}:{self.transport.trsvcid} "
+                              f"failed: {exc.strerror or exc}")
 
     # -- receiving ------------------------------------------------------------------------------
 
     async def receive(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Read and dispatch PDUs until the connection fails or the queue stops."""
+        """Read and dispatch PDUs until the connection fails or the queue stops.
+
+        Also runs the queue's sender and command watchdog.
+        """
         try:
             with trio.CancelScope() as self._receiver:
-                task_status.started()
-                try:
-                    await self._receive()
-                except pdu.PduError as exc:
-                    self._fail(TransportError(f"{self.name}: {exc}"))
-                except TransportError as exc:
-                    self._fail(exc)
-                except OSError as exc:
-                    self._fail(TransportError(f"{self.name}: receiving from "
-                                              f"{self.transport.traddr}:"
-                                              f"{self.transport.trsvcid} failed: "
-                                              f"{exc.strerror or exc}"))
-                except trio.ClosedResourceError:
-                    self._fail(TransportError(f"{self.name} is closed"))
-                finally:
-                    if self._failed is None:
-                        self._fail(TransportError(f"{self.name}: stopped"))
+                async with trio.open_nursery() as nursery:
+                    await nursery.start(self._watchdog)
+                    await nursery.start(self._send_queued)
+                    task_status.started()
+                    try:
+                        await self._receive()
+                    except pdu.PduError as exc:
+                        self._fail(TransportError(f"{self.name}: {exc}"))
+                    except TransportError as exc:
+                        self._fail(exc)
+                    except OSError as exc:
+                        self._fail(TransportError(f"{self.name}: receiving from "
+                                                  f"{self.transport.traddr}:"
+                                                  f"{self.transport.trsvcid} failed: "
+                                                  f"{exc.strerror or exc}"))
+                    except trio.ClosedResourceError:
+                        self._fail(TransportError(f"{self.name} is closed"))
+                    finally:
+                        if self._failed is None:
+                            self._fail(TransportError(f"{self.name}: stopped"))
+                        nursery.cancel_scope.cancel()
         finally:
             self._received.set()
 
@@ -421,8 +547,13 @@ class TcpQueue:
             kept = self._rend - self._rstart
             self._rview[:kept] = self._rview[self._rstart:self._rend]
             self._rstart, self._rend = 0, kept
+        # Right after a payload received in place, more large ones likely follow: ask for
+        # about the PDU headers between them, so that little payload is copied twice.
+        ask = AFTER_PAYLOAD_BYTES if self._after_payload else RECV_BYTES
+        self._after_payload = False
         while self._rend < count:
-            self._rend += await self._recv_into(self._rview[self._rend:])
+            self._rend += await self._recv_into(
+                self._rview[self._rend:max(self._rend + ask, count)])
 
     async def _recv_into(self, dest: memoryview) -> int:
         """Receive at least one byte into ``dest``; a closed connection is an error."""
@@ -431,6 +562,7 @@ class TcpQueue:
                 n = self.sock.recv_into(dest)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
+                self._woke = False  # the callers let go have run meanwhile
                 continue
             except OSError:
                 if self._closed:
@@ -442,13 +574,22 @@ class TcpQueue:
             return n
 
     async def _read_into(self, dest: memoryview) -> None:
-        """Fill ``dest`` from the stream: buffered bytes first, the rest received in place."""
-        have = min(self._rend - self._rstart, len(dest))
+        """Fill ``dest`` from the stream: buffered bytes first; a large rest is received
+        in place, a small one through the buffer (with whatever PDUs follow it)."""
+        want = len(dest)
+        have = min(self._rend - self._rstart, want)
         if have:
             dest[:have] = self._rview[self._rstart:self._rstart + have]
             self._rstart += have
-        while have < len(dest):
+        while have < want:
+            rest = want - have
+            if rest < DIRECT_RECV_BYTES:
+                await self._fill(rest)
+                dest[have:] = self._rview[self._rstart:self._rstart + rest]
+                self._rstart += rest
+                return
             have += await self._recv_into(dest[have:])
+            self._after_payload = True
 
     async def _skip(self, count: int) -> bytes:
         await self._fill(count)
@@ -459,8 +600,9 @@ class TcpQueue:
     async def _receive(self) -> None:
         hdgst, ddgst = self.header_digest, self.data_digest
         while True:
-            if self._rend - self._rstart < 8:
-                # Let the callers just woken run before reading on (fairness).
+            if self._rend - self._rstart < 8 and self._woke:
+                # Let the callers just let go run (and submit more) before reading on.
+                self._woke = False
                 await trio.lowlevel.checkpoint()
             await self._fill(8)
             pdu_type, _, hlen, _, _ = pdu.peek_common(self._rview, self._rstart)
@@ -474,7 +616,7 @@ class TcpQueue:
             elif header.type == pdu.C2H_DATA:
                 await self._c2h_data(header, size)
             elif header.type == pdu.R2T:
-                await self._r2t(header)
+                self._r2t(header)
             else:  # C2HTermReq
                 raise TransportError(f"{self.name}: the controller ended the connection "
                                      f"with a C2HTermReq ({pdu.term_reason(header.length)})")
@@ -488,12 +630,25 @@ class TcpQueue:
 
     def _response(self, completion: Completion) -> None:
         request = self._lookup(completion.command_id, "CapsuleResp")
+        if request.completion is not None:
+            raise TransportError(f"{self.name}: second response for command ID {request.cid}")
         self._finish(request, completion)
 
     def _finish(self, request: Request, completion: Completion) -> None:
+        """``request`` is answered: let its caller go once nothing of it is left to send."""
         request.completion = completion
+        if request.unsent:
+            return  # the sender finishes it when its last PDU left (it reads the caller's data)
         self._release(request)
-        request.done.set()
+        self._let_go(request)
+
+    def _let_go(self, request: Request) -> None:
+        request.finished = True
+        self._woke = True
+        task = request.task
+        if task is not None:
+            request.task = None
+            trio.lowlevel.reschedule(task)
 
     async def _c2h_data(self, header: pdu.Header, header_size: int) -> None:
         request = self._lookup(header.cid, "C2HData")
@@ -524,7 +679,7 @@ class TcpQueue:
                                      f"{request.data.length} bytes")
             self._finish(request, Completion(0, 0, self.qid, header.cid, 0, False))
 
-    async def _r2t(self, header: pdu.Header) -> None:
+    def _r2t(self, header: pdu.Header) -> None:
         request = self._lookup(header.cid, "R2T")
         if request.data is None or not request.to_controller:
             raise TransportError(f"{self.name}: R2T for command {header.cid}, "
@@ -536,32 +691,71 @@ class TcpQueue:
                                  f"{request.data.length} bytes")
         payload = request.buffer()
         pieces = pdu.h2c_pieces(header.offset, header.length, self.maxh2cdata)
+        splice = self._splice and header.length >= SPLICE_MIN_BYTES and not payload.readonly
+        if splice and self._splicer is None:
+            self._splicer = open_splicer()
         for i, (at, length) in enumerate(pieces):
             piece = payload[at:at + length]
             buffers = [pdu.h2c_data_header(header.cid, header.ttag, at, length,
                                            last=i == len(pieces) - 1,
                                            header_digest=self.header_digest,
                                            data_digest=self.data_digest, cpda=self.cpda),
-                       piece]
+                       Spliced(piece) if splice and self._splicer is not None else piece]
             if self.data_digest:
                 buffers.append(pdu.digest(piece))
-            await self._send(buffers)
+            # At once when nothing else waits: the target waits for this data.
+            self._submit(buffers, request, batch=False)
+
+    # -- timeouts -------------------------------------------------------------------------------
+
+    async def _watchdog(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Time out commands past their deadline; sleeps until the earliest one."""
+        task_status.started()
+        while True:
+            with trio.CancelScope(deadline=self._earliest_deadline()) as self._watch:
+                await trio.sleep_forever()
+            self._expire(trio.current_time())
+
+    def _earliest_deadline(self) -> float:
+        return min((r.deadline for r in self._pending.values() if r.task is not None),
+                   default=math.inf)
+
+    def _expire(self, now: float) -> None:
+        for request in list(self._pending.values()):
+            if request.task is None or request.deadline > now:
+                continue
+            if request.unsent:
+                # Its PDUs still wait for the socket and read the caller's memory: the
+                # connection is stuck, and only closing it lets the caller go safely.
+                self._fail(TransportError(f"{self.name}: command {request.cid} could not be "
+                                          f"sent within {request.timeout:g} s"))
+                return
+            request.abandoned = True  # its slot stays taken until the target answers
+            task, request.task = request.task, None
+            trio.lowlevel.reschedule(task, outcome.Error(CommandTimeout(
+                f"{self.name}: command {request.cid} got no completion within "
+                f"{request.timeout:g} s")))
 
     # -- failure and teardown -------------------------------------------------------------------
 
     def _fail(self, error: TransportError) -> None:
         if self._failed is None:
             self._failed = error
+        self._outgoing.clear()  # nothing more is sent on this connection
         pending, self._pending = self._pending, {}
         for request in pending.values():
             request.error = self._failed
-            request.done.set()
-        self._free = []  # nothing more is sent on this connection
+            request.unsent = 0
+            if not request.finished:
+                self._let_go(request)
+        self._free = []
         self._slot_waiters.unpark_all()
         if not self._closed:
             self._closed = True
             trio.lowlevel.notify_closing(self.sock)  # wakes a task waiting on it
             self.sock.close()
+            if self._splicer is not None:
+                self._splicer.close()
 
     def close(self) -> None:
         if self._failed is None:

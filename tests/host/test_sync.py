@@ -309,3 +309,111 @@ def test_real_connect_errors_reach_the_caller():
     with pytest.raises(InvalidArgument, match="--queue-size 1 must be 2-65536"):
         with SyncController(options(queue_size=1)):
             pytest.fail("entered a controller with bad options")
+
+
+# -- submit: futures the loop completes ------------------------------------------------------------
+
+async def _echo(value):
+    return value
+
+
+async def _wait_then(event: threading.Event, value):
+    while not event.is_set():
+        await trio.sleep(0.001)
+    return value
+
+
+def test_submit_returns_a_future_the_loop_completes():
+    with SyncController(options(), connect=Fake()) as ctrl:
+        futures = [ctrl.submit(_echo, i) for i in range(20)]
+        assert [f.result(WAIT) for f in futures] == list(range(20))
+        assert all(f.done() for f in futures)
+
+
+def test_a_call_submitted_while_another_runs_starts_when_the_caller_waits():
+    """It is not woken for at submit time; waiting on its future wakes the loop for it."""
+    release = threading.Event()
+    with SyncController(options(), connect=Fake()) as ctrl:
+        first = ctrl.submit(_wait_then, release, "first")
+        second = ctrl.submit(_echo, "second")
+        assert second.result(WAIT) == "second"  # while the first still runs
+        assert not first.done()
+        release.set()
+        assert first.result(WAIT) == "first"
+
+
+def test_a_call_submitted_while_another_runs_starts_when_that_one_ends():
+    release = threading.Event()
+    with SyncController(options(), connect=Fake()) as ctrl:
+        first = ctrl.submit(_wait_then, release, "first")
+        second = ctrl.submit(_echo, "second")
+        release.set()
+        assert first.result(WAIT) == "first"
+        for _ in range(int(WAIT / 0.001)):  # started by the first one's end, not by a wait
+            if second._done:
+                break
+            time.sleep(0.001)
+        assert second.result(0) == "second"
+
+
+def test_a_future_not_done_in_time_says_so_and_errors_reach_the_caller():
+    import concurrent.futures
+
+    release = threading.Event()
+    with SyncController(options(), connect=Fake()) as ctrl:
+        slow = ctrl.submit(_wait_then, release, "late")
+        with pytest.raises(concurrent.futures.TimeoutError):
+            slow.result(0.01)
+        release.set()
+        assert slow.result(WAIT) == "late"
+
+        async def fail():
+            raise InvalidArgument("LBA range 9..9 is outside namespace 1")
+
+        with pytest.raises(InvalidArgument, match="outside namespace 1"):
+            ctrl.submit(fail).result(WAIT)
+
+
+def test_submit_after_close_fails_clearly():
+    ctrl = SyncController(options(), connect=Fake())
+    ctrl.__enter__()
+    ctrl.close()
+    with pytest.raises(ConnectError, match="is closed"):
+        ctrl.submit(_echo, 1)
+
+
+def test_calls_waiting_to_start_when_the_loop_crashes_end_and_never_hang():
+    """Each ends: run as the loop unwinds, or failed with the loop's error."""
+    fake = Fake()
+    release = threading.Event()
+    ctrl = SyncController(options(), connect=fake)
+    ctrl.__enter__()
+    first = ctrl.submit(_wait_then, release, "first")
+    waiting = [ctrl.submit(_echo, i) for i in range(3)]
+    ctrl.call(_set, fake.crash)
+    with pytest.raises(ConnectError):
+        first.result(WAIT)
+    for i, future in enumerate(waiting):
+        try:
+            assert future.result(WAIT) == i
+        except ConnectError as exc:
+            assert "stopped" in str(exc) or "closed" in str(exc)
+    with pytest.raises(TransportError):
+        ctrl.close()
+    with pytest.raises(ConnectError, match="stopped: I/O queue 1"):
+        ctrl.submit(_echo, "late")
+
+
+def test_many_calls_some_blocked_all_end_and_close_is_clean():
+    """Workers are reused: a blocked call holds one, the others go on; parked ones end at close."""
+    release = threading.Event()
+    fake = Fake()
+    with SyncController(options(), connect=fake) as ctrl:
+        blocked = [ctrl.submit(_wait_then, release, f"b{i}") for i in range(3)]
+        for round_ in range(5):
+            futures = [ctrl.submit(_echo, (round_, i)) for i in range(40)]
+            assert [f.result(WAIT) for f in futures] == [(round_, i) for i in range(40)]
+        assert not any(f.done() for f in blocked)
+        release.set()
+        assert [f.result(WAIT) for f in blocked] == ["b0", "b1", "b2"]
+    assert fake.events[-1] == "exit"

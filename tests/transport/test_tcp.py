@@ -251,6 +251,107 @@ def test_many_pipelined_commands_each_get_their_own_data():
     with_target(test)
 
 
+class CountingSocket:
+    """A queue's socket that counts ``sendmsg`` calls, or refuses every send (``full``)."""
+
+    def __init__(self, sock, *, full: bool = False) -> None:
+        self.sock = sock
+        self.full = full
+        self.sendmsgs = 0
+
+    def sendmsg(self, buffers):
+        self.sendmsgs += 1
+        if self.full:
+            raise BlockingIOError
+        return self.sock.sendmsg(buffers)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_capsules_submitted_together_go_out_in_one_sendmsg():
+    async def test(target, transport, queue):
+        for i in range(16):
+            target.data[i * LBA:(i + 1) * LBA] = bytes([i]) * LBA
+        queue.sock = counting = CountingSocket(queue.sock)
+        wrong = []
+
+        async def one(i):
+            got, _ = await read(queue, transport, i, LBA)
+            if got != bytes([i]) * LBA:
+                wrong.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(16):
+                nursery.start_soon(one, i)
+        # the first alone, at once; the fifteen submitted with it in the same trio batch
+        # together, by the sender
+        assert wrong == [] and counting.sendmsgs == 2 and len(target.commands) == 16
+
+    with_target(test)
+
+
+def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
+    async def test(target, transport, queue):
+        queue.sock = CountingSocket(queue.sock, full=True)
+        buf = host_buffer(transport.register, 4096)
+        with pytest.raises(TransportError, match=r"^I/O queue 1: command \d+ could not be "
+                                                 r"sent within 0.2 s$"):
+            await queue.execute(cmd.write(1, 0, 8, NULL_SGL), buf.ref(), to_controller=True,
+                                timeout=0.2)
+        with pytest.raises(TransportError, match="could not be sent"):
+            await queue.execute(cmd.flush(1), timeout=5)
+        assert target.commands == []
+
+    with_target(test)
+
+
+@pytest.mark.parametrize("splice", [True, False], ids=["spliced", "copied"])
+@pytest.mark.parametrize("digests", [{}, {"header_digest": True, "data_digest": True}],
+                         ids=["plain", "digests"])
+def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, monkeypatch):
+    from nvmeof_fuse.transport import splice as splicing
+
+    spliced = []
+    send = splicing.Splicer.send
+
+    def counting(self, fd, data):
+        sent = send(self, fd, data)
+        spliced.append(sent)
+        return sent
+
+    monkeypatch.setattr(splicing.Splicer, "send", counting)
+    data = random.Random(5).randbytes(768 * 1024)
+
+    async def test(target, transport, queue):
+        assert (await write(queue, transport, 8, data)).ok
+        assert target.h2c_lengths == [512 * 1024, 256 * 1024]
+        assert target.data[8 * LBA:8 * LBA + len(data)] == data
+        assert sum(spliced) == (len(data) if splice else 0)
+        got, _ = await read(queue, transport, 8, len(data))
+        assert got == data
+
+    with_target(test, transport_kw={"splice": splice, **digests}, maxh2cdata=512 * 1024)
+
+
+def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
+    import errno
+
+    from nvmeof_fuse.transport import splice as splicing
+
+    def failing(self, fd, data):
+        raise OSError(errno.EIO, "vmsplice: Input/output error")
+
+    monkeypatch.setattr(splicing.Splicer, "send", failing)
+
+    async def test(target, transport, queue):
+        with pytest.raises(TransportError, match=r"^I/O queue 1: sending to 127.0.0.1:\d+ "
+                                                 r"failed: vmsplice: Input/output error$"):
+            await write(queue, transport, 0, bytes(128 * 1024))
+
+    with_target(test, maxh2cdata=512 * 1024)
+
+
 def test_registered_memory_without_a_view_is_received_in_place():
     import numpy as np
 
