@@ -2,7 +2,7 @@
 
 ``python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT`` mounts one, so that ``scripts/bench`` can
 show, in the same run as the real target, how fast the FUSE file can be at best: the cost of
-the kernel's FUSE, pyfuse3 and our file layer alone.  The tests' fakes build on it.
+the kernel's FUSE, our FUSE session and our file layer alone.  The tests' fakes build on it.
 """
 
 from __future__ import annotations
