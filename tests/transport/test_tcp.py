@@ -232,20 +232,26 @@ def test_reads_in_the_forms_a_target_may_send(kw):
     with_target(test, **kw)
 
 
+async def read_lbas_at_once(target, transport, queue, count: int) -> list[int]:
+    """Fill LBAs 0..count-1 with their own number, read them all concurrently: the wrong ones."""
+    for i in range(count):
+        target.data[i * LBA:(i + 1) * LBA] = bytes([i]) * LBA
+    wrong = []
+
+    async def one(i):
+        got, _ = await read(queue, transport, i, LBA)
+        if got != bytes([i]) * LBA:
+            wrong.append(i)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(count):
+            nursery.start_soon(one, i)
+    return wrong
+
+
 def test_many_pipelined_commands_each_get_their_own_data():
     async def test(target, transport, queue):
-        for i in range(64):
-            target.data[i * LBA:(i + 1) * LBA] = bytes([i]) * LBA
-        wrong = []
-
-        async def one(i):
-            got, _ = await read(queue, transport, i, LBA)
-            if got != bytes([i]) * LBA:
-                wrong.append(i)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(64):
-                nursery.start_soon(one, i)
+        wrong = await read_lbas_at_once(target, transport, queue, 64)
         assert wrong == [] and queue.available == 31
 
     with_target(test)
@@ -271,19 +277,8 @@ class CountingSocket:
 
 def test_capsules_submitted_together_go_out_in_one_sendmsg():
     async def test(target, transport, queue):
-        for i in range(16):
-            target.data[i * LBA:(i + 1) * LBA] = bytes([i]) * LBA
         queue.sock = counting = CountingSocket(queue.sock)
-        wrong = []
-
-        async def one(i):
-            got, _ = await read(queue, transport, i, LBA)
-            if got != bytes([i]) * LBA:
-                wrong.append(i)
-
-        async with trio.open_nursery() as nursery:
-            for i in range(16):
-                nursery.start_soon(one, i)
+        wrong = await read_lbas_at_once(target, transport, queue, 16)
         # the first alone, at once; the fifteen submitted with it in the same trio batch
         # together, by the sender
         assert wrong == [] and counting.sendmsgs == 2 and len(target.commands) == 16
