@@ -265,7 +265,6 @@ class _Session:
             log.warning("requests still in flight after %g s; abandoning them", self.drain_timeout)
             self.main_scope.cancel()
 
-
     async def _idle_or_ended(self) -> None:
         """Return once no file is open, or once the kernel ended the session: when the last
         file of a detached mount closes, the kernel aborts the connection and that file's
