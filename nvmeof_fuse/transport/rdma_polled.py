@@ -10,9 +10,10 @@ request it finds done, as MPI or kvikio runtimes make progress while waiting.
 
 - One lock guards the slots (command IDs) and every verbs call on the queue.
 - Exactly one waiter polls at a time; others sleep on a condition and take over
-  when it leaves.  A poller spins for about twice the queue's recent latency,
-  then arms the CQs and sleeps on the completion channel's fd: nothing spins
-  while nobody waits, and every wait is bounded by the caller's deadline.
+  when it leaves.  A poller spins for about twice the queue's recent latency
+  (when that is under ``POLL_MAX``), then arms the CQs and sleeps on the
+  completion channel's fd: nothing spins while nobody waits, and every wait is
+  bounded by the caller's deadline.
 - :meth:`detach` (the owner's loop, before the queue is torn down) fails every
   request in flight with :class:`TransportError`; callers then retry elsewhere.
 """
@@ -143,7 +144,7 @@ class PolledQueue:
         """Spin briefly, then sleep on the completion channel, until ``request`` finished,
         the queue failed or ``until`` passed (the caller holds the poller's role)."""
         clock = time.perf_counter
-        spin_until = clock() + min(2 * self.latency, POLL_MAX)
+        spin_until = clock() + self._spin()
         while not request.finished and self.failed is None:
             if self._drain():
                 if self._sleepers:
@@ -161,7 +162,13 @@ class PolledQueue:
             if self._drain():
                 continue
             self._sleep(min(until - now, BLOCK_SLICE))
-            spin_until = clock() + min(2 * self.latency, POLL_MAX)
+            spin_until = clock() + self._spin()
+
+    def _spin(self) -> float:
+        """Seconds to poll before sleeping: twice the recent latency when that is short (as
+        the trio path's hybrid polling); none for slow queues, which would waste a CPU the
+        target side needs (the testbed's rxe and nvmet share the VM's)."""
+        return 2 * self.latency if self.latency < POLL_MAX else 0.0
 
     def _sleep(self, limit: float) -> None:
         """Wait for the completion channel's event (bounded) and consume it."""
