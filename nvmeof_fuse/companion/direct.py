@@ -359,7 +359,7 @@ class DirectQueues:
                  region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
                 for start in range(0, nlb, per)]
         queue = polled[0] if len(polled) == 1 else max(polled, key=lambda q: q.available)
-        requests = queue.submit(sqes)
+        requests = queue.submit(sqes, put)  # put holds the caller's buffer
         if requests is None:  # full, or failed: the loop's queues serve it
             return None
         return PolledRead(self, queue, requests, size,

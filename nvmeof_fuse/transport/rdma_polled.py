@@ -52,6 +52,7 @@ class PolledQueue:
         self._wakeup = threading.Condition(threading.Lock())
         self._sleepers = 0
         self._recv_armed = self._send_armed = False
+        self._held: dict[int, Any] = {}  # command ID -> what keeps its memory alive
         self.failed: TransportError | None = None
         self.detached = False
         self.latency = min(queue.latency, POLL_MAX)
@@ -66,9 +67,16 @@ class PolledQueue:
 
     # -- submission (any thread) -----------------------------------------------------------
 
-    def submit(self, sqes: list[tuple[bytearray, DataRef]]) -> list[Request] | None:
+    def submit(self, sqes: list[tuple[bytearray, DataRef]], keep: Any = None
+               ) -> list[Request] | None:
         """Post reads (``(sqe, dest)`` each) at once: their requests, or None when the queue
-        failed or lacks the slots for all of them (nothing posted then)."""
+        failed or lacks the slots for all of them (nothing posted then).
+
+        ``keep`` (the owner of the memory) is held until each response came, even if
+        the caller drops its requests: freed memory would have its registration dropped
+        while the target still writes there.  After a failure it is held until the
+        queue itself goes (after its QP).
+        """
         q = self.queue
         with self._lock:
             if self.failed is not None or self._slots.available < len(sqes):
@@ -85,6 +93,7 @@ class PolledQueue:
                 q._place_data(capsule, offset + 24, ref, False)
                 wrs.extend(q._sends[cid])
                 requests.append(request)
+                self._held[cid] = keep
             try:
                 q.qp.post_send(wrs)
             except OSError as exc:
@@ -230,6 +239,7 @@ class PolledQueue:
                         completion = Completion.unpack_from(view, slot * CQE_BYTES)
                         reposts.append(q._recvs[slot])
                         slots.response(completion)
+                        self._held.pop(completion.command_id, None)
                     q.qp.post_recv(reposts)
             except TransportError as exc:
                 self._fail(exc)

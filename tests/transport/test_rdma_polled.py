@@ -190,3 +190,13 @@ def test_take_over_waits_for_the_queue_to_be_idle_then_stops_its_reaper(queue, m
     (request,) = polled.submit(reads(memory, 1))
     answer(queue.qp, request.cid)
     assert polled.wait(request, time.perf_counter() + 30).ok
+
+
+def test_the_owner_of_the_memory_is_held_until_the_response_came(queue, memory):
+    polled = PolledQueue(queue)
+    owner = object()
+    (request,) = polled.submit(reads(memory, 1), owner)
+    assert owner in polled._held.values()
+    answer(queue.qp, request.cid)
+    polled.progress()
+    assert request.finished and owner not in polled._held.values()
