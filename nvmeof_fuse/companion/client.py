@@ -591,8 +591,8 @@ class File:
                                   temporary)
             finish = None
         elif isinstance(target, _LazyHostTarget):  # host memory: nothing to do afterwards
-            future = direct.start(direct.read, self.nsid, region, at, size, file_offset,
-                                  target.put, temporary)
+            future = direct.start_read(self.nsid, region, at, size, file_offset,
+                                       target.put, temporary)
             finish = None
         else:  # device copies belong to the caller's thread: collected, put in finish
             edges: list[tuple[int, bytes]] = []

@@ -23,6 +23,7 @@ import math
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
@@ -30,16 +31,22 @@ from typing import Any
 import trio
 
 from ..concurrency import run_all
-from ..errors import InvalidArgument, NVMeoFError, TransportError
+from ..errors import CommandTimeout, InvalidArgument, NVMeoFError, TransportError
 from ..host.attached import Lease, NamespaceShape, attach
 from ..host.byterange import split_range
 from ..host.controller import ConnectOptions, make_transport
 from ..host.memory import Region, buffer_address
 from ..host.sync import SyncController
+from ..nvme import command as nvme_cmd
+from ..nvme.sgl import NULL_SGL
 from . import gpu, protocol, shm
 
 log = logging.getLogger(__name__)
 
+POLLED_QUEUES = 1
+"""Of a client's leased queues, how many its callers' threads drive themselves (whole-LBA
+reads into registered host memory; :mod:`nvmeof_fuse.transport.rdma_polled`); the loop
+keeps the others, and these too while fewer are leased."""
 REPORT_INTERVAL = 1.0  # s between reports of this client's byte counts to the daemon
 RENEW_FOREVER = 365 * 86400.0  # s: bound of a lease wait when the mount never gives up
 
@@ -157,7 +164,11 @@ class DirectQueues:
         self._first: Lease | None = lease_from(reply)
         self.qids: tuple[int, ...] = self._first.qids
         self._moved = {"client_queue_read_bytes": 0, "client_queue_write_bytes": 0}
+        self._polled_read_bytes = 0  # moved by polled reads (callers' threads)
+        self._polled_lock = threading.Lock()
         self._reported = dict(self._moved)
+        self._shapes = {shape.nsid: shape for shape in self._first.namespaces}
+        self._max_transfer = self._first.max_transfer
         options = options_from(reply, timeout)
         self.renew_timeout = (RENEW_FOREVER if options.ctrl_loss_tmo < 0 else
                                options.ctrl_loss_tmo + 2 * options.timeout)
@@ -177,7 +188,8 @@ class DirectQueues:
 
         Registrations go after the requests in flight drained, before the PD goes.
         """
-        async with attach(options, self._lease, make_transport(options)) as ctrl:
+        async with attach(options, self._lease, make_transport(options),
+                          polled=POLLED_QUEUES) as ctrl:
             self._ctrl = ctrl
             self._registrations = _Registrations(ctrl.transport.register)
             self._register_dmabuf = ctrl.transport.register_dmabuf
@@ -215,8 +227,9 @@ class DirectQueues:
     async def _report_now_and_then(self) -> None:
         while True:
             await trio.sleep(REPORT_INTERVAL)
-            if self._moved != self._reported:
-                self._reported = dict(self._moved)
+            moved = self.moved()
+            if moved != self._reported:
+                self._reported = moved
                 try:
                     self._channel.call_future("report", moved=self._reported)
                 except NVMeoFError as exc:  # the daemon is gone: requests will say so
@@ -224,7 +237,9 @@ class DirectQueues:
 
     def moved(self) -> dict[str, int]:
         """This client's running totals over its own queues (what it reports)."""
-        return dict(self._moved)
+        moved = dict(self._moved)
+        moved["client_queue_read_bytes"] += self._polled_read_bytes
+        return moved
 
     # -- memory ---------------------------------------------------------------------------
 
@@ -311,12 +326,121 @@ class DirectQueues:
         finally:
             with trio.CancelScope(shield=True):
                 await self._ask("unlock", self._timeout, token=reply["token"], nsid=nsid,
-                                moved=self._moved)
+                                moved=self.moved())
         return size
+
+    # -- polled reads (the caller's thread drives a queue of ours) -------------------------
+
+    def start_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
+                   put: Any, temporary: bool) -> Any:
+        """:meth:`start` of :meth:`read`, posted from this thread on a polled queue when it
+        can be (whole LBAs, memory kept registered, a free slot): no loop, no thread switch."""
+        if not temporary:
+            future = self._polled_read(nsid, region, at, size, file_offset, put)
+            if future is not None:
+                return future
+        return self.start(self.read, nsid, region, at, size, file_offset, put, temporary)
+
+    def _polled_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
+                     put: Any) -> PolledRead | None:
+        ctrl = self._ctrl
+        polled = ctrl.polled_queues if ctrl is not None else None
+        shape = self._shapes.get(nsid)
+        if not polled or shape is None:
+            return None
+        lba_size = shape.lba_size
+        if file_offset % lba_size or size % lba_size or not size:
+            return None
+        slba, nlb = file_offset // lba_size, size // lba_size
+        if slba + nlb > shape.nsze:
+            return None  # the loop's path names the error
+        per = max(1, min(self._max_transfer // lba_size, nvme_cmd.MAX_NLB))
+        sqes = [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
+                 region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
+                for start in range(0, nlb, per)]
+        queue = polled[0] if len(polled) == 1 else max(polled, key=lambda q: q.available)
+        requests = queue.submit(sqes, put)  # put holds the caller's buffer
+        if requests is None:  # full, or failed: the loop's queues serve it
+            return None
+        return PolledRead(self, queue, requests, size,
+                          lambda: self.start(self.read, nsid, region, at, size, file_offset,
+                                             put, False))
+
+    def polled_done(self, size: int) -> None:
+        with self._polled_lock:
+            self._polled_read_bytes += size
+
+    def polled_failed(self, queue: Any, exc: BaseException) -> None:
+        """A polled queue failed under a caller: have the loop reconnect (unless it did)."""
+        if queue.detached:
+            return
+        try:
+            self._bridge.call_sync(self._ctrl.polled_lost, queue, exc)
+        except NVMeoFError as error:  # the loop is gone: the fallback will say so
+            log.debug("reporting a lost queue: %s", error)
 
     def close(self) -> None:
         """Drain the requests in flight (bounded), release the memory, disconnect."""
+        ctrl = self._ctrl
+        if ctrl is not None:
+            until = time.perf_counter() + self._timeout
+            for queue in list(ctrl.polled_queues):
+                queue.drain(until)
         self._bridge.close()
+
+
+class PolledRead:
+    """A read posted on a polled queue; waiting for it reaps the queue in the waiter's thread.
+
+    If the queue fails under it (lost connection, command timeout), the read is
+    run again on the loop's path, which waits for the reconnect and fails with
+    the same EIO rules as any other request.
+    """
+
+    __slots__ = ("_direct", "_queue", "_requests", "_size", "_fallback", "_future")
+
+    def __init__(self, direct: DirectQueues, queue: Any, requests: list, size: int,
+                 fallback: Any) -> None:
+        self._direct = direct
+        self._queue = queue
+        self._requests = requests
+        self._size = size
+        self._fallback = fallback
+        self._future: Any = None
+
+    def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
+        if not all(r.finished for r in self._requests):
+            self._queue.progress()
+        return all(r.finished for r in self._requests)
+
+    def result(self, timeout: float | None = None) -> int:
+        """Bytes read; ``concurrent.futures.TimeoutError`` after ``timeout`` s."""
+        if self._future is not None:
+            return self._future.result(timeout)
+        clock = time.perf_counter
+        limit = math.inf if timeout is None else clock() + timeout
+        give_up = self._requests[0].deadline + self._direct._timeout  # posted + command timeout
+        try:
+            for request in self._requests:
+                if not request.finished:
+                    try:
+                        completion = self._queue.wait(request, min(limit, give_up))
+                    except CommandTimeout:
+                        if clock() < give_up:  # the caller's own bound, not the command's
+                            raise concurrent.futures.TimeoutError from None
+                        raise
+                else:
+                    completion = self._queue.wait(request, limit)
+                if not completion.ok:
+                    completion.raise_for_status("Read")
+        except (TransportError, CommandTimeout) as exc:
+            self._direct.polled_failed(self._queue, exc)
+            self._future = self._fallback()
+            return self._future.result(None if timeout is None else max(0.0, limit - clock()))
+        self._direct.polled_done(self._size)
+        return self._size
 
 
 def open_direct(channel: Any, timeout: float, queues: int) -> tuple[DirectQueues | None, str]:

@@ -20,6 +20,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import trio
 
@@ -83,10 +84,14 @@ class AttachedController(Controller):
     """I/O queues of our own on a controller another process owns (see the module)."""
 
     def __init__(self, options: ConnectOptions, transport, nursery: trio.Nursery,
-                 lease_source: LeaseSource) -> None:
+                 lease_source: LeaseSource, polled: int = 0) -> None:
         super().__init__(options, transport, nursery)
         self._lease_source = lease_source
         self.lease: Lease | None = None
+        self._polled = polled
+        self.polled_queues: list = []
+        """Queues handed to callers' threads (:mod:`nvmeof_fuse.transport.rdma_polled`):
+        not in ``io_queues``; replaced (never changed) on each reconnect."""
 
     async def start(self) -> None:
         self._change_state(CONNECTING)
@@ -112,6 +117,7 @@ class AttachedController(Controller):
         for attempt in range(QID_BUSY_RETRIES + 1):
             try:
                 self.io_queues = [await self._connect_one(qid, lease) for qid in lease.qids]
+                await self._hand_over()
                 return
             except ConnectError as exc:
                 await self._drop_queues()
@@ -127,6 +133,41 @@ class AttachedController(Controller):
             self._scratch = host_buffer(self.transport.register, 4096)
         await self._fabrics_connect(queue)
         return queue
+
+    async def _hand_over(self) -> None:
+        """Give the last ``polled`` RDMA queues to callers' threads; the loop keeps one at least."""
+        if not self._polled or len(self.io_queues) <= self._polled:
+            return
+        from ..transport.rdma import RdmaQueue
+        from ..transport.rdma_polled import take_over
+
+        polled = []
+        for queue in self.io_queues[-self._polled:]:
+            if isinstance(queue, RdmaQueue):
+                taken = await take_over(queue, self.options.timeout)
+                if taken is not None:
+                    polled.append(taken)
+        if polled:
+            given = {p.queue for p in polled}
+            self.io_queues = [q for q in self.io_queues if q not in given]
+            self.polled_queues = polled
+            log.debug("queues %s are driven by callers' threads",
+                      ",".join(str(p.queue.qid) for p in polled))
+
+    def detach_polled(self, why: str) -> None:
+        """Take the callers' queues back before they are torn down (their requests fail)."""
+        polled, self.polled_queues = self.polled_queues, []
+        for queue in polled:
+            queue.detach(why)
+
+    def polled_lost(self, polled: Any, exc: BaseException) -> None:
+        """A callers' queue failed (on the loop): reconnect, unless it is an old one."""
+        if polled in self.polled_queues and not polled.detached and self.io_queues:
+            self.connection_lost(self.io_queues[0], exc)
+
+    async def _drop_queues(self) -> None:
+        self.detach_polled("its connection is being reset")
+        await super()._drop_queues()
 
     async def _reconnect(self, reason: str) -> None:
         """Renew the lease (waits for the owner's reconnect), then connect the queues again."""
@@ -168,19 +209,26 @@ class AttachedController(Controller):
 
 @contextlib.asynccontextmanager
 async def attach(options: ConnectOptions, lease_source: LeaseSource,
-                 transport: Transport | None = None) -> AsyncIterator[AttachedController]:
-    """Connect leased I/O queues; on exit disconnect them and release every resource."""
+                 transport: Transport | None = None, polled: int = 0
+                 ) -> AsyncIterator[AttachedController]:
+    """Connect leased I/O queues; on exit disconnect them and release every resource.
+
+    ``polled`` of them (RDMA, when more than that are leased) are driven by callers'
+    threads: ``controller.polled_queues``.
+    """
     if transport is None:
         transport = make_transport(options)
     controller = None
     try:
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
-                controller = AttachedController(options, transport, nursery, lease_source)
+                controller = AttachedController(options, transport, nursery, lease_source,
+                                                polled)
                 try:
                     await controller.start()
                     yield controller
                 finally:
+                    controller.detach_polled("the leased queues are closed")
                     controller.close_state(f"the leased queues of {options.nqn} are closed")
                     nursery.cancel_scope.cancel()
     finally:

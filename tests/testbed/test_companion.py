@@ -369,8 +369,10 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
        mnt)
     try:
         churn = Churn(f"{mnt}/n2", (20 << 20) + 5, (1 << 20) + 9, tmp_path)
-        assert churn.own_queues
+        aligned = Churn(f"{mnt}/n1", 4 << 20, 1 << 20, tmp_path)  # whole LBAs: polled reads
+        assert churn.own_queues and aligned.own_queues
         churn.rounds(2)
+        aligned.rounds(2)
         with target_away(testbed.nqn):
             assert wait_for(lambda: "lost the connection" in open(log).read(), 60)
             time.sleep(8)  # the outage itself
@@ -378,9 +380,9 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
             assert wait_for(lambda: "gave up after" in open(log).read(), 120)
         else:
             assert wait_for(lambda: "reconnected to" in open(log).read(), 120)
-            after = churn.rounds(2)
+            after = churn.rounds(2) + aligned.rounds(2)
             assert all(r.get("equal") for r in after), after
-        lines = churn.finish()
+        lines = churn.finish() + aligned.finish()
     finally:
         subprocess.run(["fusermount3", "-u", mnt], capture_output=True, timeout=120)
     errors = [r for r in lines if "error" in r]

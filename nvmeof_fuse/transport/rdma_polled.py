@@ -1,0 +1,287 @@
+"""An RDMA queue driven by its callers' threads instead of a trio loop (progress on wait).
+
+A companion client's small reads paid two thread switches each when its trio
+loop thread posted the command and reaped its completion for the caller's
+thread (futex wake-ups, the GIL handed over and back).  A :class:`PolledQueue`
+takes one connected :class:`~nvmeof_fuse.transport.rdma.RdmaQueue` away from
+trio (its reaper is stopped first): any thread posts commands on its QP, and a
+thread that waits for a command polls the CQs itself and finishes every
+request it finds done, as MPI or kvikio runtimes make progress while waiting.
+
+- One lock guards the slots (command IDs) and every verbs call on the queue.
+- Exactly one waiter polls at a time; others sleep on a condition and take over
+  when it leaves.  A poller spins for about twice the queue's recent latency
+  (when that is under ``POLL_MAX``), then arms the CQs and sleeps on the
+  completion channel's fd: nothing spins while nobody waits, and every wait is
+  bounded by the caller's deadline.
+- :meth:`detach` (the owner's loop, before the queue is torn down) fails every
+  request in flight with :class:`TransportError`; callers then retry elsewhere.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import threading
+import time
+from typing import Any
+
+import trio
+
+from ..errors import CommandTimeout, TransportError
+from ..nvme import Completion
+from .rdma import _CID, CQE_BYTES, POLL_MAX, SQE_BYTES, CommandSlots, RdmaQueue, Request
+from .region import DataRef
+
+BLOCK_SLICE = 0.05
+"""Seconds a poller sleeps on the channel at most before it looks at the queue again (a
+detach closes the fd under it)."""
+_LATENCY_WEIGHT = 0.125
+_INDEX = (1 << 32) - 1
+
+
+class PolledQueue:
+    """A connected RDMA queue whose callers post and reap themselves (see the module)."""
+
+    def __init__(self, queue: RdmaQueue) -> None:
+        self.queue = queue
+        self.name = queue.name
+        self._slots = CommandSlots(queue.size)
+        self._lock = threading.Lock()  # slots and verbs calls
+        self._role = threading.Lock()  # held by the one thread polling
+        self._wakeup = threading.Condition(threading.Lock())
+        self._sleepers = 0
+        self._recv_armed = self._send_armed = False
+        self._held: dict[int, Any] = {}  # command ID -> what keeps its memory alive
+        self.failed: TransportError | None = None
+        self.detached = False
+        self.latency = min(queue.latency, POLL_MAX)
+
+    @property
+    def available(self) -> int:
+        return self._slots.available
+
+    @property
+    def pending(self) -> int:
+        return len(self._slots.pending)
+
+    # -- submission (any thread) -----------------------------------------------------------
+
+    def submit(self, sqes: list[tuple[bytearray, DataRef]], keep: Any = None
+               ) -> list[Request] | None:
+        """Post reads (``(sqe, dest)`` each) at once: their requests, or None when the queue
+        failed or lacks the slots for all of them (nothing posted then).
+
+        ``keep`` (the owner of the memory) is held until each response came, even if
+        the caller drops its requests: freed memory would have its registration dropped
+        while the target still writes there.  After a failure it is held until the
+        queue itself goes (after its QP).
+        """
+        q = self.queue
+        with self._lock:
+            if self.failed is not None or self._slots.available < len(sqes):
+                return None
+            capsule = q.capsules.view
+            wrs = []
+            requests = []
+            for sqe, ref in sqes:
+                request = self._slots.allocate(ref)
+                cid = request.cid
+                offset = cid * SQE_BYTES
+                capsule[offset:offset + SQE_BYTES] = sqe
+                _CID.pack_into(capsule, offset + 2, cid)
+                q._place_data(capsule, offset + 24, ref, False)
+                wrs.extend(q._sends[cid])
+                requests.append(request)
+                self._held[cid] = keep
+            try:
+                q.qp.post_send(wrs)
+            except OSError as exc:
+                for request in requests:
+                    self._slots.release(request)
+                self._fail(TransportError(f"{self.name}: cannot post a command: {exc}"))
+                return None
+        now = time.perf_counter()
+        for request in requests:
+            request.deadline = now  # here: when it was posted (no watchdog reads it)
+        return requests
+
+    # -- completion (the waiting thread) ---------------------------------------------------
+
+    def progress(self) -> None:
+        """Finish what has completed, if no other thread polls right now (never blocks)."""
+        if self._role.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._role.release()
+            self._notify()
+
+    def wait(self, request: Request, until: float) -> Completion:
+        """Poll until ``request`` finished; its completion.  ``until`` is a ``perf_counter``
+        deadline: past it, :class:`CommandTimeout` (the request stays in flight)."""
+        clock = time.perf_counter
+        while not request.finished:
+            if clock() >= until:
+                raise CommandTimeout(f"{self.name}: command {request.cid} got no completion "
+                                     "in time")
+            if self._role.acquire(blocking=False):
+                try:
+                    self._poll(request, until)
+                finally:
+                    self._role.release()
+                self._notify()
+            else:
+                with self._wakeup:
+                    self._sleepers += 1
+                    try:
+                        if not request.finished:
+                            self._wakeup.wait(max(0.0, min(until - clock(), BLOCK_SLICE)))
+                    finally:
+                        self._sleepers -= 1
+        if request.error is not None:
+            raise request.error
+        self.latency += (time.perf_counter() - request.deadline - self.latency) * _LATENCY_WEIGHT
+        return request.completion  # type: ignore[return-value]
+
+    def _notify(self) -> None:
+        if self._sleepers:
+            with self._wakeup:
+                self._wakeup.notify_all()
+
+    def _poll(self, request: Request, until: float) -> None:
+        """Spin briefly, then sleep on the completion channel, until ``request`` finished,
+        the queue failed or ``until`` passed (the caller holds the poller's role)."""
+        clock = time.perf_counter
+        spin_until = clock() + self._spin()
+        while not request.finished and self.failed is None:
+            if self._drain():
+                if self._sleepers:
+                    self._notify()
+                continue
+            now = clock()
+            if now >= until:
+                return
+            if now < spin_until:
+                continue
+            with self._lock:
+                if self.failed is not None:
+                    return
+                self._arm()
+            if self._drain():
+                continue
+            self._sleep(min(until - now, BLOCK_SLICE))
+            spin_until = clock() + self._spin()
+
+    def _spin(self) -> float:
+        """Seconds to poll before sleeping: twice the recent latency when that is short (as
+        the trio path's hybrid polling); none for slow queues, which would waste a CPU the
+        target side needs (the testbed's rxe and nvmet share the VM's)."""
+        return 2 * self.latency if self.latency < POLL_MAX else 0.0
+
+    def _sleep(self, limit: float) -> None:
+        """Wait for the completion channel's event (bounded) and consume it."""
+        fd = self.queue.channel.fd
+        try:
+            ready, _, _ = select.select([fd], [], [], max(0.0, limit))
+        except (OSError, ValueError):  # the fd was closed by a detach meanwhile
+            return
+        if not ready:
+            return
+        with self._lock:
+            if self.failed is not None:
+                return
+            channel = self.queue.channel
+            try:
+                cq = channel.get_cq_event()
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    self._fail(TransportError(f"{self.name}: completion channel failed: {exc}"))
+                return
+            cq.ack_events(1)
+            if cq is self.queue.recv_cq:
+                self._recv_armed = False
+            elif cq is self.queue.send_cq:
+                self._send_armed = False
+            else:
+                self._recv_armed = self._send_armed = False
+
+    def _arm(self) -> None:
+        q = self.queue
+        if not self._recv_armed:
+            q.recv_cq.req_notify()
+            self._recv_armed = True
+        if self._slots.awaiting_send and not self._send_armed:
+            q.send_cq.req_notify()
+            self._send_armed = True
+
+    def _drain(self) -> int:
+        """Handle every completion there is (under the lock); how many there were."""
+        q = self.queue
+        slots = self._slots
+        with self._lock:
+            if self.failed is not None:
+                return 0
+            try:
+                sends = q.send_cq.poll(q.size)
+                for wc in sends:
+                    if wc.status:
+                        raise q._wc_error(wc)
+                    slots.send_completed(wc.wr_id & _INDEX)
+                recvs = q.recv_cq.poll(q.size)
+                if recvs:
+                    view = q.responses.view
+                    reposts = []
+                    for wc in recvs:
+                        if wc.status:
+                            raise q._wc_error(wc)
+                        slot = wc.wr_id & _INDEX
+                        completion = Completion.unpack_from(view, slot * CQE_BYTES)
+                        reposts.append(q._recvs[slot])
+                        slots.response(completion)
+                        self._held.pop(completion.command_id, None)
+                    q.qp.post_recv(reposts)
+            except TransportError as exc:
+                self._fail(exc)
+                return 1
+            except OSError as exc:
+                self._fail(TransportError(f"{self.name}: completion queue failed: {exc}"))
+                return 1
+            return len(sends) + len(recvs)
+
+    def _fail(self, error: TransportError) -> None:
+        """Fail every request in flight (the lock is held)."""
+        if self.failed is None:
+            self.failed = error
+        self._slots.fail_all(error)
+
+    # -- the owner's loop ------------------------------------------------------------------
+
+    def detach(self, why: str) -> None:
+        """Stop using the queue (before it is torn down): requests in flight fail."""
+        with self._lock:
+            self.detached = True
+            self._fail(TransportError(f"{self.name}: {why}"))
+        self._notify()
+
+    def drain(self, until: float) -> None:
+        """Reap until nothing is in flight, the queue failed, or ``until`` (``perf_counter``)."""
+        while self.pending and self.failed is None and time.perf_counter() < until:
+            self.progress()
+            if self.pending:
+                time.sleep(0.001)
+
+    def describe(self) -> dict[str, Any]:
+        return {"qid": self.queue.qid, "pending": self.pending, "failed": str(self.failed or "")}
+
+
+async def take_over(queue: RdmaQueue, timeout: float) -> PolledQueue | None:
+    """Take ``queue`` away from trio once it is idle (no command or SEND completion due):
+    its reaper stops and callers' threads drive it.  None if it stayed busy ``timeout`` s."""
+    with trio.move_on_after(timeout):
+        while queue._slots.pending:  # a stale SEND completion would land in our slots
+            await trio.sleep(0.001)
+    if queue._slots.pending or queue._failed is not None:
+        return None
+    await queue.stop()
+    return PolledQueue(queue)

@@ -1,0 +1,90 @@
+"""PolledRead: a read waited for in the caller's thread, and its fallback to the loop's path."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from nvmeof_fuse.companion.direct import PolledRead
+from nvmeof_fuse.errors import CommandTimeout, TransportError
+from nvmeof_fuse.nvme import Completion, NVMeStatusError
+
+
+def completion(status: int = 0) -> Completion:
+    return Completion(result=0, sq_head=0, sq_id=1, command_id=3, status=status, phase=True)
+
+
+class Direct:
+    def __init__(self, timeout: float = 30.0) -> None:
+        self._timeout = timeout
+        self.done: list[int] = []
+        self.failed: list[BaseException] = []
+
+    def polled_done(self, size: int) -> None:
+        self.done.append(size)
+
+    def polled_failed(self, queue, exc: BaseException) -> None:
+        self.failed.append(exc)
+
+
+class Queue:
+    def __init__(self, outcome) -> None:
+        self.outcome = outcome
+
+    def wait(self, request, until: float) -> Completion:
+        if isinstance(self.outcome, BaseException):
+            raise self.outcome
+        return self.outcome
+
+    def progress(self) -> None:
+        pass
+
+
+def request(finished: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(deadline=time.perf_counter(), finished=finished)
+
+
+def loop_path(result: int):
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return lambda: future
+
+
+def test_a_completed_read_counts_its_bytes():
+    direct = Direct()
+    read = PolledRead(direct, Queue(completion()), [request(), request()], 8192, loop_path(-1))
+    assert read.result(5) == 8192
+    assert direct.done == [8192] and not direct.failed
+
+
+def test_a_lost_queue_reports_the_loss_and_runs_the_read_on_the_loop():
+    direct = Direct()
+    lost = TransportError("I/O queue 4: work request failed: retry exceeded")
+    read = PolledRead(direct, Queue(lost), [request()], 4096, loop_path(4096))
+    assert read.result(5) == 4096
+    assert direct.failed == [lost] and not direct.done
+    assert read.done()  # the loop's future, from now on
+
+
+def test_a_command_timeout_goes_to_the_loop_but_a_callers_timeout_does_not():
+    direct = Direct(timeout=30)
+    read = PolledRead(direct, Queue(CommandTimeout("no completion")), [request()], 4096,
+                      loop_path(4096))
+    with pytest.raises(concurrent.futures.TimeoutError):
+        read.result(0.01)  # the caller's bound: the read stays on its queue
+    assert not direct.failed
+    direct._timeout = 0  # past the command's own timeout
+    assert read.result(5) == 4096
+    assert len(direct.failed) == 1
+
+
+def test_an_error_status_is_raised_as_it_is():
+    direct = Direct()
+    read = PolledRead(direct, Queue(completion(status=0x2 << 1)), [request()], 4096,
+                      loop_path(-1))
+    with pytest.raises(NVMeStatusError):
+        read.result(5)
+    assert not direct.failed and not direct.done

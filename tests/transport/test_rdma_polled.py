@@ -1,0 +1,202 @@
+"""PolledQueue over fake verbs: callers' threads post and reap; detach and failures end waits.
+
+The fakes are test_rdma_queue's: the test plays the target (SEND completions, responses),
+from another thread where a waiter must sleep on the completion channel.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+from transport.test_rdma_queue import CQ, FAKE_VERBS, PD, QP, Channel
+
+from nvmeof_fuse.errors import CommandTimeout, TransportError
+from nvmeof_fuse.nvme import command as cmd
+from nvmeof_fuse.nvme.sgl import NULL_SGL
+from nvmeof_fuse.transport import rdma
+from nvmeof_fuse.transport.rdma_polled import PolledQueue, take_over
+from nvmeof_fuse.transport.region import host_buffer
+
+
+class Keys:
+    lkey, rkey = 0x11, 0x22
+
+
+@pytest.fixture
+def queue(monkeypatch):
+    monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
+    channel = Channel()
+    context = SimpleNamespace(create_comp_channel=lambda: channel,
+                              create_cq=lambda size, ch: CQ(ch))
+    cm = SimpleNamespace(context=context, create_qp=lambda pd, attr: QP(attr), connected=False)
+    q = rdma.RdmaQueue(transport, cm, PD(), 1, 8, in_capsule_bytes=4096)
+    q.qp.post_recv(q._recvs)
+    yield q
+    q.close()  # closes the channel too
+
+
+@pytest.fixture
+def memory():
+    buf = host_buffer(lambda addr, length, owner: SimpleNamespace(keys=lambda pd: Keys(),
+                                                                  close=lambda: None), 65536)
+    yield buf
+    buf.close()
+
+
+def reads(memory, count: int) -> list:
+    return [(cmd.read(1, i, 1, NULL_SGL), memory.ref(i * 4096, 4096)) for i in range(count)]
+
+
+def answer(qp, cid: int, status_word: int = 0) -> None:
+    qp.send_done(cid)
+    qp.respond(cid, status_word)
+
+
+def later(delay: float, fn, *args) -> threading.Thread:
+    """``fn(*args)`` from another thread once ``delay`` s passed (the target answering)."""
+    def run() -> None:
+        time.sleep(delay)
+        fn(*args)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+def test_a_posted_read_is_reaped_by_its_waiter_and_frees_its_slot(queue, memory):
+    polled = PolledQueue(queue)
+    (request,) = polled.submit(reads(memory, 1))
+    assert len(queue.qp.sent) == 1 and polled.available == 6
+    answer(queue.qp, request.cid)
+    completion = polled.wait(request, time.perf_counter() + 30)
+    assert completion.ok and completion.command_id == request.cid
+    assert polled.available == 7 and polled.pending == 0
+
+
+def test_many_reads_go_out_in_one_post(queue, memory):
+    polled = PolledQueue(queue)
+    requests = polled.submit(reads(memory, 4))
+    assert queue.qp.posts == [4]
+    for request in requests:
+        answer(queue.qp, request.cid)
+    assert all(polled.wait(r, time.perf_counter() + 30).ok for r in requests)
+
+
+def test_a_queue_without_the_slots_for_all_posts_nothing(queue, memory):
+    polled = PolledQueue(queue)
+    assert polled.submit(reads(memory, 8)) is None  # 7 slots
+    assert queue.qp.posts == [] and polled.available == 7
+
+
+def test_a_waiter_sleeps_on_the_channel_until_the_answer_comes(queue, memory):
+    polled = PolledQueue(queue)
+    (request,) = polled.submit(reads(memory, 1))
+    target = later(0.05, answer, queue.qp, request.cid)  # past the spin: armed, asleep
+    assert polled.wait(request, time.perf_counter() + 30).ok
+    target.join()
+
+
+def test_two_waiting_threads_are_served_by_one_poller(queue, memory):
+    polled = PolledQueue(queue)
+    first, second = polled.submit(reads(memory, 2))
+    results = {}
+
+    def wait(request) -> None:
+        results[request.cid] = polled.wait(request, time.perf_counter() + 30).ok
+
+    waiters = [threading.Thread(target=wait, args=(r,)) for r in (first, second)]
+    for waiter in waiters:
+        waiter.start()
+    later(0.02, answer, queue.qp, second.cid).join()
+    later(0.02, answer, queue.qp, first.cid).join()
+    for waiter in waiters:
+        waiter.join(30)
+    assert results == {first.cid: True, second.cid: True}
+
+
+def test_no_answer_times_the_wait_out_and_keeps_the_slot(queue, memory):
+    polled = PolledQueue(queue)
+    (request,) = polled.submit(reads(memory, 1))
+    with pytest.raises(CommandTimeout, match=r"I/O queue 1: command \d+ got no completion"):
+        polled.wait(request, time.perf_counter() + 0.05)
+    assert polled.pending == 1  # the target may still write: its slot stays taken
+
+
+def test_detach_fails_the_waiting_read_and_later_submits(queue, memory):
+    polled = PolledQueue(queue)
+    (request,) = polled.submit(reads(memory, 1))
+    later(0.05, polled.detach, "its connection is being reset")
+    with pytest.raises(TransportError, match="I/O queue 1: its connection is being reset"):
+        polled.wait(request, time.perf_counter() + 30)
+    assert polled.submit(reads(memory, 1)) is None
+
+
+def test_a_failed_work_request_fails_every_read_in_flight(queue, memory):
+    polled = PolledQueue(queue)
+    first, second = polled.submit(reads(memory, 2))
+    queue.qp.send_done(first.cid, status=5)
+    with pytest.raises(TransportError, match="work request failed: flushed"):
+        polled.wait(first, time.perf_counter() + 30)
+    with pytest.raises(TransportError, match="work request failed"):
+        polled.wait(second, time.perf_counter() + 30)
+    assert polled.failed is not None
+
+
+def test_a_failed_post_fails_the_queue(queue, memory):
+    polled = PolledQueue(queue)
+    queue.qp.fail_posts = True
+    assert polled.submit(reads(memory, 1)) is None
+    assert "cannot post a command" in str(polled.failed)
+
+
+def test_take_over_waits_for_the_queue_to_be_idle_then_stops_its_reaper(queue, memory):
+    async def main() -> PolledQueue | None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.reap)
+            results = []
+
+            async def connect_like() -> None:
+                results.append(await queue.execute(cmd.read(1, 0, 1, NULL_SGL), timeout=30))
+
+            nursery.start_soon(connect_like)
+            await trio.testing.wait_all_tasks_blocked()
+            (cid,) = queue.qp.sent
+            queue.qp.respond(cid)  # answered, its SEND completion still due
+            await trio.testing.wait_all_tasks_blocked()
+            assert results and queue._slots.pending
+            taking = trio.Event()
+            taken = []
+
+            async def take() -> None:
+                taken.append(await take_over(queue, 30))
+                taking.set()
+
+            nursery.start_soon(take)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not taken  # waits for the SEND completion
+            queue.qp.send_done(cid)
+            await taking.wait()
+            return taken[0]
+
+    polled = trio.run(main)
+    assert isinstance(polled, PolledQueue) and queue._reaped.is_set()
+    queue.qp.sent.clear()
+    (request,) = polled.submit(reads(memory, 1))
+    answer(queue.qp, request.cid)
+    assert polled.wait(request, time.perf_counter() + 30).ok
+
+
+def test_the_owner_of_the_memory_is_held_until_the_response_came(queue, memory):
+    polled = PolledQueue(queue)
+    owner = object()
+    (request,) = polled.submit(reads(memory, 1), owner)
+    assert owner in polled._held.values()
+    answer(queue.qp, request.cid)
+    polled.progress()
+    assert request.finished and owner not in polled._held.values()
