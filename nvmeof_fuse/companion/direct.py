@@ -47,6 +47,10 @@ POLLED_QUEUES = 1
 """Of a client's leased queues, how many its callers' threads drive themselves (whole-LBA
 reads into registered host memory; :mod:`nvmeof_fuse.transport.rdma_polled`); the loop
 keeps the others, and these too while fewer are leased."""
+POLLED_MAX_BYTES = 128 * 1024
+"""Reads up to this size take the polled queue.  What a small read costs is CPU per command,
+which the polled path saves; what a large one costs is the transfer, which the target and
+the fabric move in parallel per queue, so those are spread over the loop's queues."""
 REPORT_INTERVAL = 1.0  # s between reports of this client's byte counts to the daemon
 RENEW_FOREVER = 365 * 86400.0  # s: bound of a lease wait when the mount never gives up
 
@@ -349,7 +353,7 @@ class DirectQueues:
         if not polled or shape is None:
             return None
         lba_size = shape.lba_size
-        if file_offset % lba_size or size % lba_size or not size:
+        if file_offset % lba_size or size % lba_size or not size or size > POLLED_MAX_BYTES:
             return None
         slba, nlb = file_offset // lba_size, size // lba_size
         if slba + nlb > shape.nsze:

@@ -38,19 +38,19 @@ def test_reads_and_writes_go_over_the_files_own_queues(served, kind, nsid):
     data = make(size)
     data[:] = np.random.default_rng(nsid).integers(0, 256, size, dtype=np.uint8)
     with File(str(mnt / f"n{nsid}")) as f:
-        assert f.own_queues == (3, 4)
+        assert f.own_queues == (3, 4, 5)
         assert f.write(data, file_offset=offset) == size
         out = make(size)
         assert f.read(out, file_offset=offset) == size
         stats = f.stats()
     assert bytes(out) == bytes(data) == bytes(ctrl.disks[nsid][offset:offset + size])
-    assert sorted(fabric.connects) == [3, 4]
-    assert {qid for _, qid in fabric.commands} <= {3, 4}  # no command on the daemon's queues
+    assert sorted(fabric.connects) == [3, 4, 5]
+    assert {qid for _, qid in fabric.commands} <= {3, 4, 5}  # no command on the daemon's queues
     assert stats["client_queue_read_bytes"] == stats["client_queue_write_bytes"] == size
     for counter in ("direct_read_bytes", "direct_write_bytes", "staged_read_bytes",
                     "staged_write_bytes", "daemon_copied_bytes"):
         assert stats[counter] == 0, counter
-    assert stats["sessions"][0]["qids"] == [3, 4]
+    assert stats["sessions"][0]["qids"] == [3, 4, 5]
 
 
 def test_sixteen_futures_from_one_thread_and_a_batch(served):
@@ -81,7 +81,7 @@ def test_a_qid_still_held_on_the_target_is_tried_again(served, monkeypatch):
     monkeypatch.setattr("nvmeof_fuse.host.attached.QID_BUSY_DELAY", 0.01)
     fabric.connect_status = [0x0C]  # Command Sequence Error: the QID's old queue lingers
     with File(str(mnt / "n1")) as f:
-        assert f.own_queues == (3, 4)
+        assert f.own_queues == (3, 4, 5)
     assert fabric.connects[:3] == [3, 3, 4]
 
 
@@ -162,14 +162,15 @@ def test_a_lost_controller_revokes_the_clients_queues_at_once(served):
     ctrl, fabric, server, mnt = served
     out = nvmeof_fuse.empty(4096)
     with File(str(mnt / "n1")) as f:
-        assert fabric.connects == [3, 4]
+        assert fabric.connects == [3, 4, 5]
 
         def lose() -> None:
             ctrl.state = "connecting"
             ctrl.state_changed.set()
 
         trio.from_thread.run_sync(lose, trio_token=server.trio_token)
-        assert wait_for(lambda: fabric.connects == [3, 4, 3, 4])  # asked again, connected again
+        # asked again, connected again
+        assert wait_for(lambda: fabric.connects == [3, 4, 5, 3, 4, 5])
         assert f.read(out, file_offset=512) == 4096
     assert bytes(out) == bytes(ctrl.disks[1][512:512 + 4096])
 
@@ -193,7 +194,7 @@ def test_one_loss_is_told_once_however_many_states_it_passes(served):
         for state in ("resetting", "connecting"):  # one loss, two states
             trio.from_thread.run_sync(move, state, trio_token=server.trio_token)
             assert wait_for(lambda: not ctrl.state_changed.is_set())  # the server looked
-        assert wait_for(lambda: fabric.connects == [3, 4, 3, 4])
+        assert wait_for(lambda: fabric.connects == [3, 4, 5, 3, 4, 5])
         trio.from_thread.run_sync(move, "live", trio_token=server.trio_token)
         assert wait_for(lambda: not ctrl.state_changed.is_set())
         trio.from_thread.run_sync(move, "connecting", trio_token=server.trio_token)  # a new loss
