@@ -136,9 +136,11 @@ class Controller:
             return queues[0]
         self._next_queue = (self._next_queue + 1) % len(queues)
         best = queues[self._next_queue]
+        most = best.available
         for queue in queues:
-            if queue.available > best.available:
-                best = queue
+            free = queue.available
+            if free > most:
+                best, most = queue, free
         return best
 
     async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
@@ -147,7 +149,7 @@ class Controller:
 
         If the connection is lost, it waits for the reconnect and runs again there.
         """
-        if self.state is not LIVE:
+        if self._states.current is not LIVE:  # not the property: this is the hot path
             await self.wait_live()
         queue = self.pick_queue()
         try:

@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import time
+from typing import NoReturn
 
 import outcome
 import trio
@@ -105,27 +106,28 @@ class CommandSlots:
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self._free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
+        self.free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
+        """Free command IDs (read on the hot path, where a property call costs)."""
         self.pending: dict[int, Request] = {}
         self.awaiting_send = 0
         """Requests answered whose SEND completion has not been seen yet."""
 
     @property
     def available(self) -> int:
-        return len(self._free)
+        return len(self.free)
 
     def allocate(self, data: DataRef | None) -> Request:
-        request = Request(self._free.pop(), data)
+        request = Request(self.free.pop(), data)
         self.pending[request.cid] = request
         return request
 
     def release(self, request: Request) -> None:
         """Give back a request's slot without finishing it (it was never sent)."""
         del self.pending[request.cid]
-        self._free.append(request.cid)
+        self.free.append(request.cid)
 
     def send_completed(self, cid: int) -> None:
-        request = self._lookup(cid, "send completion")
+        request = self.pending.get(cid) or self._unknown(cid, "send completion")
         request.sent = True
         if request.completion is not None:
             self.awaiting_send -= 1
@@ -134,7 +136,8 @@ class CommandSlots:
                 self.finish(request)
 
     def response(self, completion: Completion) -> None:
-        request = self._lookup(completion.command_id, "response")
+        cid = completion.command_id
+        request = self.pending.get(cid) or self._unknown(cid, "response")
         if request.completion is not None:
             raise TransportError(f"second response for command ID {request.cid}")
         request.completion = completion
@@ -154,16 +157,14 @@ class CommandSlots:
                 self.finish(request)
         self.awaiting_send = 0
 
-    def _lookup(self, cid: int, what: str) -> Request:
-        try:
-            return self.pending[cid]
-        except KeyError:
-            raise TransportError(f"{what} for command ID {cid}, which is not in flight") from None
+    @staticmethod
+    def _unknown(cid: int, what: str) -> NoReturn:
+        raise TransportError(f"{what} for command ID {cid}, which is not in flight")
 
     def _retire(self, request: Request) -> None:
         """Both halves are done: the slot may carry a new command."""
         del self.pending[request.cid]
-        self._free.append(request.cid)
+        self.free.append(request.cid)
 
     @staticmethod
     def finish(request: Request) -> None:
@@ -460,7 +461,7 @@ class RdmaQueue:
     @property
     def available(self) -> int:
         """Free command slots: callers pick the least busy queue by this."""
-        return self._slots.available
+        return len(self._slots.free)
 
     async def connect(self, cntlid: int) -> None:
         device = self.cm.context.query_device()
@@ -529,7 +530,7 @@ class RdmaQueue:
     async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False, timeout: float) -> Completion:
         slots = self._slots
-        if self._failed is None and slots.available:
+        if self._failed is None and slots.free:
             request = slots.allocate(data)
         else:
             request = await self._allocate(data, timeout)
@@ -560,7 +561,7 @@ class RdmaQueue:
             except OSError as exc:
                 slots.release(request)
                 raise TransportError(f"{self.name}: cannot post a command: {exc}") from exc
-        posted = time.perf_counter()
+        posted = time.perf_counter() if alone else 0.0
         if (alone and self.latency < POLL_MAX and self._idle_reaper is not None
                 and not self._others_in_flight()):
             await self._poll_for(request, posted + 2 * self.latency)
