@@ -66,6 +66,8 @@ transfers run in parallel on the machine's CPUs.  Smaller ones stay on the trio 
 where they cost less than the hop to a thread and back."""
 MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
 STOP_TIMEOUT = 5.0
+STALL_TIMEOUT = 30.0
+"""A worker thread's socket wait limit for a request without a timeout of its own."""
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
 
@@ -588,7 +590,8 @@ class TcpQueue:
         """``fn(*args)`` in a worker thread, which moves ``request``'s data meanwhile."""
         if self._failed is not None:
             raise trio.ClosedResourceError
-        timeout = max(request.timeout, 0.001)  # (0 would mean no timeout at all)
+        # (0 would mean no timeout at all; a request's timeout is set once its caller parked)
+        timeout = request.timeout if request.timeout > 0 else STALL_TIMEOUT
         if timeout != self._sock_timeout:
             # Bounds each blocking wait of the thread; the watchdog fails the queue sooner
             # when the command's own deadline passes first.
@@ -600,7 +603,7 @@ class TcpQueue:
         self._threads += 1
         try:
             # Not abandoned on cancellation: the thread uses the socket and the caller's memory.
-            return await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         finally:
             request.busy = False
             self._threads -= 1
@@ -609,7 +612,9 @@ class TcpQueue:
                     self._let_go(request)  # its error was set when the queue failed
                 if not self._threads:
                     self._close_socket()
-                raise trio.ClosedResourceError
+        if self._failed is not None:
+            raise trio.ClosedResourceError
+        return result
 
     def _send_error(self, exc: OSError) -> TransportError:
         return TransportError(f"{self.name}: sending to "
