@@ -256,7 +256,7 @@ class _Session:
                     len(self.ops.handles),
                     self.path,
                 )
-            await self.ops.wait_idle()
+            await self._idle_or_ended()
         if not self.done.is_set():
             self.fuse.stop_reading()  # requests in flight are answered, then run() returns
             with trio.move_on_after(self.drain_timeout, shield=True):
@@ -264,6 +264,19 @@ class _Session:
         if not self.done.is_set():
             log.warning("requests still in flight after %g s; abandoning them", self.drain_timeout)
             self.main_scope.cancel()
+
+    async def _idle_or_ended(self) -> None:
+        """Return once no file is open, or once the kernel ended the session: when the last
+        file of a detached mount closes, the kernel aborts the connection and that file's
+        RELEASE never comes."""
+        async with trio.open_nursery() as nursery:
+
+            async def first(wait) -> None:
+                await wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(first, self.ops.wait_idle)
+            nursery.start_soon(first, self.done.wait)
 
 
 async def _lazy_unmount(path: str) -> bool:

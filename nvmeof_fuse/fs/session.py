@@ -6,13 +6,15 @@ queued request with nonblocking reads and parks in ``wait_readable`` only when t
 has none.  Each request that may wait (I/O, flush, open...) runs in a task of its own; its
 reply goes out with one ``writev`` (a READ's data straight from the buffer the namespace
 lends, before the task yields again).  A WRITE's data is read into a buffer of its own,
-which the write task owns until it completes, so it is never copied here.
+which the write task owns until it completes, so it is never copied here.  Those buffers
+are page-aligned and reused: see :func:`receive_buffer`.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import os
 import socket
 import subprocess
@@ -37,6 +39,14 @@ log = logging.getLogger(__name__)
 
 FUSERMOUNT = "fusermount3"
 BATCH = 64  # requests read before the reader lets the handlers run
+
+
+def receive_buffer(size: int) -> mmap.mmap:
+    """A buffer that /dev/fuse reads a request's data into: page-aligned (an anonymous
+    mapping), so that the kernel's copy of WRITE data runs page onto page.  Into a bytearray
+    (16 bytes off a cache line) that copy cost 1.7x the CPU: 760 against 440 µs per 1 MiB
+    write, on the host bench."""
+    return mmap.mmap(-1, size)
 
 
 class FuseMountError(Exception):
@@ -136,7 +146,10 @@ class FuseSession:
         self.gone = False  # the kernel ended the session (unmounted): nothing to unmount
         self.initialized = trio.Event()
         self._reader_scope = trio.CancelScope()
-        self._free: list[bytearray] = []  # receive buffers of WRITE data, for reuse
+        # Receive buffers of WRITE data, for reuse (the most recently freed first, still
+        # in the cache): at most one per request the kernel lets us hold (max_background
+        # and the synchronous ones) plus the one being read into.
+        self._free: list[mmap.mmap] = []
         self._bufsize = params.max_write + wire.PAGE
         os.set_blocking(fd, False)
 
@@ -157,8 +170,8 @@ class FuseSession:
         """Take no new requests; :meth:`run` returns once those in flight are answered."""
         self._reader_scope.cancel()
 
-    def _take(self) -> bytearray:
-        return self._free.pop() if self._free else bytearray(self._bufsize)
+    def _take(self) -> mmap.mmap:
+        return self._free.pop() if self._free else receive_buffer(self._bufsize)
 
     async def _read_loop(self, workers: _Workers) -> None:
         fd = self.fd
@@ -260,7 +273,7 @@ class FuseSession:
                 log.warning("cannot answer a FUSE read: %s", exc)
 
     async def _write(self, unique: int, fh: int, offset: int, size: int,
-                     buf: bytearray) -> None:
+                     buf: mmap.mmap) -> None:
         try:
             written = await self.ops.write(fh, offset, memoryview(buf)[:size])
         except Exception as exc:  # noqa: BLE001

@@ -3,7 +3,9 @@ message, as /dev/fuse does), and through the real kernel (two mounts in one proc
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import mmap
 import os
 import shutil
 import socket
@@ -17,7 +19,7 @@ import trio
 from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.mount import MountOptions, serve
 from nvmeof_fuse.fs.operations import NamespaceFS
-from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd
+from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd, receive_buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes import make_controller  # noqa: E402
@@ -84,6 +86,12 @@ def test_requests_through_a_fake_kernel():
         assert (await kernel.ask(wire.WRITE, args, unique=9))[0] == errno.ENOSPC
 
     trio.run(with_session, test)
+
+
+def test_write_data_lands_page_aligned():
+    buf = receive_buffer(wire.PAGE * 3)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    assert len(buf) == wire.PAGE * 3 and address % mmap.PAGESIZE == 0
 
 
 def test_a_kernel_too_old_gets_eproto(caplog):
