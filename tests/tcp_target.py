@@ -2,8 +2,9 @@
 
 It speaks real PDUs (ICResp, CapsuleCmd, C2HData, R2T/H2CData, CapsuleResp,
 digests when asked) and can be told to break the protocol on the next read in
-one of several ways (``fault``), so the host transport's error paths can be
-checked without a kernel.
+one of several ways (``fault``: FAULTS, and "stall"/"cut", which send half a
+C2HData payload and then nothing more, or close), so the host transport's error
+paths can be checked without a kernel.
 """
 
 from __future__ import annotations
@@ -204,6 +205,11 @@ class FakeTcpTarget:
             wire = head + bytes(self.pad) + piece
             if self.ddgst:
                 wire += pdu.digest(piece if fault != "data digest" else piece + b"x")
+            if fault in ("stall", "cut"):  # half the payload, then nothing, or the end
+                await stream.send_all(wire[:len(head) + self.pad + len(piece) // 2])
+                if fault == "cut":
+                    await stream.aclose()
+                return
             await stream.send_all(wire)
 
     async def _r2t(self, stream, cid: int, length: int) -> None:

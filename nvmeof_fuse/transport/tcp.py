@@ -3,16 +3,20 @@
 The PDUs are built and parsed in :mod:`nvmeof_fuse.nvme.tcp_pdu`; this module
 owns the sockets: one TCP connection per NVMe queue, opened with ICReq/ICResp,
 then command capsules out and responses in, with many commands in flight.  A
-queue's socket is a plain non-blocking one: a send or receive that can go on at
-once costs no trio scheduling; otherwise it waits on the fd.
+queue's socket is a plain one, used with MSG_DONTWAIT on the trio thread: a send
+or receive that can go on at once costs no trio scheduling; otherwise it waits
+on the fd.
 
 Data moves once: a read's C2HData payload is received straight into the
 caller's memory (``recv_into``); a write's data is sent from it, inside the
 capsule up to the in-capsule limit, otherwise in H2CData PDUs answering the
-controller's R2Ts (split at MAXH2CDATA).  Memory needs no registration, so
-:meth:`TcpTransport.register` hands back a trivial one.  The socket reaches host
-memory only: GPU memory (a dma-buf, a CUDA tensor) is refused by name, and the
-companion API stages it through host memory instead, as kvikio's compat mode does.
+controller's R2Ts (split at MAXH2CDATA), spliced when large.  Large payloads
+are moved by worker threads, so that the copies of several queues run on
+several CPUs (the GIL is released for them); small PDUs stay on the trio thread.
+Memory needs no registration, so :meth:`TcpTransport.register` hands back a
+trivial one.  The socket reaches host memory only: GPU memory (a dma-buf, a CUDA
+tensor) is refused by name, and the companion API stages it through host memory
+instead, as kvikio's compat mode does.
 
 A receive task per queue reads every PDU; anything that breaks the protocol (a
 bad digest, a length that disagrees with its header, an unknown PDU type, data
@@ -26,6 +30,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import math
+import os
 import socket
 import struct
 from collections import deque
@@ -41,6 +46,8 @@ from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-ex
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
 
+_SENT, _BLOCKED, _BULK = range(3)  # what TcpQueue._flush got to
+
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
 RECV_BUFFER_BYTES = 256 * 1024
 RECV_BYTES = 64 * 1024
@@ -51,10 +58,16 @@ DIRECT_RECV_BYTES = 16 * 1024
 AFTER_PAYLOAD_BYTES = 128
 """Bytes asked for after a payload received in place: its digest, a CapsuleResp and the
 next C2HData header, with digests and padding."""
-SPLICE_MIN_BYTES = 64 * 1024
-"""Write data answering an R2T from this size on is spliced into the socket, not copied."""
+BULK_BYTES = 64 * 1024
+"""Data from this size on (the rest of a C2HData payload, an H2CData payload) is moved by a
+worker thread, not the trio thread: the copy and the TCP work of a large payload take about
+as long as many small PDUs, and the GIL is released for them, so the queues' large
+transfers run in parallel on the machine's CPUs.  Smaller ones stay on the trio thread,
+where they cost less than the hop to a thread and back."""
 MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
 STOP_TIMEOUT = 5.0
+STALL_TIMEOUT = 30.0
+"""A worker thread's socket wait limit for a request without a timeout of its own."""
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
 
@@ -114,6 +127,56 @@ def data_view(data: DataRef) -> memoryview:
     return view[data.offset:data.offset + data.length]
 
 
+class Bulk(Spliced):
+    """Write data sent by a worker thread: spliced when ``splice``, otherwise copied."""
+
+    __slots__ = ("splice",)
+
+    def __init__(self, view: memoryview, splice: bool) -> None:
+        super().__init__(view)
+        self.splice = splice
+
+
+class Stalled(Exception):
+    """A worker thread's socket wait ran past the queue's timeout (SO_RCVTIMEO/SO_SNDTIMEO)."""
+
+
+def receive_exactly(sock: socket.socket, dest: memoryview, whole: memoryview | None) -> bytes:
+    """Worker thread: fill ``dest`` from the (blocking) socket; the CRC32C digest of
+    ``whole`` after it (``b""`` when None).  Raises EOFError when the peer closed the
+    connection (or it was shut down), Stalled when no byte came within the timeout."""
+    got, want = 0, len(dest)
+    while got < want:
+        try:
+            # MSG_WAITALL: one call (one GIL round trip) for the whole rest, unless the timeout
+            # or a shutdown ends it early.
+            n = sock.recv_into(dest[got:], 0, socket.MSG_WAITALL)
+        except BlockingIOError:
+            raise Stalled from None
+        if n == 0:
+            raise EOFError
+        got += n
+    return pdu.digest(whole) if whole is not None else b""
+
+
+def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk) -> None:
+    """Worker thread: send all of ``data`` into the (blocking) socket, spliced when it can be.
+    Raises Stalled when the socket took nothing within the timeout, OSError on failure."""
+    try:
+        while len(data):
+            if data.splice and splicer is not None:
+                splicer.send(sock.fileno(), data)  # advances data.view
+            else:
+                data.view = data.view[sock.send(data.view):]
+    except BlockingIOError:
+        raise Stalled from None
+
+
+def _timeval(seconds: float) -> bytes:
+    whole = int(seconds)
+    return struct.pack("ll", whole, int((seconds - whole) * 1e6))
+
+
 class TcpTransport:
     """The TCP side of one controller: a connection per queue, nothing shared but options."""
 
@@ -130,6 +193,7 @@ class TcpTransport:
         self.header_digest = header_digest
         self.data_digest = data_digest
         self._queues: list[TcpQueue] = []
+        self._limiter: trio.CapacityLimiter | None = None
 
     @property
     def address(self) -> str:
@@ -187,7 +251,9 @@ class TcpTransport:
             raise
         if qid == 0:
             in_capsule_bytes = max(in_capsule_bytes, ADMIN_IN_CAPSULE_BYTES)
-        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp)
+        if self._limiter is None:  # worker threads moving bulk data, for all queues
+            self._limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 1))
+        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp, self._limiter)
         self._queues.append(queue)
         await nursery.start(queue.receive)
         return queue
@@ -239,11 +305,11 @@ class Request:
     Its caller is parked on it (``task``), without a cancel scope, until the
     receive task finishes it or the queue's watchdog times it out.  ``unsent``
     counts its PDUs still queued for the socket: they read the caller's memory,
-    so the caller is not let go while any is left.
+    so the caller is not let go while any is left; nor while ``busy``.
     """
 
     __slots__ = ("cid", "data", "view", "to_controller", "received", "completion", "error",
-                 "finished", "abandoned", "unsent", "task", "deadline", "timeout")
+                 "finished", "abandoned", "unsent", "busy", "task", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
         self.cid = cid
@@ -257,6 +323,8 @@ class Request:
         """The caller may go on: answered with nothing left to send, or failed."""
         self.abandoned = False
         self.unsent = 0
+        self.busy = False
+        """A worker thread is moving its data: its caller is not let go until it is done."""
         self.task = None  # the trio task parked on this request, if any
         self.deadline = math.inf
         self.timeout = 0.0
@@ -284,15 +352,26 @@ class TcpQueue:
     dispatches PDUs and wakes the callers parked on their commands; a sender,
     which hands the PDUs queued during one trio batch to the kernel in one
     ``sendmsg``; a watchdog, which times out commands past their deadline.
+
+    Bulk data (:data:`BULK_BYTES`) is moved by worker threads in blocking calls, one
+    at a time per direction, each between PDU boundaries the trio thread found: the
+    receive task waits for the thread receiving a payload before it parses on, the
+    sender for the thread sending one before it sends the PDUs queued behind it.
     """
 
     def __init__(self, transport: TcpTransport, sock, qid: int, size: int,
-                 in_capsule_bytes: int, resp: ICResp) -> None:
+                 in_capsule_bytes: int, resp: ICResp,
+                 limiter: trio.CapacityLimiter | None = None) -> None:
         self.transport = transport
-        # A plain non-blocking socket: a send or receive that can go on at once does not
-        # yield to trio (two scheduler passes per command saved); otherwise it waits on the fd.
+        # A plain socket in blocking mode, for the worker threads' bulk transfers (a whole
+        # payload in one call); the trio thread passes MSG_DONTWAIT: a send or receive that
+        # can go on at once does not yield to trio (two scheduler passes per command saved);
+        # otherwise it waits on the fd.
         self.sock = socket.socket(fileno=sock.detach())
-        self.sock.setblocking(False)
+        self.sock.setblocking(True)
+        self._sock_timeout = 0.0  # SO_RCVTIMEO/SO_SNDTIMEO: bounds the threads' waits
+        self._limiter = limiter or trio.CapacityLimiter(1)
+        self._threads = 0  # worker threads using the socket: it is closed once none is
         self._closed = False
         self.qid = qid
         self.size = size
@@ -312,7 +391,7 @@ class TcpQueue:
         self._sender = None  # the sender task
         self._sender_idle = False  # parked, waiting for PDUs to send
         self._watch: trio.CancelScope | None = None
-        self._splicer: Splicer | None = None  # opened for the first large H2CData
+        self._splicer: Splicer | None = None  # opened for the first bulk H2CData
         self._splice = transport.splice
         self._woke = False  # the receive loop let a caller go since it last yielded
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
@@ -412,8 +491,8 @@ class TcpQueue:
             self._wake_sender()
             return
         try:
-            if not self._flush():
-                self._wake_sender()  # the rest when the socket takes more
+            if self._flush() is not _SENT:
+                self._wake_sender()  # the rest when the socket takes more, bulk data by thread
         except OSError as exc:
             self._fail(self._send_error(exc))
 
@@ -422,32 +501,29 @@ class TcpQueue:
             self._sender_idle = False
             trio.lowlevel.reschedule(self._sender)
 
-    def _flush(self) -> bool:
-        """Hand the kernel as much of the queued PDUs as it takes now; True if all."""
+    def _flush(self) -> int:
+        """Hand the kernel as much of the queued PDUs as it takes now, up to bulk data
+        (which the sender hands to a thread): _SENT, _BLOCKED or _BULK."""
         out = self._outgoing
         sock = self.sock
         while out:
-            first = out[0][0][0]
+            if type(out[0][0][0]) is Bulk:
+                return _BULK
+            iov: list = []
+            for entry in out:
+                for buffer in entry[0]:
+                    if type(buffer) is Bulk:
+                        break
+                    iov.append(buffer)
+                else:
+                    if len(iov) < MAX_IOV:
+                        continue
+                break  # at bulk data, or enough for one call
             try:
-                if type(first) is Spliced:
-                    self._splicer.send(sock.fileno(), first)  # advances ``first``
-                    if not len(first):
-                        self._sent_head()
-                    continue
-                iov: list = []
-                for entry in out:
-                    for buffer in entry[0]:
-                        if type(buffer) is Spliced:
-                            break
-                        iov.append(buffer)
-                    else:
-                        if len(iov) < MAX_IOV:
-                            continue
-                    break  # at a spliced buffer, or enough for one call
-                sent = sock.sendmsg(iov)
+                sent = sock.sendmsg(iov, (), socket.MSG_DONTWAIT)
             except BlockingIOError:
-                return False
-            while sent:  # (never into a spliced buffer: the gather stopped before it)
+                return _BLOCKED
+            while sent:  # (never into bulk data: the gather stopped before it)
                 buffers = out[0][0]
                 first = buffers[0]
                 if sent < len(first):
@@ -455,7 +531,7 @@ class TcpQueue:
                     break
                 sent -= len(first)
                 self._sent_head()
-        return True
+        return _SENT
 
     def _sent_head(self) -> None:
         """The first queued buffer is wholly with the kernel: drop it (and its PDU if done)."""
@@ -482,8 +558,11 @@ class TcpQueue:
                     await trio.lowlevel.wait_task_rescheduled(_cancellable)
                     continue
                 try:
-                    if not self._flush():
+                    got = self._flush()
+                    if got is _BLOCKED:
                         await trio.lowlevel.wait_writable(self.sock)
+                    elif got is _BULK:
+                        await self._send_bulk()
                 except OSError as exc:
                     if self._failed is None:
                         self._fail(self._send_error(exc))
@@ -492,6 +571,50 @@ class TcpQueue:
         finally:
             self._sender = None
             self._sender_idle = False
+
+    async def _send_bulk(self) -> None:
+        """Send the bulk data at the head of the queued PDUs by a worker thread."""
+        buffers, request = self._outgoing[0]
+        data = buffers[0]
+        if data.splice and self._splicer is None:
+            self._splicer = open_splicer()
+        try:
+            await self._in_thread(request, send_exactly, self.sock, self._splicer, data)
+        except Stalled:
+            raise OSError(errno.ETIMEDOUT, f"the socket took no data within "
+                                           f"{self._sock_timeout:g} s") from None
+        if self._failed is None:  # else the queue was emptied meanwhile
+            self._sent_head()
+
+    async def _in_thread(self, request: Request, fn, *args):
+        """``fn(*args)`` in a worker thread, which moves ``request``'s data meanwhile."""
+        if self._failed is not None:
+            raise trio.ClosedResourceError
+        # (0 would mean no timeout at all; a request's timeout is set once its caller parked)
+        timeout = request.timeout if request.timeout > 0 else STALL_TIMEOUT
+        if timeout != self._sock_timeout:
+            # Bounds each blocking wait of the thread; the watchdog fails the queue sooner
+            # when the command's own deadline passes first.
+            self._sock_timeout = timeout
+            value = _timeval(timeout)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+        request.busy = True
+        self._threads += 1
+        try:
+            # Not abandoned on cancellation: the thread uses the socket and the caller's memory.
+            result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        finally:
+            request.busy = False
+            self._threads -= 1
+            if self._failed is not None:
+                if not request.finished:
+                    self._let_go(request)  # its error was set when the queue failed
+                if not self._threads:
+                    self._close_socket()
+        if self._failed is not None:
+            raise trio.ClosedResourceError
+        return result
 
     def _send_error(self, exc: OSError) -> TransportError:
         return TransportError(f"{self.name}: sending to "
@@ -536,6 +659,8 @@ class TcpQueue:
         if self._receiver is None:
             return
         self._receiver.cancel()
+        if self._threads:  # ends the threads' blocking calls: the receive task waits for them
+            self._fail(TransportError(f"{self.name}: stopped"))
         with trio.move_on_after(STOP_TIMEOUT):
             await self._received.wait()
 
@@ -559,7 +684,7 @@ class TcpQueue:
         """Receive at least one byte into ``dest``; a closed connection is an error."""
         while True:
             try:
-                n = self.sock.recv_into(dest)
+                n = self.sock.recv_into(dest, 0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
                 self._woke = False  # the callers let go have run meanwhile
@@ -569,18 +694,25 @@ class TcpQueue:
                     raise trio.ClosedResourceError from None
                 raise
             if n == 0:
-                raise TransportError(f"{self.name}: {self.transport.traddr}:"
-                                     f"{self.transport.trsvcid} closed the connection")
+                raise self._closed_by_peer()
             return n
 
-    async def _read_into(self, dest: memoryview) -> None:
-        """Fill ``dest`` from the stream: buffered bytes first; a large rest is received
-        in place, a small one through the buffer (with whatever PDUs follow it)."""
-        want = len(dest)
-        have = min(self._rend - self._rstart, want)
+    def _closed_by_peer(self) -> TransportError:
+        return TransportError(f"{self.name}: {self.transport.traddr}:"
+                              f"{self.transport.trsvcid} closed the connection")
+
+    def _take_buffered(self, dest: memoryview) -> int:
+        """Copy the buffered bytes that begin ``dest``; how many."""
+        have = min(self._rend - self._rstart, len(dest))
         if have:
             dest[:have] = self._rview[self._rstart:self._rstart + have]
             self._rstart += have
+        return have
+
+    async def _read_into(self, dest: memoryview, have: int = 0) -> None:
+        """Fill ``dest`` (its first ``have`` bytes are there) from the stream: a large rest
+        is received in place, a small one through the buffer (with the PDUs after it)."""
+        want = len(dest)
         while have < want:
             rest = want - have
             if rest < DIRECT_RECV_BYTES:
@@ -663,10 +795,14 @@ class TcpQueue:
         if header.pdo > header_size:
             await self._skip(header.pdo - header_size)
         dest = request.buffer()[header.offset:end]
-        await self._read_into(dest)
+        have = self._take_buffered(dest)
+        if len(dest) - have >= BULK_BYTES:
+            want = await self._receive_bulk(request, dest, have, header.data_digest)
+        else:
+            await self._read_into(dest, have)
+            want = pdu.digest(dest) if header.data_digest else b""
         if header.data_digest:
             got = await self._skip(pdu.DIGEST_BYTES)
-            want = pdu.digest(dest)
             if got != want:
                 raise TransportError(f"{self.name}: data digest mismatch on C2HData for "
                                      f"command {header.cid} (got {got.hex()}, computed "
@@ -678,6 +814,21 @@ class TcpQueue:
                                      f"claims success after {request.received} of "
                                      f"{request.data.length} bytes")
             self._finish(request, Completion(0, 0, self.qid, header.cid, 0, False))
+
+    async def _receive_bulk(self, request: Request, dest: memoryview, have: int,
+                            digest: bool) -> bytes:
+        """Receive the rest of ``dest`` (a C2HData payload; the stream's next bytes) in a
+        worker thread, and its digest there when ``digest``; then read on after it."""
+        try:
+            got = await self._in_thread(request, receive_exactly, self.sock, dest[have:],
+                                        dest if digest else None)
+        except EOFError:
+            raise self._closed_by_peer() from None
+        except Stalled:
+            raise TransportError(f"{self.name}: C2HData for command {request.cid} stalled: "
+                                 f"no data within {self._sock_timeout:g} s") from None
+        self._after_payload = True
+        return got
 
     def _r2t(self, header: pdu.Header) -> None:
         request = self._lookup(header.cid, "R2T")
@@ -691,16 +842,14 @@ class TcpQueue:
                                  f"{request.data.length} bytes")
         payload = request.buffer()
         pieces = pdu.h2c_pieces(header.offset, header.length, self.maxh2cdata)
-        splice = self._splice and header.length >= SPLICE_MIN_BYTES and not payload.readonly
-        if splice and self._splicer is None:
-            self._splicer = open_splicer()
+        splice = self._splice and not payload.readonly  # vmsplice needs writable memory
         for i, (at, length) in enumerate(pieces):
             piece = payload[at:at + length]
             buffers = [pdu.h2c_data_header(header.cid, header.ttag, at, length,
                                            last=i == len(pieces) - 1,
                                            header_digest=self.header_digest,
                                            data_digest=self.data_digest, cpda=self.cpda),
-                       Spliced(piece) if splice and self._splicer is not None else piece]
+                       Bulk(piece, splice) if length >= BULK_BYTES else piece]
             if self.data_digest:
                 buffers.append(pdu.digest(piece))
             # At once when nothing else waits: the target waits for this data.
@@ -730,6 +879,10 @@ class TcpQueue:
                 self._fail(TransportError(f"{self.name}: command {request.cid} could not be "
                                           f"sent within {request.timeout:g} s"))
                 return
+            if request.busy:  # its data is stuck mid-PDU: the stream cannot go on
+                self._fail(TransportError(f"{self.name}: command {request.cid}'s data did "
+                                          f"not all arrive within {request.timeout:g} s"))
+                return
             request.abandoned = True  # its slot stays taken until the target answers
             task, request.task = request.task, None
             trio.lowlevel.reschedule(task, outcome.Error(CommandTimeout(
@@ -746,16 +899,27 @@ class TcpQueue:
         for request in pending.values():
             request.error = self._failed
             request.unsent = 0
-            if not request.finished:
+            if not request.finished and not request.busy:  # a busy one when its thread ends
                 self._let_go(request)
         self._free = []
         self._slot_waiters.unpark_all()
         if not self._closed:
             self._closed = True
             trio.lowlevel.notify_closing(self.sock)  # wakes a task waiting on it
-            self.sock.close()
-            if self._splicer is not None:
-                self._splicer.close()
+            if self._threads:
+                # A worker thread still uses the fd: end its call now, close when it is done
+                # (closing under it could hand its number to another file meanwhile).
+                try:
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            else:
+                self._close_socket()
+
+    def _close_socket(self) -> None:
+        self.sock.close()
+        if self._splicer is not None:
+            self._splicer.close()
 
     def close(self) -> None:
         if self._failed is None:

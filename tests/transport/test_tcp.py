@@ -265,11 +265,11 @@ class CountingSocket:
         self.full = full
         self.sendmsgs = 0
 
-    def sendmsg(self, buffers):
+    def sendmsg(self, buffers, *args):
         self.sendmsgs += 1
         if self.full:
             raise BlockingIOError
-        return self.sock.sendmsg(buffers)
+        return self.sock.sendmsg(buffers, *args)
 
     def __getattr__(self, name):
         return getattr(self.sock, name)
@@ -345,6 +345,102 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
             await write(queue, transport, 0, bytes(128 * 1024))
 
     with_target(test, maxh2cdata=512 * 1024)
+
+
+def count_threads(monkeypatch) -> list[str]:
+    """The bulk transfers the queue hands to worker threads, by name, as they start."""
+    from nvmeof_fuse.transport import tcp
+
+    started = []
+
+    def counted(name, fn):
+        def counting(*args):
+            started.append((name, threading.current_thread() is threading.main_thread()))
+            return fn(*args)
+        return counting
+
+    for name in ("receive_exactly", "send_exactly"):
+        monkeypatch.setattr(tcp, name, counted(name, getattr(tcp, name)))
+    return started
+
+
+@pytest.mark.parametrize("digests", DIGESTS, ids=["none", "header", "data", "both"])
+def test_bulk_payloads_move_in_worker_threads_between_small_pdus(digests, monkeypatch):
+    started = count_threads(monkeypatch)
+    rng = random.Random(6)
+    big = [rng.randbytes(256 * 1024) for _ in range(4)]
+    small = rng.randbytes(16 * LBA)
+
+    async def test(target, transport, queue):
+        for i, data in enumerate(big):
+            assert (await write(queue, transport, i * 1024, data)).ok
+        target.data[4096 * LBA:4096 * LBA + len(small)] = small
+        wrong = []
+
+        async def one(slba, want):  # bulk and small reads pipelined on one connection
+            got, completion = await read(queue, transport, slba, len(want))
+            if got != want or not completion.ok:
+                wrong.append(slba)
+
+        async with trio.open_nursery() as nursery:
+            for i, data in enumerate(big):
+                nursery.start_soon(one, i * 1024, data)
+                for j in range(4):
+                    at = 4096 + 4 * j
+                    nursery.start_soon(one, at, small[4 * j * LBA:4 * (j + 1) * LBA])
+        assert wrong == [] and queue.available == 31
+        assert started == [("send_exactly", False)] * 4 + [("receive_exactly", False)] * 4
+
+    with_target(test, transport_kw=digests, maxh2cdata=1 << 20, size=4 << 20)
+
+
+def test_a_bad_data_digest_on_a_bulk_payload_is_named(monkeypatch):
+    started = count_threads(monkeypatch)
+
+    async def test(target, transport, queue):
+        target.fault = "data digest"
+        with pytest.raises(TransportError, match=r"^I/O queue 1: data digest mismatch on "
+                                                 r"C2HData for command \d+ \(got "):
+            await read(queue, transport, 0, 512 * 1024)
+        assert [name for name, _ in started] == ["receive_exactly"]
+
+    with_target(test, transport_kw={"data_digest": True})
+
+
+@pytest.mark.parametrize("fault, message", [
+    ("stall", r"^I/O queue 1: command \d+'s data did not all arrive within 0.5 s$"),
+    ("cut", r"^I/O queue 1: 127.0.0.1:\d+ closed the connection$")])
+def test_a_bulk_payload_that_stops_halfway_fails_the_queue_by_name(fault, message):
+    async def test(target, transport, queue):
+        target.fault = fault
+        buf = host_buffer(transport.register, 512 * 1024)
+        with pytest.raises(TransportError, match=message):
+            await queue.execute(cmd.read(1, 0, 1024, NULL_SGL), buf.ref(), timeout=0.5)
+        assert queue._threads == 0 and queue.sock.fileno() == -1  # closed once the thread ended
+
+    with_target(test)
+
+
+def test_stopping_a_queue_ends_a_bulk_receive_at_once():
+    async def test(target, transport, queue):
+        target.fault = "stall"
+        errors = []
+
+        async def reading():
+            try:
+                await read(queue, transport, 0, 512 * 1024)
+            except TransportError as exc:
+                errors.append(str(exc))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reading)
+            while not queue._threads:  # the thread waits for the payload's second half
+                await trio.sleep(0.01)
+            with trio.fail_after(2):  # far below the command's timeout (5 s)
+                await transport.drop_queues()
+        assert errors == ["I/O queue 1: stopped"]
+
+    with_target(test)
 
 
 def test_registered_memory_without_a_view_is_received_in_place():
