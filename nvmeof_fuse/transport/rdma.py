@@ -26,6 +26,7 @@ import math
 import os
 import struct
 import time
+from collections.abc import Callable
 from typing import NoReturn
 
 import outcome
@@ -711,11 +712,17 @@ class RdmaQueue:
     def _drain(self) -> bool:
         """Handle every completion there is; True if there were any."""
         slots = self._slots
-        sends = self.send_cq.poll(self.size)
-        for wc in sends:
-            if wc.status:
-                raise self._wc_error(wc)
-            slots.send_completed(wc.wr_id & _INDEX)
+        found = self.take_completions(slots)
+        if self._slot_waiters and slots.available:
+            self._slot_waiters.unpark(count=slots.available)
+        return bool(found)
+
+    def take_completions(self, slots: CommandSlots,
+                         answered: Callable[[int], object] | None = None) -> int:
+        """Hand every SEND completion and response there is to ``slots`` and repost the
+        receives; how many there were.  ``answered`` is told each response's command ID.
+        A failed work request raises TransportError."""
+        sends = self._take_sends(slots)
         recvs = self.recv_cq.poll(self.size)
         if recvs:
             view = self.responses.view
@@ -727,15 +734,20 @@ class RdmaQueue:
                 completion = Completion.unpack_from(view, slot * CQE_BYTES)
                 reposts.append(self._recvs[slot])
                 slots.response(completion)
+                if answered is not None:
+                    answered(completion.command_id)
             self.qp.post_recv(reposts)
             if slots.awaiting_send:  # their SENDs have mostly completed by now
-                for wc in self.send_cq.poll(self.size):
-                    if wc.status:
-                        raise self._wc_error(wc)
-                    slots.send_completed(wc.wr_id & _INDEX)
-        if self._slot_waiters and slots.available:
-            self._slot_waiters.unpark(count=slots.available)
-        return bool(sends or recvs)
+                sends += self._take_sends(slots)
+        return sends + len(recvs)
+
+    def _take_sends(self, slots: CommandSlots) -> int:
+        sends = self.send_cq.poll(self.size)
+        for wc in sends:
+            if wc.status:
+                raise self._wc_error(wc)
+            slots.send_completed(wc.wr_id & _INDEX)
+        return len(sends)
 
     def _wc_error(self, wc) -> TransportError:
         return TransportError(f"{self.name}: work request failed: {wc.status_str} "

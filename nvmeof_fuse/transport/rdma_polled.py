@@ -30,14 +30,20 @@ import trio
 
 from ..errors import CommandTimeout, TransportError
 from ..nvme import Completion
-from .rdma import _CID, CQE_BYTES, POLL_MAX, SQE_BYTES, CommandSlots, RdmaQueue, Request
+from .rdma import (
+    _CID,
+    _LATENCY_WEIGHT,
+    POLL_MAX,
+    SQE_BYTES,
+    CommandSlots,
+    RdmaQueue,
+    Request,
+)
 from .region import DataRef
 
 BLOCK_SLICE = 0.05
 """Seconds a poller sleeps on the channel at most before it looks at the queue again (a
 detach closes the fd under it)."""
-_LATENCY_WEIGHT = 0.125
-_INDEX = (1 << 32) - 1
 
 
 class PolledQueue:
@@ -223,31 +229,17 @@ class PolledQueue:
             if self.failed is not None:
                 return 0
             try:
-                sends = q.send_cq.poll(q.size)
-                for wc in sends:
-                    if wc.status:
-                        raise q._wc_error(wc)
-                    slots.send_completed(wc.wr_id & _INDEX)
-                recvs = q.recv_cq.poll(q.size)
-                if recvs:
-                    view = q.responses.view
-                    reposts = []
-                    for wc in recvs:
-                        if wc.status:
-                            raise q._wc_error(wc)
-                        slot = wc.wr_id & _INDEX
-                        completion = Completion.unpack_from(view, slot * CQE_BYTES)
-                        reposts.append(q._recvs[slot])
-                        slots.response(completion)
-                        self._held.pop(completion.command_id, None)
-                    q.qp.post_recv(reposts)
+                return q.take_completions(slots, self._release)
             except TransportError as exc:
                 self._fail(exc)
                 return 1
             except OSError as exc:
                 self._fail(TransportError(f"{self.name}: completion queue failed: {exc}"))
                 return 1
-            return len(sends) + len(recvs)
+
+    def _release(self, cid: int) -> None:
+        """Command ``cid`` was answered: its memory need not be kept alive for it any more."""
+        self._held.pop(cid, None)
 
     def _fail(self, error: TransportError) -> None:
         """Fail every request in flight (the lock is held)."""

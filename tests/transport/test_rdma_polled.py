@@ -13,12 +13,11 @@ from types import SimpleNamespace
 import pytest
 import trio
 import trio.testing
-from transport.test_rdma_queue import CQ, FAKE_VERBS, PD, QP, Channel
+from transport.test_rdma_queue import fake_rdma_queue
 
 from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
-from nvmeof_fuse.transport import rdma
 from nvmeof_fuse.transport.rdma_polled import PolledQueue, take_over
 from nvmeof_fuse.transport.region import host_buffer
 
@@ -29,16 +28,7 @@ class Keys:
 
 @pytest.fixture
 def queue(monkeypatch):
-    monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
-    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
-    channel = Channel()
-    context = SimpleNamespace(create_comp_channel=lambda: channel,
-                              create_cq=lambda size, ch: CQ(ch))
-    cm = SimpleNamespace(context=context, create_qp=lambda pd, attr: QP(attr), connected=False)
-    q = rdma.RdmaQueue(transport, cm, PD(), 1, 8, in_capsule_bytes=4096)
-    q.qp.post_recv(q._recvs)
-    yield q
-    q.close()  # closes the channel too
+    yield from fake_rdma_queue(monkeypatch)
 
 
 @pytest.fixture

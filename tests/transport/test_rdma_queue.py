@@ -138,6 +138,11 @@ class PD:
 
 @pytest.fixture
 def queue(monkeypatch):
+    yield from fake_rdma_queue(monkeypatch)
+
+
+def fake_rdma_queue(monkeypatch):
+    """An RdmaQueue (qid 1, 8 slots) over the fake verbs, its receives posted; closed after."""
     monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
     transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
     channel = Channel()
