@@ -187,12 +187,15 @@ class PolledQueue:
 
     def _sleep(self, limit: float) -> None:
         """Wait for the completion channel's event (bounded) and consume it."""
-        fd = self.queue.channel.fd
+        # poll(), not select(): a process with many files (a PyTorch job) has fds past
+        # select's FD_SETSIZE, and a failing select would turn this sleep into a spin.
+        poller = select.poll()
         try:
-            ready, _, _ = select.select([fd], [], [], max(0.0, limit))
+            poller.register(self.queue.channel.fd, select.POLLIN)
+            events = poller.poll(max(0.0, limit) * 1000)
         except (OSError, ValueError):  # the fd was closed by a detach meanwhile
             return
-        if not ready:
+        if not events or events[0][1] & select.POLLNVAL:
             return
         with self._lock:
             if self.failed is not None:

@@ -6,6 +6,7 @@ from another thread where a waiter must sleep on the completion channel.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ from transport.test_rdma_queue import fake_rdma_queue
 from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
-from nvmeof_fuse.transport.rdma_polled import PolledQueue, take_over
+from nvmeof_fuse.transport.rdma_polled import POLL_MAX, PolledQueue, take_over
 from nvmeof_fuse.transport.region import host_buffer
 
 
@@ -90,6 +91,29 @@ def test_a_waiter_sleeps_on_the_channel_until_the_answer_comes(queue, memory):
     target = later(0.05, answer, queue.qp, request.cid)  # past the spin: armed, asleep
     assert polled.wait(request, time.perf_counter() + 30).ok
     target.join()
+
+
+def test_a_channel_past_select_s_fd_limit_is_still_slept_on(queue, memory):
+    channel = queue.channel
+    high = os.dup2(channel.fd, 1500)  # select() refuses fds from FD_SETSIZE (1024) on
+    os.close(channel.fd)
+    channel.fd = high
+    polled = PolledQueue(queue)
+    polled.latency = POLL_MAX  # a slow queue: its waiter sleeps at once, without spinning
+    (request,) = polled.submit(reads(memory, 1))
+    drains = 0
+    drain = polled._drain
+
+    def counted() -> int:
+        nonlocal drains
+        drains += 1
+        return drain()
+
+    polled._drain = counted
+    target = later(0.2, answer, queue.qp, request.cid)
+    assert polled.wait(request, time.perf_counter() + 30).ok
+    target.join()
+    assert drains < 50  # slept on the channel: a spinning waiter polls thousands of times
 
 
 def test_two_waiting_threads_are_served_by_one_poller(queue, memory):
