@@ -444,6 +444,8 @@ class PolledRead:
             self._future = self._fallback()
             return self._future.result(None if timeout is None else max(0.0, limit - clock()))
         self._direct.polled_done(self._size)
+        self._future = done = concurrent.futures.Future()  # a second result() counts nothing
+        done.set_result(self._size)
         return self._size
 
 

@@ -57,6 +57,7 @@ def test_a_completed_read_counts_its_bytes():
     direct = Direct()
     read = PolledRead(direct, Queue(completion()), [request(), request()], 8192, loop_path(-1))
     assert read.result(5) == 8192
+    assert read.result(5) == 8192 and read.done()  # asked again: counted once
     assert direct.done == [8192] and not direct.failed
 
 
