@@ -29,12 +29,12 @@ import time
 from collections.abc import Callable
 from typing import NoReturn
 
-import outcome
 import trio
 
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
+from .parking import Watchdog, cancellable, time_out
 from .region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
@@ -190,15 +190,6 @@ def _verbs():
 
         _ibverbs = ibverbs
     return _ibverbs
-
-
-def _uncancellable(raise_cancel) -> trio.lowlevel.Abort:
-    # The target may still be moving data: a command is waited for, not cancelled.
-    return trio.lowlevel.Abort.FAILED
-
-
-def _cancellable(raise_cancel) -> trio.lowlevel.Abort:
-    return trio.lowlevel.Abort.SUCCEEDED
 
 
 def _access(ib) -> int:
@@ -405,7 +396,7 @@ class RdmaQueue:
         self._slots = CommandSlots(size)
         self._slot_waiters = trio.lowlevel.ParkingLot()
         self._failed: TransportError | None = None
-        self._watch: trio.CancelScope | None = None
+        self._watchdog = Watchdog(lambda: self._slots.pending.values(), self._expire)
         self._reaper: trio.CancelScope | None = None  # the reaper's scope, once it runs
         self._reaped = trio.Event()
         self._poster = None  # the task posting queued capsules, once started
@@ -569,15 +560,7 @@ class RdmaQueue:
         if not request.finished:
             if self._idle_reaper is not None:
                 self._wake_reaper()
-            request.task = trio.lowlevel.current_task()
-            request.timeout = timeout
-            request.deadline = deadline = trio.current_time() + timeout
-            watch = self._watch
-            if watch is not None and deadline < watch.deadline:
-                watch.deadline = deadline
-            # Not cancellable (the target may still be moving data); the watchdog
-            # reschedules us with CommandTimeout once the deadline passed.
-            await trio.lowlevel.wait_task_rescheduled(_uncancellable)
+            await self._watchdog.park(request, timeout)
         if alone:
             self.latency += (time.perf_counter() - posted - self.latency) * _LATENCY_WEIGHT
         if request.error is not None:
@@ -626,7 +609,7 @@ class RdmaQueue:
         try:
             with trio.CancelScope() as self._reaper:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(self._watchdog)
+                    await nursery.start(self._watchdog.run)
                     await nursery.start(self._post_queued)
                     task_status.started()
                     try:
@@ -657,7 +640,7 @@ class RdmaQueue:
             if not slots.pending:  # nothing can complete: wait, unarmed, for a command
                 self._idle_reaper = trio.lowlevel.current_task()
                 try:
-                    await trio.lowlevel.wait_task_rescheduled(_cancellable)
+                    await trio.lowlevel.wait_task_rescheduled(cancellable)
                 finally:
                     self._idle_reaper = None
                 continue
@@ -759,7 +742,7 @@ class RdmaQueue:
         task_status.started()
         try:
             while True:
-                await trio.lowlevel.wait_task_rescheduled(_cancellable)
+                await trio.lowlevel.wait_task_rescheduled(cancellable)
                 self._poster_woken = False
                 wrs, requests = self._queued, self._queued_requests
                 self._queued, self._queued_requests = [], []
@@ -776,26 +759,10 @@ class RdmaQueue:
         finally:
             self._poster = None
 
-    async def _watchdog(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Time out commands past their deadline; sleeps until the earliest one."""
-        task_status.started()
-        while True:
-            with trio.CancelScope(deadline=self._earliest_deadline()) as self._watch:
-                await trio.sleep_forever()
-            self._expire(trio.current_time())
-
-    def _earliest_deadline(self) -> float:
-        return min((r.deadline for r in self._slots.pending.values() if r.task is not None),
-                   default=math.inf)
-
     def _expire(self, now: float) -> None:
         for request in list(self._slots.pending.values()):
             if request.task is not None and request.deadline <= now:
-                request.abandoned = True  # its slot stays taken until the target answers
-                task, request.task = request.task, None
-                trio.lowlevel.reschedule(task, outcome.Error(CommandTimeout(
-                    f"{self.name}: command {request.cid} got no completion within "
-                    f"{request.timeout:g} s")))
+                time_out(request, self.name)
 
     def _fail(self, error: TransportError) -> None:
         self._failed = error

@@ -35,7 +35,6 @@ import socket
 import struct
 from collections import deque
 
-import outcome
 import trio
 
 from ..errors import CommandTimeout, ConnectError, TransportError
@@ -43,6 +42,7 @@ from ..nvme import Completion, set_command_id
 from ..nvme import tcp_pdu as pdu
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
+from .parking import Watchdog, cancellable, time_out
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
 
@@ -336,15 +336,6 @@ class Request:
         return self.view
 
 
-def _uncancellable(raise_cancel) -> trio.lowlevel.Abort:
-    # The target may still be moving data: a command is waited for, not cancelled.
-    return trio.lowlevel.Abort.FAILED
-
-
-def _cancellable(raise_cancel) -> trio.lowlevel.Abort:
-    return trio.lowlevel.Abort.SUCCEEDED
-
-
 class TcpQueue:
     """One NVMe queue over one TCP connection.
 
@@ -390,7 +381,7 @@ class TcpQueue:
         """PDUs not yet (wholly) handed to the kernel: ``[buffers, request or None]``."""
         self._sender = None  # the sender task
         self._sender_idle = False  # parked, waiting for PDUs to send
-        self._watch: trio.CancelScope | None = None
+        self._watchdog = Watchdog(lambda: self._pending.values(), self._expire)
         self._splicer: Splicer | None = None  # opened for the first bulk H2CData
         self._splice = transport.splice
         self._woke = False  # the receive loop let a caller go since it last yielded
@@ -457,15 +448,7 @@ class TcpQueue:
         # sender hands them to the kernel together, in one sendmsg.
         self._submit(buffers, request, batch=len(self._pending) > 1)
         if not request.finished:
-            request.task = trio.lowlevel.current_task()
-            request.timeout = timeout
-            request.deadline = deadline = trio.current_time() + timeout
-            watch = self._watch
-            if watch is not None and deadline < watch.deadline:
-                watch.deadline = deadline
-            # Not cancellable (the target may still be moving data); the watchdog
-            # reschedules us with CommandTimeout once the deadline passed.
-            await trio.lowlevel.wait_task_rescheduled(_uncancellable)
+            await self._watchdog.park(request, timeout)
         if request.error is not None:
             raise request.error
         return request.completion  # type: ignore[return-value]
@@ -555,7 +538,7 @@ class TcpQueue:
             while True:
                 if not self._outgoing or self._failed is not None:
                     self._sender_idle = True
-                    await trio.lowlevel.wait_task_rescheduled(_cancellable)
+                    await trio.lowlevel.wait_task_rescheduled(cancellable)
                     continue
                 try:
                     got = self._flush()
@@ -631,7 +614,7 @@ class TcpQueue:
         try:
             with trio.CancelScope() as self._receiver:
                 async with trio.open_nursery() as nursery:
-                    await nursery.start(self._watchdog)
+                    await nursery.start(self._watchdog.run)
                     await nursery.start(self._send_queued)
                     task_status.started()
                     try:
@@ -857,18 +840,6 @@ class TcpQueue:
 
     # -- timeouts -------------------------------------------------------------------------------
 
-    async def _watchdog(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Time out commands past their deadline; sleeps until the earliest one."""
-        task_status.started()
-        while True:
-            with trio.CancelScope(deadline=self._earliest_deadline()) as self._watch:
-                await trio.sleep_forever()
-            self._expire(trio.current_time())
-
-    def _earliest_deadline(self) -> float:
-        return min((r.deadline for r in self._pending.values() if r.task is not None),
-                   default=math.inf)
-
     def _expire(self, now: float) -> None:
         for request in list(self._pending.values()):
             if request.task is None or request.deadline > now:
@@ -883,11 +854,7 @@ class TcpQueue:
                 self._fail(TransportError(f"{self.name}: command {request.cid}'s data did "
                                           f"not all arrive within {request.timeout:g} s"))
                 return
-            request.abandoned = True  # its slot stays taken until the target answers
-            task, request.task = request.task, None
-            trio.lowlevel.reschedule(task, outcome.Error(CommandTimeout(
-                f"{self.name}: command {request.cid} got no completion within "
-                f"{request.timeout:g} s")))
+            time_out(request, self.name)
 
     # -- failure and teardown -------------------------------------------------------------------
 

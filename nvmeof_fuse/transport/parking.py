@@ -1,0 +1,70 @@
+"""Callers parked on their queue's commands, and the watchdog that times them out.
+
+Both transports park a caller on its command's request without a cancel scope
+per command: the target may still be moving data into the caller's memory, so
+a caller may not leave early.  One watchdog task per queue sleeps until the
+earliest deadline of a parked caller and has the queue expire those past it.
+A request is any object with ``cid``, ``task``, ``deadline``, ``timeout`` and
+``abandoned``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import outcome
+import trio
+
+from ..errors import CommandTimeout
+
+
+def uncancellable(raise_cancel) -> trio.lowlevel.Abort:
+    """A command is waited for, not cancelled: the target may still be moving data."""
+    return trio.lowlevel.Abort.FAILED
+
+
+def cancellable(raise_cancel) -> trio.lowlevel.Abort:
+    return trio.lowlevel.Abort.SUCCEEDED
+
+
+class Watchdog:
+    """The deadlines of one queue's parked callers."""
+
+    def __init__(self, requests: Callable[[], Iterable[Any]],
+                 expire: Callable[[float], None]) -> None:
+        self._requests = requests  # the queue's requests in flight
+        self._expire = expire  # the queue's: time out (or fail for) those past ``now``
+        self._scope: trio.CancelScope | None = None
+
+    async def park(self, request: Any, timeout: float) -> None:
+        """Wait, not cancellable, until ``request`` is finished or its ``timeout`` passed
+        (then whoever lets the caller go hands it the error)."""
+        request.task = trio.lowlevel.current_task()
+        request.timeout = timeout
+        request.deadline = deadline = trio.current_time() + timeout
+        scope = self._scope
+        if scope is not None and deadline < scope.deadline:
+            scope.deadline = deadline
+        await trio.lowlevel.wait_task_rescheduled(uncancellable)
+
+    async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """Sleep until the earliest deadline of a parked caller; then expire (forever)."""
+        task_status.started()
+        while True:
+            earliest = min((r.deadline for r in self._requests() if r.task is not None),
+                           default=math.inf)
+            with trio.CancelScope(deadline=earliest) as self._scope:
+                await trio.sleep_forever()
+            self._expire(trio.current_time())
+
+
+def time_out(request: Any, queue_name: str) -> None:
+    """Let ``request``'s parked caller go with CommandTimeout; its command ID stays taken
+    until the target answers (``abandoned``)."""
+    request.abandoned = True
+    task, request.task = request.task, None
+    trio.lowlevel.reschedule(task, outcome.Error(CommandTimeout(
+        f"{queue_name}: command {request.cid} got no completion within "
+        f"{request.timeout:g} s")))

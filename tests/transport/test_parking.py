@@ -1,0 +1,104 @@
+"""The watchdog both transports park their callers with: deadlines, expiry, nearer deadlines."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import trio
+import trio.testing
+
+from nvmeof_fuse.errors import CommandTimeout
+from nvmeof_fuse.transport.parking import Watchdog, time_out
+
+
+def request(cid: int) -> SimpleNamespace:
+    return SimpleNamespace(cid=cid, task=None, deadline=math.inf, timeout=0.0, abandoned=False)
+
+
+class Queue:
+    """What a queue gives the watchdog: its requests, and an expire that times them out."""
+
+    def __init__(self) -> None:
+        self.pending: dict[int, SimpleNamespace] = {}
+        self.watchdog = Watchdog(lambda: self.pending.values(), self.expire)
+
+    def expire(self, now: float) -> None:
+        for r in list(self.pending.values()):
+            if r.task is not None and r.deadline <= now:
+                time_out(r, "I/O queue 1")
+
+
+def run(test) -> None:
+    trio.run(test, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_caller_past_its_deadline_gets_command_timeout_and_its_slot_stays_taken():
+    async def main():
+        queue = Queue()
+        queue.pending[7] = r = request(7)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.watchdog.run)
+            with pytest.raises(CommandTimeout, match="I/O queue 1: command 7 got no completion "
+                                                     "within 5 s"):
+                await queue.watchdog.park(r, 5.0)
+            assert trio.current_time() == pytest.approx(5.0)
+            assert r.abandoned and r.task is None and 7 in queue.pending
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a_finished_request_lets_its_caller_go_and_cancelling_it_does_not():
+    async def main():
+        queue = Queue()
+        queue.pending[1] = r = request(1)
+        done = []
+        scope = trio.CancelScope()
+
+        async def caller():
+            with scope:
+                await queue.watchdog.park(r, 60.0)
+                done.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.watchdog.run)
+            nursery.start_soon(caller)
+            await trio.testing.wait_all_tasks_blocked()
+            scope.cancel()  # the target may still be moving data: the caller stays
+            await trio.testing.wait_all_tasks_blocked()
+            assert not done and r.task is not None
+            task, r.task = r.task, None
+            del queue.pending[1]
+            trio.lowlevel.reschedule(task)  # what the queue does once the command finished
+            await trio.testing.wait_all_tasks_blocked()
+            assert done == [0.0] and not r.abandoned
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a_nearer_deadline_parked_later_is_watched_from_then_on():
+    async def main():
+        queue = Queue()
+        queue.pending[1] = slow = request(1)
+        queue.pending[2] = fast = request(2)
+        ended = {}
+
+        async def caller(r, timeout):
+            try:
+                await queue.watchdog.park(r, timeout)
+            except CommandTimeout:
+                ended[r.cid] = trio.current_time()
+
+        async with trio.open_nursery() as nursery:
+            await nursery.start(queue.watchdog.run)
+            nursery.start_soon(caller, slow, 100.0)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(caller, fast, 3.0)
+            await trio.sleep(200)
+            nursery.cancel_scope.cancel()
+        assert ended == {2: pytest.approx(3.0), 1: pytest.approx(100.0)}
+
+    run(main)
