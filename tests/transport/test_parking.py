@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -30,41 +31,48 @@ class Queue:
                 time_out(r, "I/O queue 1")
 
 
+@asynccontextmanager
+async def watched(*cids: int):
+    """A queue with requests ``cids`` in flight, its watchdog running; the nursery too."""
+    queue = Queue()
+    for cid in cids:
+        queue.pending[cid] = request(cid)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(queue.watchdog.run)
+        yield queue, nursery
+        nursery.cancel_scope.cancel()
+
+
 def run(test) -> None:
     trio.run(test, clock=trio.testing.MockClock(autojump_threshold=0))
 
 
 def test_a_caller_past_its_deadline_gets_command_timeout_and_its_slot_stays_taken():
     async def main():
-        queue = Queue()
-        queue.pending[7] = r = request(7)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(queue.watchdog.run)
+        async with watched(7) as (queue, _):
+            r = queue.pending[7]
             with pytest.raises(CommandTimeout, match="I/O queue 1: command 7 got no completion "
                                                      "within 5 s"):
                 await queue.watchdog.park(r, 5.0)
             assert trio.current_time() == pytest.approx(5.0)
             assert r.abandoned and r.task is None and 7 in queue.pending
-            nursery.cancel_scope.cancel()
 
     run(main)
 
 
 def test_a_finished_request_lets_its_caller_go_and_cancelling_it_does_not():
     async def main():
-        queue = Queue()
-        queue.pending[1] = r = request(1)
         done = []
         scope = trio.CancelScope()
 
-        async def caller():
+        async def caller(queue, r):
             with scope:
                 await queue.watchdog.park(r, 60.0)
                 done.append(trio.current_time())
 
-        async with trio.open_nursery() as nursery:
-            await nursery.start(queue.watchdog.run)
-            nursery.start_soon(caller)
+        async with watched(1) as (queue, nursery):
+            r = queue.pending[1]
+            nursery.start_soon(caller, queue, r)
             await trio.testing.wait_all_tasks_blocked()
             scope.cancel()  # the target may still be moving data: the caller stays
             await trio.testing.wait_all_tasks_blocked()
@@ -74,31 +82,25 @@ def test_a_finished_request_lets_its_caller_go_and_cancelling_it_does_not():
             trio.lowlevel.reschedule(task)  # what the queue does once the command finished
             await trio.testing.wait_all_tasks_blocked()
             assert done == [0.0] and not r.abandoned
-            nursery.cancel_scope.cancel()
 
     run(main)
 
 
 def test_a_nearer_deadline_parked_later_is_watched_from_then_on():
     async def main():
-        queue = Queue()
-        queue.pending[1] = slow = request(1)
-        queue.pending[2] = fast = request(2)
         ended = {}
 
-        async def caller(r, timeout):
+        async def caller(queue, r, timeout):
             try:
                 await queue.watchdog.park(r, timeout)
             except CommandTimeout:
                 ended[r.cid] = trio.current_time()
 
-        async with trio.open_nursery() as nursery:
-            await nursery.start(queue.watchdog.run)
-            nursery.start_soon(caller, slow, 100.0)
+        async with watched(1, 2) as (queue, nursery):
+            nursery.start_soon(caller, queue, queue.pending[1], 100.0)
             await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(caller, fast, 3.0)
+            nursery.start_soon(caller, queue, queue.pending[2], 3.0)
             await trio.sleep(200)
-            nursery.cancel_scope.cancel()
         assert ended == {2: pytest.approx(3.0), 1: pytest.approx(100.0)}
 
     run(main)
