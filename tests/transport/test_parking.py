@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
 
@@ -16,6 +17,9 @@ from nvmeof_fuse.transport.parking import Watchdog, time_out
 
 def request(cid: int) -> SimpleNamespace:
     return SimpleNamespace(cid=cid, task=None, deadline=math.inf, timeout=0.0, abandoned=False)
+
+
+HANG_GUARD = 60  # s of real time: a hang fails the test instead of stalling the suite
 
 
 class Queue:
@@ -44,7 +48,23 @@ async def watched(*cids: int):
 
 
 def run(test) -> None:
-    trio.run(test, clock=trio.testing.MockClock(autojump_threshold=0))
+    """On a clock that jumps to the next deadline.  A parked caller cannot be cancelled, so a
+    lost wakeup would spin trio for ever: it runs in a thread that fails the test instead."""
+    outcome: list = []
+
+    def target() -> None:
+        try:
+            trio.run(test, clock=trio.testing.MockClock(autojump_threshold=0))
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - raised again below
+            outcome.append(exc)
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(HANG_GUARD)
+    assert outcome, f"a parked caller was still parked after {HANG_GUARD} s"
+    if outcome[0] is not None:
+        raise outcome[0]
 
 
 def test_a_caller_past_its_deadline_gets_command_timeout_and_its_slot_stays_taken():
