@@ -15,7 +15,7 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -190,21 +190,17 @@ class NamespaceFS:
             await self._invalidate(inode, attr_only=True)
 
     async def _forget_entry(self, parent: int, name: bytes) -> None:
-        kernel = self.kernel
-        if kernel is None:
-            return
-        with trio.move_on_after(INVALIDATE_TIMEOUT) as scope:
-            try:
-                await kernel.invalidate_entry(parent, name)
-            except OSError as exc:
-                if exc.errno != errno.ENOENT:  # ENOENT: the kernel had not looked it up
-                    log.warning("cannot make the kernel forget %r: %s", name.decode(), exc)
-        if scope.cancelled_caught:
-            log.warning("making the kernel forget %r took over %g s", name.decode(),
-                        INVALIDATE_TIMEOUT)
+        await self._ask_kernel(lambda kernel: kernel.invalidate_entry(parent, name),
+                               f"make the kernel forget {name.decode()!r}")
 
     async def _invalidate(self, inode: int, attr_only: bool = False) -> None:
         """Make the kernel forget what it caches of ``inode`` (its pages, or its attributes)."""
+        await self._ask_kernel(lambda kernel: kernel.invalidate_inode(inode, attr_only),
+                               f"drop the kernel's cache of inode {inode}")
+
+    async def _ask_kernel(self, ask: Callable[[Kernel], Awaitable[None]], what: str) -> None:
+        """Have the kernel forget something it caches, within INVALIDATE_TIMEOUT; ENOENT
+        (it cached nothing of it) is no failure."""
         kernel = self.kernel
         if kernel is None:
             return
@@ -212,13 +208,12 @@ class NamespaceFS:
         # trio loop answers those reads.
         with trio.move_on_after(INVALIDATE_TIMEOUT) as scope:
             try:
-                await kernel.invalidate_inode(inode, attr_only)
+                await ask(kernel)
             except OSError as exc:
-                if exc.errno != errno.ENOENT:  # ENOENT: the kernel caches nothing of it
-                    log.warning("cannot drop the kernel's cache of inode %d: %s", inode, exc)
+                if exc.errno != errno.ENOENT:
+                    log.warning("cannot %s: %s", what, exc)
         if scope.cancelled_caught:
-            log.warning("dropping the kernel's cache of inode %d took over %g s",
-                        inode, INVALIDATE_TIMEOUT)
+            log.warning("could not %s within %g s", what, INVALIDATE_TIMEOUT)
 
     def _add(self, node: _Node) -> _Node:
         self.nodes[node.inode] = node
