@@ -358,7 +358,7 @@ class DirectQueues:
         slba, nlb = file_offset // lba_size, size // lba_size
         if slba + nlb > shape.nsze:
             return None  # the loop's path names the error
-        per = max(1, min(self._max_transfer // lba_size, nvme_cmd.MAX_NLB))
+        per = nvme_cmd.lbas_per_command(self._max_transfer, lba_size)
         sqes = [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
                  region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
                 for start in range(0, nlb, per)]

@@ -70,7 +70,7 @@ class Namespace:
 
     def _per_command(self) -> int:
         """Most LBAs one command moves: the controller's transfer limit, at least one LBA."""
-        return max(1, min(self.controller.max_transfer // self.lba_size, cmd.MAX_NLB))
+        return cmd.lbas_per_command(self.controller.max_transfer, self.lba_size)
 
     def _chunks(self, slba: int, nlb: int):
         """(slba, nlb, byte offset) pieces no larger than the controller's transfer limit."""

@@ -37,6 +37,12 @@ MAX_NLB = 65536
 MAX_DSM_RANGES = 256
 
 
+def lbas_per_command(max_transfer: int, lba_size: int) -> int:
+    """Most LBAs one Read or Write moves: the controller's transfer limit (bytes), at least
+    one LBA, at most :data:`MAX_NLB`."""
+    return max(1, min(max_transfer // lba_size, MAX_NLB))
+
+
 def _sqe(opcode: int, nsid: int = 0, sgl: BytesLike = NULL_SGL) -> bytearray:
     if len(sgl) != SGL_DESC_SIZE:
         raise ValueError(f"an SGL descriptor is {SGL_DESC_SIZE} bytes, got {len(sgl)}")
@@ -323,6 +329,7 @@ __all__ = [
     "auth_send",
     "command_id",
     "command_name",
+    "lbas_per_command",
     "connect",
     "connect_data",
     "dataset_management",

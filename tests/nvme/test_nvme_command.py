@@ -251,3 +251,10 @@ def test_command_name():
     assert c.command_name(c.connect(0, 32, sgl=SGL), admin=True) == "Connect"
     assert c.command_name(c.property_get(0, True), admin=True) == "Property Get"
     assert c.command_name(bytes([0x55]) + bytes(63), admin=True) == "Admin command 0x55"
+
+
+def test_lbas_per_command_follow_the_transfer_limit_within_one_and_max_nlb():
+    assert c.lbas_per_command(1 << 20, 4096) == 256
+    assert c.lbas_per_command(1 << 20, 512) == 2048
+    assert c.lbas_per_command(1024, 4096) == 1  # a limit below one LBA still moves one
+    assert c.lbas_per_command(1 << 40, 512) == c.MAX_NLB
