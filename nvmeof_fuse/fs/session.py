@@ -205,28 +205,16 @@ class FuseSession:
     async def _read_loop(self, workers: _Workers) -> None:
         """Read every queued request, hand each to a worker, and wait on the descriptor
         when there is none: a request never waits for a handler to finish."""
-        fd, bufs, parse = self.fd, self._bufs, self._parse
-        readv = os.readv
+        take = self._next_request
         start = workers.submit
         got = 0  # requests read since the handlers last ran
         while True:
             try:
-                if bufs[1] is None:
-                    bufs[1] = self._take()
-                n = readv(fd, bufs)
+                job = take()
             except BlockingIOError:
                 got = 0
-                await trio.lowlevel.wait_readable(fd)
+                await trio.lowlevel.wait_readable(self.fd)
                 continue
-            except OSError as exc:
-                if exc.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted meanwhile
-                    continue
-                if exc.errno == errno.ENODEV:  # unmounted: the kernel ended the session
-                    self.gone = True
-                    return
-                raise
-            try:
-                job = parse(n)
             except _SessionEnded:
                 return
             if job is not None:
@@ -243,27 +231,32 @@ class FuseSession:
         holds up the requests behind it."""
         if not self._taking:
             return None
-        bufs = self._bufs
         try:
-            if bufs[1] is None:
-                bufs[1] = self._take()
-            n = os.readv(self.fd, bufs)
-        except OSError as exc:  # EAGAIN: none queued; the reader sees any other error too
-            if exc.errno == errno.ENODEV:
-                self.gone = True
-                self.stop_reading()
+            return self._next_request()
+        except BlockingIOError:
             return None
-        try:
-            return self._parse(n)
         except _SessionEnded:
             self.stop_reading()
             return None
 
-    def _parse(self, n: int) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
-        """The handler and arguments of the request of ``n`` bytes just read into the
-        buffers, or None when it needs none (answered here, or no answer due).  Raises
-        _SessionEnded when the kernel ends the session."""
+    def _next_request(self) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
+        """Read one request: its handler and arguments, or None when it needs none
+        (answered here, no answer due, or interrupted).  Raises BlockingIOError when none
+        is queued and _SessionEnded when the kernel ends the session."""
         bufs = self._bufs
+        if bufs[1] is None:
+            bufs[1] = self._take()
+        try:
+            n = os.readv(self.fd, bufs)
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            if exc.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted meanwhile
+                return None
+            if exc.errno == errno.ENODEV:  # unmounted: the kernel ended the session
+                self.gone = True
+                raise _SessionEnded from None
+            raise
         head = bufs[0]
         if n < 40:  # 0: the other end closed (only a test's fake kernel does that)
             if n == 0:
