@@ -3,11 +3,13 @@
 The protocol is :mod:`nvmeof_fuse.fs.wire`; the answers come from an operations object
 (:class:`nvmeof_fuse.fs.operations.NamespaceFS`).  One trio task reads: it drains every
 queued request with nonblocking reads and parks in ``wait_readable`` only when the kernel
-has none.  Each request that may wait (I/O, flush, open...) runs in a task of its own; its
-reply goes out with one ``writev`` (a READ's data straight from the buffer the namespace
-lends, before the task yields again).  A WRITE's data is read into a buffer of its own,
-which the write task owns until it completes, so it is never copied here.  Those buffers
-are page-aligned and reused: see :func:`receive_buffer`.
+has none.  Requests run in worker tasks; a worker that has answered one reads the next
+queued request itself and runs it (no hand-over: the reader keeps watching the descriptor,
+so a slow request never holds up the others).  Each reply goes out with one ``writev`` (a
+READ's data straight from the buffer the namespace lends, before the task yields again).
+A WRITE's data is read into a buffer of its own, which the write task owns until it
+completes, so it is never copied here.  Those buffers are page-aligned and reused: see
+:func:`receive_buffer`.
 """
 
 from __future__ import annotations
@@ -85,14 +87,23 @@ def mount_fd(path: str, options: list[str]) -> int:
         return fds[0]
 
 
+class _SessionEnded(Exception):
+    """The kernel ended the session (DESTROY, unmounted, or the fake kernel closed)."""
+
+
 class _Workers:
     """Tasks that run request handlers: handing a request to a parked worker costs one
     reschedule, where a task per request costs a spawn and an exit.  A worker is started
-    whenever none is idle (so a handler that waits never holds up another), and parks when
-    the queue is empty."""
+    whenever none is idle (so a handler that waits never holds up another).  A worker whose
+    queue is empty first asks ``fetch`` for a request already waiting in the kernel and runs
+    it itself (no hand-over at all: under load most requests go this way), and parks only
+    when there is none."""
 
-    def __init__(self, nursery: trio.Nursery) -> None:
+    def __init__(self, nursery: trio.Nursery,
+                 fetch: Callable[[], tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]
+                                 | None]) -> None:
         self.nursery = nursery
+        self.fetch = fetch
         self.queue: deque[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]] = deque()
         self.idle: list[trio.lowlevel.Task] = []
         self.closing = False
@@ -105,8 +116,9 @@ class _Workers:
             self.nursery.start_soon(self._work)
 
     async def _work(self) -> None:
-        queue, idle = self.queue, self.idle
+        queue, idle, fetch = self.queue, self.idle, self.fetch
         task = trio.lowlevel.current_task()
+        fetched = 0  # requests run one after another without a checkpoint
 
         def abort(_: object) -> trio.lowlevel.Abort:
             idle.remove(task)
@@ -118,6 +130,15 @@ class _Workers:
                 await fn(*args)
             if self.closing:
                 return
+            job = fetch()
+            if job is not None:
+                await job[0](*job[1])
+                fetched += 1
+                if fetched >= BATCH:  # handlers that never yield must not starve the rest
+                    fetched = 0
+                    await trio.lowlevel.checkpoint()
+                continue
+            fetched = 0
             idle.append(task)
             await trio.lowlevel.wait_task_rescheduled(abort)
 
@@ -146,11 +167,16 @@ class FuseSession:
         self.gone = False  # the kernel ended the session (unmounted): nothing to unmount
         self.initialized = trio.Event()
         self._reader_scope = trio.CancelScope()
+        self._taking = False  # requests are being taken (between run and stop_reading)
         # Receive buffers of WRITE data, for reuse (the most recently freed first, still
         # in the cache): at most one per request the kernel lets us hold (max_background
         # and the synchronous ones) plus the one being read into.
         self._free: list[mmap.mmap] = []
         self._bufsize = params.max_write + wire.PAGE
+        # Where every request is read to: fuse_in_header + the biggest fixed args we unpack,
+        # then a WRITE's data.  One pair serves all readers: each request is parsed (and
+        # what it needs copied out, or the data buffer handed over) before anyone reads again.
+        self._bufs: list[Any] = [bytearray(WRITE_HEADERS), None]
         os.set_blocking(fd, False)
 
     # --- the loop --------------------------------------------------------------------------
@@ -159,76 +185,106 @@ class FuseSession:
         """Serve until the kernel ends the session or :meth:`stop_reading`, then wait for
         the requests still in flight."""
         async with trio.open_nursery() as nursery:
-            workers = _Workers(nursery)
+            workers = _Workers(nursery, self._fetch)
+            self._taking = True
             try:
                 with self._reader_scope:
                     await self._read_loop(workers)
             finally:
+                self._taking = False
                 workers.close()
 
     def stop_reading(self) -> None:
         """Take no new requests; :meth:`run` returns once those in flight are answered."""
+        self._taking = False
         self._reader_scope.cancel()
 
     def _take(self) -> mmap.mmap:
         return self._free.pop() if self._free else receive_buffer(self._bufsize)
 
     async def _read_loop(self, workers: _Workers) -> None:
-        fd = self.fd
-        head = bytearray(WRITE_HEADERS)  # fuse_in_header + the biggest fixed args we unpack
-        data = self._take()
-        bufs = [head, data]
-        readv = os.readv
-        unpack_header = IN_HEADER.unpack_from
-        unpack_rw = READ_IN.unpack_from
+        """Read every queued request, hand each to a worker, and wait on the descriptor
+        when there is none: a request never waits for a handler to finish."""
+        take = self._next_request
         start = workers.submit
-        read, write, meta = self._read, self._write, self._meta
         got = 0  # requests read since the handlers last ran
         while True:
             try:
-                n = readv(fd, bufs)
+                job = take()
             except BlockingIOError:
                 got = 0
-                await trio.lowlevel.wait_readable(fd)
+                await trio.lowlevel.wait_readable(self.fd)
                 continue
-            except OSError as exc:
-                if exc.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted meanwhile
-                    continue
-                if exc.errno == errno.ENODEV:  # unmounted: the kernel ended the session
-                    self.gone = True
-                    return
-                raise
-            if n < 40:  # 0: the other end closed (only a test's fake kernel does that)
-                if n == 0:
-                    self.gone = True
-                    return
-                log.warning("ignored a FUSE request of %d bytes", n)
-                continue
+            except _SessionEnded:
+                return
+            if job is not None:
+                start(job[0], *job[1])
             got += 1
             if got >= BATCH:
                 got = 0
                 await trio.lowlevel.checkpoint()
-            _, opcode, unique, nodeid, _, _, _, _, _ = unpack_header(head)
-            if opcode == 15:  # READ
-                fh, offset, size, _ = unpack_rw(head, 40)
-                start(read, unique, fh, offset, size)
-            elif opcode == 16:  # WRITE: its data is at the start of ``data``
-                fh, offset, size, _ = WRITE_IN.unpack_from(head, 40)
-                start(write, unique, fh, offset, size, data)
-                data = bufs[1] = self._take()
-            else:
-                request = bytes(head[:n]) if n <= WRITE_HEADERS else (
-                    bytes(head) + bytes(memoryview(data)[: n - WRITE_HEADERS]))
-                if opcode in wire.NO_REPLY:
-                    continue  # FORGET, BATCH_FORGET (the tree is fixed), INTERRUPT
-                if opcode == wire.INIT:
-                    self._init(unique, request)
-                elif opcode == wire.DESTROY:
-                    self._send(wire.empty_reply(unique))
-                    self.gone = True
-                    return
-                else:
-                    start(meta, opcode, unique, nodeid, request)
+
+    def _fetch(self) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
+        """A request already queued in the kernel, for a worker that has just finished one
+        to run itself; None when there is none (or requests are no longer taken).  The
+        reader task keeps waiting on the descriptor meanwhile, so a slow handler never
+        holds up the requests behind it."""
+        if not self._taking:
+            return None
+        try:
+            return self._next_request()
+        except BlockingIOError:
+            return None
+        except _SessionEnded:
+            self.stop_reading()
+            return None
+
+    def _next_request(self) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
+        """Read one request: its handler and arguments, or None when it needs none
+        (answered here, no answer due, or interrupted).  Raises BlockingIOError when none
+        is queued and _SessionEnded when the kernel ends the session."""
+        bufs = self._bufs
+        if bufs[1] is None:
+            bufs[1] = self._take()
+        try:
+            n = os.readv(self.fd, bufs)
+        except BlockingIOError:
+            raise
+        except OSError as exc:
+            if exc.errno in (errno.EINTR, errno.ENOENT):  # ENOENT: interrupted meanwhile
+                return None
+            if exc.errno == errno.ENODEV:  # unmounted: the kernel ended the session
+                self.gone = True
+                raise _SessionEnded from None
+            raise
+        head = bufs[0]
+        if n < 40:  # 0: the other end closed (only a test's fake kernel does that)
+            if n == 0:
+                self.gone = True
+                raise _SessionEnded
+            log.warning("ignored a FUSE request of %d bytes", n)
+            return None
+        _, opcode, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(head)
+        if opcode == 15:  # READ
+            fh, offset, size, _ = READ_IN.unpack_from(head, 40)
+            return self._read, (unique, fh, offset, size)
+        if opcode == 16:  # WRITE: its data is at the start of the data buffer, now the write's
+            fh, offset, size, _ = WRITE_IN.unpack_from(head, 40)
+            data = bufs[1]
+            bufs[1] = None
+            return self._write, (unique, fh, offset, size, data)
+        request = bytes(head[:n]) if n <= WRITE_HEADERS else (
+            bytes(head) + bytes(memoryview(bufs[1])[: n - WRITE_HEADERS]))
+        if opcode in wire.NO_REPLY:
+            return None  # FORGET, BATCH_FORGET (the tree is fixed), INTERRUPT
+        if opcode == wire.INIT:
+            self._init(unique, request)
+            return None
+        if opcode == wire.DESTROY:
+            self._send(wire.empty_reply(unique))
+            self.gone = True
+            raise _SessionEnded
+        return self._meta, (opcode, unique, nodeid, request)
 
     def _init(self, unique: int, request: bytes) -> None:
         try:

@@ -70,6 +70,7 @@ WRITE_IN = struct.Struct("<QQII")  # fh offset size write_flags (lock_owner, fla
 WRITE_IN_SIZE = 40
 WRITE_HEADERS = IN_HEADER_SIZE + WRITE_IN_SIZE  # where a WRITE's data starts (80)
 WRITE_OUT = struct.Struct("<II")
+WRITE_REPLY = struct.Struct("<IiQII")  # fuse_out_header + fuse_write_out, packed at once
 ATTR = struct.Struct("<QQQQQQIIIIIIIIII")  # fuse_attr, 88 bytes
 ENTRY_OUT = struct.Struct("<QQQQII")  # + fuse_attr
 ATTR_OUT = struct.Struct("<QII")  # + fuse_attr
@@ -349,7 +350,7 @@ def open_reply(unique: int, fh: int, open_flags: int = 0) -> bytes:
 
 
 def write_reply(unique: int, size: int) -> bytes:
-    return OUT_HEADER.pack(OUT_HEADER_SIZE + WRITE_OUT.size, 0, unique) + WRITE_OUT.pack(size, 0)
+    return WRITE_REPLY.pack(WRITE_REPLY.size, 0, unique, size, 0)
 
 
 def statfs_reply(unique: int, s: StatvfsData) -> bytes:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import trio
+import trio.testing
 
 from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.mount import MountOptions, serve
@@ -151,3 +152,117 @@ def test_two_mounts_in_one_process(tmp_path):
 
     trio.run(main)
     assert not any(os.path.ismount(p) for p in paths)
+
+
+def test_queued_requests_each_get_one_reply():
+    """Many requests queued at once (workers take most of them straight from the
+    descriptor): every one is answered once, with its own data."""
+    async def test(kernel, ctrl):
+        ctrl.namespaces[1].device.data[:] = bytes(range(256)) * (512 * 64 // 256)
+        err, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
+        inode = struct.unpack_from("<Q", body)[0]
+        err, body = await kernel.ask(wire.OPEN, struct.pack("<II", os.O_RDWR, 0), unique=3,
+                                     nodeid=inode)
+        fh = struct.unpack_from("<Q", body)[0]
+        expected = {}
+        requests = []
+        for i in range(300):
+            unique = 100 + i
+            if i % 3 == 0:
+                off = (i % 32) * 512
+                requests.append(request(wire.READ, struct.pack("<QQIIQII", fh, off, 64, 0, 0,
+                                                               0, 0), unique))
+                expected[unique] = bytes(ctrl.namespaces[1].device.data[off:off + 64])
+            elif i % 3 == 1:
+                off = (32 + i % 32) * 512
+                payload = bytes([i % 256]) * 512
+                requests.append(request(wire.WRITE, struct.pack("<QQIIQII", fh, off, 512, 0, 0,
+                                                                0, 0) + payload, unique))
+                expected[unique] = struct.pack("<II", 512, 0)
+            else:
+                requests.append(request(wire.GETATTR, bytes(16), unique, nodeid=inode))
+                expected[unique] = None
+
+        def exchange() -> dict[int, bytes]:
+            for r in requests:
+                kernel.sock.send(r)
+            replies = {}
+            kernel.sock.settimeout(STEP)
+            while len(replies) < len(requests):
+                reply = kernel.sock.recv(1 << 16)
+                length, error, unique = struct.unpack_from("<IiQ", reply)
+                assert error == 0 and length == len(reply) and unique not in replies
+                replies[unique] = reply[16:]
+            return replies
+
+        replies = await trio.to_thread.run_sync(exchange)
+        assert replies.keys() == expected.keys()
+        for unique, body in expected.items():
+            if body is not None:
+                assert replies[unique] == body
+
+    trio.run(with_session, test)
+
+
+def test_workers_run_fetched_requests_themselves():
+    """A worker with nothing queued runs what ``fetch`` gives it; a handler that waits holds
+    up only its own worker."""
+    from nvmeof_fuse.fs.session import _Workers
+
+    async def main():
+        ran: list[str] = []
+        release = trio.Event()
+        pending: list[tuple] = []
+
+        async def job(name: str) -> None:
+            ran.append(name)
+
+        async def held() -> None:
+            await release.wait()
+            ran.append("held")
+
+        def fetch():
+            return pending.pop(0) if pending else None
+
+        with trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                workers = _Workers(nursery, fetch)
+                pending[:] = [(job, ("a",)), (held, ()), (job, ("b",))]
+                workers.submit(job, "first")
+                await trio.testing.wait_all_tasks_blocked()
+                # The first worker ran its own job, then fetched "a", then the held one.
+                assert ran == ["first", "a"] and len(pending) == 1
+                # A second worker starts for "c" (the first is busy), then fetches "b".
+                workers.submit(job, "c")
+                await trio.testing.wait_all_tasks_blocked()
+                assert ran == ["first", "a", "c", "b"] and not pending
+                # It parked: the next request wakes it, and it fetches once more.
+                pending.append((job, ("d",)))
+                workers.submit(job, "e")
+                await trio.testing.wait_all_tasks_blocked()
+                assert ran == ["first", "a", "c", "b", "e", "d"]
+                release.set()
+                await trio.testing.wait_all_tasks_blocked()
+                assert ran[-1] == "held"
+                workers.close()
+
+    trio.run(main)
+
+
+def test_a_destroy_taken_by_a_worker_ends_the_session():
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        session = FuseSession(NamespaceFS(make_controller((1, 512, 8))), os.dup(ours.fileno()))
+        ours.close()
+        with theirs:
+            assert session._fetch() is None  # not serving: nothing is taken
+            session._taking = True
+            assert session._fetch() is None  # nothing queued
+            theirs.send(request(wire.DESTROY, unique=9))
+            assert session._fetch() is None
+            assert struct.unpack("<IiQ", theirs.recv(64)) == (16, 0, 9)
+            assert session.gone and not session._taking
+            assert session._reader_scope.cancel_called
+        session.close()
+
+    trio.run(main)
