@@ -19,12 +19,6 @@ PERCENTILES: tuple[tuple[str, float], ...] = (
 _SUB_BITS = 4  # 2**4 buckets per power of two
 
 
-def _bucket(ns: int) -> int:
-    """Lower bound (ns) of the histogram bucket holding ``ns``."""
-    shift = max(0, ns.bit_length() - _SUB_BITS - 1)
-    return (ns >> shift) << shift
-
-
 def _width(lower: int) -> int:
     return 1 << max(0, lower.bit_length() - _SUB_BITS - 1)
 
@@ -39,12 +33,16 @@ class LatencyHistogram:
     max_ns: int = 0
 
     def add(self, seconds: float) -> None:
-        ns = max(0, int(seconds * 1e9))
-        key = _bucket(ns)
-        self.buckets[key] = self.buckets.get(key, 0) + 1
+        ns = int(seconds * 1e9) if seconds > 0 else 0
+        # the bucket's lower bound: ns with all but its top _SUB_BITS + 1 bits cleared
+        shift = ns.bit_length() - _SUB_BITS - 1
+        key = (ns >> shift) << shift if shift > 0 else ns
+        buckets = self.buckets
+        buckets[key] = buckets.get(key, 0) + 1
         self.count += 1
         self.total_ns += ns
-        self.max_ns = max(self.max_ns, ns)
+        if ns > self.max_ns:
+            self.max_ns = ns
 
     def percentile(self, q: float) -> int:
         """Latency in ns below which a fraction ``q`` of samples fall (bucket midpoint)."""
@@ -86,8 +84,9 @@ class IoStats:
 
     def record(self, op: str, nbytes: int, seconds: float, ok: bool = True) -> None:
         """Count one ``op`` that moved ``nbytes`` in ``seconds``."""
-        st = self.ops.get(op)
-        if st is None:
+        try:
+            st = self.ops[op]
+        except KeyError:
             st = self.ops[op] = OpStats()
         st.ops += 1
         if ok:
