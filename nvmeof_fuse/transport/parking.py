@@ -4,8 +4,7 @@ Both transports park a caller on its command's request without a cancel scope
 per command: the target may still be moving data into the caller's memory, so
 a caller may not leave early.  One watchdog task per queue sleeps until the
 earliest deadline of a parked caller and has the queue expire those past it.
-A request is any object with ``cid``, ``task``, ``deadline``, ``timeout`` and
-``abandoned``.
+A request is any object with ``cid``, ``task``, ``deadline`` and ``timeout``.
 """
 
 from __future__ import annotations
@@ -61,9 +60,8 @@ class Watchdog:
 
 
 def time_out(request: Any, queue_name: str) -> None:
-    """Let ``request``'s parked caller go with CommandTimeout; its command ID stays taken
-    until the target answers (``abandoned``)."""
-    request.abandoned = True
+    """Let ``request``'s parked caller go with CommandTimeout.  The queue must have been
+    stopped first: the caller may reuse its memory at once."""
     task, request.task = request.task, None
     trio.lowlevel.reschedule(task, outcome.Error(CommandTimeout(
         f"{queue_name}: command {request.cid} got no completion within "

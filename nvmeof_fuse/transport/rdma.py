@@ -85,7 +85,7 @@ class Request:
     """
 
     __slots__ = ("cid", "data", "inline", "sent", "completion", "error", "finished",
-                 "abandoned", "task", "deadline", "timeout")
+                 "task", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None) -> None:
         self.cid = cid
@@ -96,7 +96,6 @@ class Request:
         self.error: Exception | None = None
         self.finished = False
         """The caller may go on: answered (and sent, if ``inline``), or failed."""
-        self.abandoned = False
         self.task = None  # the trio task parked on this request, if any
         self.deadline = math.inf
         self.timeout = 0.0
@@ -760,9 +759,22 @@ class RdmaQueue:
             self._poster = None
 
     def _expire(self, now: float) -> None:
-        for request in list(self._slots.pending.values()):
-            if request.task is not None and request.deadline <= now:
-                time_out(request, self.name)
+        """Time out the parked callers past their deadline, and stop the queue first.
+
+        As Linux ``nvme_rdma_timeout``: the target may still move a timed-out command's
+        data, by RDMA into or out of the caller's memory (a bounce buffer that is about
+        to be reused), so the QP goes to the error state before any caller gets its
+        memory back.  The other commands fail with the queue; the controller reconnects.
+        """
+        expired = [request for request in self._slots.pending.values()
+                   if request.task is not None and request.deadline <= now]
+        if not expired:
+            return
+        self._disconnect()
+        for request in expired:
+            time_out(request, self.name)
+        self._fail(TransportError(f"{self.name}: closed as command {expired[0].cid} timed out "
+                                  "(the target may still move its data)"))
 
     def _fail(self, error: TransportError) -> None:
         self._failed = error
@@ -770,17 +782,22 @@ class RdmaQueue:
         self._slots.fail_all(error)
         self._slot_waiters.unpark_all()
 
+    def _disconnect(self) -> None:
+        """RDMA-CM disconnect: the QP goes to the error state, so the target's RDMA
+        reaches none of our memory through it any more."""
+        if getattr(self.cm, "connected", False):
+            try:
+                self.cm.disconnect()
+            except OSError:
+                pass
+
     def close(self) -> None:
         """Disconnect and destroy the QP, CQs, channel and queue buffers (not the PD and
         endpoint: the transport releases those)."""
         if self._failed is None:
             self._failed = TransportError(f"{self.name} is closed")
         self._slots.fail_all(self._failed)
-        if getattr(self.cm, "connected", False):
-            try:
-                self.cm.disconnect()
-            except OSError:
-                pass
+        self._disconnect()
         self._sends = []
         self._recvs = []
         self._capsule_sges = []

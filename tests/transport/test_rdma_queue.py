@@ -11,6 +11,7 @@ import ctypes
 import errno
 import functools
 import os
+import re
 import struct
 from types import SimpleNamespace
 
@@ -232,17 +233,31 @@ async def test_in_capsule_write_waits_for_its_send(queue):
 
 
 @in_trio
-async def test_timeout_abandons_the_command_until_the_target_answers(queue):
+async def test_a_timeout_stops_the_queue_before_its_caller_gets_its_memory_back(queue):
+    """As Linux nvme_rdma_timeout: the target may still RDMA a timed-out command's data, so
+    the QP is disconnected (error state) before the caller may reuse its buffer; the other
+    commands of the queue fail with it, and the controller reconnects."""
+    seen = {}
+
+    def disconnect():
+        seen["before the caller woke"] = "woke" not in seen
+        queue.cm.connected = False
+
+    queue.cm.connected = True
+    queue.cm.disconnect = disconnect
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
+        others = []
+        nursery.start_soon(read_recording, queue, others)  # in flight, with a longer timeout
+        await trio.testing.wait_all_tasks_blocked()
         with pytest.raises(CommandTimeout, match="got no completion within 0.01 s"):
             await queue.execute(read_command(), timeout=0.01)
-        (cid,) = queue.qp.sent
-        assert queue.available == 6  # the target may still write: the slot stays taken
-        queue.qp.send_done(cid)
-        queue.qp.respond(cid)
+        seen["woke"] = True
+        assert seen["before the caller woke"] and not queue.cm.connected
         await trio.testing.wait_all_tasks_blocked()
-        assert queue.available == 7
+        assert len(others) == 1 and re.search(r"closed as command \d+ timed out", str(others[0]))
+        with pytest.raises(TransportError, match="timed out"):
+            await queue.execute(read_command(), timeout=30)
         nursery.cancel_scope.cancel()
 
 
