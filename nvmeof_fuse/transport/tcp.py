@@ -22,7 +22,10 @@ A receive task per queue reads every PDU; anything that breaks the protocol (a
 bad digest, a length that disagrees with its header, an unknown PDU type, data
 for a command not in flight) fails every command of the queue with
 :class:`TransportError` and closes the connection, which makes the controller
-reconnect.
+reconnect.  So does a command timeout, as in Linux (``nvme_tcp_timeout`` stops
+the queue before the request completes): the target may still send C2HData or
+an R2T for the command, so its caller gets its memory back only once the
+connection is closed, never while a late PDU could land in it or read it.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from ..nvme import Completion, set_command_id
 from ..nvme import tcp_pdu as pdu
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
-from .parking import Watchdog, cancellable, time_out
+from .parking import Watchdog, cancellable
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
 
@@ -309,7 +312,7 @@ class Request:
     """
 
     __slots__ = ("cid", "data", "view", "to_controller", "received", "completion", "error",
-                 "finished", "abandoned", "unsent", "busy", "task", "deadline", "timeout")
+                 "finished", "unsent", "busy", "task", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
         self.cid = cid
@@ -321,7 +324,6 @@ class Request:
         self.error: Exception | None = None
         self.finished = False
         """The caller may go on: answered with nothing left to send, or failed."""
-        self.abandoned = False
         self.unsent = 0
         self.busy = False
         """A worker thread is moving its data: its caller is not let go until it is done."""
@@ -671,6 +673,8 @@ class TcpQueue:
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
                 self._woke = False  # the callers let go have run meanwhile
+                if self._closed:  # failed meanwhile (a shut-down socket still reads)
+                    raise trio.ClosedResourceError from None
                 continue
             except OSError:
                 if self._closed:
@@ -854,7 +858,14 @@ class TcpQueue:
                 self._fail(TransportError(f"{self.name}: command {request.cid}'s data did "
                                           f"not all arrive within {request.timeout:g} s"))
                 return
-            time_out(request, self.name)
+            # The target may still send its data or an R2T: close the connection before
+            # its caller gets its memory back (Linux: nvme_tcp_timeout, error recovery).
+            request.error = CommandTimeout(
+                f"{self.name}: command {request.cid} got no completion within "
+                f"{request.timeout:g} s (its connection is closed)")
+            self._fail(TransportError(f"{self.name}: closed as command {request.cid} timed "
+                                      "out (the target may still move its data)"))
+            return
 
     # -- failure and teardown -------------------------------------------------------------------
 
@@ -864,7 +875,8 @@ class TcpQueue:
         self._outgoing.clear()  # nothing more is sent on this connection
         pending, self._pending = self._pending, {}
         for request in pending.values():
-            request.error = self._failed
+            if request.error is None:  # (a timed-out one has its own)
+                request.error = self._failed
             request.unsent = 0
             if not request.finished and not request.busy:  # a busy one when its thread ends
                 self._let_go(request)

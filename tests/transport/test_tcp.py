@@ -514,14 +514,41 @@ def test_a_broken_pdu_fails_the_queue_by_name_and_a_new_connection_works(fault):
     with_target(test, transport_kw=kw)
 
 
-def test_a_command_without_an_answer_times_out_by_name_and_keeps_its_slot():
+def test_a_command_without_an_answer_times_out_by_name_and_closes_its_queue():
     async def test(target, transport, queue):
         target.fault = "silent"
-        with pytest.raises(CommandTimeout, match=r"I/O queue 1: command \d+ got no completion "
-                                                 r"within 0.2 s"):
+        with pytest.raises(CommandTimeout, match=r"^I/O queue 1: command \d+ got no completion "
+                                                 r"within 0.2 s \(its connection is closed\)$"):
             await queue.execute(cmd.flush(1), timeout=0.2)
-        assert queue.available == 30  # the target may still answer it
-        assert (await write(queue, transport, 0, bytes(512))).ok
+        with pytest.raises(TransportError, match=r"^I/O queue 1: closed as command \d+ timed "
+                                                 r"out \(the target may still move its data\)$"):
+            await queue.execute(cmd.flush(1), timeout=5)
+
+    with_target(test)
+
+
+@pytest.mark.parametrize("opcode", ["read", "write"])
+def test_late_data_for_a_timed_out_command_never_reaches_its_reused_buffer(opcode):
+    """As Linux (nvme_tcp_timeout: the queue is stopped before the request completes): the
+    caller gets its buffer back only once no C2HData can land in it, no R2T read it."""
+    async def test(target, transport, queue):
+        target.data[:4096] = b"\x11" * 4096
+        buf = host_buffer(transport.register, 4096)
+        buf.view[:] = b"\x22" * 4096
+        target.fault = "late"
+        reads = opcode == "read"
+        sqe = (cmd.read if reads else cmd.write)(1, 0, 8, NULL_SGL)
+        with pytest.raises(CommandTimeout):
+            await queue.execute(sqe, buf.ref(), to_controller=not reads, timeout=0.2)
+        buf.view[:] = b"\x33" * 4096  # the caller reuses its buffer at once
+        target.release.set()
+        await target.late_sent.wait()
+        try:  # answered after the late PDUs if the connection were still open
+            await queue.execute(cmd.flush(1), timeout=5)
+        except TransportError:
+            pass
+        assert bytes(buf.view) == b"\x33" * 4096, "late C2HData landed in a reused buffer"
+        assert target.data[:4096] == b"\x11" * 4096, "a late R2T read a reused buffer"
 
     with_target(test)
 
@@ -565,7 +592,7 @@ def test_an_icresp_with_a_digest_not_asked_for_is_refused():
 # --- the controller over TCP, against the fake target ---------------------------------------------
 
 
-def with_controller(test, *, digests=False, **target_kw):
+def with_controller(test, *, digests=False, timeout=30.0, **target_kw):
     from tcp_target import NQN
 
     from nvmeof_fuse.host.controller import ConnectOptions, connect
@@ -577,7 +604,8 @@ def with_controller(test, *, digests=False, **target_kw):
                 port = await nursery.start(target.serve)
                 options = ConnectOptions("127.0.0.1", NQN, transport="tcp", trsvcid=port,
                                          reconnect_delay=1, keep_alive_tmo=0,
-                                         hdr_digest=digests, data_digest=digests)
+                                         hdr_digest=digests, data_digest=digests,
+                                         timeout=timeout)
                 async with connect(options) as ctrl:
                     await test(target, ctrl)
                 nursery.cancel_scope.cancel()
@@ -624,6 +652,21 @@ def test_a_broken_pdu_makes_the_controller_reconnect_and_the_read_lands(fault, c
     assert lost[0].startswith("lost the connection to nqn.2026-11.io.nvmeof-fuse:fake-tcp at "
                               "tcp 127.0.0.1:"), lost
     assert re.search(FAULTS[fault][1], lost[0]), lost
+
+
+def test_a_timed_out_read_makes_the_controller_reconnect_and_the_read_lands(caplog):
+    async def test(target, ctrl):
+        ns = ctrl.namespaces[1]
+        data = random.Random(6).randbytes(8 * LBA)
+        await ns.write_lbas(8, data)
+        target.fault = "late"  # this read's data is held until after the reconnect
+        assert await ns.read_lbas(8, 8) == data
+        target.release.set()
+        assert ctrl.losses == ctrl.reconnects == 1
+
+    with_controller(test, timeout=0.5)
+    lost = [r.getMessage() for r in caplog.records if "lost the connection" in r.getMessage()]
+    assert len(lost) == 1 and re.search(r"command \d+ got no completion within 0.5 s", lost[0])
 
 
 def test_gpu_memory_is_refused_by_name():
