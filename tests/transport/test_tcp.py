@@ -348,7 +348,8 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
 
 
 def count_threads(monkeypatch) -> list[str]:
-    """The bulk transfers the queue hands to worker threads, by name, as they start."""
+    """Bulk sends handed to worker threads and C2HData parsed, by name, as they start
+    (with whether on the main thread)."""
     from nvmeof_fuse.transport import tcp
 
     started = []
@@ -359,8 +360,8 @@ def count_threads(monkeypatch) -> list[str]:
             return fn(*args)
         return counting
 
-    for name in ("receive_exactly", "send_exactly"):
-        monkeypatch.setattr(tcp, name, counted(name, getattr(tcp, name)))
+    monkeypatch.setattr(tcp, "send_exactly", counted("send_exactly", tcp.send_exactly))
+    monkeypatch.setattr(tcp.TcpQueue, "_c2h_data", counted("c2h_data", tcp.TcpQueue._c2h_data))
     return started
 
 
@@ -389,7 +390,8 @@ def test_bulk_payloads_move_in_worker_threads_between_small_pdus(digests, monkey
                     at = 4096 + 4 * j
                     nursery.start_soon(one, at, small[4 * j * LBA:4 * (j + 1) * LBA])
         assert wrong == [] and queue.available == 31
-        assert started == [("send_exactly", False)] * 4 + [("receive_exactly", False)] * 4
+        # every C2HData, large or small, is read by the queue's receiver thread
+        assert started == [("send_exactly", False)] * 4 + [("c2h_data", False)] * 20
 
     with_target(test, transport_kw=digests, maxh2cdata=1 << 20, size=4 << 20)
 
@@ -402,7 +404,7 @@ def test_a_bad_data_digest_on_a_bulk_payload_is_named(monkeypatch):
         with pytest.raises(TransportError, match=r"^I/O queue 1: data digest mismatch on "
                                                  r"C2HData for command \d+ \(got "):
             await read(queue, transport, 0, 512 * 1024)
-        assert [name for name, _ in started] == ["receive_exactly"]
+        assert started == [("c2h_data", False)]
 
     with_target(test, transport_kw={"data_digest": True})
 
@@ -434,8 +436,8 @@ def test_stopping_a_queue_ends_a_bulk_receive_at_once():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reading)
-            while not queue._threads:  # the thread waits for the payload's second half
-                await trio.sleep(0.01)
+            while not any(r.busy for r in queue._pending.values()):  # the receiver thread
+                await trio.sleep(0.01)  # waits for the payload's second half
             with trio.fail_after(2):  # far below the command's timeout (5 s)
                 await transport.drop_queues()
         assert errors == ["I/O queue 1: stopped"]
