@@ -396,6 +396,25 @@ def test_bulk_payloads_move_in_worker_threads_between_small_pdus(digests, monkey
     with_target(test, transport_kw=digests, maxh2cdata=1 << 20, size=4 << 20)
 
 
+@pytest.mark.parametrize("digests", DIGESTS, ids=["none", "header", "data", "both"])
+def test_pipelined_bulk_writes_sent_together_by_one_thread_all_land(digests):
+    rng = random.Random(7)
+    big = [rng.randbytes(256 * 1024) for _ in range(6)]
+    small = [rng.randbytes(8 * LBA) for _ in range(6)]
+
+    async def test(target, transport, queue):
+        async with trio.open_nursery() as nursery:  # R2Ts answered back to back
+            for i in range(6):
+                nursery.start_soon(write, queue, transport, i * 1024, big[i])
+                nursery.start_soon(write, queue, transport, 8192 + i * 64, small[i])
+        for i in range(6):
+            assert (await read(queue, transport, i * 1024, len(big[i])))[0] == big[i]
+            assert (await read(queue, transport, 8192 + i * 64, len(small[i])))[0] == small[i]
+        assert queue.available == 31
+
+    with_target(test, transport_kw=digests, maxh2cdata=1 << 17, size=8 << 20)
+
+
 def test_a_bad_data_digest_on_a_bulk_payload_is_named(monkeypatch):
     started = count_threads(monkeypatch)
 
