@@ -37,6 +37,7 @@ import ctypes
 import errno
 import math
 import os
+import select
 import socket
 import struct
 from collections import deque
@@ -81,6 +82,11 @@ STALL_TIMEOUT = 30.0
 RECEIVE_POLL = 1.0
 """The receiver thread's longest socket wait (SO_RCVTIMEO) before it looks whether its queue
 was closed (a shutdown of the socket ends the wait at once)."""
+QUIET_SECONDS = 0.1
+"""The receiver thread hands the reading back to the trio thread once the stream stayed quiet
+this long at a PDU boundary ..."""
+SMALL_STREAK = 64
+"""... or after this many small PDUs in a row (no bulk payload among them)."""
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
 
@@ -398,7 +404,10 @@ class TcpQueue:
         self._splicer: Splicer | None = None  # opened for the first bulk H2CData
         self._splice = transport.splice
         self._inbox: list = []  # receiver thread: answered requests, (request, R2T) pairs
-        self._token: trio.lowlevel.TrioToken | None = None
+        self._token: trio.lowlevel.TrioToken | None = None  # set as the thread first runs
+        self._poll: select.poll | None = None
+        self._receiver_limiter = trio.CapacityLimiter(1)
+        self._woke = False  # the receive loop let a caller go since it last yielded
         self._held: list[Request] = []  # failed, let go once no thread uses the socket
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
         self._rview = memoryview(self._rbuf)
@@ -637,7 +646,7 @@ class TcpQueue:
                     nursery.start_soon(self._stop_receiver_when_cancelled)
                     task_status.started()
                     try:
-                        await self._run_receiver()
+                        await self._receive()
                     except pdu.PduError as exc:
                         self._fail(TransportError(f"{self.name}: {exc}"))
                     except TransportError as exc:
@@ -647,6 +656,8 @@ class TcpQueue:
                                                   f"{self.transport.traddr}:"
                                                   f"{self.transport.trsvcid} failed: "
                                                   f"{exc.strerror or exc}"))
+                    except trio.ClosedResourceError:
+                        self._fail(TransportError(f"{self.name} is closed"))
                     finally:
                         if self._failed is None:
                             self._fail(TransportError(f"{self.name}: stopped"))
@@ -662,20 +673,79 @@ class TcpQueue:
             if self._failed is None:
                 self._fail(TransportError(f"{self.name}: stopped"))
 
-    async def _run_receiver(self) -> None:
-        if self._failed is not None:
+    async def _receive(self) -> None:
+        """Small PDUs are read and handled on the trio thread, each whole from the receive
+        buffer; from a PDU larger than :data:`BULK_BYTES` on, the receiver thread reads
+        until the stream goes quiet or carries small PDUs only."""
+        hdgst = self.header_digest
+        while True:
+            if self._rend - self._rstart < 8 and self._woke:
+                # Let the callers just let go run (and submit more) before reading on.
+                self._woke = False
+                await trio.lowlevel.checkpoint()
+            await self._fill_async(8)
+            pdu_type, _, hlen, _, plen = pdu.peek_common(self._rview, self._rstart)
+            whole = max(plen, pdu.header_bytes(pdu_type, hlen, header_digest=hdgst))
+            if whole > BULK_BYTES and self._rend - self._rstart < whole:
+                await self._run_receiver()
+                continue
+            await self._fill_async(whole)
+            self._one_pdu()  # all of it is buffered: no socket read on the trio thread
+            if self._inbox:
+                batch, self._inbox = self._inbox, []
+                self._deliver(batch)
+
+    async def _fill_async(self, count: int) -> None:
+        """Have at least ``count`` bytes in the receive buffer (trio thread)."""
+        if self._rend - self._rstart >= count:
             return
-        token = trio.lowlevel.current_trio_token()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(RECEIVE_POLL))
+        self._compact()
+        while self._rend < count:
+            try:
+                n = self.sock.recv_into(self._rview[self._rend:max(self._rend + RECV_BYTES,
+                                                                   count)],
+                                        0, socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+                self._woke = False  # the callers let go have run meanwhile
+                if self._closed:  # failed meanwhile (a shut-down socket still reads)
+                    raise trio.ClosedResourceError from None
+                continue
+            except OSError:
+                if self._closed:
+                    raise trio.ClosedResourceError from None
+                raise
+            if n == 0:
+                raise self._closed_by_peer()
+            self._rend += n
+
+    def _compact(self) -> None:
+        if self._rstart:
+            kept = self._rend - self._rstart
+            self._rview[:kept] = self._rview[self._rstart:self._rend]
+            self._rstart, self._rend = 0, kept
+
+    async def _run_receiver(self) -> None:
+        """Run the receiver thread until it hands the reading back (or the queue fails)."""
+        if self._failed is not None:
+            raise trio.ClosedResourceError
+        if self._token is None:
+            self._token = trio.lowlevel.current_trio_token()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 _timeval(RECEIVE_POLL))
+            self._poll = select.poll()
+            self._poll.register(self.sock.fileno(), select.POLLIN)
         self._threads += 1
         try:
             # Not abandoned on cancellation: the thread writes into the callers' memory.
             # _stop_receiver_when_cancelled ends it instead (within RECEIVE_POLL at worst).
-            await trio.to_thread.run_sync(self._receive_loop, token,
-                                          limiter=trio.CapacityLimiter(1))
+            await trio.to_thread.run_sync(self._receive_loop, limiter=self._receiver_limiter)
         except ReceiverStopped:
-            pass
+            raise trio.ClosedResourceError from None
         finally:
+            if self._inbox:  # what it read last, before anything fails the queue
+                batch, self._inbox = self._inbox, []
+                self._deliver(batch)
             self._thread_done()
 
     async def stop(self) -> None:
@@ -695,33 +765,41 @@ class TcpQueue:
     # caller of a failed queue go while the thread runs (_release_held), so the thread never
     # writes into memory given back.
 
-    def _receive_loop(self, token: trio.lowlevel.TrioToken) -> None:
-        self._token = token
-        hdgst, ddgst = self.header_digest, self.data_digest
-        try:
-            while True:
-                self._fill(8)
-                pdu_type, _, hlen, _, _ = pdu.peek_common(self._rview, self._rstart)
-                size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
-                self._fill(size)
-                header = pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
-                                          data_digest=ddgst)
-                self._rstart += size
-                if header.type == pdu.CAPSULE_RESP:
-                    self._response(header.completion)
-                elif header.type == pdu.C2H_DATA:
-                    self._c2h_data(header, size)
-                elif header.type == pdu.R2T:
-                    self._r2t(header)
-                else:  # C2HTermReq
-                    raise TransportError(f"{self.name}: the controller ended the connection "
-                                         f"with a C2HTermReq ({pdu.term_reason(header.length)})")
-        finally:
-            if self._inbox and not self._closed:
-                try:
-                    self._post()
-                except ReceiverStopped:
-                    pass
+    def _receive_loop(self) -> None:
+        """Read PDUs until the stream stays quiet for QUIET_SECONDS at a PDU boundary or
+        carries SMALL_STREAK small PDUs in a row; then the trio thread reads on."""
+        small = 0
+        while small < SMALL_STREAK:
+            if self._rend - self._rstart < 8 and not self._more_within(QUIET_SECONDS):
+                return
+            small = 0 if self._one_pdu() > BULK_BYTES else small + 1
+
+    def _more_within(self, seconds: float) -> bool:
+        """Whether bytes arrive within ``seconds`` (what waits for trio is handed over)."""
+        if self._inbox:
+            self._post()
+        return bool(self._poll.poll(seconds * 1000))
+
+    def _one_pdu(self) -> int:
+        """Read and handle one PDU (either thread); its length."""
+        hdgst = self.header_digest
+        self._fill(8)
+        pdu_type, _, hlen, _, plen = pdu.peek_common(self._rview, self._rstart)
+        size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
+        self._fill(size)
+        header = pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
+                                  data_digest=self.data_digest)
+        self._rstart += size
+        if header.type == pdu.CAPSULE_RESP:
+            self._response(header.completion)
+        elif header.type == pdu.C2H_DATA:
+            self._c2h_data(header, size)
+        elif header.type == pdu.R2T:
+            self._r2t(header)
+        else:  # C2HTermReq
+            raise TransportError(f"{self.name}: the controller ended the connection "
+                                 f"with a C2HTermReq ({pdu.term_reason(header.length)})")
+        return plen
 
     def _post(self) -> None:
         """Hand the batch of answered commands and R2Ts to the trio thread."""
@@ -735,10 +813,7 @@ class TcpQueue:
         """Have at least ``count`` bytes in the receive buffer."""
         if self._rend - self._rstart >= count:
             return
-        if self._rstart:
-            kept = self._rend - self._rstart
-            self._rview[:kept] = self._rview[self._rstart:self._rend]
-            self._rstart, self._rend = 0, kept
+        self._compact()
         # Right after a payload received in place, more large ones likely follow: ask for
         # about the PDU headers between them, so that little payload is copied twice.
         ask = AFTER_PAYLOAD_BYTES if self._after_payload else RECV_BYTES
@@ -883,6 +958,7 @@ class TcpQueue:
 
     def _let_go(self, request: Request) -> None:
         request.finished = True
+        self._woke = True
         task = request.task
         if task is not None:
             request.task = None

@@ -348,15 +348,20 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
 
 
 def count_threads(monkeypatch) -> list[str]:
-    """Bulk sends handed to worker threads and C2HData parsed, by name, as they start
-    (with whether on the main thread)."""
+    """Bulk sends handed to worker threads, and C2HData PDUs read (``c2h_data`` of more
+    than BULK_BYTES, ``small_c2h_data`` the others), as they start, with whether on the
+    main (trio) thread."""
     from nvmeof_fuse.transport import tcp
 
     started = []
 
     def counted(name, fn):
         def counting(*args):
-            started.append((name, threading.current_thread() is threading.main_thread()))
+            if name == "c2h_data" and args[1].length <= tcp.BULK_BYTES:
+                name_ = "small_c2h_data"
+            else:
+                name_ = name
+            started.append((name_, threading.current_thread() is threading.main_thread()))
             return fn(*args)
         return counting
 
@@ -390,8 +395,12 @@ def test_bulk_payloads_move_in_worker_threads_between_small_pdus(digests, monkey
                     at = 4096 + 4 * j
                     nursery.start_soon(one, at, small[4 * j * LBA:4 * (j + 1) * LBA])
         assert wrong == [] and queue.available == 31
-        # every C2HData, large or small, is read by the queue's receiver thread
-        assert started == [("send_exactly", False)] * 4 + [("c2h_data", False)] * 20
+        # large payloads are read by the queue's receiver thread; the small ones between
+        # them too while it runs, otherwise on the trio thread
+        assert started[:4] == [("send_exactly", False)] * 4
+        names = sorted(name for name, _ in started[4:])
+        assert names == ["c2h_data"] * 4 + ["small_c2h_data"] * 16
+        assert ("c2h_data", True) not in started
 
     with_target(test, transport_kw=digests, maxh2cdata=1 << 20, size=4 << 20)
 
@@ -413,6 +422,24 @@ def test_pipelined_bulk_writes_sent_together_by_one_thread_all_land(digests):
         assert queue.available == 31
 
     with_target(test, transport_kw=digests, maxh2cdata=1 << 17, size=8 << 20)
+
+
+def test_small_reads_stay_on_the_trio_thread_and_return_there_after_bulk(monkeypatch):
+    started = count_threads(monkeypatch)
+
+    async def test(target, transport, queue):
+        for _ in range(3):
+            await read(queue, transport, 0, 4096)
+        assert started == [("small_c2h_data", True)] * 3 and queue._threads == 0
+        await read(queue, transport, 0, 256 * 1024)
+        assert started[-1] == ("c2h_data", False)
+        while queue._threads:  # the receiver thread hands back once the stream is quiet
+            await trio.sleep(0.01)
+        started.clear()
+        await read(queue, transport, 0, 4096)
+        assert started == [("small_c2h_data", True)]
+
+    with_target(test)
 
 
 def test_a_bad_data_digest_on_a_bulk_payload_is_named(monkeypatch):
