@@ -3,9 +3,9 @@
 The PDUs are built and parsed in :mod:`nvmeof_fuse.nvme.tcp_pdu`; this module
 owns the sockets: one TCP connection per NVMe queue, opened with ICReq/ICResp,
 then command capsules out and responses in, with many commands in flight.  A
-queue's socket is a plain one: the trio thread sends with MSG_DONTWAIT (a send
-that can go on at once costs no trio scheduling; otherwise it waits on the fd),
-and the queue's receiver thread reads it with blocking, bounded receives.
+queue's socket is a plain one, used with MSG_DONTWAIT on the trio thread (a send
+or receive that can go on at once costs no trio scheduling; otherwise it waits on
+the fd), and with blocking, bounded calls by the queue's threads.
 
 Data moves once: a read's C2HData payload is received straight into the
 caller's memory (``recv_into``); a write's data is sent from it, inside the
@@ -18,10 +18,13 @@ trivial one.  The socket reaches host memory only: GPU memory (a dma-buf, a CUDA
 tensor) is refused by name, and the companion API stages it through host memory
 instead, as kvikio's compat mode does.
 
-A receiver thread per queue reads every PDU, headers and data, as the kernel's
-io_work does: no hand-off to another thread per PDU, and the stream is read on
-while the trio thread wakes the callers it answered (handed over in batches, one
-``run_sync_soon`` per receive).  Anything that breaks the protocol (a
+Small PDUs are read on the trio thread.  From a PDU over :data:`BULK_BYTES` on,
+the queue's receiver thread reads the stream, headers and data, as the kernel's
+io_work does, until it goes quiet: no hand-off to another thread per payload,
+and the stream is read on while the trio thread wakes the callers it answered
+(handed over in batches, one ``run_sync_soon`` per receive; the GIL is released
+for the copies, so several queues' run on several CPUs).  Anything that breaks
+the protocol (a
 bad digest, a length that disagrees with its header, an unknown PDU type, data
 for a command not in flight) fails every command of the queue with
 :class:`TransportError` and closes the connection, which makes the controller
@@ -635,8 +638,8 @@ class TcpQueue:
     async def receive(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read and dispatch PDUs until the connection fails or the queue stops.
 
-        The reading is done by the queue's receiver thread (:meth:`_receive_loop`); this
-        task waits for it, and runs the queue's sender and command watchdog meanwhile.
+        Small PDUs are read by this task, large ones by the receiver thread it waits for
+        (:meth:`_receive`); it also runs the queue's sender and command watchdog.
         """
         try:
             with trio.CancelScope() as self._receiver:
@@ -758,12 +761,13 @@ class TcpQueue:
             await self._received.wait()
 
     # -- the receiver thread --------------------------------------------------------------------
-    # Everything below up to _deliver runs in the queue's receiver thread: it reads the socket
-    # (blocking, each wait bounded by SO_RCVTIMEO), parses PDUs, receives C2HData payloads
-    # straight into the callers' memory, and hands what the trio thread must act on (answered
-    # commands, R2Ts) over in batches, one run_sync_soon per receive.  The trio thread lets no
-    # caller of a failed queue go while the thread runs (_release_held), so the thread never
-    # writes into memory given back.
+    # From here up to _deliver: the receiver thread's loop, and the PDU handling it shares with
+    # the trio thread (which calls _one_pdu only with the whole PDU buffered, so it never
+    # reads the socket there).  The thread reads blocking, each wait bounded by SO_RCVTIMEO,
+    # receives C2HData payloads straight into the callers' memory, and hands what the trio
+    # thread must act on (answered commands, R2Ts) over in batches, one run_sync_soon per
+    # receive.  No caller of a failed queue is let go while the thread runs (_release_held),
+    # so it never writes into memory given back.
 
     def _receive_loop(self) -> None:
         """Read PDUs until the stream stays quiet for QUIET_SECONDS at a PDU boundary or
