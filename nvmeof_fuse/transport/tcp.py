@@ -23,7 +23,7 @@ the queue's receiver thread reads the stream, headers and data, as the kernel's
 io_work does, until it goes quiet: no hand-off to another thread per payload,
 and the stream is read on while the trio thread wakes the callers it answered
 (handed over in batches, one ``run_sync_soon`` per receive; the GIL is released
-for the copies, so several queues' run on several CPUs).  Anything that breaks
+for the copies, so those of several queues run on several CPUs).  Anything that breaks
 the protocol (a
 bad digest, a length that disagrees with its header, an unknown PDU type, data
 for a command not in flight) fails every command of the queue with
