@@ -64,16 +64,18 @@ RECV_BYTES = 64 * 1024
 """Bytes asked for per receive into the buffer: enough for many small PDUs, while little
 of a large C2HData payload is copied out of the buffer instead of received in place."""
 DIRECT_RECV_BYTES = 16 * 1024
-"""A C2HData payload rest at least this large is received straight into its destination."""
+"""A C2HData payload rest at least this large is received straight into its destination
+(by the receiver thread; the trio thread handles only PDUs it has whole in the buffer)."""
 AFTER_PAYLOAD_BYTES = 128
 """Bytes asked for after a payload received in place: its digest, a CapsuleResp and the
 next C2HData header, with digests and padding."""
 BULK_BYTES = 64 * 1024
-"""Data from this size on (the rest of a C2HData payload, an H2CData payload) is moved by a
-worker thread, not the trio thread: the copy and the TCP work of a large payload take about
-as long as many small PDUs, and the GIL is released for them, so the queues' large
-transfers run in parallel on the machine's CPUs.  Smaller ones stay on the trio thread,
-where they cost less than the hop to a thread and back."""
+"""Data from this size on is moved by a thread, not the trio thread: an H2CData payload by a
+worker thread, a PDU received larger than this (and the stream after it) by the queue's
+receiver thread.  The copy and the TCP work of a large payload take about as long as many
+small PDUs, and the GIL is released for them, so the queues' large transfers run in
+parallel on the machine's CPUs.  Smaller ones stay on the trio thread, where they cost less
+than the hop to a thread and back."""
 MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
 SEND_BATCH_BYTES = 4 << 20
 """A worker thread sending bulk data goes on with the PDUs queued behind it, up to about this
