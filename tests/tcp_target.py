@@ -3,7 +3,8 @@
 It speaks real PDUs (ICResp, CapsuleCmd, C2HData, R2T/H2CData, CapsuleResp,
 digests when asked) and can be told to break the protocol on the next read in
 one of several ways (``fault``: FAULTS, and "stall"/"cut", which send half a
-C2HData payload and then nothing more, or close), so the host transport's error
+C2HData payload and then nothing more, or close; "late", which holds the next
+read's data or write's R2T until ``release`` is set), so the host transport's error
 paths can be checked without a kernel.
 """
 
@@ -42,6 +43,8 @@ class FakeTcpTarget:
         self.hdgst = self.ddgst = False
         self.streams: list = []
         self.csts = 0
+        self.release = trio.Event()  # lets a "late" answer go
+        self.late_sent = trio.Event()  # the held answer went out (or its connection was gone)
 
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -111,6 +114,14 @@ class FakeTcpTarget:
         slba, nlb = struct.unpack_from("<QH", sqe, 40)
         length = struct.unpack_from("<I", sqe, 32)[0]
         start = slba * LBA
+        if self.fault == "late" and opcode in (READ, WRITE) and length:
+            self.fault = None
+            await self.release.wait()
+            try:
+                await self._answer_late(stream, state, opcode, cid, start, length)
+            finally:
+                self.late_sent.set()
+            return
         if opcode == READ and length:
             await self._send_read(stream, cid, bytes(self.data[start:start + length]))
             if self.success_flag:
@@ -122,6 +133,15 @@ class FakeTcpTarget:
                 return
             self.data[start:start + len(inline)] = inline
         await self._respond(stream, cid, 0)
+
+    async def _answer_late(self, stream, state: dict, opcode: int, cid: int, start: int,
+                           length: int) -> None:
+        if opcode == READ:
+            await self._send_read(stream, cid, bytes(self.data[start:start + length]))
+            await self._respond(stream, cid, 0)
+        else:
+            state["writes"][cid] = (start, length, bytearray())
+            await self._r2t(stream, cid, length)
 
     async def _respond(self, stream, cid: int, result: int) -> None:
         await stream.send_all(self._header(pdu.COMMON_HEADER.pack(

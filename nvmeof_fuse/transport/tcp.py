@@ -3,26 +3,35 @@
 The PDUs are built and parsed in :mod:`nvmeof_fuse.nvme.tcp_pdu`; this module
 owns the sockets: one TCP connection per NVMe queue, opened with ICReq/ICResp,
 then command capsules out and responses in, with many commands in flight.  A
-queue's socket is a plain one, used with MSG_DONTWAIT on the trio thread: a send
-or receive that can go on at once costs no trio scheduling; otherwise it waits
-on the fd.
+queue's socket is a plain one, used with MSG_DONTWAIT on the trio thread (a send
+or receive that can go on at once costs no trio scheduling; otherwise it waits on
+the fd), and with blocking, bounded calls by the queue's threads.
 
 Data moves once: a read's C2HData payload is received straight into the
 caller's memory (``recv_into``); a write's data is sent from it, inside the
 capsule up to the in-capsule limit, otherwise in H2CData PDUs answering the
-controller's R2Ts (split at MAXH2CDATA), spliced when large.  Large payloads
-are moved by worker threads, so that the copies of several queues run on
-several CPUs (the GIL is released for them); small PDUs stay on the trio thread.
+controller's R2Ts (split at MAXH2CDATA), spliced when large.  Large H2CData
+payloads are sent by worker threads, so that the copies of several queues run on
+several CPUs (the GIL is released for them); small PDUs go from the trio thread.
 Memory needs no registration, so :meth:`TcpTransport.register` hands back a
 trivial one.  The socket reaches host memory only: GPU memory (a dma-buf, a CUDA
 tensor) is refused by name, and the companion API stages it through host memory
 instead, as kvikio's compat mode does.
 
-A receive task per queue reads every PDU; anything that breaks the protocol (a
+Small PDUs are read on the trio thread.  From a PDU over :data:`BULK_BYTES` on,
+the queue's receiver thread reads the stream, headers and data, as the kernel's
+io_work does, until it goes quiet: no hand-off to another thread per payload,
+and the stream is read on while the trio thread wakes the callers it answered
+(handed over in batches, one ``run_sync_soon`` per receive; the GIL is released
+for the copies, so those of several queues run on several CPUs).  Anything that breaks
+the protocol (a
 bad digest, a length that disagrees with its header, an unknown PDU type, data
 for a command not in flight) fails every command of the queue with
 :class:`TransportError` and closes the connection, which makes the controller
-reconnect.
+reconnect.  So does a command timeout, as in Linux (``nvme_tcp_timeout`` stops
+the queue before the request completes): the target may still send C2HData or
+an R2T for the command, so its caller gets its memory back only once the
+connection is closed, never while a late PDU could land in it or read it.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ import ctypes
 import errno
 import math
 import os
+import select
 import socket
 import struct
 from collections import deque
@@ -42,7 +52,7 @@ from ..nvme import Completion, set_command_id
 from ..nvme import tcp_pdu as pdu
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
-from .parking import Watchdog, cancellable, time_out
+from .parking import Watchdog, cancellable
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
 
@@ -54,20 +64,34 @@ RECV_BYTES = 64 * 1024
 """Bytes asked for per receive into the buffer: enough for many small PDUs, while little
 of a large C2HData payload is copied out of the buffer instead of received in place."""
 DIRECT_RECV_BYTES = 16 * 1024
-"""A C2HData payload rest at least this large is received straight into its destination."""
+"""A C2HData payload rest at least this large is received straight into its destination
+(by the receiver thread; the trio thread handles only PDUs it has whole in the buffer)."""
 AFTER_PAYLOAD_BYTES = 128
 """Bytes asked for after a payload received in place: its digest, a CapsuleResp and the
 next C2HData header, with digests and padding."""
 BULK_BYTES = 64 * 1024
-"""Data from this size on (the rest of a C2HData payload, an H2CData payload) is moved by a
-worker thread, not the trio thread: the copy and the TCP work of a large payload take about
-as long as many small PDUs, and the GIL is released for them, so the queues' large
-transfers run in parallel on the machine's CPUs.  Smaller ones stay on the trio thread,
-where they cost less than the hop to a thread and back."""
+"""Data from this size on is moved by a thread, not the trio thread: an H2CData payload by a
+worker thread, a PDU received larger than this (and the stream after it) by the queue's
+receiver thread.  The copy and the TCP work of a large payload take about as long as many
+small PDUs, and the GIL is released for them, so the queues' large transfers run in
+parallel on the machine's CPUs.  Smaller ones stay on the trio thread, where they cost less
+than the hop to a thread and back."""
 MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
+SEND_BATCH_BYTES = 4 << 20
+"""A worker thread sending bulk data goes on with the PDUs queued behind it, up to about this
+many bytes: back-to-back H2CData payloads (R2Ts answered together) take one hand-off to a
+thread and back, not one each."""
 STOP_TIMEOUT = 5.0
 STALL_TIMEOUT = 30.0
 """A worker thread's socket wait limit for a request without a timeout of its own."""
+RECEIVE_POLL = 1.0
+"""The receiver thread's longest socket wait (SO_RCVTIMEO) before it looks whether its queue
+was closed (a shutdown of the socket ends the wait at once)."""
+QUIET_SECONDS = 0.1
+"""The receiver thread hands the reading back to the trio thread once the stream stayed quiet
+this long at a PDU boundary ..."""
+SMALL_STREAK = 64
+"""... or after this many small PDUs in a row (no bulk payload among them)."""
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
 
@@ -138,25 +162,11 @@ class Bulk(Spliced):
 
 
 class Stalled(Exception):
-    """A worker thread's socket wait ran past the queue's timeout (SO_RCVTIMEO/SO_SNDTIMEO)."""
+    """A worker thread's socket wait ran past the queue's timeout (SO_SNDTIMEO)."""
 
 
-def receive_exactly(sock: socket.socket, dest: memoryview, whole: memoryview | None) -> bytes:
-    """Worker thread: fill ``dest`` from the (blocking) socket; the CRC32C digest of
-    ``whole`` after it (``b""`` when None).  Raises EOFError when the peer closed the
-    connection (or it was shut down), Stalled when no byte came within the timeout."""
-    got, want = 0, len(dest)
-    while got < want:
-        try:
-            # MSG_WAITALL: one call (one GIL round trip) for the whole rest, unless the timeout
-            # or a shutdown ends it early.
-            n = sock.recv_into(dest[got:], 0, socket.MSG_WAITALL)
-        except BlockingIOError:
-            raise Stalled from None
-        if n == 0:
-            raise EOFError
-        got += n
-    return pdu.digest(whole) if whole is not None else b""
+class ReceiverStopped(Exception):
+    """The receiver thread ends: its queue failed or stopped (or trio's run is over)."""
 
 
 def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk) -> None:
@@ -168,6 +178,20 @@ def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk) -> No
                 splicer.send(sock.fileno(), data)  # advances data.view
             else:
                 data.view = data.view[sock.send(data.view):]
+    except BlockingIOError:
+        raise Stalled from None
+
+
+def send_pdus(sock: socket.socket, splicer: Splicer | None, pdus: list[list]) -> None:
+    """Worker thread: send the buffers of ``pdus`` in order, bulk data by :func:`send_exactly`.
+    Raises Stalled when the socket took nothing within the timeout, OSError on failure."""
+    try:
+        for buffers in pdus:
+            for data in buffers:
+                if type(data) is Bulk:
+                    send_exactly(sock, splicer, data)
+                else:
+                    sock.sendall(data)
     except BlockingIOError:
         raise Stalled from None
 
@@ -309,7 +333,7 @@ class Request:
     """
 
     __slots__ = ("cid", "data", "view", "to_controller", "received", "completion", "error",
-                 "finished", "abandoned", "unsent", "busy", "task", "deadline", "timeout")
+                 "finished", "unsent", "busy", "task", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
         self.cid = cid
@@ -321,7 +345,6 @@ class Request:
         self.error: Exception | None = None
         self.finished = False
         """The caller may go on: answered with nothing left to send, or failed."""
-        self.abandoned = False
         self.unsent = 0
         self.busy = False
         """A worker thread is moving its data: its caller is not let go until it is done."""
@@ -339,23 +362,24 @@ class Request:
 class TcpQueue:
     """One NVMe queue over one TCP connection.
 
-    Three tasks per queue, all in :meth:`receive`: the receive loop, which
-    dispatches PDUs and wakes the callers parked on their commands; a sender,
-    which hands the PDUs queued during one trio batch to the kernel in one
-    ``sendmsg``; a watchdog, which times out commands past their deadline.
+    Three tasks per queue, all in :meth:`receive`: one waits for the receiver
+    thread, which reads and parses every PDU and hands answered commands and R2Ts
+    to the trio thread in batches (:meth:`_deliver`); a sender, which hands the PDUs
+    queued during one trio batch to the kernel in one ``sendmsg``; a watchdog,
+    which times out commands past their deadline.
 
-    Bulk data (:data:`BULK_BYTES`) is moved by worker threads in blocking calls, one
-    at a time per direction, each between PDU boundaries the trio thread found: the
-    receive task waits for the thread receiving a payload before it parses on, the
-    sender for the thread sending one before it sends the PDUs queued behind it.
+    Bulk H2CData (:data:`BULK_BYTES`) is sent by worker threads in blocking calls,
+    one at a time: the sender waits for the thread sending one before it sends the
+    PDUs queued behind it.  No caller of a failed queue is let go while a thread
+    still uses the socket (:meth:`_release_held`).
     """
 
     def __init__(self, transport: TcpTransport, sock, qid: int, size: int,
                  in_capsule_bytes: int, resp: ICResp,
                  limiter: trio.CapacityLimiter | None = None) -> None:
         self.transport = transport
-        # A plain socket in blocking mode, for the worker threads' bulk transfers (a whole
-        # payload in one call); the trio thread passes MSG_DONTWAIT: a send or receive that
+        # A plain socket in blocking mode, for the receiver thread and the bulk sends (a
+        # whole payload in one call); the trio thread passes MSG_DONTWAIT: a send that
         # can go on at once does not yield to trio (two scheduler passes per command saved);
         # otherwise it waits on the fd.
         self.sock = socket.socket(fileno=sock.detach())
@@ -384,7 +408,12 @@ class TcpQueue:
         self._watchdog = Watchdog(lambda: self._pending.values(), self._expire)
         self._splicer: Splicer | None = None  # opened for the first bulk H2CData
         self._splice = transport.splice
+        self._inbox: list = []  # receiver thread: answered requests, (request, R2T) pairs
+        self._token: trio.lowlevel.TrioToken | None = None  # set as the thread first runs
+        self._poll: select.poll | None = None
+        self._receiver_limiter = trio.CapacityLimiter(1)
         self._woke = False  # the receive loop let a caller go since it last yielded
+        self._held: list[Request] = []  # failed, let go once no thread uses the socket
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
         self._rview = memoryview(self._rbuf)
         self._rstart = self._rend = 0
@@ -556,18 +585,27 @@ class TcpQueue:
             self._sender_idle = False
 
     async def _send_bulk(self) -> None:
-        """Send the bulk data at the head of the queued PDUs by a worker thread."""
-        buffers, request = self._outgoing[0]
-        data = buffers[0]
-        if data.splice and self._splicer is None:
+        """Send the bulk data at the head of the queued PDUs, and the PDUs queued behind it
+        (up to :data:`SEND_BATCH_BYTES`), by a worker thread.  Nothing else is sent
+        meanwhile: PDUs queued during it wait behind the head, which stays queued."""
+        out = self._outgoing
+        pdus, size = [], 0
+        for buffers, _ in out:
+            pdus.append(list(buffers))
+            size += sum(len(b) for b in buffers)
+            if size >= SEND_BATCH_BYTES:
+                break
+        if self._splicer is None and any(type(b) is Bulk and b.splice
+                                         for buffers in pdus for b in buffers):
             self._splicer = open_splicer()
         try:
-            await self._in_thread(request, send_exactly, self.sock, self._splicer, data)
+            await self._in_thread(out[0][1], send_pdus, self.sock, self._splicer, pdus)
         except Stalled:
             raise OSError(errno.ETIMEDOUT, f"the socket took no data within "
                                            f"{self._sock_timeout:g} s") from None
         if self._failed is None:  # else the queue was emptied meanwhile
-            self._sent_head()
+            for _ in range(sum(len(buffers) for buffers in pdus)):
+                self._sent_head()
 
     async def _in_thread(self, request: Request, fn, *args):
         """``fn(*args)`` in a worker thread, which moves ``request``'s data meanwhile."""
@@ -579,9 +617,7 @@ class TcpQueue:
             # Bounds each blocking wait of the thread; the watchdog fails the queue sooner
             # when the command's own deadline passes first.
             self._sock_timeout = timeout
-            value = _timeval(timeout)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, value)
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, value)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
         request.busy = True
         self._threads += 1
         try:
@@ -589,12 +625,7 @@ class TcpQueue:
             result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
         finally:
             request.busy = False
-            self._threads -= 1
-            if self._failed is not None:
-                if not request.finished:
-                    self._let_go(request)  # its error was set when the queue failed
-                if not self._threads:
-                    self._close_socket()
+            self._thread_done()
         if self._failed is not None:
             raise trio.ClosedResourceError
         return result
@@ -609,13 +640,15 @@ class TcpQueue:
     async def receive(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Read and dispatch PDUs until the connection fails or the queue stops.
 
-        Also runs the queue's sender and command watchdog.
+        Small PDUs are read by this task, large ones by the receiver thread it waits for
+        (:meth:`_receive`); it also runs the queue's sender and command watchdog.
         """
         try:
             with trio.CancelScope() as self._receiver:
                 async with trio.open_nursery() as nursery:
                     await nursery.start(self._watchdog.run)
                     await nursery.start(self._send_queued)
+                    nursery.start_soon(self._stop_receiver_when_cancelled)
                     task_status.started()
                     try:
                         await self._receive()
@@ -637,46 +670,182 @@ class TcpQueue:
         finally:
             self._received.set()
 
-    async def stop(self) -> None:
-        """End the receive task (waiting callers fail); then close() is safe."""
-        if self._receiver is None:
-            return
-        self._receiver.cancel()
-        if self._threads:  # ends the threads' blocking calls: the receive task waits for them
-            self._fail(TransportError(f"{self.name}: stopped"))
-        with trio.move_on_after(STOP_TIMEOUT):
-            await self._received.wait()
+    async def _stop_receiver_when_cancelled(self) -> None:
+        """The receiver thread cannot see a cancellation: fail the queue, which ends it."""
+        try:
+            await trio.sleep_forever()
+        finally:
+            if self._failed is None:
+                self._fail(TransportError(f"{self.name}: stopped"))
 
-    async def _fill(self, count: int) -> None:
-        """Have at least ``count`` bytes in the receive buffer."""
+    async def _receive(self) -> None:
+        """Small PDUs are read and handled on the trio thread, each whole from the receive
+        buffer; from a PDU larger than :data:`BULK_BYTES` on, the receiver thread reads
+        until the stream goes quiet or carries small PDUs only."""
+        hdgst = self.header_digest
+        while True:
+            if self._rend - self._rstart < 8 and self._woke:
+                # Let the callers just let go run (and submit more) before reading on.
+                self._woke = False
+                await trio.lowlevel.checkpoint()
+            await self._fill_async(8)
+            pdu_type, _, hlen, _, plen = pdu.peek_common(self._rview, self._rstart)
+            whole = max(plen, pdu.header_bytes(pdu_type, hlen, header_digest=hdgst))
+            if whole > BULK_BYTES and self._rend - self._rstart < whole:
+                await self._run_receiver()
+                continue
+            await self._fill_async(whole)
+            self._one_pdu()  # all of it is buffered: no socket read on the trio thread
+            if self._inbox:
+                batch, self._inbox = self._inbox, []
+                self._deliver(batch)
+
+    async def _fill_async(self, count: int) -> None:
+        """Have at least ``count`` bytes in the receive buffer (trio thread)."""
         if self._rend - self._rstart >= count:
             return
-        if self._rstart:
-            kept = self._rend - self._rstart
-            self._rview[:kept] = self._rview[self._rstart:self._rend]
-            self._rstart, self._rend = 0, kept
-        # Right after a payload received in place, more large ones likely follow: ask for
-        # about the PDU headers between them, so that little payload is copied twice.
-        ask = AFTER_PAYLOAD_BYTES if self._after_payload else RECV_BYTES
-        self._after_payload = False
+        self._compact()
         while self._rend < count:
-            self._rend += await self._recv_into(
-                self._rview[self._rend:max(self._rend + ask, count)])
-
-    async def _recv_into(self, dest: memoryview) -> int:
-        """Receive at least one byte into ``dest``; a closed connection is an error."""
-        while True:
             try:
-                n = self.sock.recv_into(dest, 0, socket.MSG_DONTWAIT)
+                n = self.sock.recv_into(self._rview[self._rend:max(self._rend + RECV_BYTES,
+                                                                   count)],
+                                        0, socket.MSG_DONTWAIT)
             except BlockingIOError:
                 await trio.lowlevel.wait_readable(self.sock)
                 self._woke = False  # the callers let go have run meanwhile
+                if self._closed:  # failed meanwhile (a shut-down socket still reads)
+                    raise trio.ClosedResourceError from None
                 continue
             except OSError:
                 if self._closed:
                     raise trio.ClosedResourceError from None
                 raise
             if n == 0:
+                raise self._closed_by_peer()
+            self._rend += n
+
+    def _compact(self) -> None:
+        if self._rstart:
+            kept = self._rend - self._rstart
+            self._rview[:kept] = self._rview[self._rstart:self._rend]
+            self._rstart, self._rend = 0, kept
+
+    async def _run_receiver(self) -> None:
+        """Run the receiver thread until it hands the reading back (or the queue fails)."""
+        if self._failed is not None:
+            raise trio.ClosedResourceError
+        if self._token is None:
+            self._token = trio.lowlevel.current_trio_token()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
+                                 _timeval(RECEIVE_POLL))
+            self._poll = select.poll()
+            self._poll.register(self.sock.fileno(), select.POLLIN)
+        self._threads += 1
+        try:
+            # Not abandoned on cancellation: the thread writes into the callers' memory.
+            # _stop_receiver_when_cancelled ends it instead (within RECEIVE_POLL at worst).
+            await trio.to_thread.run_sync(self._receive_loop, limiter=self._receiver_limiter)
+        except ReceiverStopped:
+            raise trio.ClosedResourceError from None
+        finally:
+            if self._inbox:  # what it read last, before anything fails the queue
+                batch, self._inbox = self._inbox, []
+                self._deliver(batch)
+            self._thread_done()
+
+    async def stop(self) -> None:
+        """End the receive task (waiting callers fail); then close() is safe."""
+        if self._receiver is None:
+            return
+        self._fail(TransportError(f"{self.name}: stopped"))  # ends the receiver thread's wait
+        self._receiver.cancel()
+        with trio.move_on_after(STOP_TIMEOUT):
+            await self._received.wait()
+
+    # -- the receiver thread --------------------------------------------------------------------
+    # From here up to _deliver: the receiver thread's loop, and the PDU handling it shares with
+    # the trio thread (which calls _one_pdu only with the whole PDU buffered, so it never
+    # reads the socket there).  The thread reads blocking, each wait bounded by SO_RCVTIMEO,
+    # receives C2HData payloads straight into the callers' memory, and hands what the trio
+    # thread must act on (answered commands, R2Ts) over in batches, one run_sync_soon per
+    # receive.  No caller of a failed queue is let go while the thread runs (_release_held),
+    # so it never writes into memory given back.
+
+    def _receive_loop(self) -> None:
+        """Read PDUs until the stream stays quiet for QUIET_SECONDS at a PDU boundary or
+        carries SMALL_STREAK small PDUs in a row; then the trio thread reads on."""
+        small = 0
+        while small < SMALL_STREAK:
+            if self._rend - self._rstart < 8 and not self._more_within(QUIET_SECONDS):
+                return
+            small = 0 if self._one_pdu() > BULK_BYTES else small + 1
+
+    def _more_within(self, seconds: float) -> bool:
+        """Whether bytes arrive within ``seconds`` (what waits for trio is handed over)."""
+        if self._inbox:
+            self._post()
+        return bool(self._poll.poll(seconds * 1000))
+
+    def _one_pdu(self) -> int:
+        """Read and handle one PDU (either thread); its length."""
+        hdgst = self.header_digest
+        self._fill(8)
+        pdu_type, _, hlen, _, plen = pdu.peek_common(self._rview, self._rstart)
+        size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
+        self._fill(size)
+        header = pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
+                                  data_digest=self.data_digest)
+        self._rstart += size
+        if header.type == pdu.CAPSULE_RESP:
+            self._response(header.completion)
+        elif header.type == pdu.C2H_DATA:
+            self._c2h_data(header, size)
+        elif header.type == pdu.R2T:
+            self._r2t(header)
+        else:  # C2HTermReq
+            raise TransportError(f"{self.name}: the controller ended the connection "
+                                 f"with a C2HTermReq ({pdu.term_reason(header.length)})")
+        return plen
+
+    def _post(self) -> None:
+        """Hand the batch of answered commands and R2Ts to the trio thread."""
+        batch, self._inbox = self._inbox, []
+        try:
+            self._token.run_sync_soon(self._deliver, batch)
+        except trio.RunFinishedError:
+            raise ReceiverStopped from None
+
+    def _fill(self, count: int) -> None:
+        """Have at least ``count`` bytes in the receive buffer."""
+        if self._rend - self._rstart >= count:
+            return
+        self._compact()
+        # Right after a payload received in place, more large ones likely follow: ask for
+        # about the PDU headers between them, so that little payload is copied twice.
+        ask = AFTER_PAYLOAD_BYTES if self._after_payload else RECV_BYTES
+        self._after_payload = False
+        while self._rend < count:
+            self._rend += self._recv_into(self._rview[self._rend:max(self._rend + ask, count)])
+
+    def _recv_into(self, dest: memoryview, flags: int = 0) -> int:
+        """Receive at least one byte into ``dest``, first handing over what waits for the
+        trio thread (the receive may block).  ReceiverStopped once the queue failed."""
+        while True:
+            if self._inbox:
+                self._post()
+            try:
+                n = self.sock.recv_into(dest, 0, flags)
+            except BlockingIOError:  # SO_RCVTIMEO passed without a byte: look again
+                if self._closed:
+                    raise ReceiverStopped from None
+                continue
+            except OSError:
+                if self._closed:
+                    raise ReceiverStopped from None
+                raise
+            if n == 0:
+                if self._closed:  # shut down by _fail
+                    raise ReceiverStopped
                 raise self._closed_by_peer()
             return n
 
@@ -692,62 +861,98 @@ class TcpQueue:
             self._rstart += have
         return have
 
-    async def _read_into(self, dest: memoryview, have: int = 0) -> None:
+    def _read_into(self, dest: memoryview, have: int = 0) -> None:
         """Fill ``dest`` (its first ``have`` bytes are there) from the stream: a large rest
-        is received in place, a small one through the buffer (with the PDUs after it)."""
+        is received in place (in one call, MSG_WAITALL), a small one through the buffer."""
         want = len(dest)
         while have < want:
             rest = want - have
             if rest < DIRECT_RECV_BYTES:
-                await self._fill(rest)
+                self._fill(rest)
                 dest[have:] = self._rview[self._rstart:self._rstart + rest]
                 self._rstart += rest
                 return
-            have += await self._recv_into(dest[have:])
+            have += self._recv_into(dest[have:], socket.MSG_WAITALL)
             self._after_payload = True
 
-    async def _skip(self, count: int) -> bytes:
-        await self._fill(count)
+    def _skip(self, count: int) -> bytes:
+        self._fill(count)
         at = self._rstart
         self._rstart += count
         return bytes(self._rview[at:at + count])
 
-    async def _receive(self) -> None:
-        hdgst, ddgst = self.header_digest, self.data_digest
-        while True:
-            if self._rend - self._rstart < 8 and self._woke:
-                # Let the callers just let go run (and submit more) before reading on.
-                self._woke = False
-                await trio.lowlevel.checkpoint()
-            await self._fill(8)
-            pdu_type, _, hlen, _, _ = pdu.peek_common(self._rview, self._rstart)
-            size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
-            await self._fill(size)
-            header = pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
-                                      data_digest=ddgst)
-            self._rstart += size
-            if header.type == pdu.CAPSULE_RESP:
-                self._response(header.completion)
-            elif header.type == pdu.C2H_DATA:
-                await self._c2h_data(header, size)
-            elif header.type == pdu.R2T:
-                self._r2t(header)
-            else:  # C2HTermReq
-                raise TransportError(f"{self.name}: the controller ended the connection "
-                                     f"with a C2HTermReq ({pdu.term_reason(header.length)})")
-
     def _lookup(self, cid: int, what: str) -> Request:
         request = self._pending.get(cid)
-        if request is None:
+        if request is None or request.completion is not None:
             raise TransportError(f"{self.name}: {what} for command ID {cid}, "
                                  "which is not in flight")
         return request
 
     def _response(self, completion: Completion) -> None:
-        request = self._lookup(completion.command_id, "CapsuleResp")
-        if request.completion is not None:
+        request = self._pending.get(completion.command_id)
+        if request is not None and request.completion is not None:
             raise TransportError(f"{self.name}: second response for command ID {request.cid}")
-        self._finish(request, completion)
+        request = self._lookup(completion.command_id, "CapsuleResp")
+        request.completion = completion
+        self._inbox.append(request)
+
+    def _c2h_data(self, header: pdu.Header, header_size: int) -> None:
+        request = self._lookup(header.cid, "C2HData")
+        if request.data is None or request.to_controller:
+            raise TransportError(f"{self.name}: C2HData for command {header.cid}, "
+                                 "which reads no data")
+        end = header.offset + header.length
+        if end > request.data.length:
+            raise TransportError(f"{self.name}: C2HData for command {header.cid} at "
+                                 f"{header.offset}+{header.length} runs past its "
+                                 f"{request.data.length}-byte buffer")
+        if header.pdo > header_size:
+            self._skip(header.pdo - header_size)
+        dest = request.buffer()[header.offset:end]
+        have = self._take_buffered(dest)
+        request.busy = True  # its data is mid-PDU: a timeout now fails the queue
+        self._read_into(dest, have)
+        request.busy = False
+        if header.data_digest:
+            want = pdu.digest(dest)
+            got = self._skip(pdu.DIGEST_BYTES)
+            if got != want:
+                raise TransportError(f"{self.name}: data digest mismatch on C2HData for "
+                                     f"command {header.cid} (got {got.hex()}, computed "
+                                     f"{want.hex()})")
+        request.received += header.length
+        if header.flags & pdu.FLAG_SUCCESS:
+            if request.received != request.data.length:
+                raise TransportError(f"{self.name}: C2HData for command {header.cid} "
+                                     f"claims success after {request.received} of "
+                                     f"{request.data.length} bytes")
+            request.completion = Completion(0, 0, self.qid, header.cid, 0, False)
+            self._inbox.append(request)
+
+    def _r2t(self, header: pdu.Header) -> None:
+        request = self._lookup(header.cid, "R2T")
+        if request.data is None or not request.to_controller:
+            raise TransportError(f"{self.name}: R2T for command {header.cid}, "
+                                 "which writes no data")
+        end = header.offset + header.length
+        if end > request.data.length:
+            raise TransportError(f"{self.name}: R2T for command {header.cid} asks for "
+                                 f"{header.offset}+{header.length}, past its "
+                                 f"{request.data.length} bytes")
+        self._inbox.append((request, header))
+
+    # -- back on the trio thread ----------------------------------------------------------------
+
+    def _deliver(self, batch: list) -> None:
+        """The receiver thread's batch: let answered callers go, answer R2Ts."""
+        pending = self._pending
+        for item in batch:
+            if type(item) is tuple:
+                request, header = item
+                if pending.get(request.cid) is request:
+                    self._send_h2c(request, header)
+            elif pending.get(item.cid) is item:
+                self._finish(item, item.completion)
 
     def _finish(self, request: Request, completion: Completion) -> None:
         """``request`` is answered: let its caller go once nothing of it is left to send."""
@@ -765,64 +970,8 @@ class TcpQueue:
             request.task = None
             trio.lowlevel.reschedule(task)
 
-    async def _c2h_data(self, header: pdu.Header, header_size: int) -> None:
-        request = self._lookup(header.cid, "C2HData")
-        if request.data is None or request.to_controller:
-            raise TransportError(f"{self.name}: C2HData for command {header.cid}, "
-                                 "which reads no data")
-        end = header.offset + header.length
-        if end > request.data.length:
-            raise TransportError(f"{self.name}: C2HData for command {header.cid} at "
-                                 f"{header.offset}+{header.length} runs past its "
-                                 f"{request.data.length}-byte buffer")
-        if header.pdo > header_size:
-            await self._skip(header.pdo - header_size)
-        dest = request.buffer()[header.offset:end]
-        have = self._take_buffered(dest)
-        if len(dest) - have >= BULK_BYTES:
-            want = await self._receive_bulk(request, dest, have, header.data_digest)
-        else:
-            await self._read_into(dest, have)
-            want = pdu.digest(dest) if header.data_digest else b""
-        if header.data_digest:
-            got = await self._skip(pdu.DIGEST_BYTES)
-            if got != want:
-                raise TransportError(f"{self.name}: data digest mismatch on C2HData for "
-                                     f"command {header.cid} (got {got.hex()}, computed "
-                                     f"{want.hex()})")
-        request.received += header.length
-        if header.flags & pdu.FLAG_SUCCESS:
-            if request.received != request.data.length:
-                raise TransportError(f"{self.name}: C2HData for command {header.cid} "
-                                     f"claims success after {request.received} of "
-                                     f"{request.data.length} bytes")
-            self._finish(request, Completion(0, 0, self.qid, header.cid, 0, False))
-
-    async def _receive_bulk(self, request: Request, dest: memoryview, have: int,
-                            digest: bool) -> bytes:
-        """Receive the rest of ``dest`` (a C2HData payload; the stream's next bytes) in a
-        worker thread, and its digest there when ``digest``; then read on after it."""
-        try:
-            got = await self._in_thread(request, receive_exactly, self.sock, dest[have:],
-                                        dest if digest else None)
-        except EOFError:
-            raise self._closed_by_peer() from None
-        except Stalled:
-            raise TransportError(f"{self.name}: C2HData for command {request.cid} stalled: "
-                                 f"no data within {self._sock_timeout:g} s") from None
-        self._after_payload = True
-        return got
-
-    def _r2t(self, header: pdu.Header) -> None:
-        request = self._lookup(header.cid, "R2T")
-        if request.data is None or not request.to_controller:
-            raise TransportError(f"{self.name}: R2T for command {header.cid}, "
-                                 "which writes no data")
-        end = header.offset + header.length
-        if end > request.data.length:
-            raise TransportError(f"{self.name}: R2T for command {header.cid} asks for "
-                                 f"{header.offset}+{header.length}, past its "
-                                 f"{request.data.length} bytes")
+    def _send_h2c(self, request: Request, header: pdu.Header) -> None:
+        """Answer an R2T: the asked-for data in H2CData PDUs of at most MAXH2CDATA."""
         payload = request.buffer()
         pieces = pdu.h2c_pieces(header.offset, header.length, self.maxh2cdata)
         splice = self._splice and not payload.readonly  # vmsplice needs writable memory
@@ -854,7 +1003,14 @@ class TcpQueue:
                 self._fail(TransportError(f"{self.name}: command {request.cid}'s data did "
                                           f"not all arrive within {request.timeout:g} s"))
                 return
-            time_out(request, self.name)
+            # The target may still send its data or an R2T: close the connection before
+            # its caller gets its memory back (Linux: nvme_tcp_timeout, error recovery).
+            request.error = CommandTimeout(
+                f"{self.name}: command {request.cid} got no completion within "
+                f"{request.timeout:g} s (its connection is closed)")
+            self._fail(TransportError(f"{self.name}: closed as command {request.cid} timed "
+                                      "out (the target may still move its data)"))
+            return
 
     # -- failure and teardown -------------------------------------------------------------------
 
@@ -864,10 +1020,10 @@ class TcpQueue:
         self._outgoing.clear()  # nothing more is sent on this connection
         pending, self._pending = self._pending, {}
         for request in pending.values():
-            request.error = self._failed
+            if request.error is None:  # (a timed-out one has its own)
+                request.error = self._failed
             request.unsent = 0
-            if not request.finished and not request.busy:  # a busy one when its thread ends
-                self._let_go(request)
+        self._held.extend(pending.values())
         self._free = []
         self._slot_waiters.unpark_all()
         if not self._closed:
@@ -882,11 +1038,29 @@ class TcpQueue:
                     pass
             else:
                 self._close_socket()
+        self._release_held()
+
+    def _release_held(self) -> None:
+        """Let the callers of a failed queue go, once no thread can touch their memory."""
+        if self._threads:
+            return
+        held, self._held = self._held, []
+        for request in held:
+            if not request.finished:
+                self._let_go(request)  # its error was set when the queue failed
+
+    def _thread_done(self) -> None:
+        """A thread using the socket ended: the last one of a failed queue closes it."""
+        self._threads -= 1
+        if self._failed is not None and not self._threads:
+            self._close_socket()
+            self._release_held()
 
     def _close_socket(self) -> None:
         self.sock.close()
         if self._splicer is not None:
             self._splicer.close()
+            self._splicer = None
 
     def close(self) -> None:
         if self._failed is None:

@@ -348,19 +348,25 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
 
 
 def count_threads(monkeypatch) -> list[str]:
-    """The bulk transfers the queue hands to worker threads, by name, as they start."""
+    """Bulk sends handed to worker threads, and C2HData PDUs read (``c2h_data`` of more
+    than BULK_BYTES, ``small_c2h_data`` the others), as they start, with whether on the
+    main (trio) thread."""
     from nvmeof_fuse.transport import tcp
 
     started = []
 
     def counted(name, fn):
         def counting(*args):
-            started.append((name, threading.current_thread() is threading.main_thread()))
+            if name == "c2h_data" and args[1].length <= tcp.BULK_BYTES:
+                name_ = "small_c2h_data"
+            else:
+                name_ = name
+            started.append((name_, threading.current_thread() is threading.main_thread()))
             return fn(*args)
         return counting
 
-    for name in ("receive_exactly", "send_exactly"):
-        monkeypatch.setattr(tcp, name, counted(name, getattr(tcp, name)))
+    monkeypatch.setattr(tcp, "send_exactly", counted("send_exactly", tcp.send_exactly))
+    monkeypatch.setattr(tcp.TcpQueue, "_c2h_data", counted("c2h_data", tcp.TcpQueue._c2h_data))
     return started
 
 
@@ -389,9 +395,51 @@ def test_bulk_payloads_move_in_worker_threads_between_small_pdus(digests, monkey
                     at = 4096 + 4 * j
                     nursery.start_soon(one, at, small[4 * j * LBA:4 * (j + 1) * LBA])
         assert wrong == [] and queue.available == 31
-        assert started == [("send_exactly", False)] * 4 + [("receive_exactly", False)] * 4
+        # large payloads are read by the queue's receiver thread; the small ones between
+        # them too while it runs, otherwise on the trio thread
+        assert started[:4] == [("send_exactly", False)] * 4
+        names = sorted(name for name, _ in started[4:])
+        assert names == ["c2h_data"] * 4 + ["small_c2h_data"] * 16
+        assert ("c2h_data", True) not in started
 
     with_target(test, transport_kw=digests, maxh2cdata=1 << 20, size=4 << 20)
+
+
+@pytest.mark.parametrize("digests", DIGESTS, ids=["none", "header", "data", "both"])
+def test_pipelined_bulk_writes_sent_together_by_one_thread_all_land(digests):
+    rng = random.Random(7)
+    big = [rng.randbytes(256 * 1024) for _ in range(6)]
+    small = [rng.randbytes(8 * LBA) for _ in range(6)]
+
+    async def test(target, transport, queue):
+        async with trio.open_nursery() as nursery:  # R2Ts answered back to back
+            for i in range(6):
+                nursery.start_soon(write, queue, transport, i * 1024, big[i])
+                nursery.start_soon(write, queue, transport, 8192 + i * 64, small[i])
+        for i in range(6):
+            assert (await read(queue, transport, i * 1024, len(big[i])))[0] == big[i]
+            assert (await read(queue, transport, 8192 + i * 64, len(small[i])))[0] == small[i]
+        assert queue.available == 31
+
+    with_target(test, transport_kw=digests, maxh2cdata=1 << 17, size=8 << 20)
+
+
+def test_small_reads_stay_on_the_trio_thread_and_return_there_after_bulk(monkeypatch):
+    started = count_threads(monkeypatch)
+
+    async def test(target, transport, queue):
+        for _ in range(3):
+            await read(queue, transport, 0, 4096)
+        assert started == [("small_c2h_data", True)] * 3 and queue._threads == 0
+        await read(queue, transport, 0, 256 * 1024)
+        assert started[-1] == ("c2h_data", False)
+        while queue._threads:  # the receiver thread hands back once the stream is quiet
+            await trio.sleep(0.01)
+        started.clear()
+        await read(queue, transport, 0, 4096)
+        assert started == [("small_c2h_data", True)]
+
+    with_target(test)
 
 
 def test_a_bad_data_digest_on_a_bulk_payload_is_named(monkeypatch):
@@ -402,7 +450,7 @@ def test_a_bad_data_digest_on_a_bulk_payload_is_named(monkeypatch):
         with pytest.raises(TransportError, match=r"^I/O queue 1: data digest mismatch on "
                                                  r"C2HData for command \d+ \(got "):
             await read(queue, transport, 0, 512 * 1024)
-        assert [name for name, _ in started] == ["receive_exactly"]
+        assert started == [("c2h_data", False)]
 
     with_target(test, transport_kw={"data_digest": True})
 
@@ -434,8 +482,8 @@ def test_stopping_a_queue_ends_a_bulk_receive_at_once():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reading)
-            while not queue._threads:  # the thread waits for the payload's second half
-                await trio.sleep(0.01)
+            while not any(r.busy for r in queue._pending.values()):  # the receiver thread
+                await trio.sleep(0.01)  # waits for the payload's second half
             with trio.fail_after(2):  # far below the command's timeout (5 s)
                 await transport.drop_queues()
         assert errors == ["I/O queue 1: stopped"]
@@ -514,14 +562,41 @@ def test_a_broken_pdu_fails_the_queue_by_name_and_a_new_connection_works(fault):
     with_target(test, transport_kw=kw)
 
 
-def test_a_command_without_an_answer_times_out_by_name_and_keeps_its_slot():
+def test_a_command_without_an_answer_times_out_by_name_and_closes_its_queue():
     async def test(target, transport, queue):
         target.fault = "silent"
-        with pytest.raises(CommandTimeout, match=r"I/O queue 1: command \d+ got no completion "
-                                                 r"within 0.2 s"):
+        with pytest.raises(CommandTimeout, match=r"^I/O queue 1: command \d+ got no completion "
+                                                 r"within 0.2 s \(its connection is closed\)$"):
             await queue.execute(cmd.flush(1), timeout=0.2)
-        assert queue.available == 30  # the target may still answer it
-        assert (await write(queue, transport, 0, bytes(512))).ok
+        with pytest.raises(TransportError, match=r"^I/O queue 1: closed as command \d+ timed "
+                                                 r"out \(the target may still move its data\)$"):
+            await queue.execute(cmd.flush(1), timeout=5)
+
+    with_target(test)
+
+
+@pytest.mark.parametrize("opcode", ["read", "write"])
+def test_late_data_for_a_timed_out_command_never_reaches_its_reused_buffer(opcode):
+    """As Linux (nvme_tcp_timeout: the queue is stopped before the request completes): the
+    caller gets its buffer back only once no C2HData can land in it, no R2T read it."""
+    async def test(target, transport, queue):
+        target.data[:4096] = b"\x11" * 4096
+        buf = host_buffer(transport.register, 4096)
+        buf.view[:] = b"\x22" * 4096
+        target.fault = "late"
+        reads = opcode == "read"
+        sqe = (cmd.read if reads else cmd.write)(1, 0, 8, NULL_SGL)
+        with pytest.raises(CommandTimeout):
+            await queue.execute(sqe, buf.ref(), to_controller=not reads, timeout=0.2)
+        buf.view[:] = b"\x33" * 4096  # the caller reuses its buffer at once
+        target.release.set()
+        await target.late_sent.wait()
+        try:  # answered after the late PDUs if the connection were still open
+            await queue.execute(cmd.flush(1), timeout=5)
+        except TransportError:
+            pass
+        assert bytes(buf.view) == b"\x33" * 4096, "late C2HData landed in a reused buffer"
+        assert target.data[:4096] == b"\x11" * 4096, "a late R2T read a reused buffer"
 
     with_target(test)
 
@@ -565,7 +640,7 @@ def test_an_icresp_with_a_digest_not_asked_for_is_refused():
 # --- the controller over TCP, against the fake target ---------------------------------------------
 
 
-def with_controller(test, *, digests=False, **target_kw):
+def with_controller(test, *, digests=False, timeout=30.0, **target_kw):
     from tcp_target import NQN
 
     from nvmeof_fuse.host.controller import ConnectOptions, connect
@@ -577,7 +652,8 @@ def with_controller(test, *, digests=False, **target_kw):
                 port = await nursery.start(target.serve)
                 options = ConnectOptions("127.0.0.1", NQN, transport="tcp", trsvcid=port,
                                          reconnect_delay=1, keep_alive_tmo=0,
-                                         hdr_digest=digests, data_digest=digests)
+                                         hdr_digest=digests, data_digest=digests,
+                                         timeout=timeout)
                 async with connect(options) as ctrl:
                     await test(target, ctrl)
                 nursery.cancel_scope.cancel()
@@ -624,6 +700,21 @@ def test_a_broken_pdu_makes_the_controller_reconnect_and_the_read_lands(fault, c
     assert lost[0].startswith("lost the connection to nqn.2026-11.io.nvmeof-fuse:fake-tcp at "
                               "tcp 127.0.0.1:"), lost
     assert re.search(FAULTS[fault][1], lost[0]), lost
+
+
+def test_a_timed_out_read_makes_the_controller_reconnect_and_the_read_lands(caplog):
+    async def test(target, ctrl):
+        ns = ctrl.namespaces[1]
+        data = random.Random(6).randbytes(8 * LBA)
+        await ns.write_lbas(8, data)
+        target.fault = "late"  # this read's data is held until after the reconnect
+        assert await ns.read_lbas(8, 8) == data
+        target.release.set()
+        assert ctrl.losses == ctrl.reconnects == 1
+
+    with_controller(test, timeout=0.5)
+    lost = [r.getMessage() for r in caplog.records if "lost the connection" in r.getMessage()]
+    assert len(lost) == 1 and re.search(r"command \d+ got no completion within 0.5 s", lost[0])
 
 
 def test_gpu_memory_is_refused_by_name():
