@@ -268,7 +268,8 @@ def run_companion(args: argparse.Namespace) -> dict:
     import nvmeof_fuse
 
     jobs = [j for j in JOBS if args.jobs is None or j.key in args.jobs]
-    results: dict = {"initiator": "companion", "metrics": {}, "errors": {}}
+    results: dict = {"initiator": "companion", "metrics": {}, "errors": {},
+                     "cpu_us_per_io": {}, "sys_us_per_io": {}}
     with nvmeof_fuse.File(args.file) as f:
         results["own_queues"] = list(f.own_queues)
         bufs = nvmeof_fuse.empty((16, MIB))
@@ -278,7 +279,7 @@ def run_companion(args: argparse.Namespace) -> dict:
             cur = Cursor(job, f.lba_size, f.nbytes // f.lba_size)
             move = f.pwrite if job.write else f.pread
             ios = 0
-            start = time.monotonic()
+            start, cpu = time.monotonic(), os.times()
             deadline = start + args.seconds
             try:
                 pending = deque((i, move(bufs[i], job.size, cur.next() * f.lba_size))
@@ -292,7 +293,12 @@ def run_companion(args: argparse.Namespace) -> dict:
             except Exception as e:  # noqa: BLE001 - reported as n/a
                 results["errors"][job.key] = _reason(e)
             else:
+                end = os.times()
                 results["metrics"][job.key] = figure(job, ios, time.monotonic() - start)
+                if ios:  # this process's CPU (all its threads), as the core's figure
+                    user, system = end.user - cpu.user, end.system - cpu.system
+                    results["cpu_us_per_io"][job.key] = round((user + system) / ios * 1e6)
+                    results["sys_us_per_io"][job.key] = round(system / ios * 1e6)
         stats = f.stats()
     results["notes"] = {k: stats[k] for k in (
         "client_queue_read_bytes", "direct_read_bytes", "staged_read_bytes",

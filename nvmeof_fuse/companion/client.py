@@ -555,7 +555,7 @@ class File:
                                     self._budget(length))
 
     def _own_queues(self, mem: _Memory, buf_offset: int, size: int, file_offset: int, *,
-                    write: bool) -> IOFuture | None:
+                    write: bool, post: bool = True) -> IOFuture | None:
         """Start a transfer on this file's own queues; None when the memory cannot be
         registered here (then the daemon's path serves it)."""
         direct = self._direct
@@ -592,7 +592,7 @@ class File:
             finish = None
         elif isinstance(target, _LazyHostTarget):  # host memory: nothing to do afterwards
             future = direct.start_read(self.nsid, region, at, size, file_offset,
-                                       target.put, temporary)
+                                       target.put, temporary, post)
             finish = None
         else:  # device copies belong to the caller's thread: collected, put in finish
             edges: list[tuple[int, bytes]] = []
@@ -617,15 +617,24 @@ class File:
         return self._start(True, buf, size, file_offset, buf_offset)
 
     def pread_batch(self, requests: list[tuple[Any, int, int]]) -> list[IOFuture]:
-        """Start many reads at once: ``[(buf, size, file_offset), ...]``; one future each."""
-        return [self.pread(buf, size, file_offset) for buf, size, file_offset in requests]
+        """Start many reads at once: ``[(buf, size, file_offset), ...]``; one future each.
+
+        Those that take a polled queue of ours go out together, in one ``post_send``."""
+        direct = self._direct
+        if direct is None:
+            return [self.pread(buf, size, file_offset) for buf, size, file_offset in requests]
+        try:
+            return [self._start(False, buf, size, file_offset, 0, post=False)
+                    for buf, size, file_offset in requests]
+        finally:  # those already written go out even if a later request was refused
+            direct.post_reads()
 
     def read_batch(self, requests: list[tuple[Any, int, int]]) -> list[int]:
         """:meth:`pread_batch` and wait: the bytes read by each request."""
         return [future.get() for future in self.pread_batch(requests)]
 
     def _start(self, write: bool, buf: Any, size: int | None, file_offset: int,
-               buf_offset: int) -> IOFuture:
+               buf_offset: int, post: bool = True) -> IOFuture:
         if self._direct is None:
             return self._submit(self.write if write else self.read, buf, size, file_offset,
                                 buf_offset)
@@ -638,7 +647,7 @@ class File:
             self._check_write(file_offset, size)
         else:
             size = max(0, min(size, self.nbytes - file_offset))
-        future = (self._own_queues(mem, buf_offset, size, file_offset, write=write)
+        future = (self._own_queues(mem, buf_offset, size, file_offset, write=write, post=post)
                   if size else None)
         if future is None:  # nothing to move, or memory only the daemon's path can serve
             return self._submit(self.write if write else self.read, buf, size, file_offset,

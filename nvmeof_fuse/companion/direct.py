@@ -173,6 +173,9 @@ class DirectQueues:
         self._reported = dict(self._moved)
         self._shapes = {shape.nsid: shape for shape in self._first.namespaces}
         self._max_transfer = self._first.max_transfer
+        self._per_command = {shape.nsid: nvme_cmd.lbas_per_command(self._max_transfer,
+                                                                     shape.lba_size)
+                             for shape in self._first.namespaces}
         options = options_from(reply, timeout)
         self.renew_timeout = (RENEW_FOREVER if options.ctrl_loss_tmo < 0 else
                                options.ctrl_loss_tmo + 2 * options.timeout)
@@ -336,17 +339,18 @@ class DirectQueues:
     # -- polled reads (the caller's thread drives a queue of ours) -------------------------
 
     def start_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
-                   put: Any, temporary: bool) -> Any:
+                   put: Any, temporary: bool, post: bool = True) -> Any:
         """:meth:`start` of :meth:`read`, posted from this thread on a polled queue when it
-        can be (whole LBAs, memory kept registered, a free slot): no loop, no thread switch."""
+        can be (whole LBAs, memory kept registered, a free slot): no loop, no thread switch.
+        With ``post=False`` a polled read waits for :meth:`post_reads` (a batch)."""
         if not temporary:
-            future = self._polled_read(nsid, region, at, size, file_offset, put)
+            future = self._polled_read(nsid, region, at, size, file_offset, put, post)
             if future is not None:
                 return future
         return self.start(self.read, nsid, region, at, size, file_offset, put, temporary)
 
     def _polled_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
-                     put: Any) -> PolledRead | None:
+                     put: Any, post: bool = True) -> PolledRead | None:
         ctrl = self._ctrl
         polled = ctrl.polled_queues if ctrl is not None else None
         shape = self._shapes.get(nsid)
@@ -358,17 +362,26 @@ class DirectQueues:
         slba, nlb = file_offset // lba_size, size // lba_size
         if slba + nlb > shape.nsze:
             return None  # the loop's path names the error
-        per = nvme_cmd.lbas_per_command(self._max_transfer, lba_size)
-        sqes = [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
-                 region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
-                for start in range(0, nlb, per)]
+        per = self._per_command[nsid]
+        if nlb <= per:  # one command: the common case
+            sqes = [(nvme_cmd.read(nsid, slba, nlb, NULL_SGL), region.ref(at, size))]
+        else:
+            sqes = [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
+                     region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
+                    for start in range(0, nlb, per)]
         queue = polled[0] if len(polled) == 1 else max(polled, key=lambda q: q.available)
-        requests = queue.submit(sqes, put)  # put holds the caller's buffer
+        requests = queue.submit(sqes, put, post=post)  # put holds the caller's buffer
         if requests is None:  # full, or failed: the loop's queues serve it
             return None
         return PolledRead(self, queue, requests, size,
                           lambda: self.start(self.read, nsid, region, at, size, file_offset,
                                              put, False))
+
+    def post_reads(self) -> None:
+        """Post the polled reads started with ``post=False``: one ``post_send`` per queue."""
+        ctrl = self._ctrl
+        for queue in ctrl.polled_queues if ctrl is not None else ():
+            queue.flush()
 
     def polled_done(self, size: int) -> None:
         with self._polled_lock:
@@ -401,7 +414,7 @@ class PolledRead:
     the same EIO rules as any other request.
     """
 
-    __slots__ = ("_direct", "_queue", "_requests", "_size", "_fallback", "_future")
+    __slots__ = ("_direct", "_queue", "_requests", "_size", "_fallback", "_future", "_done")
 
     def __init__(self, direct: DirectQueues, queue: Any, requests: list, size: int,
                  fallback: Any) -> None:
@@ -410,9 +423,12 @@ class PolledRead:
         self._requests = requests
         self._size = size
         self._fallback = fallback
-        self._future: Any = None
+        self._future: Any = None  # the loop's future, once the read went there
+        self._done = False  # read and counted: a second result() counts nothing
 
     def done(self) -> bool:
+        if self._done:
+            return True
         if self._future is not None:
             return self._future.done()
         if not all(r.finished for r in self._requests):
@@ -421,31 +437,33 @@ class PolledRead:
 
     def result(self, timeout: float | None = None) -> int:
         """Bytes read; ``concurrent.futures.TimeoutError`` after ``timeout`` s."""
+        if self._done:
+            return self._size
         if self._future is not None:
             return self._future.result(timeout)
         clock = time.perf_counter
         limit = math.inf if timeout is None else clock() + timeout
-        give_up = self._requests[0].deadline + self._direct._timeout  # posted + command timeout
+        queue = self._queue
         try:
             for request in self._requests:
                 if not request.finished:
+                    give_up = request.deadline + self._direct._timeout  # posted + its timeout
                     try:
-                        completion = self._queue.wait(request, min(limit, give_up))
+                        completion = queue.wait(request, min(limit, give_up))
                     except CommandTimeout:
                         if clock() < give_up:  # the caller's own bound, not the command's
                             raise concurrent.futures.TimeoutError from None
                         raise
                 else:
-                    completion = self._queue.wait(request, limit)
+                    completion = queue.wait(request, limit)
                 if not completion.ok:
                     completion.raise_for_status("Read")
         except (TransportError, CommandTimeout) as exc:
-            self._direct.polled_failed(self._queue, exc)
+            self._direct.polled_failed(queue, exc)
             self._future = self._fallback()
             return self._future.result(None if timeout is None else max(0.0, limit - clock()))
         self._direct.polled_done(self._size)
-        self._future = done = concurrent.futures.Future()  # a second result() counts nothing
-        done.set_result(self._size)
+        self._done = True
         return self._size
 
 

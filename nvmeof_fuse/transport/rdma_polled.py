@@ -59,6 +59,7 @@ class PolledQueue:
         self._sleepers = 0
         self._recv_armed = self._send_armed = False
         self._held: dict[int, Any] = {}  # command ID -> what keeps its memory alive
+        self._unposted: list = []  # work requests written but not posted yet (post=False)
         self.failed: TransportError | None = None
         self.detached = False
         self.latency = min(queue.latency, POLL_MAX)
@@ -73,8 +74,8 @@ class PolledQueue:
 
     # -- submission (any thread) -----------------------------------------------------------
 
-    def submit(self, sqes: list[tuple[bytearray, DataRef]], keep: Any = None
-               ) -> list[Request] | None:
+    def submit(self, sqes: list[tuple[bytearray, DataRef]], keep: Any = None, *,
+               post: bool = True) -> list[Request] | None:
         """Post reads (``(sqe, dest)`` each) at once: their requests, or None when the queue
         failed or lacks the slots for all of them (nothing posted then).
 
@@ -82,40 +83,64 @@ class PolledQueue:
         the caller drops its requests: freed memory would have its registration dropped
         while the target still writes there.  After a failure it is held until the
         queue itself goes (after its QP).
+
+        With ``post=False`` the commands are written but wait for :meth:`flush` (or for
+        the next post, wait or progress on this queue), so that a batch of calls goes
+        out in one ``post_send``: one doorbell, one trip through the kernel's rxe.
         """
         q = self.queue
+        slots = self._slots
         with self._lock:
-            if self.failed is not None or self._slots.available < len(sqes):
+            if self.failed is not None or len(slots.free) < len(sqes):
                 return None
             capsule = q.capsules.view
-            wrs = []
+            sends = q._sends
+            held = self._held
+            wrs = self._unposted
             requests = []
             for sqe, ref in sqes:
-                request = self._slots.allocate(ref)
+                request = slots.allocate(ref)
                 cid = request.cid
                 offset = cid * SQE_BYTES
                 capsule[offset:offset + SQE_BYTES] = sqe
                 _CID.pack_into(capsule, offset + 2, cid)
                 q._place_data(capsule, offset + 24, ref, False)
-                wrs.extend(q._sends[cid])
+                wrs.extend(sends[cid])
                 requests.append(request)
-                self._held[cid] = keep
-            try:
-                q.qp.post_send(wrs)
-            except OSError as exc:
-                for request in requests:
-                    self._slots.release(request)
-                self._fail(TransportError(f"{self.name}: cannot post a command: {exc}"))
-                return None
-        now = time.perf_counter()
-        for request in requests:
-            request.deadline = now  # here: when it was posted (no watchdog reads it)
+                held[cid] = keep
+            now = time.perf_counter()
+            for request in requests:
+                request.deadline = now  # when it was written (no watchdog reads it)
+            if post and not self._post():
+                return None  # the queue failed (so did these requests): nothing went out
         return requests
+
+    def flush(self) -> None:
+        """Post the commands submitted with ``post=False`` (any thread)."""
+        if self._unposted:
+            with self._lock:
+                self._post()
+
+    def _post(self) -> bool:
+        """One ``post_send`` of every unposted work request (the lock is held); False if it
+        failed: then the queue fails, and with it every request in flight (their callers
+        retry elsewhere)."""
+        wrs, self._unposted = self._unposted, []
+        if not wrs:
+            return True
+        try:
+            self.queue.qp.post_send(wrs)
+        except OSError as exc:
+            self._fail(TransportError(f"{self.name}: cannot post a command: {exc}"))
+            return False
+        return True
 
     # -- completion (the waiting thread) ---------------------------------------------------
 
     def progress(self) -> None:
         """Finish what has completed, if no other thread polls right now (never blocks)."""
+        if self._unposted:
+            self.flush()
         if self._role.acquire(blocking=False):
             try:
                 self._drain()
@@ -127,6 +152,8 @@ class PolledQueue:
         """Poll until ``request`` finished; its completion.  ``until`` is a ``perf_counter``
         deadline: past it, :class:`CommandTimeout` (the request stays in flight)."""
         clock = time.perf_counter
+        if self._unposted:
+            self.flush()
         while not request.finished:
             if clock() >= until:
                 raise CommandTimeout(f"{self.name}: command {request.cid} got no completion "
@@ -248,6 +275,7 @@ class PolledQueue:
         """Fail every request in flight (the lock is held)."""
         if self.failed is None:
             self.failed = error
+        self._unposted = []  # their requests fail below: nothing may post them later
         self._slots.fail_all(error)
 
     # -- the owner's loop ------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 import time
 from types import SimpleNamespace
 
@@ -89,3 +90,61 @@ def test_an_error_status_is_raised_as_it_is():
     with pytest.raises(NVMeStatusError):
         read.result(5)
     assert not direct.failed and not direct.done
+
+
+# -- DirectQueues' polled reads over a PolledQueue on the fake verbs ----------------------------
+
+@pytest.fixture
+def polled_direct(monkeypatch):
+    """A DirectQueues with one polled queue over fake verbs (8 slots), 4 KiB LBAs."""
+    from transport.test_rdma_queue import fake_rdma_queue
+
+    from nvmeof_fuse.companion import direct as direct_mod
+    from nvmeof_fuse.host.attached import NamespaceShape
+    from nvmeof_fuse.transport.rdma_polled import PolledQueue
+    from nvmeof_fuse.transport.region import host_buffer
+
+    for rdma_queue in fake_rdma_queue(monkeypatch):
+        queue = PolledQueue(rdma_queue)
+        d = object.__new__(direct_mod.DirectQueues)
+        d._ctrl = SimpleNamespace(polled_queues=[queue])
+        d._shapes = {1: NamespaceShape(1, 4096, 1024)}
+        d._per_command = {1: 8}  # 32 KiB per command
+        d._timeout = 30.0
+        d._polled_lock = threading.Lock()
+        d._polled_read_bytes = 0
+        memory = host_buffer(lambda addr, length, owner: SimpleNamespace(
+            keys=lambda pd: SimpleNamespace(lkey=1, rkey=2), close=lambda: None), 1 << 20)
+        yield d, queue, rdma_queue.qp, memory
+        memory.close()
+
+
+def answer_all(qp) -> None:
+    for cid in list(qp.sent):
+        qp.send_done(cid)
+        qp.respond(cid)
+    qp.sent.clear()
+
+
+def test_a_batch_of_polled_reads_goes_out_in_one_post(polled_direct):
+    d, queue, qp, memory = polled_direct
+    reads = [d.start_read(1, memory, i * 4096, 4096, i * 4096, None, False, post=False)
+             for i in range(3)]
+    reads.append(d.start_read(1, memory, 65536, 65536, 65536, None, False, post=False))
+    assert all(isinstance(r, PolledRead) for r in reads)
+    assert qp.posts == []
+    d.post_reads()
+    assert qp.posts == [5]  # three reads of one command, one of two commands
+    answer_all(qp)
+    assert [r.result(5) for r in reads] == [4096, 4096, 4096, 65536]
+    assert d._polled_read_bytes == 3 * 4096 + 65536
+    assert [r.result(5) for r in reads] == [4096, 4096, 4096, 65536]  # counted once
+    assert d._polled_read_bytes == 3 * 4096 + 65536
+
+
+def test_a_single_polled_read_is_posted_at_once(polled_direct):
+    d, queue, qp, memory = polled_direct
+    read = d.start_read(1, memory, 0, 8192, 4096, None, False)
+    assert qp.posts == [1]
+    answer_all(qp)
+    assert read.done() and read.result(5) == 8192

@@ -406,3 +406,24 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
     else:
         assert not errors, errors
     assert wait_for(lambda: rdma_objects("qp") <= qps_before and rdma_objects("mr") <= mrs_before)
+
+
+def test_a_batch_of_small_reads_lands_in_place_from_the_callers_thread(cmnt):
+    """pread_batch posts its whole-LBA reads together on the client's polled queue; each
+    lands where it belongs, and the bytes count as moved over the client's own queues."""
+    import nvmeof_fuse
+
+    count, size = 24, 8192
+    offsets = [(i * 7919 % 2048) * 4096 for i in range(count)]
+    with open(f"{cmnt}/n2", "rb", buffering=0) as plain:
+        expected = [os.pread(plain.fileno(), size, off) for off in offsets]
+    bufs = nvmeof_fuse.empty((count, size))
+    bufs[:] = 0xEE
+    with nvmeof_fuse.File(f"{cmnt}/n2") as f:
+        assert f.own_queues
+        before = f.stats()["client_queue_read_bytes"]
+        futures = f.pread_batch([(bufs[i], size, off) for i, off in enumerate(offsets)])
+        assert [fut.get() for fut in futures] == [size] * count
+        moved = f.stats()["client_queue_read_bytes"] - before
+    assert [bufs[i].tobytes() for i in range(count)] == expected
+    assert moved >= count * size

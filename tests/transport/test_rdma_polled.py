@@ -80,6 +80,52 @@ def test_many_reads_go_out_in_one_post(queue, memory):
     assert all(polled.wait(r, time.perf_counter() + 30).ok for r in requests)
 
 
+def test_reads_submitted_unposted_go_out_together_on_flush(queue, memory):
+    polled = PolledQueue(queue)
+    first = polled.submit(reads(memory, 2), post=False)
+    second = polled.submit(reads(memory, 1), post=False)
+    assert queue.qp.posts == [] and polled.available == 4  # their slots are taken
+    polled.flush()
+    polled.flush()  # nothing left: no empty post
+    assert queue.qp.posts == [3]
+    for request in first + second:
+        answer(queue.qp, request.cid)
+    assert all(polled.wait(r, time.perf_counter() + 30).ok for r in first + second)
+
+
+def test_a_post_takes_the_unposted_reads_along(queue, memory):
+    polled = PolledQueue(queue)
+    polled.submit(reads(memory, 2), post=False)
+    polled.submit(reads(memory, 1))
+    assert queue.qp.posts == [3]
+
+
+@pytest.mark.parametrize("waiting", ["wait", "progress"])
+def test_waiting_on_the_queue_posts_what_was_left_unposted(queue, memory, waiting):
+    polled = PolledQueue(queue)
+    (request,) = polled.submit(reads(memory, 1), post=False)
+    if waiting == "wait":
+        target = later(0.05, answer, queue.qp, request.cid)
+        assert polled.wait(request, time.perf_counter() + 30).ok
+        target.join()
+    else:
+        polled.progress()
+    assert queue.qp.posts == [1]
+
+
+def test_a_failed_flush_fails_the_unposted_reads_and_the_queue(queue, memory):
+    polled = PolledQueue(queue)
+    (request,) = polled.submit(reads(memory, 1), post=False)
+    queue.qp.fail_posts = True
+    polled.flush()
+    assert "cannot post a command" in str(polled.failed)
+    with pytest.raises(TransportError, match="cannot post a command"):
+        polled.wait(request, time.perf_counter() + 30)
+    queue.qp.fail_posts = False
+    polled.flush()
+    assert queue.qp.posts == []  # failed reads are never posted later
+
+
 def test_a_queue_without_the_slots_for_all_posts_nothing(queue, memory):
     polled = PolledQueue(queue)
     assert polled.submit(reads(memory, 8)) is None  # 7 slots
