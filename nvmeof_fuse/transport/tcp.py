@@ -258,6 +258,10 @@ class TcpTransport:
                 reason = f"failed: {exc.strerror or exc}"
         else:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Close with a reset, dropping what is still queued (as Linux nvme_tcp_alloc_queue,
+            # sock_no_linger): spliced H2CData in the send queue refers to the caller's pages,
+            # which a failed command's caller gets back once the socket is closed.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             return sock
         if sock is not None:
             sock.close()
@@ -944,15 +948,19 @@ class TcpQueue:
     # -- back on the trio thread ----------------------------------------------------------------
 
     def _deliver(self, batch: list) -> None:
-        """The receiver thread's batch: let answered callers go, answer R2Ts."""
+        """The receiver thread's batch: let answered callers go, answer R2Ts.  (A callback
+        of trio's: an error here would end the whole run, so it fails the queue instead.)"""
         pending = self._pending
-        for item in batch:
-            if type(item) is tuple:
-                request, header = item
-                if pending.get(request.cid) is request:
-                    self._send_h2c(request, header)
-            elif pending.get(item.cid) is item:
-                self._finish(item, item.completion)
+        try:
+            for item in batch:
+                if type(item) is tuple:
+                    request, header = item
+                    if pending.get(request.cid) is request:
+                        self._send_h2c(request, header)
+                elif pending.get(item.cid) is item:
+                    self._finish(item, item.completion)
+        except Exception as exc:  # noqa: BLE001 - the queue's error, for its callers
+            self._fail(TransportError(f"{self.name}: {exc}"))
 
     def _finish(self, request: Request, completion: Completion) -> None:
         """``request`` is answered: let its caller go once nothing of it is left to send."""
@@ -976,6 +984,8 @@ class TcpQueue:
         pieces = pdu.h2c_pieces(header.offset, header.length, self.maxh2cdata)
         splice = self._splice and not payload.readonly  # vmsplice needs writable memory
         for i, (at, length) in enumerate(pieces):
+            if self._failed is not None:  # a piece could not be sent: the queue holds the caller
+                return
             piece = payload[at:at + length]
             buffers = [pdu.h2c_data_header(header.cid, header.ttag, at, length,
                                            last=i == len(pieces) - 1,
@@ -993,6 +1003,8 @@ class TcpQueue:
         for request in list(self._pending.values()):
             if request.task is None or request.deadline > now:
                 continue
+            if request.completion is not None and not request.unsent:
+                continue  # answered: the receiver thread's batch lets it go next
             if request.unsent:
                 # Its PDUs still wait for the socket and read the caller's memory: the
                 # connection is stuck, and only closing it lets the caller go safely.

@@ -575,6 +575,32 @@ def test_a_command_without_an_answer_times_out_by_name_and_closes_its_queue():
     with_target(test)
 
 
+def test_queue_sockets_close_with_a_reset_as_linux_does():
+    """SO_LINGER 0 (Linux sock_no_linger): closing drops spliced data still queued, which
+    refers to the pages of a caller that a failed queue lets go."""
+    async def test(target, transport, queue):
+        assert struct.unpack("ii", queue.sock.getsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                                         8)) == (1, 0)
+
+    with_target(test)
+
+
+def test_an_error_answering_an_r2t_fails_the_queue_by_name(monkeypatch):
+    """R2Ts are answered in a batch callback; an error there fails the queue, not the run."""
+    from nvmeof_fuse.transport import tcp
+
+    def broken(*args):
+        raise ValueError("no pieces today")
+
+    monkeypatch.setattr(tcp.pdu, "h2c_pieces", broken)
+
+    async def test(target, transport, queue):
+        with pytest.raises(TransportError, match=r"^I/O queue 1: no pieces today$"):
+            await write(queue, transport, 100, bytes(40 * 1024))  # past in-capsule: by R2T
+
+    with_target(test)
+
+
 @pytest.mark.parametrize("opcode", ["read", "write"])
 def test_late_data_for_a_timed_out_command_never_reaches_its_reused_buffer(opcode):
     """As Linux (nvme_tcp_timeout: the queue is stopped before the request completes): the
