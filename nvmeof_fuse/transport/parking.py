@@ -16,7 +16,7 @@ from typing import Any
 import outcome
 import trio
 
-from ..errors import CommandTimeout
+from ..errors import CommandTimeout, TransportError
 
 
 def uncancellable(raise_cancel) -> trio.lowlevel.Abort:
@@ -59,10 +59,20 @@ class Watchdog:
             self._expire(trio.current_time())
 
 
+def timeout_error(request: Any, queue_name: str, note: str = "") -> CommandTimeout:
+    """What the caller of a timed-out command is told (``note`` says what became of it)."""
+    return CommandTimeout(f"{queue_name}: command {request.cid} got no completion within "
+                          f"{request.timeout:g} s{note}")
+
+
+def closed_for_timeout(request: Any, queue_name: str) -> TransportError:
+    """What the other commands of a queue closed for ``request``'s timeout fail with."""
+    return TransportError(f"{queue_name}: closed as command {request.cid} timed out "
+                          "(the target may still move its data)")
+
+
 def time_out(request: Any, queue_name: str) -> None:
     """Let ``request``'s parked caller go with CommandTimeout.  The queue must have been
     stopped first: the caller may reuse its memory at once."""
     task, request.task = request.task, None
-    trio.lowlevel.reschedule(task, outcome.Error(CommandTimeout(
-        f"{queue_name}: command {request.cid} got no completion within "
-        f"{request.timeout:g} s")))
+    trio.lowlevel.reschedule(task, outcome.Error(timeout_error(request, queue_name)))

@@ -34,7 +34,7 @@ import trio
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
-from .parking import Watchdog, cancellable, time_out
+from .parking import Watchdog, cancellable, closed_for_timeout, time_out
 from .region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
@@ -773,8 +773,7 @@ class RdmaQueue:
         self._disconnect()
         for request in expired:
             time_out(request, self.name)
-        self._fail(TransportError(f"{self.name}: closed as command {expired[0].cid} timed out "
-                                  "(the target may still move its data)"))
+        self._fail(closed_for_timeout(expired[0], self.name))
 
     def _fail(self, error: TransportError) -> None:
         self._failed = error

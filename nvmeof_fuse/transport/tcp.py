@@ -52,7 +52,7 @@ from ..nvme import Completion, set_command_id
 from ..nvme import tcp_pdu as pdu
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
-from .parking import Watchdog, cancellable
+from .parking import Watchdog, cancellable, closed_for_timeout, timeout_error
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
 
@@ -1017,11 +1017,8 @@ class TcpQueue:
                 return
             # The target may still send its data or an R2T: close the connection before
             # its caller gets its memory back (Linux: nvme_tcp_timeout, error recovery).
-            request.error = CommandTimeout(
-                f"{self.name}: command {request.cid} got no completion within "
-                f"{request.timeout:g} s (its connection is closed)")
-            self._fail(TransportError(f"{self.name}: closed as command {request.cid} timed "
-                                      "out (the target may still move its data)"))
+            request.error = timeout_error(request, self.name, " (its connection is closed)")
+            self._fail(closed_for_timeout(request, self.name))
             return
 
     # -- failure and teardown -------------------------------------------------------------------
