@@ -113,6 +113,80 @@ def test_waiting_on_the_queue_posts_what_was_left_unposted(queue, memory, waitin
     assert queue.qp.posts == [1]
 
 
+def collect(polled, requests, waited=False) -> None:
+    """A caller takes the results of ``requests`` (answered already unless ``waited``)."""
+    for request in requests:
+        assert polled.wait(request, time.perf_counter() + 30).ok
+    polled.collected(requests, waited)
+
+
+def test_reads_submitted_while_a_burst_is_collected_go_out_together(queue, memory):
+    polled = PolledQueue(queue)
+    burst = [polled.submit(reads(memory, 1))[0] for _ in range(3)]
+    for request in burst:
+        answer(queue.qp, request.cid)
+    polled.progress()  # all three answered at once
+    assert queue.qp.posts == [1, 1, 1]
+    collect(polled, burst[:1])  # two more answered ones wait: the next reads are held back
+    polled.submit(reads(memory, 1), post=None)
+    collect(polled, burst[1:2])
+    polled.submit(reads(memory, 1), post=None)
+    assert queue.qp.posts == [1, 1, 1]
+    collect(polled, burst[2:])  # the burst's last one: both go out, in one post
+    assert queue.qp.posts == [1, 1, 1, 2]
+
+
+def test_outside_a_burst_a_read_goes_out_at_once(queue, memory):
+    polled = PolledQueue(queue)
+    first, second = polled.submit(reads(memory, 2))
+    answer(queue.qp, first.cid)
+    polled.progress()
+    collect(polled, [first], waited=True)  # it had to wait: no burst
+    polled.submit(reads(memory, 1), post=None)
+    assert queue.qp.posts == [2, 1]
+    answer(queue.qp, second.cid)
+    collect(polled, [second])  # nothing else answered: no burst either
+    polled.submit(reads(memory, 1), post=None)
+    assert queue.qp.posts == [2, 1, 1]
+
+
+def test_a_held_back_read_goes_out_when_its_caller_waits(queue, memory):
+    polled = PolledQueue(queue)
+    burst = polled.submit(reads(memory, 2))
+    for request in burst:
+        answer(queue.qp, request.cid)
+    polled.progress()
+    collect(polled, burst[:1])
+    (held,) = polled.submit(reads(memory, 1), post=None)
+    assert queue.qp.posts == [2]
+    target = later(0.05, answer, queue.qp, held.cid)
+    assert polled.wait(held, time.perf_counter() + 30).ok  # must wait: posted first
+    target.join()
+    assert queue.qp.posts == [2, 1]
+
+
+def test_answered_reads_dropped_uncollected_hold_back_no_read_for_ever(queue, memory,
+                                                                        monkeypatch):
+    monkeypatch.setattr(rdma_polled, "READY_MAX", 3)
+    polled = PolledQueue(queue)
+    burst = polled.submit(reads(memory, 3))
+    for request in burst:
+        answer(queue.qp, request.cid)
+    polled.progress()
+    collect(polled, burst[:1])  # the other two are never collected (their futures dropped)
+    (held,) = polled.submit(reads(memory, 1), post=None)
+    assert queue.qp.posts == [3]  # held back: the burst seems to go on
+    target = later(0.05, answer, queue.qp, held.cid)
+    assert polled.wait(held, time.perf_counter() + 30).ok  # waiting posts it
+    target.join()
+    assert queue.qp.posts == [3, 1]
+    more = polled.submit(reads(memory, 2))
+    for request in more:
+        answer(queue.qp, request.cid)
+    polled.progress()
+    assert len(polled._ready) <= 3  # the dropped ones are forgotten, not kept for ever
+
+
 def test_a_failed_flush_fails_the_unposted_reads_and_the_queue(queue, memory):
     polled = PolledQueue(queue)
     (request,) = polled.submit(reads(memory, 1), post=False)
