@@ -427,3 +427,28 @@ def test_a_batch_of_small_reads_lands_in_place_from_the_callers_thread(cmnt):
         moved = f.stats()["client_queue_read_bytes"] - before
     assert [bufs[i].tobytes() for i in range(count)] == expected
     assert moved >= count * size
+
+
+def test_reads_kept_16_deep_from_one_thread_each_land_in_place(cmnt):
+    """One thread keeps 16 small reads in flight, collecting the oldest and submitting the
+    next (the bench's pattern): reads submitted while it collects a burst of answered ones
+    are held back for one doorbell, and every one of them still goes out and lands."""
+    import nvmeof_fuse
+
+    depth, count, size = 16, 400, 4096
+    offsets = [(i * 7919 % 4096) * 4096 for i in range(count)]
+    with open(f"{cmnt}/n2", "rb", buffering=0) as plain:
+        expected = [os.pread(plain.fileno(), size, off) for off in offsets]
+    bufs = nvmeof_fuse.empty((depth, size))
+    bufs[:] = 0xEE
+    with nvmeof_fuse.File(f"{cmnt}/n2") as f:
+        assert f.own_queues
+        pending = [(i, f.pread(bufs[i % depth], size, offsets[i])) for i in range(depth)]
+        landed = []
+        while pending:
+            i, future = pending.pop(0)
+            assert future.get(60) == size
+            landed.append(bufs[i % depth].tobytes() == expected[i])
+            if i + depth < count:
+                pending.append((i + depth, f.pread(bufs[i % depth], size, offsets[i + depth])))
+    assert all(landed), [i for i, ok in enumerate(landed) if not ok]
