@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 import trio
 from fabrics import make_fabric
-from vm import NVMET, NVMET_PORTS, sh
+from nvmet import null_blk, subsystem
+from vm import NVMET_PORTS, sh
 
 from nvmeof_fuse.errors import ControllerLost
 from nvmeof_fuse.host.controller import connect
@@ -49,48 +50,20 @@ class Stall:
 @contextlib.contextmanager
 def stalling_subsystem():
     """STALL_NQN on the testbed's rdma and tcp ports; removed again afterwards."""
-    cfg = "/sys/kernel/config"
     sh("modprobe", "dm_mod")
-    nullb = f"{cfg}/nullb/nvmeof-stall"
-    os.mkdir(nullb)
-    for attr, value in (("size", STALL_MIB), ("blocksize", 4096), ("memory_backed", 1),
-                        ("power", 1)):
-        with open(f"{nullb}/{attr}", "w") as f:
-            f.write(str(value))
     stall = Stall("nvmeof-stall")
-    sectors = STALL_MIB << 11
-    sh("dmsetup", "create", "--noudevsync", stall.name, "--table",
-       f"0 {sectors} linear /dev/nvmeof-stall 0")
-    sub, links = f"{NVMET}/subsystems/{STALL_NQN}", []
-    try:
-        minor = sh("dmsetup", "info", "-c", "--noheadings", "-o", "minor", stall.name).strip()
-        os.mkdir(sub)
-        with open(f"{sub}/attr_allow_any_host", "w") as f:
-            f.write("1")
-        os.mkdir(f"{sub}/namespaces/1")
-        with open(f"{sub}/namespaces/1/device_path", "w") as f:
-            f.write(f"/dev/dm-{minor}")
-        with open(f"{sub}/namespaces/1/enable", "w") as f:
-            f.write("1")
-        for port in NVMET_PORTS.values():
-            links.append(f"{NVMET}/ports/{port}/subsystems/{STALL_NQN}")
-            os.symlink(sub, links[-1])
-        yield stall
-    finally:
-        subprocess.run(["dmsetup", "resume", stall.name], capture_output=True, timeout=60)
-        for link in links:
-            os.unlink(link)
-        if os.path.isdir(f"{sub}/namespaces/1"):
-            with open(f"{sub}/namespaces/1/enable", "w") as f:
-                f.write("0")
-            os.rmdir(f"{sub}/namespaces/1")
-        if os.path.isdir(sub):
-            os.rmdir(sub)
-        subprocess.run(["dmsetup", "remove", "--noudevsync", stall.name], capture_output=True,
-                       timeout=60)
-        with open(f"{nullb}/power", "w") as f:
-            f.write("0")
-        os.rmdir(nullb)
+    with null_blk("nvmeof-stall-disk", STALL_MIB, 4096) as disk:
+        sh("dmsetup", "create", "--noudevsync", stall.name, "--table",
+           f"0 {STALL_MIB << 11} linear {disk} 0")
+        try:
+            minor = sh("dmsetup", "info", "-c", "--noheadings", "-o", "minor", stall.name)
+            with subsystem(STALL_NQN, f"/dev/dm-{minor.strip()}",
+                           ports=tuple(NVMET_PORTS.values())):
+                yield stall
+        finally:
+            subprocess.run(["dmsetup", "resume", stall.name], capture_output=True, timeout=60)
+            subprocess.run(["dmsetup", "remove", "--noudevsync", stall.name],
+                           capture_output=True, timeout=60)
 
 
 def stall_options(fabric, **kw):
