@@ -370,9 +370,7 @@ class DirectQueues:
                      region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
                     for start in range(0, nlb, per)]
         queue = polled[0] if len(polled) == 1 else max(polled, key=lambda q: q.available)
-        # post=None: held back while the caller collects a burst of answered reads, so
-        # that the reads it submits meanwhile share one post_send (see PolledQueue).
-        requests = queue.submit(sqes, put, post=None if post else False)  # put holds the buffer
+        requests = queue.submit(sqes, put, post=post)  # put holds the caller's buffer
         if requests is None:  # full, or failed: the loop's queues serve it
             return None
         return PolledRead(self, queue, requests, size,
@@ -446,11 +444,9 @@ class PolledRead:
         clock = time.perf_counter
         limit = math.inf if timeout is None else clock() + timeout
         queue = self._queue
-        waited = False
         try:
             for request in self._requests:
                 if not request.finished:
-                    waited = True
                     give_up = request.deadline + self._direct._timeout  # posted + its timeout
                     try:
                         completion = queue.wait(request, min(limit, give_up))
@@ -463,11 +459,9 @@ class PolledRead:
                 if not completion.ok:
                     completion.raise_for_status("Read")
         except (TransportError, CommandTimeout) as exc:
-            queue.collected(self._requests, True)
             self._direct.polled_failed(queue, exc)
             self._future = self._fallback()
             return self._future.result(None if timeout is None else max(0.0, limit - clock()))
-        queue.collected(self._requests, waited)
         self._direct.polled_done(self._size)
         self._done = True
         return self._size

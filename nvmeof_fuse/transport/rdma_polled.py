@@ -16,10 +16,6 @@ request it finds done, as MPI or kvikio runtimes make progress while waiting.
   bounded by the caller's deadline.
 - :meth:`detach` (the owner's loop, before the queue is torn down) fails every
   request in flight with :class:`TransportError`; callers then retry elsewhere.
-- Doorbells are batched like the trio path's: a caller collecting a burst of reads that
-  were already answered (:meth:`collected`) and submitting the next ones meanwhile
-  (``post=None``) holds those back until it collected the burst or has to wait: they
-  go out in one ``post_send`` (one syscall, one run of the kernel's rxe).
 """
 
 from __future__ import annotations
@@ -45,9 +41,6 @@ from .rdma import (
 )
 from .region import DataRef
 
-READY_MAX = 4096
-"""Answered requests remembered as not yet collected, at most (a caller may drop its
-futures uncollected: then these only make doorbells wait for a caller's next wait)."""
 BLOCK_SLICE = 0.05
 """Seconds a poller sleeps on the channel at most before it looks at the queue again (a
 detach closes the fd under it)."""
@@ -67,9 +60,6 @@ class PolledQueue:
         self._recv_armed = self._send_armed = False
         self._held: dict[int, Any] = {}  # command ID -> what keeps its memory alive
         self._unposted: list = []  # work requests written but not posted yet (post=False)
-        self._awaited: dict[int, Request] = {}  # command ID -> its request, until answered
-        self._ready: set[Request] = set()  # answered, not yet collected by their callers
-        self._in_burst = False  # the last collected request was answered before it was asked
         self.failed: TransportError | None = None
         self.detached = False
         self.latency = min(queue.latency, POLL_MAX)
@@ -85,7 +75,7 @@ class PolledQueue:
     # -- submission (any thread) -----------------------------------------------------------
 
     def submit(self, sqes: list[tuple[bytearray, DataRef]], keep: Any = None, *,
-               post: bool | None = True) -> list[Request] | None:
+               post: bool = True) -> list[Request] | None:
         """Post reads (``(sqe, dest)`` each) at once: their requests, or None when the queue
         failed or lacks the slots for all of them (nothing posted then).
 
@@ -97,8 +87,6 @@ class PolledQueue:
         With ``post=False`` the commands are written but wait for :meth:`flush` (or for
         the next post, wait or progress on this queue), so that a batch of calls goes
         out in one ``post_send``: one doorbell, one trip through the kernel's rxe.
-        With ``post=None`` they wait so only while the caller collects a burst of
-        answered reads (see :meth:`collected`); otherwise they go out now.
         """
         q = self.queue
         slots = self._slots
@@ -110,11 +98,9 @@ class PolledQueue:
             held = self._held
             wrs = self._unposted
             requests = []
-            awaited = self._awaited
             for sqe, ref in sqes:
                 request = slots.allocate(ref)
                 cid = request.cid
-                awaited[cid] = request
                 offset = cid * SQE_BYTES
                 capsule[offset:offset + SQE_BYTES] = sqe
                 _CID.pack_into(capsule, offset + 2, cid)
@@ -125,23 +111,9 @@ class PolledQueue:
             now = time.perf_counter()
             for request in requests:
                 request.deadline = now  # when it was written (no watchdog reads it)
-            if post is None:
-                post = not (self._in_burst and self._ready)
             if post and not self._post():
                 return None  # the queue failed (so did these requests): nothing went out
         return requests
-
-    def collected(self, requests: list[Request], waited: bool) -> None:
-        """The caller took the results of ``requests`` (``waited``: it had to wait for
-        them).  Collecting one answered before it was asked for starts a burst: reads
-        submitted with ``post=None`` wait until the burst's last answered read was
-        collected, or until a caller has to wait, and then go out together."""
-        with self._lock:
-            ready = self._ready
-            ready.difference_update(requests)
-            self._in_burst = not waited and bool(ready)
-            if self._unposted and not self._in_burst:
-                self._post()
 
     def flush(self) -> None:
         """Post the commands submitted with ``post=False`` (any thread)."""
@@ -180,7 +152,7 @@ class PolledQueue:
         """Poll until ``request`` finished; its completion.  ``until`` is a ``perf_counter``
         deadline: past it, :class:`CommandTimeout` (the request stays in flight)."""
         clock = time.perf_counter
-        if self._unposted and not request.finished:  # about to wait: nothing held back
+        if self._unposted:
             self.flush()
         while not request.finished:
             if clock() >= until:
@@ -296,24 +268,14 @@ class PolledQueue:
                 return 1
 
     def _release(self, cid: int) -> None:
-        """Command ``cid`` was answered: its memory need not be kept alive for it any more,
-        and its caller may collect it."""
+        """Command ``cid`` was answered: its memory need not be kept alive for it any more."""
         self._held.pop(cid, None)
-        request = self._awaited.pop(cid, None)
-        if request is not None:
-            ready = self._ready
-            if len(ready) >= READY_MAX:  # mostly dropped uncollected: forget them
-                ready.clear()
-            ready.add(request)
 
     def _fail(self, error: TransportError) -> None:
         """Fail every request in flight (the lock is held)."""
         if self.failed is None:
             self.failed = error
         self._unposted = []  # their requests fail below: nothing may post them later
-        self._awaited.clear()
-        self._ready.clear()
-        self._in_burst = False
         self._slots.fail_all(error)
 
     # -- the owner's loop ------------------------------------------------------------------

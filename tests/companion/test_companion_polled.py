@@ -34,10 +34,6 @@ class Direct:
 class Queue:
     def __init__(self, outcome) -> None:
         self.outcome = outcome
-        self.collections: list[tuple[int, bool]] = []  # (requests, waited) per collection
-
-    def collected(self, requests: list, waited: bool) -> None:
-        self.collections.append((len(requests), waited))
 
     def wait(self, request, until: float) -> Completion:
         if isinstance(self.outcome, BaseException):
@@ -64,14 +60,6 @@ def test_a_completed_read_counts_its_bytes():
     assert read.result(5) == 8192
     assert read.result(5) == 8192 and read.done()  # asked again: counted once
     assert direct.done == [8192] and not direct.failed
-
-
-@pytest.mark.parametrize("finished", [True, False])
-def test_collecting_a_read_tells_its_queue_whether_it_had_to_wait(finished):
-    queue = Queue(completion())
-    read = PolledRead(Direct(), queue, [request(finished)], 4096, loop_path(-1))
-    assert read.result(5) == 4096
-    assert queue.collections == [(1, not finished)]
 
 
 def test_a_lost_queue_reports_the_loss_and_runs_the_read_on_the_loop():
