@@ -4,7 +4,8 @@ It speaks real PDUs (ICResp, CapsuleCmd, C2HData, R2T/H2CData, CapsuleResp,
 digests when asked) and can be told to break the protocol on the next read in
 one of several ways (``fault``: FAULTS, and "stall"/"cut", which send half a
 C2HData payload and then nothing more, or close; "late", which holds the next
-read's data or write's R2T until ``release`` is set), so the host transport's error
+read's data or write's R2T until ``release`` is set; "twice", which answers the next
+read with two CapsuleResps), so the host transport's error
 paths can be checked without a kernel.
 """
 
@@ -123,7 +124,12 @@ class FakeTcpTarget:
                 self.late_sent.set()
             return
         if opcode == READ and length:
+            twice = self.fault == "twice"
             await self._send_read(stream, cid, bytes(self.data[start:start + length]))
+            if twice:  # two CapsuleResps for it, in one segment
+                response = self._response(cid, 0)
+                await stream.send_all(response + response)
+                return
             if self.success_flag:
                 return
         elif opcode == WRITE and length:
@@ -144,9 +150,12 @@ class FakeTcpTarget:
             await self._r2t(stream, cid, length)
 
     async def _respond(self, stream, cid: int, result: int) -> None:
-        await stream.send_all(self._header(pdu.COMMON_HEADER.pack(
+        await stream.send_all(self._response(cid, result))
+
+    def _response(self, cid: int, result: int) -> bytes:
+        return self._header(pdu.COMMON_HEADER.pack(
             pdu.CAPSULE_RESP, pdu.FLAG_HDGST if self.hdgst else 0, 24, 0,
-            24 + (4 if self.hdgst else 0)) + struct.pack("<QHHHH", result, 0, 1, cid, 0)))
+            24 + (4 if self.hdgst else 0)) + struct.pack("<QHHHH", result, 0, 1, cid, 0))
 
     def _admin(self, sqe: bytes) -> tuple[int, bytes] | None:
         """The admin and fabrics commands a controller needs to come up: (result, data)."""

@@ -1,5 +1,6 @@
 """NVMe/TCP: the ICReq/ICResp handshake, the probe, and queues against a fake target."""
 
+import math
 import random
 import re
 import socket
@@ -482,11 +483,96 @@ def test_stopping_a_queue_ends_a_bulk_receive_at_once():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reading)
-            while not any(r.busy for r in queue._pending.values()):  # the receiver thread
+            while queue._mid_payload is None:  # the receiver thread
                 await trio.sleep(0.01)  # waits for the payload's second half
             with trio.fail_after(2):  # far below the command's timeout (5 s)
                 await transport.drop_queues()
         assert errors == ["I/O queue 1: stopped"]
+
+    with_target(test)
+
+
+@pytest.mark.parametrize("target_kw", [{}, {"success_flag": True, "c2h_pieces": 3}],
+                         ids=["response", "success flag"])
+def test_only_the_trio_thread_changes_a_request(target_kw, monkeypatch):
+    """The receiver thread hands over (request, completion) and (request, R2T) pairs; it
+    never writes a request, which the trio thread alone changes."""
+    from nvmeof_fuse.transport import tcp
+
+    elsewhere = []
+
+    class Watched(tcp.Request):
+        __slots__ = ()
+
+        def __setattr__(self, name, value):
+            if threading.current_thread() is not threading.main_thread():
+                elsewhere.append(name)
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(tcp, "Request", Watched)
+    started = count_threads(monkeypatch)
+    rng = random.Random(8)
+    big = [rng.randbytes(256 * 1024) for _ in range(4)]
+
+    async def test(target, transport, queue):
+        wrong = []
+
+        async def one(i):  # bulk writes (R2Ts), bulk and small reads, pipelined
+            assert (await write(queue, transport, i * 1024, big[i])).ok
+            got, completion = await read(queue, transport, i * 1024, len(big[i]))
+            small, _ = await read(queue, transport, i * 1024, 4096)
+            if got != big[i] or small != big[i][:4096] or not completion.ok:
+                wrong.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        assert wrong == [] and queue.available == 31
+        assert ("c2h_data", False) in started  # the receiver thread read them
+        assert elsewhere == []
+
+    with_target(test, maxh2cdata=1 << 20, size=4 << 20, **target_kw)
+
+
+def test_an_answer_handed_over_but_not_yet_handled_is_no_timeout():
+    """The watchdog first takes what the threads handed over: an answer that waits for the
+    trio thread when the deadline passes lets its caller go with it, not a timeout."""
+    from nvmeof_fuse.nvme import Completion
+
+    class HeldWakeups:
+        def run_sync_soon(self, fn, *args):
+            pass
+
+    async def test(target, transport, queue):
+        target.fault = "silent"
+        done = []
+
+        async def flushing():
+            done.append(await queue.execute(cmd.flush(1), timeout=5))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flushing)
+            await trio.testing.wait_all_tasks_blocked()
+            [request] = queue._pending.values()
+            queue._mailbox._token = HeldWakeups()  # nothing handed over but by drain()
+            answer = Completion(0, 0, 1, request.cid, 0, False)
+            await trio.to_thread.run_sync(queue._mailbox.post, [(request, answer)])
+            queue._expire(math.inf)  # every deadline has passed
+        assert done == [answer] and queue._failed is None and queue.available == 31
+
+    with_target(test)
+
+
+def test_a_second_response_read_by_the_receiver_thread_fails_the_queue_by_name():
+    async def test(target, transport, queue):
+        target.data[:512 * 1024] = random.Random(9).randbytes(512 * 1024)
+        target.fault = "twice"
+        got, completion = await read(queue, transport, 0, 512 * 1024)
+        assert got == target.data[:512 * 1024] and completion.ok  # the first answer
+        with pytest.raises(TransportError, match=r"^I/O queue 1: (second response for command "
+                                                 r"ID \d+|CapsuleResp for command ID \d+, "
+                                                 r"which is not in flight)$"):
+            await queue.execute(cmd.flush(1), timeout=5)
 
     with_target(test)
 
