@@ -172,31 +172,44 @@ class ReceiverStopped(Exception):
     """The receiver thread ends: its queue failed or stopped (or trio's run is over)."""
 
 
-def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk) -> None:
-    """Worker thread: send all of ``data`` into the (blocking) socket, spliced when it can be.
-    Raises Stalled when the socket took nothing within the timeout, OSError on failure."""
+def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk,
+                 more: bool = False) -> None:
+    """Worker thread: send all of ``data`` into the (blocking) socket, spliced when it can be;
+    ``more``: more follows at once (MSG_MORE).  Raises Stalled when the socket took nothing
+    within the timeout, OSError on failure."""
     try:
         while len(data):
             if data.splice and splicer is not None:
-                splicer.send(sock.fileno(), data)  # advances data.view
+                splicer.send(sock.fileno(), data, more)  # advances data.view
             else:
-                data.view = data.view[sock.send(data.view):]
+                data.view = data.view[sock.send(data.view, socket.MSG_MORE if more else 0):]
     except BlockingIOError:
         raise Stalled from None
 
 
 def send_pdus(sock: socket.socket, splicer: Splicer | None, pdus: list[list]) -> None:
-    """Worker thread: send the buffers of ``pdus`` in order, bulk data by :func:`send_exactly`.
-    Raises Stalled when the socket took nothing within the timeout, OSError on failure."""
+    """Worker thread: send the buffers of ``pdus`` in order, bulk data by :func:`send_exactly`,
+    each but the last with MSG_MORE: a PDU header leaves in one segment with the data behind
+    it, not alone (TCP_NODELAY would push it at once).  Raises Stalled when the socket took
+    nothing within the timeout, OSError on failure."""
+    buffers = [data for pdu_buffers in pdus for data in pdu_buffers]
+    last = len(buffers) - 1
     try:
-        for buffers in pdus:
-            for data in buffers:
-                if type(data) is Bulk:
-                    send_exactly(sock, splicer, data)
-                else:
-                    sock.sendall(data)
+        for i, data in enumerate(buffers):
+            if type(data) is Bulk:
+                send_exactly(sock, splicer, data, i < last)
+            else:
+                sock.sendall(data, socket.MSG_MORE if i < last else 0)
     except BlockingIOError:
         raise Stalled from None
+
+
+def has_bulk(buffers: list) -> bool:
+    """Whether a queued PDU carries bulk data (sent by a thread, its header with it)."""
+    for data in buffers:
+        if type(data) is Bulk:
+            return True
+    return False
 
 
 def _timeval(seconds: float) -> bytes:
@@ -523,28 +536,26 @@ class TcpQueue:
             trio.lowlevel.reschedule(self._sender)
 
     def _flush(self) -> int:
-        """Hand the kernel as much of the queued PDUs as it takes now, up to bulk data
-        (which the sender hands to a thread): _SENT, _BLOCKED or _BULK."""
+        """Hand the kernel as much of the queued PDUs as it takes now, up to a PDU with bulk
+        data (which the sender hands to a thread, header and all): _SENT, _BLOCKED or _BULK."""
         out = self._outgoing
         sock = self.sock
         while out:
-            if type(out[0][0][0]) is Bulk:
-                return _BULK
             iov: list = []
             for entry in out:
-                for buffer in entry[0]:
-                    if type(buffer) is Bulk:
-                        break
-                    iov.append(buffer)
-                else:
-                    if len(iov) < MAX_IOV:
-                        continue
-                break  # at bulk data, or enough for one call
+                buffers = entry[0]
+                if has_bulk(buffers):
+                    break
+                iov.extend(buffers)
+                if len(iov) >= MAX_IOV:
+                    break
+            if not iov:
+                return _BULK
             try:
                 sent = sock.sendmsg(iov, (), socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return _BLOCKED
-            while sent:  # (never into bulk data: the gather stopped before it)
+            while sent:  # (never into a bulk PDU: the gather stopped before it)
                 buffers = out[0][0]
                 first = buffers[0]
                 if sent < len(first):

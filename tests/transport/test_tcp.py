@@ -306,24 +306,35 @@ def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
 @pytest.mark.parametrize("digests", [{}, {"header_digest": True, "data_digest": True}],
                          ids=["plain", "digests"])
 def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, monkeypatch):
+    from nvmeof_fuse.nvme import tcp_pdu as pdu
     from nvmeof_fuse.transport import splice as splicing
+    from nvmeof_fuse.transport import tcp
 
-    spliced = []
-    send = splicing.Splicer.send
+    spliced, threaded = [], []
+    send, send_pdus = splicing.Splicer.send, tcp.send_pdus
 
-    def counting(self, fd, data):
-        sent = send(self, fd, data)
-        spliced.append(sent)
+    def counting(self, fd, data, more=False):
+        sent = send(self, fd, data, more)
+        spliced.append((sent, more))
         return sent
 
+    def handed(sock, splicer, pdus):
+        threaded.extend(buffers[0][0] for buffers in pdus)  # each PDU's type
+        return send_pdus(sock, splicer, pdus)
+
     monkeypatch.setattr(splicing.Splicer, "send", counting)
+    monkeypatch.setattr(tcp, "send_pdus", handed)
     data = random.Random(5).randbytes(768 * 1024)
 
     async def test(target, transport, queue):
         assert (await write(queue, transport, 8, data)).ok
         assert target.h2c_lengths == [512 * 1024, 256 * 1024]
         assert target.data[8 * LBA:8 * LBA + len(data)] == data
-        assert sum(spliced) == (len(data) if splice else 0)
+        assert sum(sent for sent, _ in spliced) == (len(data) if splice else 0)
+        # the thread sends each H2CData PDU whole, header and data, pushed after the last
+        assert threaded == [pdu.H2C_DATA] * 2
+        if splice:  # MSG_MORE but for the last bytes (with digests: the digest after it)
+            assert [more for _, more in spliced] == [True] * (len(spliced) - 1) + [bool(digests)]
         got, _ = await read(queue, transport, 8, len(data))
         assert got == data
 
@@ -335,7 +346,7 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
 
     from nvmeof_fuse.transport import splice as splicing
 
-    def failing(self, fd, data):
+    def failing(self, fd, data, more=False):
         raise OSError(errno.EIO, "vmsplice: Input/output error")
 
     monkeypatch.setattr(splicing.Splicer, "send", failing)
