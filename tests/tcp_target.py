@@ -44,6 +44,7 @@ class FakeTcpTarget:
         self.hdgst = self.ddgst = False
         self.streams: list = []
         self.csts = 0
+        self.sqflow_off: list[bool] = []  # per queue Connect: SQ flow control disabled
         self.release = trio.Event()  # lets a "late" answer go
         self.late_sent = trio.Event()  # the held answer went out (or its connection was gone)
 
@@ -64,7 +65,7 @@ class FakeTcpTarget:
             icresp = pdu.COMMON_HEADER.pack(pdu.ICRESP, 0, 128, 0, 128) + struct.pack(
                 "<HBBI", 0, self.cpda, icreq[11], self.maxh2cdata)
             await stream.send_all(icresp.ljust(128, b"\0"))
-            state = {"qid": None, "writes": {}}
+            state = {"qid": None, "writes": {}, "sqflow_off": False}
             while True:
                 await self._pdu(stream, reader, state)
         except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
@@ -105,6 +106,8 @@ class FakeTcpTarget:
             return  # held, as a real controller holds it until an event happens
         if opcode == FABRICS and sqe[4] == 0x01:
             state["qid"] = struct.unpack_from("<H", sqe, 40)[0]
+            state["sqflow_off"] = bool(sqe[46] & 0x04)  # then reads end with SUCCESS, as nvmet
+            self.sqflow_off.append(state["sqflow_off"])
         admin = self._admin(sqe) if opcode == FABRICS or state["qid"] == 0 else None
         if admin is not None:
             result, payload = admin
@@ -125,12 +128,14 @@ class FakeTcpTarget:
             return
         if opcode == READ and length:
             twice = self.fault == "twice"
-            await self._send_read(stream, cid, bytes(self.data[start:start + length]))
+            success = self.success_flag or state["sqflow_off"]
+            await self._send_read(stream, cid, bytes(self.data[start:start + length]),
+                                  success=success and not twice)
             if twice:  # two CapsuleResps for it, in one segment
                 response = self._response(cid, 0)
                 await stream.send_all(response + response)
                 return
-            if self.success_flag:
+            if success:
                 return
         elif opcode == WRITE and length:
             if not inline:  # the data comes in H2CData PDUs; the response after the last
@@ -197,7 +202,8 @@ class FakeTcpTarget:
             return 0, b""
         return None
 
-    async def _send_read(self, stream, cid: int, payload: bytes, faults: bool = True) -> None:
+    async def _send_read(self, stream, cid: int, payload: bytes, faults: bool = True,
+                         success: bool = False) -> None:
         fault = None
         if faults:
             fault, self.fault = self.fault, None
@@ -221,7 +227,7 @@ class FakeTcpTarget:
             if self.ddgst:
                 flags |= pdu.FLAG_DDGST
             if last:
-                flags |= pdu.FLAG_LAST_PDU | (pdu.FLAG_SUCCESS if self.success_flag else 0)
+                flags |= pdu.FLAG_LAST_PDU | (pdu.FLAG_SUCCESS if success else 0)
             hd = 4 if self.hdgst else 0
             pdo = 24 + hd + self.pad
             plen = pdo + len(piece) + (4 if self.ddgst else 0)

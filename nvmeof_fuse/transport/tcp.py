@@ -52,6 +52,7 @@ import trio
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion, set_command_id
 from ..nvme import tcp_pdu as pdu
+from ..nvme.command import CONNECT_DISABLE_SQFLOW
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 from .mailbox import Mailbox
@@ -410,6 +411,10 @@ class TcpQueue:
         self._closed = False
         self.qid = qid
         self.size = size
+        self.connect_cattr = CONNECT_DISABLE_SQFLOW if qid else 0
+        """CATTR of this queue's fabrics Connect: an I/O queue disables SQ flow control (it
+        never holds more than ``size - 1`` commands), so that the controller may end a
+        successful read with its C2HData (SUCCESS flag): one PDU less per read."""
         self.in_capsule_bytes = in_capsule_bytes
         self.cpda = resp.cpda
         self.maxh2cdata = resp.maxh2cdata
@@ -711,11 +716,18 @@ class TcpQueue:
                 await trio.lowlevel.checkpoint()
             await self._fill_async(8)
             pdu_type, _, hlen, _, plen = pdu.peek_common(self._rview, self._rstart)
-            whole = max(plen, pdu.header_bytes(pdu_type, hlen, header_digest=hdgst))
-            if whole > BULK_BYTES and self._rend - self._rstart < whole:
-                await self._run_receiver()
-                continue
-            await self._fill_async(whole)
+            size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
+            whole = max(plen, size)
+            if self._rend - self._rstart < whole:
+                if whole > BULK_BYTES:
+                    await self._run_receiver()
+                    continue
+                # Check the header before waiting for the rest: a PLEN that lies would be
+                # waited for (a read ending with its C2HData has nothing behind it).
+                await self._fill_async(size)
+                pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
+                                 data_digest=self.data_digest)
+                await self._fill_async(whole)
             self._one_pdu()  # all of it is buffered: no socket read on the trio thread
             if self._inbox:
                 batch, self._inbox = self._inbox, []

@@ -659,6 +659,18 @@ def test_a_broken_pdu_fails_the_queue_by_name_and_a_new_connection_works(fault):
     with_target(test, transport_kw=kw)
 
 
+def test_a_plen_past_the_last_bytes_sent_is_named_not_waited_for():
+    """A read that ends with its C2HData (SUCCESS) has nothing behind it: a PLEN claiming
+    more is refused from the header, not waited for until the command times out."""
+    async def test(target, transport, queue):
+        target.fault = "length"
+        with pytest.raises(TransportError, match=r"^I/O queue 1: C2HData PDU length \d+ "
+                                                 r"disagrees with its header"):
+            await read(queue, transport, 0, 4096)
+
+    with_target(test, success_flag=True)
+
+
 def test_a_command_without_an_answer_times_out_by_name_and_closes_its_queue():
     async def test(target, transport, queue):
         target.fault = "silent"
@@ -802,6 +814,19 @@ def test_a_controller_comes_up_over_tcp_and_moves_data_many_at_once():
         assert wrong == []
 
     with_controller(test, digests=True)
+
+
+def test_io_queues_disable_sq_flow_control_and_reads_end_with_their_data():
+    """As Linux with --disable-sqflow: the I/O queues' Connect sets CATTR bit 2, and the
+    controller ends a successful read with its C2HData (SUCCESS flag), no CapsuleResp."""
+    async def test(target, ctrl):
+        assert target.sqflow_off == [False, True, True]  # admin, I/O 1, I/O 2
+        ns = ctrl.namespaces[1]
+        data = random.Random(10).randbytes(300 * LBA)
+        await ns.write_lbas(0, data)
+        assert await ns.read_lbas(0, 300) == data  # in pieces of MDTS, on both queues
+
+    with_controller(test)
 
 
 @pytest.mark.parametrize("fault", ["header digest", "data digest", "length", "unknown type",
