@@ -8,7 +8,7 @@ STATE=${NVMEOF_FUSE_STATE:-$REPO/.testbed}
 APT_PACKAGES=(
   qemu-system-x86 busybox-static kmod udev iproute2 rdma-core ibverbs-utils
   ibverbs-providers libibverbs1 librdmacm1 rdmacm-utils perftest nvme-cli
-  fuse3 pkg-config fio e2fsprogs jq bsdextrautils procps
+  fuse3 pkg-config fio e2fsprogs jq bsdextrautils procps dmsetup
 )
 BACKPORTS_SUITE=bookworm-backports
 

@@ -160,7 +160,11 @@ class AsyncEvents:
         try:
             changes = await rescan(self.ctrl, nsids)
         except NVMeoFError as exc:
-            log.warning("namespace rescan failed: %s", exc)
+            if self.ctrl.state is LIVE:
+                log.warning("namespace rescan failed: %s", exc)
+            else:  # lost or shutting down meanwhile (nvmet answers Command Sequence Error
+                # once CC.SHN is set): a reconnect rescans again, a shutdown needs none
+                log.debug("namespace rescan stopped (controller %s): %s", self.ctrl.state, exc)
             return
         if changes:
             for listener in list(self.listeners):

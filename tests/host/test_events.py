@@ -12,8 +12,8 @@ import trio
 from nvmeof_fuse.errors import NamespaceRemoved
 from nvmeof_fuse.host.events import AsyncEvents, NamespaceChange, rescan
 from nvmeof_fuse.host.namespace import Namespace
-from nvmeof_fuse.host.state import LIVE
-from nvmeof_fuse.nvme import Cns, Completion, IdentifyNamespace
+from nvmeof_fuse.host.state import DELETING, LIVE
+from nvmeof_fuse.nvme import Cns, Completion, IdentifyNamespace, NVMeStatusError
 
 
 def identify_namespace(nlb: int, lba_shift: int = 9) -> bytes:
@@ -119,3 +119,21 @@ def test_each_event_is_handled_and_the_request_re_armed():
         assert seen == [[NamespaceChange("added", 5, 0, 10 * 512)]]  # the second: no change
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("state", [LIVE, DELETING])
+def test_a_failed_rescan_warns_only_while_the_controller_is_live(caplog, state):
+    """nvmet answers Command Sequence Error once shutdown began: that is no news to log."""
+
+    async def identify_raw(cns, nsid=0):
+        raise NVMeStatusError(0x0C | 0x4000, "Identify")  # Command Sequence Error, DNR
+
+    ctrl = SimpleNamespace(state=state, identify_raw=identify_raw, namespaces={},
+                           options=SimpleNamespace(nqn="nqn.2014-08.org.example:t"))
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
+        trio.run(AsyncEvents(ctrl)._rescan, None)
+    if state is LIVE:
+        assert caplog.messages == ["namespace rescan failed: Identify failed: Command Sequence "
+                                   "Error (sct 0x0, sc 0x0c, dnr)"]
+    else:
+        assert caplog.messages == []

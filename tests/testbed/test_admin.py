@@ -8,6 +8,7 @@ import subprocess
 from contextlib import contextmanager
 
 import pytest
+from nvmet import null_blk, subsystem
 from vm import wait_for
 
 from nvmeof_fuse.fs.mount import read_mountinfo
@@ -16,7 +17,6 @@ from nvmeof_fuse.mounthelper import SYSTEMD_PATH
 ROOT = "/tmp/nvmeof-admin"
 TIMEOUT = 600  # s: a mount takes two Python start-ups in the slow guest
 FSTYPE = "fuse.nvmeof-fuse"
-CFG = "/sys/kernel/config"
 SECOND_NQN = "nqn.2026-11.io.nvmeof-fuse:admin-second"
 
 
@@ -159,40 +159,8 @@ def test_mount_t_with_a_uri_ending_in_an_nsid_mounts_that_namespace(testbed, roo
 @contextmanager
 def second_subsystem(testbed):
     """One more subsystem (a 64 MiB null_blk namespace) on the rdma port, removed afterwards."""
-    nullb, sub = f"{CFG}/nullb/adminsecond", f"{CFG}/nvmet/subsystems/{SECOND_NQN}"
-    port_link = f"{CFG}/nvmet/ports/1/subsystems/{SECOND_NQN}"
-    os.mkdir(nullb)
-    try:
-        for name, value in (("size", "64"), ("blocksize", "512"), ("memory_backed", "1"),
-                            ("power", "1")):
-            with open(f"{nullb}/{name}", "w") as f:
-                f.write(value)
-        dev = "/dev/adminsecond"
-        assert wait_for(lambda: os.path.exists(dev), 30), f"{dev} did not appear"
-        os.mkdir(sub)
-        try:
-            with open(f"{sub}/attr_allow_any_host", "w") as f:
-                f.write("1")
-            os.mkdir(f"{sub}/namespaces/1")
-            with open(f"{sub}/namespaces/1/device_path", "w") as f:
-                f.write(dev)
-            with open(f"{sub}/namespaces/1/enable", "w") as f:
-                f.write("1")
-            os.symlink(sub, port_link)
-            try:
-                yield SECOND_NQN
-            finally:
-                os.unlink(port_link)
-        finally:
-            if os.path.exists(f"{sub}/namespaces/1"):
-                with open(f"{sub}/namespaces/1/enable", "w") as f:
-                    f.write("0")
-                os.rmdir(f"{sub}/namespaces/1")
-            os.rmdir(sub)
-    finally:
-        with open(f"{nullb}/power", "w") as f:
-            f.write("0")
-        os.rmdir(nullb)
+    with null_blk("adminsecond", 64, 512) as dev, subsystem(SECOND_NQN, dev):
+        yield SECOND_NQN
 
 
 @pytest.mark.slow

@@ -16,22 +16,14 @@ import time
 
 import pytest
 from kernel_initiator import connected, pread_direct
-from test_reconnect import target_away
-from vm import rdma_objects, wait_for
+from nvmet import null_blk, subsystem, write
+from vm import NVMET, NVMET_PORTS, RDMA_PORT, rdma_objects, target_away, wait_for
 
-NVMET = "/sys/kernel/config/nvmet"
 SUBNQN = "nqn.2026-11.io.nvmeof-fuse:auth"
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-0000000a0715"
-RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma
-PORTS = {"rdma": 1, "tcp": 2}  # scripts/testbed-guest's nvmet ports
 MNT = "/tmp/nvmeof-auth"
 CHILD = os.path.join(os.path.dirname(__file__), "companion_child.py")
 TIMEOUT = 300  # s: bounds any mount; a failing one must end too (nvme connect retries for ever)
-
-
-def write(path: str, value: str) -> None:
-    with open(path, "w") as f:
-        f.write(value)
 
 
 def gen_key(transform: int, length: int, nqn: str) -> str:
@@ -44,44 +36,27 @@ def gen_key(transform: int, length: int, nqn: str) -> str:
 def auth_subsystem(hash_name: str, dhgroup: str, host_key: str, ctrl_key: str | None = None,
                    port: int = RDMA_PORT):
     """A subsystem on the RDMA (or another) port that admits HOSTNQN only, with DH-HMAC-CHAP."""
-    nullb, sub, host = "/sys/kernel/config/nullb/authtest", f"{NVMET}/subsystems/{SUBNQN}", \
-        f"{NVMET}/hosts/{HOSTNQN}"
-    port_link = f"{NVMET}/ports/{port}/subsystems/{SUBNQN}"
+    host = f"{NVMET}/hosts/{HOSTNQN}"
     made: list[tuple] = []
-    try:
-        os.mkdir(nullb)
-        made.append((os.rmdir, nullb))
-        for attr, value in (("size", "64"), ("blocksize", "4096"), ("memory_backed", "1"),
-                            ("power", "1")):
-            write(f"{nullb}/{attr}", value)
-        dev = "/dev/authtest"
-        assert wait_for(lambda: os.path.exists(dev), 10), "null_blk authtest did not appear"
-        os.mkdir(sub)
-        made.append((os.rmdir, sub))
-        write(f"{sub}/attr_allow_any_host", "0")
-        os.mkdir(f"{sub}/namespaces/1")
-        made.append((os.rmdir, f"{sub}/namespaces/1"))
-        write(f"{sub}/namespaces/1/device_path", dev)
-        write(f"{sub}/namespaces/1/enable", "1")
-        made.append((write, f"{sub}/namespaces/1/enable", "0"))
-        os.mkdir(host)
-        made.append((os.rmdir, host))
-        write(f"{host}/dhchap_key", host_key)
-        write(f"{host}/dhchap_hash", hash_name)
-        write(f"{host}/dhchap_dhgroup", dhgroup)
-        if ctrl_key:
-            write(f"{host}/dhchap_ctrl_key", ctrl_key)
-        os.symlink(host, f"{sub}/allowed_hosts/{HOSTNQN}")
-        made.append((os.unlink, f"{sub}/allowed_hosts/{HOSTNQN}"))
-        os.symlink(sub, port_link)
-        made.append((lambda p: os.path.lexists(p) and os.unlink(p), port_link))
-        yield
-    finally:
-        for undo, *args in reversed(made):
-            try:
-                undo(*args)
-            except OSError as exc:
-                print(f"cleanup {undo.__name__}{tuple(args)}: {exc}")
+    with null_blk("authtest", 64, 4096) as dev, \
+            subsystem(SUBNQN, dev, ports=(port,), allow_any_host=False) as sub:
+        try:
+            os.mkdir(host)
+            made.append((os.rmdir, host))
+            write(f"{host}/dhchap_key", host_key)
+            write(f"{host}/dhchap_hash", hash_name)
+            write(f"{host}/dhchap_dhgroup", dhgroup)
+            if ctrl_key:
+                write(f"{host}/dhchap_ctrl_key", ctrl_key)
+            os.symlink(host, f"{sub}/allowed_hosts/{HOSTNQN}")
+            made.append((os.unlink, f"{sub}/allowed_hosts/{HOSTNQN}"))
+            yield
+        finally:
+            for undo, *args in reversed(made):
+                try:
+                    undo(*args)
+                except OSError as exc:
+                    print(f"cleanup {undo.__name__}{tuple(args)}: {exc}")
 
 
 def mount(testbed, log: str, *options: str, check: bool = True,
@@ -194,7 +169,7 @@ def failing_mount(testbed, tmp_path, match: str, *options: str, transport: str =
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
 def test_wrong_secret_fails_fast_by_name(testbed, tmp_path, transport):
     key, wrong = gen_key(1, 32, HOSTNQN), gen_key(1, 32, HOSTNQN)
-    with auth_subsystem("hmac(sha256)", "null", key, port=PORTS[transport]):
+    with auth_subsystem("hmac(sha256)", "null", key, port=NVMET_PORTS[transport]):
         # nvmet sends AUTH_Failure1 and tears the controller down at once: either may come
         # first.  Over TCP the host then sees the socket close; over RDMA (rxe) the closed
         # connection goes unnoticed (measured), so the answer is waited for only as long as the

@@ -12,30 +12,18 @@ import os
 import subprocess
 
 import pytest
+from nvmet import subsystem
 from vm import wait_for
 
 MNT = "/tmp/nvmeof-failures"
-NVMET = "/sys/kernel/config/nvmet"
-RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma
 CLOSED_NQN = "nqn.2026-11.io.nvmeof-fuse:closed"
 
 
 @contextlib.contextmanager
 def closed_subsystem():
     """A subsystem on the RDMA port that admits no host (attr_allow_any_host=0)."""
-    sub = f"{NVMET}/subsystems/{CLOSED_NQN}"
-    link = f"{NVMET}/ports/{RDMA_PORT}/subsystems/{CLOSED_NQN}"
-    os.mkdir(sub)
-    try:
-        with open(f"{sub}/attr_allow_any_host", "w") as f:
-            f.write("0")
-        os.symlink(sub, link)
-        try:
-            yield CLOSED_NQN
-        finally:
-            os.unlink(link)
-    finally:
-        os.rmdir(sub)
+    with subsystem(CLOSED_NQN, None, allow_any_host=False):
+        yield CLOSED_NQN
 
 
 def daemons_for(mountpoint: str) -> list[str]:
