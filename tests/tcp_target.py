@@ -23,7 +23,7 @@ ADMIN_ASYNC_EVENT = 0x0C
 LBA = 512
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
 FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown command",
-          "term req", "close")
+          "term req", "close", "offset")
 
 
 class FakeTcpTarget:
@@ -219,7 +219,8 @@ class FakeTcpTarget:
             return
         if fault == "unknown command":
             cid ^= 0x100
-        step = -(-len(payload) // self.c2h_pieces)
+        # "offset": two halves, both said to start at 0 (a hole and an overlap)
+        step = -(-len(payload) // (2 if fault == "offset" else self.c2h_pieces))
         for at in range(0, len(payload), step):
             piece = payload[at:at + step]
             last = at + step >= len(payload)
@@ -234,7 +235,7 @@ class FakeTcpTarget:
             if fault == "length":
                 plen += 4
             head = pdu.COMMON_HEADER.pack(pdu.C2H_DATA, flags, 24, pdo, plen) + struct.pack(
-                "<HHII4x", cid, 0, at, len(piece))
+                "<HHII4x", cid, 0, 0 if fault == "offset" else at, len(piece))
             if self.hdgst:
                 head += (pdu.digest(head) if fault != "header digest" else b"\0\0\0\0")
             wire = head + bytes(self.pad) + piece

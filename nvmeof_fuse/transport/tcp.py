@@ -950,13 +950,20 @@ class TcpQueue:
             raise TransportError(f"{self.name}: C2HData for command {header.cid} at "
                                  f"{header.offset}+{header.length} runs past its "
                                  f"{request.data.length}-byte buffer")
+        so_far = self._progress.get(header.cid)
+        expected = so_far[1] if so_far and so_far[0] is request else 0
+        if header.offset != expected:  # in order, as Linux receives it: no holes, no overlaps
+            raise TransportError(f"{self.name}: C2HData for command {header.cid} at offset "
+                                 f"{header.offset}, expected {expected}")
         if header.pdo > header_size:
             self._skip(header.pdo - header_size)
         dest = request.buffer()[header.offset:end]
         have = self._take_buffered(dest)
         self._mid_payload = request  # its data is mid-PDU: a timeout now fails the queue
-        self._read_into(dest, have)
-        self._mid_payload = None
+        try:
+            self._read_into(dest, have)
+        finally:
+            self._mid_payload = None
         if header.data_digest:
             want = pdu.digest(dest)
             got = self._skip(pdu.DIGEST_BYTES)
@@ -964,8 +971,7 @@ class TcpQueue:
                 raise TransportError(f"{self.name}: data digest mismatch on C2HData for "
                                      f"command {header.cid} (got {got.hex()}, computed "
                                      f"{want.hex()})")
-        so_far = self._progress.get(header.cid)
-        received = header.length + (so_far[1] if so_far and so_far[0] is request else 0)
+        received = header.length + expected
         if header.flags & pdu.FLAG_SUCCESS:
             if received != request.data.length:
                 raise TransportError(f"{self.name}: C2HData for command {header.cid} "

@@ -614,6 +614,7 @@ FAULTS = {
     "unknown command": (None, r"C2HData for command ID \d+, which is not in flight"),
     "term req": (None, r"ended the connection with a C2HTermReq \(header digest error\)"),
     "close": (None, r"127.0.0.1:\d+ closed the connection"),
+    "offset": (None, r"C2HData for command \d+ at offset 0, expected 2048"),
 }
 
 
@@ -876,3 +877,34 @@ def test_gpu_memory_is_refused_by_name():
         with pytest.raises(TransportError, match="^cannot register GPU memory: NVMe/TCP"):
             transport.register(1 << 40, 4096, owner)
     assert transport.register(0, 0, SimpleNamespace(is_cuda=False)).length == 0
+
+
+def test_a_queue_that_fails_while_its_sender_waits_for_a_thread_lets_its_callers_go():
+    """The threads that move bulk data are shared by all queues; a queue whose sender still
+    waits for one uses no thread: its failure ends that wait and lets its callers go."""
+
+    async def test(target, transport, queue):
+        limiter, holders = queue._limiter, []
+        while limiter.available_tokens:  # every other queue's bulk transfer is under way
+            holders.append(object())
+            limiter.acquire_on_behalf_of_nowait(holders[-1])
+        buf = host_buffer(transport.register, 256 * 1024)
+        failed = []
+
+        async def write():
+            with pytest.raises(TransportError, match="closed the connection") as info:
+                await queue.execute(cmd.write(1, 0, 512, NULL_SGL), buf.ref(),
+                                    to_controller=True, timeout=HANG_GUARD)
+            failed.append(info.value)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write)
+            await trio.testing.wait_all_tasks_blocked()
+            for stream in target.streams:  # the target goes away while the sender waits
+                await stream.aclose()
+            while not failed:  # the caller goes before any thread came free
+                await trio.sleep(0.01)
+        for holder in holders:
+            limiter.release_on_behalf_of(holder)
+
+    with_target(test, maxh2cdata=1 << 20)
