@@ -4,7 +4,8 @@ It speaks real PDUs (ICResp, CapsuleCmd, C2HData, R2T/H2CData, CapsuleResp,
 digests when asked) and can be told to break the protocol on the next read in
 one of several ways (``fault``: FAULTS, and "stall"/"cut", which send half a
 C2HData payload and then nothing more, or close; "late", which holds the next
-read's data or write's R2T until ``release`` is set), so the host transport's error
+read's data or write's R2T until ``release`` is set; "twice", which answers the next
+read with two CapsuleResps), so the host transport's error
 paths can be checked without a kernel.
 """
 
@@ -22,7 +23,7 @@ ADMIN_ASYNC_EVENT = 0x0C
 LBA = 512
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
 FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown command",
-          "term req", "close")
+          "term req", "close", "offset")
 
 
 class FakeTcpTarget:
@@ -43,6 +44,7 @@ class FakeTcpTarget:
         self.hdgst = self.ddgst = False
         self.streams: list = []
         self.csts = 0
+        self.sqflow_off: list[bool] = []  # per queue Connect: SQ flow control disabled
         self.release = trio.Event()  # lets a "late" answer go
         self.late_sent = trio.Event()  # the held answer went out (or its connection was gone)
 
@@ -63,7 +65,7 @@ class FakeTcpTarget:
             icresp = pdu.COMMON_HEADER.pack(pdu.ICRESP, 0, 128, 0, 128) + struct.pack(
                 "<HBBI", 0, self.cpda, icreq[11], self.maxh2cdata)
             await stream.send_all(icresp.ljust(128, b"\0"))
-            state = {"qid": None, "writes": {}}
+            state = {"qid": None, "writes": {}, "sqflow_off": False}
             while True:
                 await self._pdu(stream, reader, state)
         except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
@@ -104,6 +106,8 @@ class FakeTcpTarget:
             return  # held, as a real controller holds it until an event happens
         if opcode == FABRICS and sqe[4] == 0x01:
             state["qid"] = struct.unpack_from("<H", sqe, 40)[0]
+            state["sqflow_off"] = bool(sqe[46] & 0x04)  # then reads end with SUCCESS, as nvmet
+            self.sqflow_off.append(state["sqflow_off"])
         admin = self._admin(sqe) if opcode == FABRICS or state["qid"] == 0 else None
         if admin is not None:
             result, payload = admin
@@ -123,8 +127,15 @@ class FakeTcpTarget:
                 self.late_sent.set()
             return
         if opcode == READ and length:
-            await self._send_read(stream, cid, bytes(self.data[start:start + length]))
-            if self.success_flag:
+            twice = self.fault == "twice"
+            success = self.success_flag or state["sqflow_off"]
+            await self._send_read(stream, cid, bytes(self.data[start:start + length]),
+                                  success=success and not twice)
+            if twice:  # two CapsuleResps for it, in one segment
+                response = self._response(cid, 0)
+                await stream.send_all(response + response)
+                return
+            if success:
                 return
         elif opcode == WRITE and length:
             if not inline:  # the data comes in H2CData PDUs; the response after the last
@@ -144,9 +155,12 @@ class FakeTcpTarget:
             await self._r2t(stream, cid, length)
 
     async def _respond(self, stream, cid: int, result: int) -> None:
-        await stream.send_all(self._header(pdu.COMMON_HEADER.pack(
+        await stream.send_all(self._response(cid, result))
+
+    def _response(self, cid: int, result: int) -> bytes:
+        return self._header(pdu.COMMON_HEADER.pack(
             pdu.CAPSULE_RESP, pdu.FLAG_HDGST if self.hdgst else 0, 24, 0,
-            24 + (4 if self.hdgst else 0)) + struct.pack("<QHHHH", result, 0, 1, cid, 0)))
+            24 + (4 if self.hdgst else 0)) + struct.pack("<QHHHH", result, 0, 1, cid, 0))
 
     def _admin(self, sqe: bytes) -> tuple[int, bytes] | None:
         """The admin and fabrics commands a controller needs to come up: (result, data)."""
@@ -188,7 +202,8 @@ class FakeTcpTarget:
             return 0, b""
         return None
 
-    async def _send_read(self, stream, cid: int, payload: bytes, faults: bool = True) -> None:
+    async def _send_read(self, stream, cid: int, payload: bytes, faults: bool = True,
+                         success: bool = False) -> None:
         fault = None
         if faults:
             fault, self.fault = self.fault, None
@@ -204,7 +219,8 @@ class FakeTcpTarget:
             return
         if fault == "unknown command":
             cid ^= 0x100
-        step = -(-len(payload) // self.c2h_pieces)
+        # "offset": two halves, both said to start at 0 (a hole and an overlap)
+        step = -(-len(payload) // (2 if fault == "offset" else self.c2h_pieces))
         for at in range(0, len(payload), step):
             piece = payload[at:at + step]
             last = at + step >= len(payload)
@@ -212,14 +228,14 @@ class FakeTcpTarget:
             if self.ddgst:
                 flags |= pdu.FLAG_DDGST
             if last:
-                flags |= pdu.FLAG_LAST_PDU | (pdu.FLAG_SUCCESS if self.success_flag else 0)
+                flags |= pdu.FLAG_LAST_PDU | (pdu.FLAG_SUCCESS if success else 0)
             hd = 4 if self.hdgst else 0
             pdo = 24 + hd + self.pad
             plen = pdo + len(piece) + (4 if self.ddgst else 0)
             if fault == "length":
                 plen += 4
             head = pdu.COMMON_HEADER.pack(pdu.C2H_DATA, flags, 24, pdo, plen) + struct.pack(
-                "<HHII4x", cid, 0, at, len(piece))
+                "<HHII4x", cid, 0, 0 if fault == "offset" else at, len(piece))
             if self.hdgst:
                 head += (pdu.digest(head) if fault != "header digest" else b"\0\0\0\0")
             wire = head + bytes(self.pad) + piece

@@ -396,7 +396,8 @@ class Controller:
             ref.region.view[:len(data)] = data
             try:
                 completion = await queue.execute(
-                    cmd.connect(qid, queue.size, kato_ms, sgl=nvme.NULL_SGL), ref,
+                    cmd.connect(qid, queue.size, kato_ms, getattr(queue, "connect_cattr", 0),
+                                sgl=nvme.NULL_SGL), ref,
                     to_controller=True, timeout=self.options.timeout)
                 completion.raise_for_status("Connect", fabrics=True)
             except NVMeStatusError as exc:

@@ -23,6 +23,7 @@ PIPE_BYTES = 1 << 20
 """Pipe capacity asked for (the default ``/proc/sys/fs/pipe-max-size``)."""
 F_SETPIPE_SZ = getattr(fcntl, "F_SETPIPE_SZ", 1031)
 SPLICE_F_NONBLOCK = getattr(os, "SPLICE_F_NONBLOCK", 2)
+SPLICE_F_MORE = getattr(os, "SPLICE_F_MORE", 4)
 
 
 class _IoVec(ctypes.Structure):
@@ -67,8 +68,9 @@ class Splicer:
         self._vmsplice = _libc_vmsplice()
         self._piped = 0  # bytes at the head of the current buffer already in the pipe
 
-    def send(self, fd: int, data: Spliced) -> int:
+    def send(self, fd: int, data: Spliced, more: bool = False) -> int:
         """Move bytes from the head of ``data`` into socket ``fd``; how many went.
+        ``more``: more follows ``data`` at once (SPLICE_F_MORE, the socket's MSG_MORE).
 
         Raises BlockingIOError when the socket takes nothing now, OSError on failure.
         """
@@ -84,7 +86,8 @@ class Splicer:
             if n == 0:  # an empty pipe takes at least a page: never spin on it
                 raise OSError(errno.EIO, "vmsplice moved nothing into an empty pipe")
             self._piped = n
-        sent = os.splice(self._read, fd, self._piped, flags=SPLICE_F_NONBLOCK)
+        flags = SPLICE_F_NONBLOCK | (SPLICE_F_MORE if more else 0)
+        sent = os.splice(self._read, fd, self._piped, flags=flags)
         self._piped -= sent
         data.view = data.view[sent:]
         return sent

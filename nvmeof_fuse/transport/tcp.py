@@ -22,11 +22,13 @@ Small PDUs are read on the trio thread.  From a PDU over :data:`BULK_BYTES` on,
 the queue's receiver thread reads the stream, headers and data, as the kernel's
 io_work does, until it goes quiet: no hand-off to another thread per payload,
 and the stream is read on while the trio thread wakes the callers it answered
-(handed over in batches, one ``run_sync_soon`` per receive; the GIL is released
-for the copies, so those of several queues run on several CPUs).  Anything that breaks
-the protocol (a
-bad digest, a length that disagrees with its header, an unknown PDU type, data
-for a command not in flight) fails every command of the queue with
+(handed over in batches through the queue's :class:`~.mailbox.Mailbox`, the one
+bridge from its threads into trio; the GIL is released for the copies, so those of
+several queues run on several CPUs).  The threads never change a command's state: the
+receiver thread hands over ``(request, completion)`` and ``(request, R2T)`` pairs, and
+only the trio thread acts on them.  Anything that breaks the protocol (a bad
+digest, a length that disagrees with its header, an unknown PDU type, data for a
+command not in flight) fails every command of the queue with
 :class:`TransportError` and closes the connection, which makes the controller
 reconnect.  So does a command timeout, as in Linux (``nvme_tcp_timeout`` stops
 the queue before the request completes): the target may still send C2HData or
@@ -50,8 +52,10 @@ import trio
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion, set_command_id
 from ..nvme import tcp_pdu as pdu
+from ..nvme.command import CONNECT_DISABLE_SQFLOW
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
+from .mailbox import Mailbox
 from .parking import Watchdog, cancellable, closed_for_timeout, timeout_error
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
@@ -169,31 +173,44 @@ class ReceiverStopped(Exception):
     """The receiver thread ends: its queue failed or stopped (or trio's run is over)."""
 
 
-def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk) -> None:
-    """Worker thread: send all of ``data`` into the (blocking) socket, spliced when it can be.
-    Raises Stalled when the socket took nothing within the timeout, OSError on failure."""
+def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk,
+                 more: bool = False) -> None:
+    """Worker thread: send all of ``data`` into the (blocking) socket, spliced when it can be;
+    ``more``: more follows at once (MSG_MORE).  Raises Stalled when the socket took nothing
+    within the timeout, OSError on failure."""
     try:
         while len(data):
             if data.splice and splicer is not None:
-                splicer.send(sock.fileno(), data)  # advances data.view
+                splicer.send(sock.fileno(), data, more)  # advances data.view
             else:
-                data.view = data.view[sock.send(data.view):]
+                data.view = data.view[sock.send(data.view, socket.MSG_MORE if more else 0):]
     except BlockingIOError:
         raise Stalled from None
 
 
 def send_pdus(sock: socket.socket, splicer: Splicer | None, pdus: list[list]) -> None:
-    """Worker thread: send the buffers of ``pdus`` in order, bulk data by :func:`send_exactly`.
-    Raises Stalled when the socket took nothing within the timeout, OSError on failure."""
+    """Worker thread: send the buffers of ``pdus`` in order, bulk data by :func:`send_exactly`,
+    each but the last with MSG_MORE: a PDU header leaves in one segment with the data behind
+    it, not alone (TCP_NODELAY would push it at once).  Raises Stalled when the socket took
+    nothing within the timeout, OSError on failure."""
+    buffers = [data for pdu_buffers in pdus for data in pdu_buffers]
+    last = len(buffers) - 1
     try:
-        for buffers in pdus:
-            for data in buffers:
-                if type(data) is Bulk:
-                    send_exactly(sock, splicer, data)
-                else:
-                    sock.sendall(data)
+        for i, data in enumerate(buffers):
+            if type(data) is Bulk:
+                send_exactly(sock, splicer, data, i < last)
+            else:
+                sock.sendall(data, socket.MSG_MORE if i < last else 0)
     except BlockingIOError:
         raise Stalled from None
+
+
+def has_bulk(buffers: list) -> bool:
+    """Whether a queued PDU carries bulk data (sent by a thread, its header with it)."""
+    for data in buffers:
+        if type(data) is Bulk:
+            return True
+    return False
 
 
 def _timeval(seconds: float) -> bytes:
@@ -333,43 +350,42 @@ class Request:
     Its caller is parked on it (``task``), without a cancel scope, until the
     receive task finishes it or the queue's watchdog times it out.  ``unsent``
     counts its PDUs still queued for the socket: they read the caller's memory,
-    so the caller is not let go while any is left; nor while ``busy``.
+    so the caller is not let go while any is left; nor while ``busy``.  Only the
+    trio thread changes it; the receiver thread reads ``cid``, ``data``, ``view``
+    and ``to_controller``, which never change while the command is in flight.
     """
 
-    __slots__ = ("cid", "data", "view", "to_controller", "received", "completion", "error",
+    __slots__ = ("cid", "data", "view", "to_controller", "completion", "error",
                  "finished", "unsent", "busy", "task", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
         self.cid = cid
         self.data = data
-        self.view: memoryview | None = None
+        self.view = data_view(data) if data is not None else None  # the caller's bytes
         self.to_controller = to_controller
-        self.received = 0
         self.completion: Completion | None = None
         self.error: Exception | None = None
         self.finished = False
         """The caller may go on: answered with nothing left to send, or failed."""
         self.unsent = 0
         self.busy = False
-        """A worker thread is moving its data: its caller is not let go until it is done."""
+        """A worker thread is sending its data: its caller is not let go until it is done."""
         self.task = None  # the trio task parked on this request, if any
         self.deadline = math.inf
         self.timeout = 0.0
 
     def buffer(self) -> memoryview:
-        if self.view is None:
-            assert self.data is not None
-            self.view = data_view(self.data)
+        assert self.view is not None
         return self.view
 
 
 class TcpQueue:
     """One NVMe queue over one TCP connection.
 
-    Three tasks per queue, all in :meth:`receive`: one waits for the receiver
-    thread, which reads and parses every PDU and hands answered commands and R2Ts
-    to the trio thread in batches (:meth:`_deliver`); a sender, which hands the PDUs
-    queued during one trio batch to the kernel in one ``sendmsg``; a watchdog,
+    Three tasks per queue, all in :meth:`receive`: one reads small PDUs or waits
+    for the receiver thread, which reads and parses every PDU and hands answered
+    commands and R2Ts to the trio thread in batches (:meth:`_deliver`); a sender,
+    which hands the PDUs queued during one trio batch to the kernel in one ``sendmsg``; a watchdog,
     which times out commands past their deadline.
 
     Bulk H2CData (:data:`BULK_BYTES`) is sent by worker threads in blocking calls,
@@ -390,10 +406,15 @@ class TcpQueue:
         self.sock.setblocking(True)
         self._sock_timeout = 0.0  # SO_RCVTIMEO/SO_SNDTIMEO: bounds the threads' waits
         self._limiter = limiter or trio.CapacityLimiter(1)
+        self._mailbox = Mailbox(self._deliver)  # the threads' one way into trio
         self._threads = 0  # worker threads using the socket: it is closed once none is
         self._closed = False
         self.qid = qid
         self.size = size
+        self.connect_cattr = CONNECT_DISABLE_SQFLOW if qid else 0
+        """CATTR of this queue's fabrics Connect: an I/O queue disables SQ flow control (it
+        never holds more than ``size - 1`` commands), so that the controller may end a
+        successful read with its C2HData (SUCCESS flag): one PDU less per read."""
         self.in_capsule_bytes = in_capsule_bytes
         self.cpda = resp.cpda
         self.maxh2cdata = resp.maxh2cdata
@@ -412,10 +433,12 @@ class TcpQueue:
         self._watchdog = Watchdog(lambda: self._pending.values(), self._expire)
         self._splicer: Splicer | None = None  # opened for the first bulk H2CData
         self._splice = transport.splice
-        self._inbox: list = []  # receiver thread: answered requests, (request, R2T) pairs
-        self._token: trio.lowlevel.TrioToken | None = None  # set as the thread first runs
-        self._poll: select.poll | None = None
-        self._receiver_limiter = trio.CapacityLimiter(1)
+        # The reader's own state (the receiver thread's while it runs, else the trio thread's):
+        self._inbox: list = []  # (request, completion) and (request, R2T) pairs to hand over
+        self._answered: dict[int, Request] = {}  # by command ID: the last request answered
+        self._progress: dict[int, tuple[Request, int]] = {}  # C2HData bytes of a read so far
+        self._mid_payload: Request | None = None  # its data is being received (trio reads it)
+        self._poll: select.poll | None = None  # set as the receiver thread first runs
         self._woke = False  # the receive loop let a caller go since it last yielded
         self._held: list[Request] = []  # failed, let go once no thread uses the socket
         self._rbuf = bytearray(RECV_BUFFER_BYTES)
@@ -518,28 +541,26 @@ class TcpQueue:
             trio.lowlevel.reschedule(self._sender)
 
     def _flush(self) -> int:
-        """Hand the kernel as much of the queued PDUs as it takes now, up to bulk data
-        (which the sender hands to a thread): _SENT, _BLOCKED or _BULK."""
+        """Hand the kernel as much of the queued PDUs as it takes now, up to a PDU with bulk
+        data (which the sender hands to a thread, header and all): _SENT, _BLOCKED or _BULK."""
         out = self._outgoing
         sock = self.sock
         while out:
-            if type(out[0][0][0]) is Bulk:
-                return _BULK
             iov: list = []
             for entry in out:
-                for buffer in entry[0]:
-                    if type(buffer) is Bulk:
-                        break
-                    iov.append(buffer)
-                else:
-                    if len(iov) < MAX_IOV:
-                        continue
-                break  # at bulk data, or enough for one call
+                buffers = entry[0]
+                if has_bulk(buffers):
+                    break
+                iov.extend(buffers)
+                if len(iov) >= MAX_IOV:
+                    break
+            if not iov:
+                return _BULK
             try:
                 sent = sock.sendmsg(iov, (), socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return _BLOCKED
-            while sent:  # (never into bulk data: the gather stopped before it)
+            while sent:  # (never into a bulk PDU: the gather stopped before it)
                 buffers = out[0][0]
                 first = buffers[0]
                 if sent < len(first):
@@ -626,7 +647,8 @@ class TcpQueue:
         self._threads += 1
         try:
             # Not abandoned on cancellation: the thread uses the socket and the caller's memory.
-            result = await trio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+            async with self._limiter:
+                result = await self._mailbox.run_in_thread(fn, *args)
         finally:
             request.busy = False
             self._thread_done()
@@ -694,11 +716,18 @@ class TcpQueue:
                 await trio.lowlevel.checkpoint()
             await self._fill_async(8)
             pdu_type, _, hlen, _, plen = pdu.peek_common(self._rview, self._rstart)
-            whole = max(plen, pdu.header_bytes(pdu_type, hlen, header_digest=hdgst))
-            if whole > BULK_BYTES and self._rend - self._rstart < whole:
-                await self._run_receiver()
-                continue
-            await self._fill_async(whole)
+            size = pdu.header_bytes(pdu_type, hlen, header_digest=hdgst)
+            whole = max(plen, size)
+            if self._rend - self._rstart < whole:
+                if whole > BULK_BYTES:
+                    await self._run_receiver()
+                    continue
+                # Check the header before waiting for the rest: a PLEN that lies would be
+                # waited for (a read ending with its C2HData has nothing behind it).
+                await self._fill_async(size)
+                pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
+                                 data_digest=self.data_digest)
+                await self._fill_async(whole)
             self._one_pdu()  # all of it is buffered: no socket read on the trio thread
             if self._inbox:
                 batch, self._inbox = self._inbox, []
@@ -738,8 +767,7 @@ class TcpQueue:
         """Run the receiver thread until it hands the reading back (or the queue fails)."""
         if self._failed is not None:
             raise trio.ClosedResourceError
-        if self._token is None:
-            self._token = trio.lowlevel.current_trio_token()
+        if self._poll is None:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                                  _timeval(RECEIVE_POLL))
             self._poll = select.poll()
@@ -748,13 +776,11 @@ class TcpQueue:
         try:
             # Not abandoned on cancellation: the thread writes into the callers' memory.
             # _stop_receiver_when_cancelled ends it instead (within RECEIVE_POLL at worst).
-            await trio.to_thread.run_sync(self._receive_loop, limiter=self._receiver_limiter)
+            # What it read last was handed over before its end (_receive_loop).
+            await self._mailbox.run_in_thread(self._receive_loop)
         except ReceiverStopped:
             raise trio.ClosedResourceError from None
         finally:
-            if self._inbox:  # what it read last, before anything fails the queue
-                batch, self._inbox = self._inbox, []
-                self._deliver(batch)
             self._thread_done()
 
     async def stop(self) -> None:
@@ -771,18 +797,26 @@ class TcpQueue:
     # the trio thread (which calls _one_pdu only with the whole PDU buffered, so it never
     # reads the socket there).  The thread reads blocking, each wait bounded by SO_RCVTIMEO,
     # receives C2HData payloads straight into the callers' memory, and hands what the trio
-    # thread must act on (answered commands, R2Ts) over in batches, one run_sync_soon per
-    # receive.  No caller of a failed queue is let go while the thread runs (_release_held),
-    # so it never writes into memory given back.
+    # thread must act on over in batches through the mailbox, before each receive: pairs of
+    # (request, completion) and (request, R2T); it changes no request.  No caller of a
+    # failed queue is let go while the thread runs (_release_held), so it never writes into
+    # memory given back.
 
     def _receive_loop(self) -> None:
         """Read PDUs until the stream stays quiet for QUIET_SECONDS at a PDU boundary or
         carries SMALL_STREAK small PDUs in a row; then the trio thread reads on."""
-        small = 0
-        while small < SMALL_STREAK:
-            if self._rend - self._rstart < 8 and not self._more_within(QUIET_SECONDS):
-                return
-            small = 0 if self._one_pdu() > BULK_BYTES else small + 1
+        try:
+            small = 0
+            while small < SMALL_STREAK:
+                if self._rend - self._rstart < 8 and not self._more_within(QUIET_SECONDS):
+                    return
+                small = 0 if self._one_pdu() > BULK_BYTES else small + 1
+        finally:
+            if self._inbox:  # what it read last, ahead of its end (or error)
+                try:
+                    self._post()
+                except ReceiverStopped:
+                    pass  # trio's run is over: no one to tell
 
     def _more_within(self, seconds: float) -> bool:
         """Whether bytes arrive within ``seconds`` (what waits for trio is handed over)."""
@@ -812,10 +846,10 @@ class TcpQueue:
         return plen
 
     def _post(self) -> None:
-        """Hand the batch of answered commands and R2Ts to the trio thread."""
+        """Hand the answered commands and R2Ts read so far to the trio thread."""
         batch, self._inbox = self._inbox, []
         try:
-            self._token.run_sync_soon(self._deliver, batch)
+            self._mailbox.post(batch)
         except trio.RunFinishedError:
             raise ReceiverStopped from None
 
@@ -886,19 +920,25 @@ class TcpQueue:
         return bytes(self._rview[at:at + count])
 
     def _lookup(self, cid: int, what: str) -> Request:
+        """The request in flight under ``cid``: sent, not answered yet (as far as the
+        reader knows; the trio thread releases it only once the answer is handed over)."""
         request = self._pending.get(cid)
-        if request is None or request.completion is not None:
+        if request is None or self._answered.get(cid) is request:
             raise TransportError(f"{self.name}: {what} for command ID {cid}, "
                                  "which is not in flight")
         return request
 
+    def _answer(self, request: Request, completion: Completion) -> None:
+        self._answered[request.cid] = request
+        self._progress.pop(request.cid, None)
+        self._inbox.append((request, completion))
+
     def _response(self, completion: Completion) -> None:
-        request = self._pending.get(completion.command_id)
-        if request is not None and request.completion is not None:
-            raise TransportError(f"{self.name}: second response for command ID {request.cid}")
-        request = self._lookup(completion.command_id, "CapsuleResp")
-        request.completion = completion
-        self._inbox.append(request)
+        cid = completion.command_id
+        request = self._pending.get(cid)
+        if request is not None and self._answered.get(cid) is request:
+            raise TransportError(f"{self.name}: second response for command ID {cid}")
+        self._answer(self._lookup(cid, "CapsuleResp"), completion)
 
     def _c2h_data(self, header: pdu.Header, header_size: int) -> None:
         request = self._lookup(header.cid, "C2HData")
@@ -910,13 +950,20 @@ class TcpQueue:
             raise TransportError(f"{self.name}: C2HData for command {header.cid} at "
                                  f"{header.offset}+{header.length} runs past its "
                                  f"{request.data.length}-byte buffer")
+        so_far = self._progress.get(header.cid)
+        expected = so_far[1] if so_far and so_far[0] is request else 0
+        if header.offset != expected:  # in order, as Linux receives it: no holes, no overlaps
+            raise TransportError(f"{self.name}: C2HData for command {header.cid} at offset "
+                                 f"{header.offset}, expected {expected}")
         if header.pdo > header_size:
             self._skip(header.pdo - header_size)
         dest = request.buffer()[header.offset:end]
         have = self._take_buffered(dest)
-        request.busy = True  # its data is mid-PDU: a timeout now fails the queue
-        self._read_into(dest, have)
-        request.busy = False
+        self._mid_payload = request  # its data is mid-PDU: a timeout now fails the queue
+        try:
+            self._read_into(dest, have)
+        finally:
+            self._mid_payload = None
         if header.data_digest:
             want = pdu.digest(dest)
             got = self._skip(pdu.DIGEST_BYTES)
@@ -924,14 +971,15 @@ class TcpQueue:
                 raise TransportError(f"{self.name}: data digest mismatch on C2HData for "
                                      f"command {header.cid} (got {got.hex()}, computed "
                                      f"{want.hex()})")
-        request.received += header.length
+        received = header.length + expected
         if header.flags & pdu.FLAG_SUCCESS:
-            if request.received != request.data.length:
+            if received != request.data.length:
                 raise TransportError(f"{self.name}: C2HData for command {header.cid} "
-                                     f"claims success after {request.received} of "
+                                     f"claims success after {received} of "
                                      f"{request.data.length} bytes")
-            request.completion = Completion(0, 0, self.qid, header.cid, 0, False)
-            self._inbox.append(request)
+            self._answer(request, Completion(0, 0, self.qid, header.cid, 0, False))
+        else:
+            self._progress[header.cid] = (request, received)
 
     def _r2t(self, header: pdu.Header) -> None:
         request = self._lookup(header.cid, "R2T")
@@ -948,17 +996,16 @@ class TcpQueue:
     # -- back on the trio thread ----------------------------------------------------------------
 
     def _deliver(self, batch: list) -> None:
-        """The receiver thread's batch: let answered callers go, answer R2Ts.  (A callback
-        of trio's: an error here would end the whole run, so it fails the queue instead.)"""
-        pending = self._pending
+        """The reader's pairs: let answered callers go, answer R2Ts.  (Also a callback of
+        trio's: an error here would end the whole run, so it fails the queue instead.)"""
         try:
-            for item in batch:
-                if type(item) is tuple:
-                    request, header = item
-                    if pending.get(request.cid) is request:
-                        self._send_h2c(request, header)
-                elif pending.get(item.cid) is item:
-                    self._finish(item, item.completion)
+            for request, what in batch:
+                if self._pending.get(request.cid) is not request:
+                    continue  # the queue failed meanwhile: its callers are held, then let go
+                if type(what) is Completion:
+                    self._finish(request, what)
+                else:
+                    self._send_h2c(request, what)
         except Exception as exc:  # noqa: BLE001 - the queue's error, for its callers
             self._fail(TransportError(f"{self.name}: {exc}"))
 
@@ -972,6 +1019,7 @@ class TcpQueue:
 
     def _let_go(self, request: Request) -> None:
         request.finished = True
+        request.view = None  # the caller's memory is the caller's again
         self._woke = True
         task = request.task
         if task is not None:
@@ -1000,18 +1048,17 @@ class TcpQueue:
     # -- timeouts -------------------------------------------------------------------------------
 
     def _expire(self, now: float) -> None:
+        self._mailbox.drain()  # an answer handed over but not yet handled is no timeout
         for request in list(self._pending.values()):
             if request.task is None or request.deadline > now:
                 continue
-            if request.completion is not None and not request.unsent:
-                continue  # answered: the receiver thread's batch lets it go next
             if request.unsent:
                 # Its PDUs still wait for the socket and read the caller's memory: the
                 # connection is stuck, and only closing it lets the caller go safely.
                 self._fail(TransportError(f"{self.name}: command {request.cid} could not be "
                                           f"sent within {request.timeout:g} s"))
                 return
-            if request.busy:  # its data is stuck mid-PDU: the stream cannot go on
+            if request.busy or request is self._mid_payload:  # stuck mid-PDU
                 self._fail(TransportError(f"{self.name}: command {request.cid}'s data did "
                                           f"not all arrive within {request.timeout:g} s"))
                 return

@@ -1,5 +1,6 @@
 """NVMe/TCP: the ICReq/ICResp handshake, the probe, and queues against a fake target."""
 
+import math
 import random
 import re
 import socket
@@ -305,24 +306,35 @@ def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
 @pytest.mark.parametrize("digests", [{}, {"header_digest": True, "data_digest": True}],
                          ids=["plain", "digests"])
 def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, monkeypatch):
+    from nvmeof_fuse.nvme import tcp_pdu as pdu
     from nvmeof_fuse.transport import splice as splicing
+    from nvmeof_fuse.transport import tcp
 
-    spliced = []
-    send = splicing.Splicer.send
+    spliced, threaded = [], []
+    send, send_pdus = splicing.Splicer.send, tcp.send_pdus
 
-    def counting(self, fd, data):
-        sent = send(self, fd, data)
-        spliced.append(sent)
+    def counting(self, fd, data, more=False):
+        sent = send(self, fd, data, more)
+        spliced.append((sent, more))
         return sent
 
+    def handed(sock, splicer, pdus):
+        threaded.extend(buffers[0][0] for buffers in pdus)  # each PDU's type
+        return send_pdus(sock, splicer, pdus)
+
     monkeypatch.setattr(splicing.Splicer, "send", counting)
+    monkeypatch.setattr(tcp, "send_pdus", handed)
     data = random.Random(5).randbytes(768 * 1024)
 
     async def test(target, transport, queue):
         assert (await write(queue, transport, 8, data)).ok
         assert target.h2c_lengths == [512 * 1024, 256 * 1024]
         assert target.data[8 * LBA:8 * LBA + len(data)] == data
-        assert sum(spliced) == (len(data) if splice else 0)
+        assert sum(sent for sent, _ in spliced) == (len(data) if splice else 0)
+        # the thread sends each H2CData PDU whole, header and data, pushed after the last
+        assert threaded == [pdu.H2C_DATA] * 2
+        if splice:  # MSG_MORE but for the last bytes (with digests: the digest after it)
+            assert [more for _, more in spliced] == [True] * (len(spliced) - 1) + [bool(digests)]
         got, _ = await read(queue, transport, 8, len(data))
         assert got == data
 
@@ -334,7 +346,7 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
 
     from nvmeof_fuse.transport import splice as splicing
 
-    def failing(self, fd, data):
+    def failing(self, fd, data, more=False):
         raise OSError(errno.EIO, "vmsplice: Input/output error")
 
     monkeypatch.setattr(splicing.Splicer, "send", failing)
@@ -482,11 +494,96 @@ def test_stopping_a_queue_ends_a_bulk_receive_at_once():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reading)
-            while not any(r.busy for r in queue._pending.values()):  # the receiver thread
+            while queue._mid_payload is None:  # the receiver thread
                 await trio.sleep(0.01)  # waits for the payload's second half
             with trio.fail_after(2):  # far below the command's timeout (5 s)
                 await transport.drop_queues()
         assert errors == ["I/O queue 1: stopped"]
+
+    with_target(test)
+
+
+@pytest.mark.parametrize("target_kw", [{}, {"success_flag": True, "c2h_pieces": 3}],
+                         ids=["response", "success flag"])
+def test_only_the_trio_thread_changes_a_request(target_kw, monkeypatch):
+    """The receiver thread hands over (request, completion) and (request, R2T) pairs; it
+    never writes a request, which the trio thread alone changes."""
+    from nvmeof_fuse.transport import tcp
+
+    elsewhere = []
+
+    class Watched(tcp.Request):
+        __slots__ = ()
+
+        def __setattr__(self, name, value):
+            if threading.current_thread() is not threading.main_thread():
+                elsewhere.append(name)
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(tcp, "Request", Watched)
+    started = count_threads(monkeypatch)
+    rng = random.Random(8)
+    big = [rng.randbytes(256 * 1024) for _ in range(4)]
+
+    async def test(target, transport, queue):
+        wrong = []
+
+        async def one(i):  # bulk writes (R2Ts), bulk and small reads, pipelined
+            assert (await write(queue, transport, i * 1024, big[i])).ok
+            got, completion = await read(queue, transport, i * 1024, len(big[i]))
+            small, _ = await read(queue, transport, i * 1024, 4096)
+            if got != big[i] or small != big[i][:4096] or not completion.ok:
+                wrong.append(i)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(4):
+                nursery.start_soon(one, i)
+        assert wrong == [] and queue.available == 31
+        assert ("c2h_data", False) in started  # the receiver thread read them
+        assert elsewhere == []
+
+    with_target(test, maxh2cdata=1 << 20, size=4 << 20, **target_kw)
+
+
+def test_an_answer_handed_over_but_not_yet_handled_is_no_timeout():
+    """The watchdog first takes what the threads handed over: an answer that waits for the
+    trio thread when the deadline passes lets its caller go with it, not a timeout."""
+    from nvmeof_fuse.nvme import Completion
+
+    class HeldWakeups:
+        def run_sync_soon(self, fn, *args):
+            pass
+
+    async def test(target, transport, queue):
+        target.fault = "silent"
+        done = []
+
+        async def flushing():
+            done.append(await queue.execute(cmd.flush(1), timeout=5))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(flushing)
+            await trio.testing.wait_all_tasks_blocked()
+            [request] = queue._pending.values()
+            queue._mailbox._token = HeldWakeups()  # nothing handed over but by drain()
+            answer = Completion(0, 0, 1, request.cid, 0, False)
+            await trio.to_thread.run_sync(queue._mailbox.post, [(request, answer)])
+            queue._expire(math.inf)  # every deadline has passed
+        assert done == [answer] and queue._failed is None and queue.available == 31
+
+    with_target(test)
+
+
+def test_a_second_response_read_by_the_receiver_thread_fails_the_queue_by_name():
+    async def test(target, transport, queue):
+        target.data[:512 * 1024] = random.Random(9).randbytes(512 * 1024)
+        target.fault = "twice"
+        got, completion = await read(queue, transport, 0, 512 * 1024)
+        assert got == target.data[:512 * 1024] and completion.ok  # the first answer
+        with pytest.raises(TransportError, match=r"^I/O queue 1: (second response for command "
+                                                 r"ID \d+|CapsuleResp for command ID \d+, "
+                                                 r"which is not in flight)$"):
+            await queue.execute(cmd.flush(1), timeout=5)
 
     with_target(test)
 
@@ -517,6 +614,7 @@ FAULTS = {
     "unknown command": (None, r"C2HData for command ID \d+, which is not in flight"),
     "term req": (None, r"ended the connection with a C2HTermReq \(header digest error\)"),
     "close": (None, r"127.0.0.1:\d+ closed the connection"),
+    "offset": (None, r"C2HData for command \d+ at offset 0, expected 2048"),
 }
 
 
@@ -560,6 +658,18 @@ def test_a_broken_pdu_fails_the_queue_by_name_and_a_new_connection_works(fault):
         assert target.connections == 2
 
     with_target(test, transport_kw=kw)
+
+
+def test_a_plen_past_the_last_bytes_sent_is_named_not_waited_for():
+    """A read that ends with its C2HData (SUCCESS) has nothing behind it: a PLEN claiming
+    more is refused from the header, not waited for until the command times out."""
+    async def test(target, transport, queue):
+        target.fault = "length"
+        with pytest.raises(TransportError, match=r"^I/O queue 1: C2HData PDU length \d+ "
+                                                 r"disagrees with its header"):
+            await read(queue, transport, 0, 4096)
+
+    with_target(test, success_flag=True)
 
 
 def test_a_command_without_an_answer_times_out_by_name_and_closes_its_queue():
@@ -707,6 +817,19 @@ def test_a_controller_comes_up_over_tcp_and_moves_data_many_at_once():
     with_controller(test, digests=True)
 
 
+def test_io_queues_disable_sq_flow_control_and_reads_end_with_their_data():
+    """As Linux with --disable-sqflow: the I/O queues' Connect sets CATTR bit 2, and the
+    controller ends a successful read with its C2HData (SUCCESS flag), no CapsuleResp."""
+    async def test(target, ctrl):
+        assert target.sqflow_off == [False, True, True]  # admin, I/O 1, I/O 2
+        ns = ctrl.namespaces[1]
+        data = random.Random(10).randbytes(300 * LBA)
+        await ns.write_lbas(0, data)
+        assert await ns.read_lbas(0, 300) == data  # in pieces of MDTS, on both queues
+
+    with_controller(test)
+
+
 @pytest.mark.parametrize("fault", ["header digest", "data digest", "length", "unknown type",
                                    "unknown command"])
 def test_a_broken_pdu_makes_the_controller_reconnect_and_the_read_lands(fault, caplog):
@@ -754,3 +877,34 @@ def test_gpu_memory_is_refused_by_name():
         with pytest.raises(TransportError, match="^cannot register GPU memory: NVMe/TCP"):
             transport.register(1 << 40, 4096, owner)
     assert transport.register(0, 0, SimpleNamespace(is_cuda=False)).length == 0
+
+
+def test_a_queue_that_fails_while_its_sender_waits_for_a_thread_lets_its_callers_go():
+    """The threads that move bulk data are shared by all queues; a queue whose sender still
+    waits for one uses no thread: its failure ends that wait and lets its callers go."""
+
+    async def test(target, transport, queue):
+        limiter, holders = queue._limiter, []
+        while limiter.available_tokens:  # every other queue's bulk transfer is under way
+            holders.append(object())
+            limiter.acquire_on_behalf_of_nowait(holders[-1])
+        buf = host_buffer(transport.register, 256 * 1024)
+        failed = []
+
+        async def write():
+            with pytest.raises(TransportError, match="closed the connection") as info:
+                await queue.execute(cmd.write(1, 0, 512, NULL_SGL), buf.ref(),
+                                    to_controller=True, timeout=HANG_GUARD)
+            failed.append(info.value)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(write)
+            await trio.testing.wait_all_tasks_blocked()
+            for stream in target.streams:  # the target goes away while the sender waits
+                await stream.aclose()
+            while not failed:  # the caller goes before any thread came free
+                await trio.sleep(0.01)
+        for holder in holders:
+            limiter.release_on_behalf_of(holder)
+
+    with_target(test, maxh2cdata=1 << 20)
