@@ -238,9 +238,10 @@ def dsm_ranges(ranges: Iterable[tuple[int, int]]) -> bytes:
 # --- Fabrics commands (NVMe Base 2.0 "Fabrics Command Set"; NVMe-oF 1.1) ----------------
 
 CONNECT_DISABLE_SQFLOW = 0x04
-"""Connect CATTR bit 2: the host disables SQ flow control (it tracks SQ room itself); a
-controller over NVMe/TCP may then end a successful read with its last C2HData PDU (the
-SUCCESS flag), without a CapsuleResp (Linux ``NVME_CONNECT_DISABLE_SQFLOW``)."""
+"""Connect CATTR bit 2: the host asks to disable SQ flow control (it tracks SQ room itself;
+a controller that declines answers an SQ head other than FFFFh); a controller over NVMe/TCP
+that agrees may end a successful read with its last C2HData PDU (the SUCCESS flag), without
+a CapsuleResp (Linux ``NVME_CONNECT_DISABLE_SQFLOW``)."""
 
 
 def connect(
