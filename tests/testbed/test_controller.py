@@ -12,6 +12,7 @@ import pytest
 import trio
 from fabrics import make_fabric
 from kernel_initiator import connected, pread_direct, pwrite_direct
+from vm import run_guarded
 
 from nvmeof_fuse import nvme
 from nvmeof_fuse.errors import ConnectError, InvalidArgument
@@ -23,11 +24,7 @@ HANG_GUARD = 120  # seconds: a hang fails the test instead of stalling the suite
 
 
 def run(fn, *args):
-    async def guarded():
-        with trio.fail_after(HANG_GUARD):
-            return await fn(*args)
-
-    return trio.run(guarded)
+    return run_guarded(fn, *args, hang_guard=HANG_GUARD)
 
 
 def options(testbed, **kw) -> ConnectOptions:

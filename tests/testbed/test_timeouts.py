@@ -21,7 +21,7 @@ import pytest
 import trio
 from fabrics import make_fabric
 from nvmet import null_blk, subsystem
-from vm import NVMET_PORTS, sh
+from vm import NVMET_PORTS, run_guarded, sh
 
 from nvmeof_fuse.errors import ControllerLost
 from nvmeof_fuse.host.controller import connect
@@ -71,19 +71,6 @@ def stall_options(fabric, **kw):
                                               connect_timeout=3, **kw), nqn=STALL_NQN)
 
 
-def run(fn):
-    async def guarded():
-        with trio.fail_after(HANG_GUARD):
-            return await fn()
-
-    return trio.run(guarded)
-
-
-async def wait_until(predicate) -> None:
-    while not predicate():
-        await trio.sleep(0.1)
-
-
 def test_a_read_the_target_never_answers_times_out_and_lands_after_the_reconnect(testbed):
     """The retry is the controller's, the same on both fabrics: RDMA only, to save VM time."""
     fabric, data = make_fabric(testbed, "rdma"), os.urandom(NLB * 4096)
@@ -97,12 +84,13 @@ def test_a_read_the_target_never_answers_times_out_and_lands_after_the_reconnect
             stall.suspend()
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(ns.read_into, SLBA, NLB, region.ref(0, len(data)))
-                await wait_until(lambda: ctrl.losses)  # the timeout took the queue down
+                while not ctrl.losses:  # until the timeout takes the queue down
+                    await ctrl.wait_changed()
                 await trio.to_thread.run_sync(stall.resume)
             return ctrl.losses, ctrl.reconnects, dest.tobytes()
 
     with stalling_subsystem() as stall:
-        losses, reconnects, got = run(main)
+        losses, reconnects, got = run_guarded(main, hang_guard=HANG_GUARD)
     assert got == data
     assert losses >= 1 and reconnects >= 1
 
@@ -131,7 +119,7 @@ def test_a_timed_out_read_that_failed_never_writes_into_the_buffer_later(fabric,
             return dest.tobytes()
 
     with stalling_subsystem() as stall:
-        got = run(main)
+        got = run_guarded(main, hang_guard=HANG_GUARD)
     assert got == mine
     messages = " | ".join(r.getMessage() for r in caplog.records)
     assert f"got no completion within {TIMEOUT:g} s" in messages, messages

@@ -30,6 +30,18 @@ def wait_for(predicate, timeout: float = 60) -> bool:
     return predicate()
 
 
+def run_guarded(fn, *args, hang_guard: float):
+    """``trio.run(fn, *args)``, failing after ``hang_guard`` s: a hang fails the test instead
+    of stalling the suite."""
+    import trio  # only the tests that run trio code pay for the import
+
+    async def guarded():
+        with trio.fail_after(hang_guard):
+            return await fn(*args)
+
+    return trio.run(guarded)
+
+
 def rdma_objects(kind: str) -> int:
     """How many RDMA resources of ``kind`` (qp, mr, cq, ...) exist in the VM right now."""
     return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
