@@ -889,21 +889,20 @@ def test_a_queue_that_fails_while_its_sender_waits_for_a_thread_lets_its_callers
             holders.append(object())
             limiter.acquire_on_behalf_of_nowait(holders[-1])
         buf = host_buffer(transport.register, 256 * 1024)
-        failed = []
+        failed = trio.Event()
 
         async def write():
-            with pytest.raises(TransportError, match="closed the connection") as info:
+            with pytest.raises(TransportError, match="closed the connection"):
                 await queue.execute(cmd.write(1, 0, 512, NULL_SGL), buf.ref(),
                                     to_controller=True, timeout=HANG_GUARD)
-            failed.append(info.value)
+            failed.set()
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(write)
             await trio.testing.wait_all_tasks_blocked()
             for stream in target.streams:  # the target goes away while the sender waits
                 await stream.aclose()
-            while not failed:  # the caller goes before any thread came free
-                await trio.sleep(0.01)
+            await failed.wait()  # the caller goes before any thread came free
         for holder in holders:
             limiter.release_on_behalf_of(holder)
 
