@@ -218,6 +218,7 @@ class FakeQueue:
 
     size = 32
     available = 31
+    connect_cattr = 0
 
     def __init__(self, fabric: FakeFabric, qid: int) -> None:
         self.fabric = fabric

@@ -396,7 +396,7 @@ class Controller:
             ref.region.view[:len(data)] = data
             try:
                 completion = await queue.execute(
-                    cmd.connect(qid, queue.size, kato_ms, getattr(queue, "connect_cattr", 0),
+                    cmd.connect(qid, queue.size, kato_ms, queue.connect_cattr,
                                 sgl=nvme.NULL_SGL), ref,
                     to_controller=True, timeout=self.options.timeout)
                 completion.raise_for_status("Connect", fabrics=True)

@@ -23,6 +23,8 @@ class Queue(Protocol):
     """Entries in the queue; at most ``size - 1`` commands are outstanding."""
     available: int
     """Free command slots right now."""
+    connect_cattr: int
+    """CATTR of this queue's Fabrics Connect (bit 2 asks to disable SQ flow control)."""
 
     async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False, timeout: float) -> Completion:

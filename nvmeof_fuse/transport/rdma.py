@@ -383,6 +383,9 @@ def _close_quietly(resource) -> None:
 class RdmaQueue:
     """One NVMe queue over an RC QP: command capsules out, 16-byte responses in."""
 
+    connect_cattr = 0
+    """RDMA queues keep SQ flow control (as Linux nvme-rdma): every command gets a response."""
+
     def __init__(self, transport: RdmaTransport, cm, pd, qid: int, size: int,
                  in_capsule_bytes: int) -> None:
         ib = self._ib = _verbs()

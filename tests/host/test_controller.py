@@ -26,6 +26,7 @@ class FakeQueue:
         self.qid = qid
         self.size = 32
         self.available = 31
+        self.connect_cattr = 0
         self.error = error
         self.ran = 0
 
