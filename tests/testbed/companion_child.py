@@ -8,9 +8,10 @@
     python companion_child.py dmabuf PATH OFFSET SIZE      read into a "device" buffer that is
                                                            exported as a real dma-buf (udmabuf)
 
-``roundtrip`` prints one JSON line: the SHA-256 of what it wrote, whether the read
-matched, the queue IDs the file used on its own, the daemon's companion counters
-before and after the read, and what ``nvmeof_fuse`` logged in this process so far.
+``roundtrip`` prints one JSON line: the SHA-256 of what it wrote (and of a few windows of
+it: :func:`windows`), whether the read matched, the queue IDs the file used on its own,
+the daemon's companion counters before and after the read, and what ``nvmeof_fuse``
+logged in this process so far.
 KIND is ``empty`` (``nvmeof_fuse.empty``, the default) or ``numpy`` (a plain array).
 """
 
@@ -42,6 +43,19 @@ def _array(size: int, kind: str) -> np.ndarray:
     return nvmeof_fuse.empty(size) if kind == "empty" else np.zeros(size, dtype=np.uint8)
 
 
+WINDOW = 1 << 20
+
+
+def windows(data: np.ndarray) -> list[tuple[int, int, str]]:
+    """``(start, length, sha256)`` of the first, a middle and the last MiB of ``data``: a
+    second initiator checks these, where a misplaced or torn transfer shows, instead of
+    reading everything again."""
+    size = len(data)
+    starts = sorted({0, size // 2 // 4096 * 4096, max(0, size - WINDOW)})
+    return [(s, min(WINDOW, size - s), hashlib.sha256(data[s:s + WINDOW]).hexdigest())
+            for s in starts]
+
+
 def roundtrip(path: str, offset: int, size: int, kind: str = "empty") -> None:
     data = _array(size, kind)
     data[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
@@ -52,7 +66,8 @@ def roundtrip(path: str, offset: int, size: int, kind: str = "empty") -> None:
         assert f.read(out, file_offset=offset) == size
         after = f.stats()
         own = list(f.own_queues)
-    print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "own_queues": own,
+    print(json.dumps({"sha256": hashlib.sha256(data).hexdigest(), "windows": windows(data),
+                      "own_queues": own,
                       "equal": bool((out == data).all()), "before": before, "after": after,
                       "log": LOGGED}), flush=True)
 

@@ -73,20 +73,25 @@ def fmnt(request, testbed):
     subprocess.run(["fusermount3", "-u", TCP_MNT], capture_output=True, timeout=120)
 
 
-def _check_against_file_and_kernel(fabric, cmnt: str, size: int,
-                                   written: dict[tuple[int, int], str]) -> None:
-    """Each ``(nsid, offset) -> sha256`` as the FUSE file and the kernel initiator show it."""
-    for (nsid, offset), sha256 in written.items():
+def _check_against_file_and_kernel(fabric, cmnt: str,
+                                   written: dict[tuple[int, int], list]) -> None:
+    """What each client wrote at ``(nsid, offset)``, as the FUSE file and the kernel
+    initiator show it: the client's ``(start, length, sha256)`` windows of it."""
+    for (nsid, offset), windows in written.items():
         with open(f"{cmnt}/n{nsid}", "rb") as f:
-            f.seek(offset)
-            assert hashlib.sha256(f.read(size)).hexdigest() == sha256, ("file", nsid, offset)
+            for start, length, sha256 in windows:
+                f.seek(offset + start)
+                assert hashlib.sha256(f.read(length)).hexdigest() == sha256, \
+                    ("file", nsid, offset, start)
     with connected(fabric.transport, fabric.addr, fabric.port, fabric.nqn) as kernel:
-        for (nsid, offset), sha256 in written.items():
-            start = offset // 4096 * 4096
-            raw = pread_direct(kernel[nsid], start, size + 8192)
-            skip = offset - start
-            assert hashlib.sha256(raw[skip:skip + size]).hexdigest() == sha256, \
-                ("kernel", nsid, offset)
+        for (nsid, offset), windows in written.items():
+            for start, length, sha256 in windows:
+                at = offset + start
+                aligned = at // 4096 * 4096
+                span = -(at + length - aligned) // -4096 * 4096  # whole 4 KiB blocks
+                raw = pread_direct(kernel[nsid], aligned, span)
+                assert hashlib.sha256(raw[at - aligned:at - aligned + length]).hexdigest() \
+                    == sha256, ("kernel", nsid, offset, start)
 
 
 def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(fmnt):
@@ -119,7 +124,7 @@ def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(fmnt):
         fio_out = fio.communicate(timeout=120)[0]
     # fio ends on our SIGINT (status 0 or 128); what matters is that it ran without errors
     assert re.search(r"err= 0:", fio_out) and re.search(r"read: IOPS=\d", fio_out), fio_out
-    written = {}  # (nsid, offset) -> sha256 of what a client wrote there
+    written = {}  # (nsid, offset) -> windows of what a client wrote there
     for kind, (out, err) in outputs.items():
         assert children[kind].returncode == 0, err
         results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
@@ -130,12 +135,12 @@ def test_two_processes_move_64mib_on_their_own_queues_while_fio_runs(fmnt):
                 assert result["own_queues"], f"{kind} client used no queues of its own: {err}"
             else:
                 assert result["own_queues"] == [], (kind, result["own_queues"])
-            written[nsid, offsets[kind]] = result["sha256"]
+            written[nsid, offsets[kind]] = result["windows"]
         if fabric.transport == "tcp":  # said once per process, with the reason
             said = [line for line in results[-1]["log"] if NO_LEASE in line]
             assert len(said) == 1, results[-1]["log"]
             assert "the mount's tcp transport" in said[0] and "daemon's queues" in said[0]
-    _check_against_file_and_kernel(fabric, cmnt, size, written)
+    _check_against_file_and_kernel(fabric, cmnt, written)
     after = daemon_stats(cmnt)
     delta = {name: after[name] - before[name] for name in after if name.endswith("_bytes")}
     if fabric.transport == "rdma":
