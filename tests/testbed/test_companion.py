@@ -88,7 +88,7 @@ def _check_against_file_and_kernel(fabric, cmnt: str,
             for start, length, sha256 in windows:
                 at = offset + start
                 aligned = at // 4096 * 4096
-                span = -(at + length - aligned) // -4096 * 4096  # whole 4 KiB blocks
+                span = (at + length - aligned + 4095) // 4096 * 4096  # whole 4 KiB blocks
                 raw = pread_direct(kernel[nsid], aligned, span)
                 assert hashlib.sha256(raw[at - aligned:at - aligned + length]).hexdigest() \
                     == sha256, ("kernel", nsid, offset, start)
