@@ -22,6 +22,7 @@ import mmap
 import os
 import socket
 import subprocess
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -92,73 +93,95 @@ class _SessionEnded(Exception):
     """The kernel ended the session (DESTROY, unmounted, or the fake kernel closed)."""
 
 
+Job = tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]
+
+
 class _Workers:
-    """Tasks that read requests and run them, leader/follower: at most one of them (the
-    reader) takes requests from the descriptor, parking in ``wait_readable`` only when none
-    is queued.  A reader that has a request hands the reading on (to an idle worker, or to
-    a new one when none is idle) and runs the request itself, in the same step: no hand-over
-    of the request, so at QD1 a request costs one scheduler round fewer than when a reader
-    passes it to a worker.  A handler that waits holds up only its own task: the next reader
-    is already on its way.  A worker that has finished a request first takes one already
+    """Tasks that read requests and run them.  At most one of them, the reader, reads the
+    descriptor: it reads every queued request (nonblocking) and parks in ``wait_readable``
+    only when there is none.  Each request it read but the last goes to a parked worker (a
+    reschedule; a new worker only when none is idle).  The last one, read just before the
+    kernel had no more (the only one, at QD1), it runs itself, in the same step, once it has
+    handed the reading on to another worker (leader/follower): no hand-over of that request,
+    one trio scheduler round less per request at QD1, and a handler that waits still holds
+    up only its own task.  A worker that has finished a request first takes one already
     queued in the kernel (no hand-over at all: under load most requests go this way), and
     parks only when there is none.
 
     ``take`` reads one request: its (handler, args), or None when it needs no handler;
     it raises BlockingIOError when none is queued and _SessionEnded at the end."""
 
-    def __init__(self, nursery: trio.Nursery, fd: int,
-                 take: Callable[[], tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]
-                                | None]) -> None:
+    def __init__(self, nursery: trio.Nursery, fd: int, take: Callable[[], Job | None]) -> None:
         self.nursery = nursery
         self.fd = fd
         self.take = take
+        self.queue: deque[Job] = deque()  # read by the reader, for the workers
         self.reading = False  # a worker is the reader (reading, or parked on the descriptor)
         self.parked = False  # ... parked in wait_readable
+        self.drained = False  # the last reader stopped at EAGAIN: the next may park at once
         self.idle: list[trio.lowlevel.Task] = []
         self.closing = False
 
     def start(self) -> None:
         self.nursery.start_soon(self._work)
 
-    def _hand_on(self) -> None:
-        """Make another worker the reader (it reads once this task yields)."""
+    def _wake(self) -> None:
+        """Get a worker going: an idle one (a reschedule), else a new one."""
         if self.idle:
             trio.lowlevel.reschedule(self.idle.pop())
         else:
             self.nursery.start_soon(self._work)
 
-    async def _read(self) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
-        """As the reader: the next request that needs a handler, parking while none is
-        queued; None once closing (the session ended, or stop_reading)."""
-        take, fd = self.take, self.fd
+    async def _read(self) -> Job | None:
+        """As the reader: read the queued requests, handing all but the last to workers;
+        park while none is queued.  Returns the last one, for this task to run, or None
+        once closing (the session ended, or stop_reading)."""
+        take, fd, queue = self.take, self.fd, self.queue
+        held: Job | None = None  # read last: run here if the kernel has no more
         got = 0
+        if self.drained:  # the last reader just found none: wait (epoll sees any since)
+            self.drained = False
+            await self._park(fd)
         while not self.closing:
             try:
                 job = take()
             except BlockingIOError:
+                if held is not None:
+                    self.drained = True
+                    return held
                 got = 0
-                self.parked = True
-                try:
-                    await trio.lowlevel.wait_readable(fd)
-                except trio.ClosedResourceError:  # close(): woken to stop
-                    if not self.closing:
-                        raise
-                finally:
-                    self.parked = False
+                await self._park(fd)
                 continue
             except _SessionEnded:
                 self.close()
-                return None
-            if job is not None:
-                return job
-            got += 1  # answered here (INIT, FORGET, ...): read on, but let others run
-            if got >= BATCH:
+                break
+            if job is None:  # answered here (INIT, FORGET, ...)
+                continue
+            if held is not None:
+                queue.append(held)
+                self._wake()
+            held = job
+            got += 1
+            if got >= BATCH:  # let the handlers run
                 got = 0
+                queue.append(held)
+                self._wake()
+                held = None
                 await trio.lowlevel.checkpoint()
-        return None
+        return held  # closing: a request read is still answered
+
+    async def _park(self, fd: int) -> None:
+        self.parked = True
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        except trio.ClosedResourceError:  # close() woke us
+            if not self.closing:
+                raise
+        finally:
+            self.parked = False
 
     async def _work(self) -> None:
-        idle, take = self.idle, self.take
+        idle, take, queue = self.idle, self.take, self.queue
         task = trio.lowlevel.current_task()
         ran = 0  # requests run one after another without a checkpoint
 
@@ -166,39 +189,46 @@ class _Workers:
             idle.remove(task)
             return trio.lowlevel.Abort.SUCCEEDED
 
-        while not self.closing:
-            if not self.reading:
+        while True:
+            job: Job | None
+            if queue:
+                job = queue.popleft()
+            elif self.closing:
+                return
+            elif not self.reading:
                 self.reading = True
                 try:
                     job = await self._read()
                 finally:
                     self.reading = False
                 if job is None:
-                    return
-                self._hand_on()
-                await job[0](*job[1])
+                    continue
+                if not self.closing:
+                    self._wake()  # the next reader, while this task runs the request
                 ran = 0  # the reader's wait or the hand-on's yield let the others run
-                continue
-            try:  # another task reads: run what is already queued, else park
-                job = take()
-            except BlockingIOError:
-                job = None
-            except _SessionEnded:
-                self.close()
-                return
-            if job is not None:
                 await job[0](*job[1])
-                ran += 1
-                if ran >= BATCH:  # handlers that never yield must not starve the rest
-                    ran = 0
-                    await trio.lowlevel.checkpoint()
                 continue
-            ran = 0
-            idle.append(task)
-            await trio.lowlevel.wait_task_rescheduled(abort)
+            else:  # another task reads: run what is already queued in the kernel
+                try:
+                    job = take()
+                except BlockingIOError:
+                    job = None
+                except _SessionEnded:
+                    self.close()
+                    continue
+                if job is None:
+                    ran = 0
+                    idle.append(task)
+                    await trio.lowlevel.wait_task_rescheduled(abort)
+                    continue
+            await job[0](*job[1])
+            ran += 1
+            if ran >= BATCH:  # handlers that never yield must not starve the rest
+                ran = 0
+                await trio.lowlevel.checkpoint()
 
     def close(self) -> None:
-        """Take no more requests: the workers exit once their handlers are done."""
+        """Take no more requests: the workers exit once the requests read are answered."""
         if self.closing:
             return
         self.closing = True
