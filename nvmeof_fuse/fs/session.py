@@ -155,18 +155,18 @@ class _Workers:
             except _SessionEnded:
                 self.close()
                 break
-            if job is None:  # answered here (INIT, FORGET, ...)
-                continue
-            if held is not None:
-                queue.append(held)
-                self._wake()
-            held = job
             got += 1
+            if job is not None:  # (None: answered here: INIT, FORGET, ...)
+                if held is not None:
+                    queue.append(held)
+                    self._wake()
+                held = job
             if got >= BATCH:  # let the handlers run
                 got = 0
-                queue.append(held)
-                self._wake()
-                held = None
+                if held is not None:
+                    queue.append(held)
+                    self._wake()
+                    held = None
                 await trio.lowlevel.checkpoint()
         return held  # closing: a request read is still answered
 

@@ -304,3 +304,40 @@ def test_stop_reading_before_run_takes_nothing():
         with pytest.raises(BlockingIOError):
             theirs.recv(64)  # not answered: not taken
     session.close()
+
+
+def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
+    """Requests answered while read (FORGETs, ...) or handed to workers: the reader yields
+    every BATCH of them, so a stream of them starves no other task."""
+    from nvmeof_fuse.fs.session import BATCH, _Workers
+
+    async def main():
+        ticks = 0
+        seen: list[int] = []
+        stream = [None] * (3 * BATCH)
+
+        def take():
+            if not stream:
+                raise BlockingIOError
+            seen.append(ticks)
+            return stream.pop()
+
+        async def other():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with ours, theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(other)
+                workers = _Workers(nursery, ours.fileno(), take)
+                workers.start()
+                while stream:
+                    await trio.sleep(0)
+                workers.close()
+                nursery.cancel_scope.cancel()
+        assert seen[-1] > seen[0]  # the other task ran while the stream was read
+
+    trio.run(main)
