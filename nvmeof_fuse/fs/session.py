@@ -1,12 +1,14 @@
 """Our FUSE session on ``/dev/fuse``: mount with fusermount3, read requests, answer them.
 
 The protocol is :mod:`nvmeof_fuse.fs.wire`; the answers come from an operations object
-(:class:`nvmeof_fuse.fs.operations.NamespaceFS`).  One trio task reads: it drains every
-queued request with nonblocking reads and parks in ``wait_readable`` only when the kernel
-has none.  Requests run in worker tasks; a worker that has answered one reads the next
-queued request itself and runs it (no hand-over: the reader keeps watching the descriptor,
-so a slow request never holds up the others).  Each reply goes out with one ``writev`` (a
-READ's data straight from the buffer the namespace lends, before the task yields again).
+(:class:`nvmeof_fuse.fs.operations.NamespaceFS`).  Worker tasks read and run the requests,
+leader/follower (:class:`_Workers`): one of them at a time is the reader, which reads with
+nonblocking reads and parks in ``wait_readable`` only when the kernel has none queued; once
+it has a request, it makes another worker the reader and runs the request itself (so a slow
+request never holds up the others, and none is handed from task to task).  A worker that
+has answered one reads the next queued request itself and runs it.  Each reply goes out with
+one ``writev`` (a READ's data straight from the buffer the namespace lends, before the task
+yields again).
 A WRITE's data is read into a buffer of its own, which the write task owns until it
 completes, so it is never copied here.  Those buffers are page-aligned and reused: see
 :func:`receive_buffer`.
@@ -91,62 +93,149 @@ class _SessionEnded(Exception):
     """The kernel ended the session (DESTROY, unmounted, or the fake kernel closed)."""
 
 
-class _Workers:
-    """Tasks that run request handlers: handing a request to a parked worker costs one
-    reschedule, where a task per request costs a spawn and an exit.  A worker is started
-    whenever none is idle (so a handler that waits never holds up another).  A worker whose
-    queue is empty first asks ``fetch`` for a request already waiting in the kernel and runs
-    it itself (no hand-over at all: under load most requests go this way), and parks only
-    when there is none."""
+Job = tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]
 
-    def __init__(self, nursery: trio.Nursery,
-                 fetch: Callable[[], tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]
-                                 | None]) -> None:
+
+class _Workers:
+    """Tasks that read requests and run them.  At most one of them, the reader, reads the
+    descriptor: it reads every queued request (nonblocking) and parks in ``wait_readable``
+    only when there is none.  Each request it read but the last goes to a parked worker (a
+    reschedule; a new worker only when none is idle).  The last one, read just before the
+    kernel had no more (the only one, at QD1), it runs itself, in the same step, once it has
+    handed the reading on to another worker (leader/follower): no hand-over of that request,
+    one trio scheduler round less per request at QD1, and a handler that waits still holds
+    up only its own task.  A worker that has finished a request first takes one already
+    queued in the kernel (no hand-over at all: under load most requests go this way), and
+    parks only when there is none.
+
+    ``take`` reads one request: its (handler, args), or None when it needs no handler;
+    it raises BlockingIOError when none is queued and _SessionEnded at the end."""
+
+    def __init__(self, nursery: trio.Nursery, fd: int, take: Callable[[], Job | None]) -> None:
         self.nursery = nursery
-        self.fetch = fetch
-        self.queue: deque[tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]] = deque()
+        self.fd = fd
+        self.take = take
+        self.queue: deque[Job] = deque()  # read by the reader, for the workers
+        self.reading = False  # a worker is the reader (reading, or parked on the descriptor)
+        self.parked = False  # ... parked in wait_readable
+        self.drained = False  # the last reader stopped at EAGAIN: the next may park at once
         self.idle: list[trio.lowlevel.Task] = []
         self.closing = False
 
-    def submit(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
-        self.queue.append((fn, args))
+    def start(self) -> None:
+        self.nursery.start_soon(self._work)
+
+    def _wake(self) -> None:
+        """Get a worker going: an idle one (a reschedule), else a new one."""
         if self.idle:
             trio.lowlevel.reschedule(self.idle.pop())
         else:
             self.nursery.start_soon(self._work)
 
+    async def _read(self) -> Job | None:
+        """As the reader: read the queued requests, handing all but the last to workers;
+        park while none is queued.  Returns the last one, for this task to run, or None
+        once closing (the session ended, or stop_reading)."""
+        take, fd, queue = self.take, self.fd, self.queue
+        held: Job | None = None  # read last: run here if the kernel has no more
+        got = 0
+        if self.drained:  # the last reader just found none: wait (epoll sees any since)
+            self.drained = False
+            await self._park(fd)
+        while not self.closing:
+            try:
+                job = take()
+            except BlockingIOError:
+                if held is not None:
+                    self.drained = True
+                    return held
+                got = 0
+                await self._park(fd)
+                continue
+            except _SessionEnded:
+                self.close()
+                break
+            got += 1
+            if job is not None:  # (None: answered here: INIT, FORGET, ...)
+                if held is not None:
+                    queue.append(held)
+                    self._wake()
+                held = job
+            if got >= BATCH:  # let the handlers run
+                got = 0
+                if held is not None:
+                    queue.append(held)
+                    self._wake()
+                    held = None
+                await trio.lowlevel.checkpoint()
+        return held  # closing: a request read is still answered
+
+    async def _park(self, fd: int) -> None:
+        self.parked = True
+        try:
+            await trio.lowlevel.wait_readable(fd)
+        except trio.ClosedResourceError:  # close() woke us
+            if not self.closing:
+                raise
+        finally:
+            self.parked = False
+
     async def _work(self) -> None:
-        queue, idle, fetch = self.queue, self.idle, self.fetch
+        idle, take, queue = self.idle, self.take, self.queue
         task = trio.lowlevel.current_task()
-        fetched = 0  # requests run one after another without a checkpoint
+        ran = 0  # requests run one after another without a checkpoint
 
         def abort(_: object) -> trio.lowlevel.Abort:
             idle.remove(task)
             return trio.lowlevel.Abort.SUCCEEDED
 
         while True:
-            while queue:
-                fn, args = queue.popleft()
-                await fn(*args)
-            if self.closing:
+            job: Job | None
+            if queue:
+                job = queue.popleft()
+            elif self.closing:
                 return
-            job = fetch()
-            if job is not None:
+            elif not self.reading:
+                self.reading = True
+                try:
+                    job = await self._read()
+                finally:
+                    self.reading = False
+                if job is None:
+                    continue
+                if not self.closing:
+                    self._wake()  # the next reader, while this task runs the request
+                ran = 0  # the reader's wait or the hand-on's yield let the others run
                 await job[0](*job[1])
-                fetched += 1
-                if fetched >= BATCH:  # handlers that never yield must not starve the rest
-                    fetched = 0
-                    await trio.lowlevel.checkpoint()
                 continue
-            fetched = 0
-            idle.append(task)
-            await trio.lowlevel.wait_task_rescheduled(abort)
+            else:  # another task reads: run what is already queued in the kernel
+                try:
+                    job = take()
+                except BlockingIOError:
+                    job = None
+                except _SessionEnded:
+                    self.close()
+                    continue
+                if job is None:
+                    ran = 0
+                    idle.append(task)
+                    await trio.lowlevel.wait_task_rescheduled(abort)
+                    continue
+            await job[0](*job[1])
+            ran += 1
+            if ran >= BATCH:  # handlers that never yield must not starve the rest
+                ran = 0
+                await trio.lowlevel.checkpoint()
 
     def close(self) -> None:
-        """Let the workers exit once the queue is done."""
+        """Take no more requests: the workers exit once the requests read are answered."""
+        if self.closing:
+            return
         self.closing = True
         while self.idle:
             trio.lowlevel.reschedule(self.idle.pop())
+        if self.parked:  # the reader parked in wait_readable: wake it (the public way)
+            trio.lowlevel.notify_closing(self.fd)
 
 
 class FuseSession:
@@ -166,8 +255,8 @@ class FuseSession:
         self.negotiated: wire.Negotiated | None = None
         self.gone = False  # the kernel ended the session (unmounted): nothing to unmount
         self.initialized = trio.Event()
-        self._reader_scope = trio.CancelScope()
-        self._taking = False  # requests are being taken (between run and stop_reading)
+        self._workers: _Workers | None = None  # while run() serves
+        self._stopped = False  # stop_reading() was called
         # Receive buffers of WRITE data, for reuse (the most recently freed first, still
         # in the cache): at most one per request the kernel lets us hold (max_background
         # and the synchronous ones) plus the one being read into.
@@ -184,60 +273,23 @@ class FuseSession:
     async def run(self) -> None:
         """Serve until the kernel ends the session or :meth:`stop_reading`, then wait for
         the requests still in flight."""
-        async with trio.open_nursery() as nursery:
-            workers = _Workers(nursery, self._fetch)
-            self._taking = True
-            try:
-                with self._reader_scope:
-                    await self._read_loop(workers)
-            finally:
-                self._taking = False
-                workers.close()
+        if self._stopped:
+            return
+        try:
+            async with trio.open_nursery() as nursery:
+                self._workers = _Workers(nursery, self.fd, self._next_request)
+                self._workers.start()
+        finally:
+            self._workers = None
 
     def stop_reading(self) -> None:
         """Take no new requests; :meth:`run` returns once those in flight are answered."""
-        self._taking = False
-        self._reader_scope.cancel()
+        self._stopped = True
+        if self._workers is not None:
+            self._workers.close()
 
     def _take(self) -> mmap.mmap:
         return self._free.pop() if self._free else receive_buffer(self._bufsize)
-
-    async def _read_loop(self, workers: _Workers) -> None:
-        """Read every queued request, hand each to a worker, and wait on the descriptor
-        when there is none: a request never waits for a handler to finish."""
-        take = self._next_request
-        start = workers.submit
-        got = 0  # requests read since the handlers last ran
-        while True:
-            try:
-                job = take()
-            except BlockingIOError:
-                got = 0
-                await trio.lowlevel.wait_readable(self.fd)
-                continue
-            except _SessionEnded:
-                return
-            if job is not None:
-                start(job[0], *job[1])
-            got += 1
-            if got >= BATCH:
-                got = 0
-                await trio.lowlevel.checkpoint()
-
-    def _fetch(self) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
-        """A request already queued in the kernel, for a worker that has just finished one
-        to run itself; None when there is none (or requests are no longer taken).  The
-        reader task keeps waiting on the descriptor meanwhile, so a slow handler never
-        holds up the requests behind it."""
-        if not self._taking:
-            return None
-        try:
-            return self._next_request()
-        except BlockingIOError:
-            return None
-        except _SessionEnded:
-            self.stop_reading()
-            return None
 
     def _next_request(self) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
         """Read one request: its handler and arguments, or None when it needs none

@@ -208,65 +208,136 @@ def test_queued_requests_each_get_one_reply():
     trio.run(with_session, test)
 
 
-def test_workers_run_fetched_requests_themselves():
-    """A worker with nothing queued runs what ``fetch`` gives it; a handler that waits holds
-    up only its own worker."""
-    from nvmeof_fuse.fs.session import _Workers
+def test_the_reader_runs_its_request_and_hands_the_reading_on():
+    """Leader/follower: the task that read the last queued request runs it (no hand-over),
+    another task reads meanwhile, so a handler that waits holds up only its own task; the
+    end of the session lets every worker exit."""
+    from nvmeof_fuse.fs.session import _SessionEnded, _Workers
 
     async def main():
         ran: list[str] = []
+        read_by: dict[str, object] = {}
+        ran_by: dict[str, object] = {}
         release = trio.Event()
-        pending: list[tuple] = []
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
 
         async def job(name: str) -> None:
+            ran_by[name] = trio.lowlevel.current_task()
+            if name.startswith("held"):
+                await release.wait()
             ran.append(name)
 
-        async def held() -> None:
-            await release.wait()
-            ran.append("held")
+        def take():
+            name = ours.recv(64).decode()  # BlockingIOError when none is queued
+            if name == "end":
+                raise _SessionEnded
+            if name == "none":
+                return None  # answered while read: no handler
+            read_by[name] = trio.lowlevel.current_task()
+            return job, (name,)
 
-        def fetch():
-            return pending.pop(0) if pending else None
-
-        with trio.fail_after(STEP):
+        with ours, theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
-                workers = _Workers(nursery, fetch)
-                pending[:] = [(job, ("a",)), (held, ()), (job, ("b",))]
-                workers.submit(job, "first")
+                workers = _Workers(nursery, ours.fileno(), take)
+                workers.start()
                 await trio.testing.wait_all_tasks_blocked()
-                # The first worker ran its own job, then fetched "a", then the held one.
-                assert ran == ["first", "a"] and len(pending) == 1
-                # A second worker starts for "c" (the first is busy), then fetches "b".
-                workers.submit(job, "c")
+                assert workers.reading and workers.parked  # parked on the descriptor
+                theirs.send(b"held1")
+                theirs.send(b"none")
+                theirs.send(b"a")
                 await trio.testing.wait_all_tasks_blocked()
-                assert ran == ["first", "a", "c", "b"] and not pending
-                # It parked: the next request wakes it, and it fetches once more.
-                pending.append((job, ("d",)))
-                workers.submit(job, "e")
+                assert ran == ["a"]  # not held up by held1
+                theirs.send(b"held2")
                 await trio.testing.wait_all_tasks_blocked()
-                assert ran == ["first", "a", "c", "b", "e", "d"]
+                theirs.send(b"b")
+                await trio.testing.wait_all_tasks_blocked()
+                assert ran == ["a", "b"]
+                # Read alone (or last of a burst): run by the task that read it.
+                assert all(read_by[n] is ran_by[n] for n in ("a", "held2", "b"))
+                assert ran_by["held1"] is not ran_by["held2"]
                 release.set()
                 await trio.testing.wait_all_tasks_blocked()
-                assert ran[-1] == "held"
-                workers.close()
+                assert sorted(ran) == ["a", "b", "held1", "held2"]
+                theirs.send(b"end")
+            assert workers.closing and not workers.idle
 
     trio.run(main)
 
 
-def test_a_destroy_taken_by_a_worker_ends_the_session():
+def test_a_destroy_ends_the_session_and_stop_reading_wakes_the_reader():
+    """DESTROY ends run(); stop_reading() wakes the reader parked on the descriptor (and
+    the idle workers), so run() returns."""
     async def main():
+        for ending in ("destroy", "stop"):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            session = FuseSession(NamespaceFS(make_controller((1, 512, 8))),
+                                  os.dup(ours.fileno()))
+            ours.close()
+            with theirs, trio.fail_after(STEP):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(session.run)
+                    await trio.testing.wait_all_tasks_blocked()
+                    assert session._workers is not None and session._workers.parked
+                    if ending == "destroy":
+                        theirs.send(request(wire.DESTROY, unique=9))
+                    else:
+                        session.stop_reading()
+                assert session._workers is None  # run() returned
+                if ending == "destroy":
+                    assert struct.unpack("<IiQ", theirs.recv(64)) == (16, 0, 9)
+                    assert session.gone
+            session.close()
+
+    trio.run(main)
+
+
+def test_stop_reading_before_run_takes_nothing():
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    session = FuseSession(NamespaceFS(make_controller((1, 512, 8))), os.dup(ours.fileno()))
+    ours.close()
+    with theirs:
+        theirs.send(request(wire.GETATTR, bytes(16), unique=4))
+        session.stop_reading()
+        trio.run(session.run)
+        theirs.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            theirs.recv(64)  # not answered: not taken
+    session.close()
+
+
+def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
+    """Requests answered while read (FORGETs, ...) or handed to workers: the reader yields
+    every BATCH of them, so a stream of them starves no other task."""
+    from nvmeof_fuse.fs.session import BATCH, _Workers
+
+    async def main():
+        ticks = 0
+        seen: list[int] = []
+        stream = [None] * (3 * BATCH)
+
+        def take():
+            if not stream:
+                raise BlockingIOError
+            seen.append(ticks)
+            return stream.pop()
+
+        async def other():
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await trio.lowlevel.checkpoint()
+
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        session = FuseSession(NamespaceFS(make_controller((1, 512, 8))), os.dup(ours.fileno()))
-        ours.close()
-        with theirs:
-            assert session._fetch() is None  # not serving: nothing is taken
-            session._taking = True
-            assert session._fetch() is None  # nothing queued
-            theirs.send(request(wire.DESTROY, unique=9))
-            assert session._fetch() is None
-            assert struct.unpack("<IiQ", theirs.recv(64)) == (16, 0, 9)
-            assert session.gone and not session._taking
-            assert session._reader_scope.cancel_called
-        session.close()
+        with ours, theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(other)
+                workers = _Workers(nursery, ours.fileno(), take)
+                workers.start()
+                while stream:
+                    await trio.sleep(0)
+                workers.close()
+                nursery.cancel_scope.cancel()
+        assert seen[-1] > seen[0]  # the other task ran while the stream was read
 
     trio.run(main)
