@@ -10,9 +10,10 @@ the fd), and with blocking, bounded calls by the queue's threads.
 Data moves once: a read's C2HData payload is received straight into the
 caller's memory (``recv_into``); a write's data is sent from it, inside the
 capsule up to the in-capsule limit, otherwise in H2CData PDUs answering the
-controller's R2Ts (split at MAXH2CDATA), spliced when large.  Large H2CData
-payloads are sent by worker threads, so that the copies of several queues run on
-several CPUs (the GIL is released for them); small PDUs go from the trio thread.
+controller's R2Ts (split at MAXH2CDATA), spliced when large.  An R2T for bulk
+data is answered by the queue's receiver thread the moment it reads it (no hand-off
+to the trio thread and on to another thread and back); capsules and small PDUs go
+from the trio thread.  A per-socket send lock keeps PDUs from interleaving.
 Memory needs no registration, so :meth:`TcpTransport.register` hands back a
 trivial one.  The socket reaches host memory only: GPU memory (a dma-buf, a CUDA
 tensor) is refused by name, and the companion API stages it through host memory
@@ -24,9 +25,11 @@ io_work does, until it goes quiet: no hand-off to another thread per payload,
 and the stream is read on while the trio thread wakes the callers it answered
 (handed over in batches through the queue's :class:`~.mailbox.Mailbox`, the one
 bridge from its threads into trio; the GIL is released for the copies, so those of
-several queues run on several CPUs).  The threads never change a command's state: the
-receiver thread hands over ``(request, completion)`` and ``(request, R2T)`` pairs, and
-only the trio thread acts on them.  Anything that breaks the protocol (a bad
+several queues run on several CPUs).  An R2T asking for bulk data starts the receiver
+thread too.  The receiver thread never changes a command's state: it hands over
+``(request, completion)`` pairs (and R2Ts it did not answer), and only the trio thread
+acts on them; the data it sends for an R2T is the caller's until the command's answer,
+which the target sends only after it has all the data.  Anything that breaks the protocol (a bad
 digest, a length that disagrees with its header, an unknown PDU type, data for a
 command not in flight) fails every command of the queue with
 :class:`TransportError` and closes the connection, which makes the controller
@@ -41,10 +44,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import math
-import os
 import select
 import socket
 import struct
+import threading
 from collections import deque
 
 import trio
@@ -60,7 +63,7 @@ from .parking import Watchdog, cancellable, closed_for_timeout, timeout_error
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
 
-_SENT, _BLOCKED, _BULK = range(3)  # what TcpQueue._flush got to
+_SENT, _BLOCKED, _LOCKED = range(3)  # what TcpQueue._flush got to
 
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
 RECV_BUFFER_BYTES = 256 * 1024
@@ -74,20 +77,17 @@ AFTER_PAYLOAD_BYTES = 128
 """Bytes asked for after a payload received in place: its digest, a CapsuleResp and the
 next C2HData header, with digests and padding."""
 BULK_BYTES = 64 * 1024
-"""Data from this size on is moved by a thread, not the trio thread: an H2CData payload by a
-worker thread, a PDU received larger than this (and the stream after it) by the queue's
-receiver thread.  The copy and the TCP work of a large payload take about as long as many
-small PDUs, and the GIL is released for them, so the queues' large transfers run in
-parallel on the machine's CPUs.  Smaller ones stay on the trio thread, where they cost less
-than the hop to a thread and back."""
+"""Data from this size on is moved by the queue's receiver thread, not the trio thread: a PDU
+received larger than this (and the stream after it), and the H2CData answering an R2T that
+asks for this much (and the stream after that R2T).  The copy and the TCP work of a large
+payload take about as long as many small PDUs, and the GIL is released for them, so the
+queues' large transfers run in parallel on the machine's CPUs.  Smaller ones stay on the
+trio thread, where they cost less than the hop to a thread and back."""
 MAX_IOV = 512  # buffers per sendmsg (the kernel's IOV_MAX is 1024)
-SEND_BATCH_BYTES = 4 << 20
-"""A worker thread sending bulk data goes on with the PDUs queued behind it, up to about this
-many bytes: back-to-back H2CData payloads (R2Ts answered together) take one hand-off to a
-thread and back, not one each."""
 STOP_TIMEOUT = 5.0
 STALL_TIMEOUT = 30.0
-"""A worker thread's socket wait limit for a request without a timeout of its own."""
+"""The receiver thread's longest wait to send H2CData (SO_SNDTIMEO); a command's own deadline,
+when sooner, fails its queue first (the watchdog)."""
 RECEIVE_POLL = 1.0
 """The receiver thread's longest socket wait (SO_RCVTIMEO) before it looks whether its queue
 was closed (a shutdown of the socket ends the wait at once)."""
@@ -96,6 +96,7 @@ QUIET_SECONDS = 0.1
 this long at a PDU boundary ..."""
 SMALL_STREAK = 64
 """... or after this many small PDUs in a row (no bulk payload among them)."""
+R2T_LENGTH = struct.Struct("<I")  # an R2T's R2TL, 16 bytes into its header
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
 
@@ -156,7 +157,7 @@ def data_view(data: DataRef) -> memoryview:
 
 
 class Bulk(Spliced):
-    """Write data sent by a worker thread: spliced when ``splice``, otherwise copied."""
+    """Write data sent by the receiver thread: spliced when ``splice``, otherwise copied."""
 
     __slots__ = ("splice",)
 
@@ -166,7 +167,7 @@ class Bulk(Spliced):
 
 
 class Stalled(Exception):
-    """A worker thread's socket wait ran past the queue's timeout (SO_SNDTIMEO)."""
+    """The receiver thread's socket send wait ran past its limit (SO_SNDTIMEO)."""
 
 
 class ReceiverStopped(Exception):
@@ -205,12 +206,25 @@ def send_pdus(sock: socket.socket, splicer: Splicer | None, pdus: list[list]) ->
         raise Stalled from None
 
 
-def has_bulk(buffers: list) -> bool:
-    """Whether a queued PDU carries bulk data (sent by a thread, its header with it)."""
-    for data in buffers:
-        if type(data) is Bulk:
-            return True
-    return False
+def h2c_pdus(request: Request, header: pdu.Header, *, maxh2cdata: int, cpda: int,
+             header_digest: bool, data_digest: bool, splice: bool) -> list[list]:
+    """The H2CData PDUs (each a list of buffers) answering ``header``, an R2T for
+    ``request``: pieces of at most MAXH2CDATA, bulk ones marked for a thread to send."""
+    payload = request.buffer()
+    splice = splice and not payload.readonly  # vmsplice needs writable memory
+    pieces = pdu.h2c_pieces(header.offset, header.length, maxh2cdata)
+    pdus = []
+    for i, (at, length) in enumerate(pieces):
+        piece = payload[at:at + length]
+        buffers = [pdu.h2c_data_header(header.cid, header.ttag, at, length,
+                                       last=i == len(pieces) - 1,
+                                       header_digest=header_digest,
+                                       data_digest=data_digest, cpda=cpda),
+                   Bulk(piece, splice) if length >= BULK_BYTES else piece]
+        if data_digest:
+            buffers.append(pdu.digest(piece))
+        pdus.append(buffers)
+    return pdus
 
 
 def _timeval(seconds: float) -> bytes:
@@ -234,7 +248,6 @@ class TcpTransport:
         self.header_digest = header_digest
         self.data_digest = data_digest
         self._queues: list[TcpQueue] = []
-        self._limiter: trio.CapacityLimiter | None = None
 
     @property
     def address(self) -> str:
@@ -296,9 +309,7 @@ class TcpTransport:
             raise
         if qid == 0:
             in_capsule_bytes = max(in_capsule_bytes, ADMIN_IN_CAPSULE_BYTES)
-        if self._limiter is None:  # worker threads moving bulk data, for all queues
-            self._limiter = trio.CapacityLimiter(max(2, os.cpu_count() or 1))
-        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp, self._limiter)
+        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp)
         self._queues.append(queue)
         await nursery.start(queue.receive)
         return queue
@@ -350,13 +361,13 @@ class Request:
     Its caller is parked on it (``task``), without a cancel scope, until the
     receive task finishes it or the queue's watchdog times it out.  ``unsent``
     counts its PDUs still queued for the socket: they read the caller's memory,
-    so the caller is not let go while any is left; nor while ``busy``.  Only the
+    so the caller is not let go while any is left.  Only the
     trio thread changes it; the receiver thread reads ``cid``, ``data``, ``view``
     and ``to_controller``, which never change while the command is in flight.
     """
 
     __slots__ = ("cid", "data", "view", "to_controller", "completion", "error",
-                 "finished", "unsent", "busy", "task", "deadline", "timeout")
+                 "finished", "unsent", "task", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
         self.cid = cid
@@ -368,8 +379,6 @@ class Request:
         self.finished = False
         """The caller may go on: answered with nothing left to send, or failed."""
         self.unsent = 0
-        self.busy = False
-        """A worker thread is sending its data: its caller is not let go until it is done."""
         self.task = None  # the trio task parked on this request, if any
         self.deadline = math.inf
         self.timeout = 0.0
@@ -388,26 +397,24 @@ class TcpQueue:
     which hands the PDUs queued during one trio batch to the kernel in one ``sendmsg``; a watchdog,
     which times out commands past their deadline.
 
-    Bulk H2CData (:data:`BULK_BYTES`) is sent by worker threads in blocking calls,
-    one at a time: the sender waits for the thread sending one before it sends the
-    PDUs queued behind it.  No caller of a failed queue is let go while a thread
-    still uses the socket (:meth:`_release_held`).
+    Bulk H2CData (:data:`BULK_BYTES`) is sent by the receiver thread, in blocking
+    calls under the send lock, as it reads the R2T; the sender waits for it meanwhile
+    (:data:`_LOCKED`).  No caller of a failed queue is let go while a thread still
+    uses the socket (:meth:`_release_held`).
     """
 
     def __init__(self, transport: TcpTransport, sock, qid: int, size: int,
-                 in_capsule_bytes: int, resp: ICResp,
-                 limiter: trio.CapacityLimiter | None = None) -> None:
+                 in_capsule_bytes: int, resp: ICResp) -> None:
         self.transport = transport
-        # A plain socket in blocking mode, for the receiver thread and the bulk sends (a
-        # whole payload in one call); the trio thread passes MSG_DONTWAIT: a send that
+        # A plain socket in blocking mode, for the receiver thread (a whole payload in one
+        # call, received or sent); the trio thread passes MSG_DONTWAIT: a send that
         # can go on at once does not yield to trio (two scheduler passes per command saved);
         # otherwise it waits on the fd.
         self.sock = socket.socket(fileno=sock.detach())
         self.sock.setblocking(True)
         self._sock_timeout = 0.0  # SO_RCVTIMEO/SO_SNDTIMEO: bounds the threads' waits
-        self._limiter = limiter or trio.CapacityLimiter(1)
         self._mailbox = Mailbox(self._deliver)  # the threads' one way into trio
-        self._threads = 0  # worker threads using the socket: it is closed once none is
+        self._threads = 0  # threads using the socket: it is closed once none is
         self._closed = False
         self.qid = qid
         self.size = size
@@ -431,8 +438,16 @@ class TcpQueue:
         self._sender = None  # the sender task
         self._sender_idle = False  # parked, waiting for PDUs to send
         self._watchdog = Watchdog(lambda: self._pending.values(), self._expire)
-        self._splicer: Splicer | None = None  # opened for the first bulk H2CData
         self._splice = transport.splice
+        self._send_lock = threading.Lock()
+        """Held by whichever thread puts PDUs into the socket, so that they never
+        interleave: the trio thread (never waiting for it) and the receiver thread
+        answering an R2T (waiting, bounded)."""
+        self._trio_sending = False  # the trio thread holds _send_lock
+        self._partial = False  # the head of _outgoing is partly with the kernel (lock kept)
+        self._send_wanted = False  # the trio thread found _send_lock taken: wake the sender
+        self._in_receiver = False  # the receiver thread runs (and answers R2Ts itself)
+        self._receiver_splicer: Splicer | None = None  # the receiver thread's own pipe
         # The reader's own state (the receiver thread's while it runs, else the trio thread's):
         self._inbox: list = []  # (request, completion) and (request, R2T) pairs to hand over
         self._answered: dict[int, Request] = {}  # by command ID: the last request answered
@@ -531,7 +546,7 @@ class TcpQueue:
             return
         try:
             if self._flush() is not _SENT:
-                self._wake_sender()  # the rest when the socket takes more, bulk data by thread
+                self._wake_sender()  # the rest when the socket takes more
         except OSError as exc:
             self._fail(self._send_error(exc))
 
@@ -541,30 +556,51 @@ class TcpQueue:
             trio.lowlevel.reschedule(self._sender)
 
     def _flush(self) -> int:
-        """Hand the kernel as much of the queued PDUs as it takes now, up to a PDU with bulk
-        data (which the sender hands to a thread, header and all): _SENT, _BLOCKED or _BULK."""
+        """Hand the kernel as much of the queued PDUs as it takes now: _SENT or _BLOCKED;
+        _LOCKED when the receiver thread is sending (it wakes the sender once done).  The
+        send lock stays with the trio thread while a PDU of its is half sent."""
+        if not self._outgoing:
+            return _SENT
+        if not self._trio_sending:
+            self._send_wanted = True  # before trying: a thread releasing looks at it after
+            if not self._send_lock.acquire(False):
+                return _LOCKED
+            self._send_wanted = False
+            self._trio_sending = True
+        try:
+            got = self._flush_locked()
+        except BaseException:
+            self._drop_send_lock()
+            raise
+        if not self._partial:
+            self._drop_send_lock()
+        return got
+
+    def _drop_send_lock(self) -> None:
+        """The trio thread lets other threads send (nothing of its is half sent)."""
+        if self._trio_sending:
+            self._trio_sending = False
+            self._send_lock.release()
+
+    def _flush_locked(self) -> int:
         out = self._outgoing
         sock = self.sock
         while out:
             iov: list = []
             for entry in out:
-                buffers = entry[0]
-                if has_bulk(buffers):
-                    break
-                iov.extend(buffers)
+                iov.extend(entry[0])
                 if len(iov) >= MAX_IOV:
                     break
-            if not iov:
-                return _BULK
             try:
                 sent = sock.sendmsg(iov, (), socket.MSG_DONTWAIT)
             except BlockingIOError:
                 return _BLOCKED
-            while sent:  # (never into a bulk PDU: the gather stopped before it)
+            while sent:
                 buffers = out[0][0]
                 first = buffers[0]
                 if sent < len(first):
                     buffers[0] = memoryview(first)[sent:]
+                    self._partial = True
                     break
                 sent -= len(first)
                 self._sent_head()
@@ -576,6 +612,7 @@ class TcpQueue:
         entry = out[0]
         buffers = entry[0]
         del buffers[0]
+        self._partial = bool(buffers)
         if not buffers:
             out.popleft()
             request = entry[1]
@@ -598,8 +635,9 @@ class TcpQueue:
                     got = self._flush()
                     if got is _BLOCKED:
                         await trio.lowlevel.wait_writable(self.sock)
-                    elif got is _BULK:
-                        await self._send_bulk()
+                    elif got is _LOCKED:  # woken when the other thread is done (_deliver)
+                        self._sender_idle = True
+                        await trio.lowlevel.wait_task_rescheduled(cancellable)
                 except OSError as exc:
                     if self._failed is None:
                         self._fail(self._send_error(exc))
@@ -608,53 +646,6 @@ class TcpQueue:
         finally:
             self._sender = None
             self._sender_idle = False
-
-    async def _send_bulk(self) -> None:
-        """Send the bulk data at the head of the queued PDUs, and the PDUs queued behind it
-        (up to :data:`SEND_BATCH_BYTES`), by a worker thread.  Nothing else is sent
-        meanwhile: PDUs queued during it wait behind the head, which stays queued."""
-        out = self._outgoing
-        pdus, size = [], 0
-        for buffers, _ in out:
-            pdus.append(list(buffers))
-            size += sum(len(b) for b in buffers)
-            if size >= SEND_BATCH_BYTES:
-                break
-        if self._splicer is None and any(type(b) is Bulk and b.splice
-                                         for buffers in pdus for b in buffers):
-            self._splicer = open_splicer()
-        try:
-            await self._in_thread(out[0][1], send_pdus, self.sock, self._splicer, pdus)
-        except Stalled:
-            raise OSError(errno.ETIMEDOUT, f"the socket took no data within "
-                                           f"{self._sock_timeout:g} s") from None
-        if self._failed is None:  # else the queue was emptied meanwhile
-            for _ in range(sum(len(buffers) for buffers in pdus)):
-                self._sent_head()
-
-    async def _in_thread(self, request: Request, fn, *args):
-        """``fn(*args)`` in a worker thread, which moves ``request``'s data meanwhile."""
-        if self._failed is not None:
-            raise trio.ClosedResourceError
-        # (0 would mean no timeout at all; a request's timeout is set once its caller parked)
-        timeout = request.timeout if request.timeout > 0 else STALL_TIMEOUT
-        if timeout != self._sock_timeout:
-            # Bounds each blocking wait of the thread; the watchdog fails the queue sooner
-            # when the command's own deadline passes first.
-            self._sock_timeout = timeout
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(timeout))
-        request.busy = True
-        self._threads += 1
-        try:
-            # Not abandoned on cancellation: the thread uses the socket and the caller's memory.
-            async with self._limiter:
-                result = await self._mailbox.run_in_thread(fn, *args)
-        finally:
-            request.busy = False
-            self._thread_done()
-        if self._failed is not None:
-            raise trio.ClosedResourceError
-        return result
 
     def _send_error(self, exc: OSError) -> TransportError:
         return TransportError(f"{self.name}: sending to "
@@ -728,6 +719,9 @@ class TcpQueue:
                 pdu.parse_header(self._rview, self._rstart, header_digest=hdgst,
                                  data_digest=self.data_digest)
                 await self._fill_async(whole)
+            if pdu_type == pdu.R2T and self._asks_bulk():
+                await self._run_receiver()  # it answers the R2T itself, and reads on
+                continue
             self._one_pdu()  # all of it is buffered: no socket read on the trio thread
             if self._inbox:
                 batch, self._inbox = self._inbox, []
@@ -757,6 +751,11 @@ class TcpQueue:
                 raise self._closed_by_peer()
             self._rend += n
 
+    def _asks_bulk(self) -> bool:
+        """Whether the R2T at the head of the buffer asks for bulk data (its R2TL; the
+        header is checked when it is handled)."""
+        return R2T_LENGTH.unpack_from(self._rview, self._rstart + 16)[0] >= BULK_BYTES
+
     def _compact(self) -> None:
         if self._rstart:
             kept = self._rend - self._rstart
@@ -770,6 +769,10 @@ class TcpQueue:
         if self._poll is None:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                                  _timeval(RECEIVE_POLL))
+            if not self._sock_timeout:  # it may send H2CData: bound its waits there too
+                self._sock_timeout = STALL_TIMEOUT
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                     _timeval(STALL_TIMEOUT))
             self._poll = select.poll()
             self._poll.register(self.sock.fileno(), select.POLLIN)
         self._threads += 1
@@ -805,6 +808,7 @@ class TcpQueue:
     def _receive_loop(self) -> None:
         """Read PDUs until the stream stays quiet for QUIET_SECONDS at a PDU boundary or
         carries SMALL_STREAK small PDUs in a row; then the trio thread reads on."""
+        self._in_receiver = True
         try:
             small = 0
             while small < SMALL_STREAK:
@@ -812,6 +816,7 @@ class TcpQueue:
                     return
                 small = 0 if self._one_pdu() > BULK_BYTES else small + 1
         finally:
+            self._in_receiver = False
             if self._inbox:  # what it read last, ahead of its end (or error)
                 try:
                     self._post()
@@ -825,7 +830,8 @@ class TcpQueue:
         return bool(self._poll.poll(seconds * 1000))
 
     def _one_pdu(self) -> int:
-        """Read and handle one PDU (either thread); its length."""
+        """Read and handle one PDU (either thread); its length (an R2T's: the data it
+        asks for)."""
         hdgst = self.header_digest
         self._fill(8)
         pdu_type, _, hlen, _, plen = pdu.peek_common(self._rview, self._rstart)
@@ -840,6 +846,7 @@ class TcpQueue:
             self._c2h_data(header, size)
         elif header.type == pdu.R2T:
             self._r2t(header)
+            return header.length
         else:  # C2HTermReq
             raise TransportError(f"{self.name}: the controller ended the connection "
                                  f"with a C2HTermReq ({pdu.term_reason(header.length)})")
@@ -991,7 +998,52 @@ class TcpQueue:
             raise TransportError(f"{self.name}: R2T for command {header.cid} asks for "
                                  f"{header.offset}+{header.length}, past its "
                                  f"{request.data.length} bytes")
-        self._inbox.append((request, header))
+        if self._in_receiver:
+            self._answer_r2t(request, header)
+        else:
+            self._inbox.append((request, header))
+
+    def _answer_r2t(self, request: Request, header: pdu.Header) -> None:
+        """Receiver thread: send the data an R2T asks for at once, from this thread (no
+        hand-off to the trio thread and on to another thread); the target waits for it.
+        The command's answer can only come after it, so its caller is never let go while
+        the data is being sent; a failed queue holds its callers until this thread ends."""
+        if self._inbox:
+            self._post()  # the callers answered so far go on meanwhile
+        pdus = self._h2c_pdus(request, header)
+        splicer = self._receiver_splicer
+        if splicer is None and any(type(b) is Bulk and b.splice for b in pdus[0]):
+            splicer = self._receiver_splicer = open_splicer()
+        try:
+            self._send_in_thread(splicer, pdus)
+        except Stalled:
+            raise TransportError(f"{self.name}: sending H2CData for command {header.cid} to "
+                                 f"{self.transport.traddr}:{self.transport.trsvcid}: the "
+                                 f"socket took no data within {self._sock_timeout:g} s"
+                                 ) from None
+        except OSError as exc:
+            if self._closed:
+                raise ReceiverStopped from None
+            raise self._send_error(exc) from None
+
+    def _send_in_thread(self, splicer: Splicer | None, pdus: list[list]) -> None:
+        """The receiver thread: send ``pdus`` under the send lock, waiting for it
+        (each wait bounded, ending once the queue is closed).  Raises Stalled, OSError."""
+        lock = self._send_lock
+        while not lock.acquire(timeout=RECEIVE_POLL):
+            if self._closed:
+                raise OSError(errno.EPIPE, "the queue is closed")
+        try:
+            if self._closed:
+                raise OSError(errno.EPIPE, "the queue is closed")
+            send_pdus(self.sock, splicer, pdus)
+        finally:
+            lock.release()
+            if self._send_wanted:  # the trio thread's sender waits for the lock
+                try:
+                    self._mailbox.post([(None, None)])
+                except trio.RunFinishedError:
+                    pass  # no one waits any more
 
     # -- back on the trio thread ----------------------------------------------------------------
 
@@ -1000,6 +1052,9 @@ class TcpQueue:
         trio's: an error here would end the whole run, so it fails the queue instead.)"""
         try:
             for request, what in batch:
+                if request is None:  # a thread let go of the send lock the sender wants
+                    self._wake_sender()
+                    continue
                 if self._pending.get(request.cid) is not request:
                     continue  # the queue failed meanwhile: its callers are held, then let go
                 if type(what) is Completion:
@@ -1026,22 +1081,16 @@ class TcpQueue:
             request.task = None
             trio.lowlevel.reschedule(task)
 
+    def _h2c_pdus(self, request: Request, header: pdu.Header) -> list[list]:
+        return h2c_pdus(request, header, maxh2cdata=self.maxh2cdata, cpda=self.cpda,
+                        header_digest=self.header_digest, data_digest=self.data_digest,
+                        splice=self._splice)
+
     def _send_h2c(self, request: Request, header: pdu.Header) -> None:
-        """Answer an R2T: the asked-for data in H2CData PDUs of at most MAXH2CDATA."""
-        payload = request.buffer()
-        pieces = pdu.h2c_pieces(header.offset, header.length, self.maxh2cdata)
-        splice = self._splice and not payload.readonly  # vmsplice needs writable memory
-        for i, (at, length) in enumerate(pieces):
+        """Answer an R2T (read by the trio thread): the asked-for data in H2CData PDUs."""
+        for buffers in self._h2c_pdus(request, header):
             if self._failed is not None:  # a piece could not be sent: the queue holds the caller
                 return
-            piece = payload[at:at + length]
-            buffers = [pdu.h2c_data_header(header.cid, header.ttag, at, length,
-                                           last=i == len(pieces) - 1,
-                                           header_digest=self.header_digest,
-                                           data_digest=self.data_digest, cpda=self.cpda),
-                       Bulk(piece, splice) if length >= BULK_BYTES else piece]
-            if self.data_digest:
-                buffers.append(pdu.digest(piece))
             # At once when nothing else waits: the target waits for this data.
             self._submit(buffers, request, batch=False)
 
@@ -1058,7 +1107,7 @@ class TcpQueue:
                 self._fail(TransportError(f"{self.name}: command {request.cid} could not be "
                                           f"sent within {request.timeout:g} s"))
                 return
-            if request.busy or request is self._mid_payload:  # stuck mid-PDU
+            if request is self._mid_payload:  # stuck mid-PDU
                 self._fail(TransportError(f"{self.name}: command {request.cid}'s data did "
                                           f"not all arrive within {request.timeout:g} s"))
                 return
@@ -1074,6 +1123,8 @@ class TcpQueue:
         if self._failed is None:
             self._failed = error
         self._outgoing.clear()  # nothing more is sent on this connection
+        self._partial = False
+        self._drop_send_lock()  # (a thread waiting for it sees the queue closed)
         pending, self._pending = self._pending, {}
         for request in pending.values():
             if request.error is None:  # (a timed-out one has its own)
@@ -1086,7 +1137,7 @@ class TcpQueue:
             self._closed = True
             trio.lowlevel.notify_closing(self.sock)  # wakes a task waiting on it
             if self._threads:
-                # A worker thread still uses the fd: end its call now, close when it is done
+                # The receiver thread still uses the fd: end its call now, close when it is done
                 # (closing under it could hand its number to another file meanwhile).
                 try:
                     self.sock.shutdown(socket.SHUT_RDWR)
@@ -1114,9 +1165,9 @@ class TcpQueue:
 
     def _close_socket(self) -> None:
         self.sock.close()
-        if self._splicer is not None:
-            self._splicer.close()
-            self._splicer = None
+        if self._receiver_splicer is not None:
+            self._receiver_splicer.close()
+            self._receiver_splicer = None
 
     def close(self) -> None:
         if self._failed is None:

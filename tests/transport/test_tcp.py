@@ -879,31 +879,122 @@ def test_gpu_memory_is_refused_by_name():
     assert transport.register(0, 0, SimpleNamespace(is_cuda=False)).length == 0
 
 
-def test_a_queue_that_fails_while_its_sender_waits_for_a_thread_lets_its_callers_go():
-    """The threads that move bulk data are shared by all queues; a queue whose sender still
-    waits for one uses no thread: its failure ends that wait and lets its callers go."""
+def test_an_r2t_for_bulk_data_is_answered_by_the_receiver_thread_itself(monkeypatch):
+    """No hand-off to the trio thread and on to another thread: the receiver thread sends
+    the H2CData the moment it reads the R2T; a small R2T is still answered by trio."""
+    from nvmeof_fuse.transport import tcp
+
+    senders, answered_by_trio = [], []
+    send_pdus, send_h2c = tcp.send_pdus, tcp.TcpQueue._send_h2c
+
+    def sending(sock, splicer, pdus):
+        senders.append(threading.current_thread() is threading.main_thread())
+        return send_pdus(sock, splicer, pdus)
+
+    def by_trio(self, request, header):
+        answered_by_trio.append(header.length)
+        return send_h2c(self, request, header)
+
+    monkeypatch.setattr(tcp, "send_pdus", sending)
+    monkeypatch.setattr(tcp.TcpQueue, "_send_h2c", by_trio)
+    rng = random.Random(11)
+    big, small = rng.randbytes(256 * 1024), rng.randbytes(16 * 1024)
 
     async def test(target, transport, queue):
-        limiter, holders = queue._limiter, []
-        while limiter.available_tokens:  # every other queue's bulk transfer is under way
-            holders.append(object())
-            limiter.acquire_on_behalf_of_nowait(holders[-1])
-        buf = host_buffer(transport.register, 256 * 1024)
-        failed = trio.Event()
+        assert (await write(queue, transport, 1024, small)).ok  # past in-capsule, not bulk
+        assert (await write(queue, transport, 0, big)).ok
+        assert senders == [False] and answered_by_trio == [16 * 1024]
+        assert (await read(queue, transport, 0, len(big)))[0] == big
+        assert (await read(queue, transport, 1024, len(small)))[0] == small
 
-        async def write():
-            with pytest.raises(TransportError, match="closed the connection"):
-                await queue.execute(cmd.write(1, 0, 512, NULL_SGL), buf.ref(),
-                                    to_controller=True, timeout=HANG_GUARD)
-            failed.set()
+    with_target(test, maxh2cdata=1 << 20)
+
+
+def test_the_receiver_thread_failing_to_send_h2cdata_in_time_fails_the_queue_by_name(
+        monkeypatch):
+    from nvmeof_fuse.transport import tcp
+
+    def stalled(sock, splicer, pdus):
+        raise tcp.Stalled
+
+    monkeypatch.setattr(tcp, "send_pdus", stalled)
+
+    async def test(target, transport, queue):
+        with pytest.raises(TransportError, match=r"^I/O queue 1: sending H2CData for command "
+                                                 r"\d+ to 127.0.0.1:\d+: the socket took no "
+                                                 r"data within 30 s$"):
+            await write(queue, transport, 0, bytes(128 * 1024))
+
+    with_target(test, maxh2cdata=1 << 20)
+
+
+class HalfSocket:
+    """A queue's socket whose first ``sendmsg`` takes 10 bytes, then none until ``open``."""
+
+    def __init__(self, sock) -> None:
+        self.sock = sock
+        self.calls = 0
+        self.open = False
+        self.refused = trio.Event()  # a send after the partial one was refused
+
+    def sendmsg(self, buffers, *args):
+        self.calls += 1
+        if self.calls == 1:
+            return self.sock.send(bytes(buffers[0][:10]))
+        if not self.open:
+            self.refused.set()
+            raise BlockingIOError
+        return self.sock.sendmsg(buffers, *args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_a_half_sent_capsule_keeps_the_send_lock_until_its_last_byte_went():
+    """The receiver thread sends H2CData under the same lock: it must never land in the
+    middle of a capsule that the socket took only part of."""
+    async def test(target, transport, queue):
+        real = queue.sock
+        queue.sock = half = HalfSocket(real)
+        done = trio.Event()
+
+        async def flush():
+            assert (await queue.execute(cmd.flush(1), timeout=5)).ok
+            done.set()
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(write)
-            await trio.testing.wait_all_tasks_blocked()
-            for stream in target.streams:  # the target goes away while the sender waits
-                await stream.aclose()
-            await failed.wait()  # the caller goes before any thread came free
-        for holder in holders:
-            limiter.release_on_behalf_of(holder)
+            nursery.start_soon(flush)
+            await half.refused.wait()
+            assert queue._send_lock.locked()  # held by the trio thread across the wait
+            assert not queue._send_lock.acquire(timeout=0.01)
+            half.open = True
+            await done.wait()
+        queue.sock = real
+        assert not queue._send_lock.locked()
+        assert (await write(queue, transport, 0, bytes(128 * 1024))).ok  # by the thread
+
+    with_target(test, maxh2cdata=1 << 20)
+
+
+def test_a_receiver_thread_waiting_for_the_send_lock_ends_when_its_queue_fails():
+    """A command timed out while the receiver thread waits for the send lock (held by the
+    trio thread for a half-sent PDU): the queue fails, the thread ends, the caller goes."""
+    async def test(target, transport, queue):
+        target.fault = "late"  # the R2T waits for target.release
+        buf = host_buffer(transport.register, 128 * 1024)
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as nursery:
+                async def write_late():
+                    with pytest.raises(CommandTimeout, match=r"^I/O queue 1: command \d+ got no "
+                                       r"completion within 1 s \(its connection is closed\)$"):
+                        await queue.execute(cmd.write(1, 0, 256, NULL_SGL), buf.ref(),
+                                            to_controller=True, timeout=1)
+
+                nursery.start_soon(write_late)
+                await trio.testing.wait_all_tasks_blocked()  # the capsule went out
+                assert queue._send_lock.acquire(False)  # as the trio thread, mid-PDU
+                queue._trio_sending = queue._partial = True
+                target.release.set()
+        assert queue._threads == 0 and not queue._send_lock.locked()
 
     with_target(test, maxh2cdata=1 << 20)
