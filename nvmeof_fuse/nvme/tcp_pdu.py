@@ -214,6 +214,12 @@ def peek_common(buf, offset: int = 0) -> tuple[int, int, int, int, int]:
     return COMMON_HEADER.unpack_from(buf, offset)
 
 
+def peek_data_length(buf, offset: int = 0) -> int:
+    """The data length an R2T (or C2HData, H2CData) header at ``offset`` names, unchecked:
+    :func:`parse_header` checks the header when the PDU is handled."""
+    return _DATA.unpack_from(buf, offset + COMMON_HEADER.size)[3]
+
+
 def header_bytes(pdu_type: int, hlen: int, *, header_digest: bool) -> int:
     """How many bytes the header of a controller PDU takes with its digest; PduError if
     the type is unknown or ``hlen`` is not the type's."""

@@ -96,7 +96,6 @@ QUIET_SECONDS = 0.1
 this long at a PDU boundary ..."""
 SMALL_STREAK = 64
 """... or after this many small PDUs in a row (no bulk payload among them)."""
-R2T_LENGTH = struct.Struct("<I")  # an R2T's R2TL, 16 bytes into its header
 TRANSPORT_SGL = struct.pack("<QI3xB", 0, 0, 0x5A)
 """Transport SGL Data Block (type 5, subtype 0xA), length 0: no data, as Linux nvme-tcp."""
 
@@ -754,7 +753,7 @@ class TcpQueue:
     def _asks_bulk(self) -> bool:
         """Whether the R2T at the head of the buffer asks for bulk data (its R2TL; the
         header is checked when it is handled)."""
-        return R2T_LENGTH.unpack_from(self._rview, self._rstart + 16)[0] >= BULK_BYTES
+        return pdu.peek_data_length(self._rview, self._rstart) >= BULK_BYTES
 
     def _compact(self) -> None:
         if self._rstart:

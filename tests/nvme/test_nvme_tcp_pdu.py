@@ -55,6 +55,12 @@ def test_parse_c2h_data():
         pdu.C2H_DATA, 7, 512, 1024, 32)
 
 
+def test_peek_data_length_reads_an_r2ts_length_where_the_buffer_holds_it():
+    r2t = struct.pack("<BBBBIHHII4x", pdu.R2T, 0, 24, 0, 24, 3, 8, 4096, 65536)
+    assert pdu.peek_data_length(b"xx" + r2t, 2) == 65536
+    assert pdu.parse_header(r2t, header_digest=False, data_digest=False).length == 65536
+
+
 def test_parse_capsule_resp_with_a_header_digest():
     head = struct.pack("<BBBBI", 5, 1, 24, 0, 28) + struct.pack("<QHHHH", 9, 3, 1, 17, 0)
     header = pdu.parse_header(head + pdu.digest(head), header_digest=True, data_digest=False)
