@@ -175,7 +175,7 @@ class ReceiverStopped(Exception):
 
 def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk,
                  more: bool = False) -> None:
-    """Worker thread: send all of ``data`` into the (blocking) socket, spliced when it can be;
+    """Receiver thread: send all of ``data`` into the (blocking) socket, spliced when it can be;
     ``more``: more follows at once (MSG_MORE).  Raises Stalled when the socket took nothing
     within the timeout, OSError on failure."""
     try:
@@ -189,7 +189,7 @@ def send_exactly(sock: socket.socket, splicer: Splicer | None, data: Bulk,
 
 
 def send_pdus(sock: socket.socket, splicer: Splicer | None, pdus: list[list]) -> None:
-    """Worker thread: send the buffers of ``pdus`` in order, bulk data by :func:`send_exactly`,
+    """Receiver thread: send the buffers of ``pdus`` in order, bulk data by :func:`send_exactly`,
     each but the last with MSG_MORE: a PDU header leaves in one segment with the data behind
     it, not alone (TCP_NODELAY would push it at once).  Raises Stalled when the socket took
     nothing within the timeout, OSError on failure."""
@@ -411,7 +411,6 @@ class TcpQueue:
         # otherwise it waits on the fd.
         self.sock = socket.socket(fileno=sock.detach())
         self.sock.setblocking(True)
-        self._sock_timeout = 0.0  # SO_RCVTIMEO/SO_SNDTIMEO: bounds the threads' waits
         self._mailbox = Mailbox(self._deliver)  # the threads' one way into trio
         self._threads = 0  # threads using the socket: it is closed once none is
         self._closed = False
@@ -768,10 +767,8 @@ class TcpQueue:
         if self._poll is None:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO,
                                  _timeval(RECEIVE_POLL))
-            if not self._sock_timeout:  # it may send H2CData: bound its waits there too
-                self._sock_timeout = STALL_TIMEOUT
-                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
-                                     _timeval(STALL_TIMEOUT))
+            # it may send H2CData too: bound its waits there (the trio thread never waits)
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(STALL_TIMEOUT))
             self._poll = select.poll()
             self._poll.register(self.sock.fileno(), select.POLLIN)
         self._threads += 1
@@ -1018,7 +1015,7 @@ class TcpQueue:
         except Stalled:
             raise TransportError(f"{self.name}: sending H2CData for command {header.cid} to "
                                  f"{self.transport.traddr}:{self.transport.trsvcid}: the "
-                                 f"socket took no data within {self._sock_timeout:g} s"
+                                 f"socket took no data within {STALL_TIMEOUT:g} s"
                                  ) from None
         except OSError as exc:
             if self._closed:
