@@ -365,11 +365,15 @@ class Request:
     and ``to_controller``, which never change while the command is in flight.
     """
 
-    __slots__ = ("cid", "data", "view", "to_controller", "completion", "error",
+    __slots__ = ("cid", "serial", "data", "view", "to_controller", "completion", "error",
                  "finished", "unsent", "task", "deadline", "timeout")
 
-    def __init__(self, cid: int, data: DataRef | None, to_controller: bool) -> None:
+    def __init__(self, cid: int, data: DataRef | None, to_controller: bool,
+                 serial: int = 0) -> None:
         self.cid = cid
+        self.serial = serial
+        """Which use of ``cid`` this is (per queue): the reader remembers answered commands
+        by it, so that it holds no request, and with it no caller memory, once answered."""
         self.data = data
         self.view = data_view(data) if data is not None else None  # the caller's bytes
         self.to_controller = to_controller
@@ -448,7 +452,8 @@ class TcpQueue:
         self._receiver_splicer: Splicer | None = None  # the receiver thread's own pipe
         # The reader's own state (the receiver thread's while it runs, else the trio thread's):
         self._inbox: list = []  # (request, completion) and (request, R2T) pairs to hand over
-        self._answered: dict[int, Request] = {}  # by command ID: the last request answered
+        self._answered: dict[int, int] = {}  # by command ID: the serial last answered
+        self._serial = 0  # of the last request made (Request.serial)
         self._progress: dict[int, tuple[Request, int]] = {}  # C2HData bytes of a read so far
         self._mid_payload: Request | None = None  # its data is being received (trio reads it)
         self._poll: select.poll | None = None  # set as the receiver thread first runs
@@ -494,7 +499,8 @@ class TcpQueue:
         else:
             cid = await self._allocate(timeout)
         length = data.length if data is not None else 0
-        request = Request(cid, data if length else None, to_controller)
+        self._serial += 1
+        request = Request(cid, data if length else None, to_controller, self._serial)
         self._pending[cid] = request
         inline = to_controller and 0 < length <= self.in_capsule_bytes
         if inline:
@@ -724,6 +730,7 @@ class TcpQueue:
             if self._inbox:
                 batch, self._inbox = self._inbox, []
                 self._deliver(batch)
+                del batch  # held here, it would keep the callers' memory until the next one
 
     async def _fill_async(self, count: int) -> None:
         """Have at least ``count`` bytes in the receive buffer (trio thread)."""
@@ -926,20 +933,20 @@ class TcpQueue:
         """The request in flight under ``cid``: sent, not answered yet (as far as the
         reader knows; the trio thread releases it only once the answer is handed over)."""
         request = self._pending.get(cid)
-        if request is None or self._answered.get(cid) is request:
+        if request is None or self._answered.get(cid) == request.serial:
             raise TransportError(f"{self.name}: {what} for command ID {cid}, "
                                  "which is not in flight")
         return request
 
     def _answer(self, request: Request, completion: Completion) -> None:
-        self._answered[request.cid] = request
+        self._answered[request.cid] = request.serial
         self._progress.pop(request.cid, None)
         self._inbox.append((request, completion))
 
     def _response(self, completion: Completion) -> None:
         cid = completion.command_id
         request = self._pending.get(cid)
-        if request is not None and self._answered.get(cid) is request:
+        if request is not None and self._answered.get(cid) == request.serial:
             raise TransportError(f"{self.name}: second response for command ID {cid}")
         self._answer(self._lookup(cid, "CapsuleResp"), completion)
 

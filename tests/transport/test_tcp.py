@@ -606,6 +606,31 @@ def test_registered_memory_without_a_view_is_received_in_place():
     with_target(test)
 
 
+@pytest.mark.parametrize("size", [4096, 512 * 1024], ids=["trio thread", "receiver thread"])
+def test_an_answered_command_holds_no_caller_memory(size):
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from nvmeof_fuse.host.memory import Region, buffer_address
+
+    async def test(target, transport, queue):
+        array = np.zeros(size, dtype=np.uint8)
+        addr, length, owner = buffer_address(array)
+        region = Region(addr, length, transport.register(addr, length, owner), owner)
+        assert (await queue.execute(cmd.read(1, 0, size // LBA, NULL_SGL), region.ref(),
+                                    timeout=5)).ok
+        gone = weakref.ref(array)
+        region.close()
+        del array, owner, region
+        gc.collect()
+        assert gone() is None  # the queue kept nothing of the answered read
+        assert (await queue.execute(cmd.flush(1), timeout=5)).ok  # its command ID reused
+
+    with_target(test)
+
+
 FAULTS = {
     "header digest": ("header_digest", r"header digest mismatch on C2HData PDU"),
     "data digest": ("data_digest", r"data digest mismatch on C2HData for command \d+"),
