@@ -779,6 +779,10 @@ class RdmaQueue:
         self._fail(closed_for_timeout(expired[0], self.name))
 
     def _fail(self, error: TransportError) -> None:
+        """Fail every command in flight, stopping the QP first (as :meth:`_expire`): the target
+        may still RDMA their data, into or out of memory their callers then reuse."""
+        if self._slots.pending:  # (a queue taken over idle keeps its QP: rdma_polled)
+            self._disconnect()
         self._failed = error
         self._queued, self._queued_requests = [], []  # never posted: failed with the rest
         self._slots.fail_all(error)

@@ -315,6 +315,43 @@ async def test_stopping_the_reaper_fails_waiting_callers(queue):
     assert errors and "stopped" in str(errors[0])
 
 
+def disconnect_recording(queue, woken: list) -> dict:
+    """Connect the fake endpoint; its disconnect notes whether a caller in ``woken`` had run."""
+    seen = {}
+
+    def disconnect():
+        seen["after a caller woke"] = bool(woken)
+        queue.cm.connected = False
+
+    queue.cm.connected = True
+    queue.cm.disconnect = disconnect
+    return seen
+
+
+@pytest.mark.parametrize("how", ["stopped", "bad response"])
+def test_a_failed_queue_disconnects_before_its_callers_get_their_memory_back(how, queue):
+    """As a timeout does (and Linux error recovery, which stops the queues first): the target
+    may still RDMA the data of a command in flight, so the QP leaves the connected state
+    before a failed caller may reuse its buffer."""
+    async def main():
+        results = []
+        seen = disconnect_recording(queue, results)
+        with trio.fail_after(HANG_GUARD):
+            async with trio.open_nursery() as outer:
+                async with trio.open_nursery() as reaper:
+                    await started(queue, reaper)
+                    outer.start_soon(read_recording, queue, results)
+                    await trio.testing.wait_all_tasks_blocked()
+                    if how == "stopped":
+                        reaper.cancel_scope.cancel()
+                    else:
+                        queue.qp.respond(0x55)  # a command ID not in flight
+        assert len(results) == 1 and isinstance(results[0], TransportError)
+        assert seen == {"after a caller woke": False}
+
+    trio.run(main)
+
+
 @in_trio
 async def test_commands_posted_in_one_batch_share_one_post_send(queue):
     async with trio.open_nursery() as nursery:
