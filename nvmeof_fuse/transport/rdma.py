@@ -150,10 +150,12 @@ class CommandSlots:
         self.finish(request)
 
     def fail_all(self, error: Exception) -> None:
+        """Fail the requests in flight; one already finished (answered, its SEND not reaped
+        yet) keeps its completion: its caller may not have read it yet."""
         for request in list(self.pending.values()):
-            request.error = error
             self._retire(request)
             if not request.finished:
+                request.error = error
                 self.finish(request)
         self.awaiting_send = 0
 

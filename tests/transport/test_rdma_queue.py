@@ -353,6 +353,24 @@ def test_a_failed_queue_disconnects_before_its_callers_get_their_memory_back(how
 
 
 @in_trio
+async def test_a_command_answered_before_its_queue_failed_keeps_its_completion(queue):
+    """The connection drops right after the target answered: its response and then the
+    flushed receives are reaped together.  The caller already let go with the response gets
+    that completion, not the queue's error (its command is done; a retry would run it twice)."""
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results = []
+        nursery.start_soon(read_recording, queue, results)
+        await trio.testing.wait_all_tasks_blocked()
+        (cid,) = queue.qp.sent
+        queue.qp.respond(cid)  # its SEND completion is not reaped yet
+        queue.recv_cq.add(WC(queue.qp.recvs.popleft().wr_id, status=5))  # flushed
+        await trio.testing.wait_all_tasks_blocked()
+    assert len(results) == 1 and not isinstance(results[0], TransportError), results
+    assert results[0].command_id == cid and results[0].ok
+
+
+@in_trio
 async def test_commands_posted_in_one_batch_share_one_post_send(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
