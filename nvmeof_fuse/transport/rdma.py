@@ -561,6 +561,8 @@ class RdmaQueue:
         if (alone and self.latency < POLL_MAX and self._idle_reaper is not None
                 and not self._others_in_flight()):
             await self._poll_for(request, posted + 2 * self.latency)
+            if slots.awaiting_send:  # answered before its SEND completed: the reaper, idle
+                self._wake_reaper()  # and unarmed, arms for that completion
         if not request.finished:
             if self._idle_reaper is not None:
                 self._wake_reaper()

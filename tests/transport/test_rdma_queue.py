@@ -434,6 +434,30 @@ async def test_a_command_alone_is_polled_for_without_arming_the_channel(queue):
 
 
 @in_trio
+async def test_a_send_completion_after_a_polled_response_still_frees_its_slot(queue):
+    """The caller polling for its command finds the response before the capsule's SEND
+    completion: the reaper must wake (armed) for that completion, or the slot and the
+    request, which refers to the caller's memory, stay taken until some later command."""
+    qp, post = queue.qp, queue.qp.post_send
+
+    def post_send(wrs) -> None:  # the target answers at once; the SEND completes later
+        post(wrs)
+        for wr in wrs:
+            qp.respond(wr.wr_id & rdma._INDEX)
+
+    qp.post_send = post_send
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        assert (await queue.execute(read_command(), timeout=30)).ok  # found by polling
+        (cid,) = qp.sent
+        assert queue.available == 6  # its SEND completion is still due
+        qp.send_done(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.available == 7 and not queue._slots.pending
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
 async def test_an_unanswered_command_stops_polling_and_sleeps_on_the_channel(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
