@@ -9,6 +9,7 @@ A request is any object with ``cid``, ``task``, ``deadline`` and ``timeout``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -76,3 +77,9 @@ def time_out(request: Any, queue_name: str) -> None:
     stopped first: the caller may reuse its memory at once."""
     task, request.task = request.task, None
     trio.lowlevel.reschedule(task, outcome.Error(timeout_error(request, queue_name)))
+
+
+def for_caller(error: Exception) -> Exception:
+    """A copy of a queue's shared ``error`` for one caller to raise: raised itself, it would
+    gather every caller's frames on its traceback, and with them the memory they refer to."""
+    return copy.copy(error)

@@ -59,7 +59,7 @@ from ..nvme.command import CONNECT_DISABLE_SQFLOW
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 from .mailbox import Mailbox
-from .parking import Watchdog, cancellable, closed_for_timeout, timeout_error
+from .parking import Watchdog, cancellable, closed_for_timeout, for_caller, timeout_error
 from .region import DataRef
 from .splice import Spliced, Splicer, open_splicer
 
@@ -480,7 +480,7 @@ class TcpQueue:
                 while not self._free and self._failed is None:
                     await self._slot_waiters.park()
         if self._failed is not None:
-            raise self._failed
+            raise for_caller(self._failed)
         if not self._free:
             raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
         return self._free.pop()
@@ -525,7 +525,7 @@ class TcpQueue:
         if not request.finished:
             await self._watchdog.park(request, timeout)
         if request.error is not None:
-            raise request.error
+            raise for_caller(request.error)
         return request.completion  # type: ignore[return-value]
 
     # -- sending ------------------------------------------------------------------------------
@@ -1124,7 +1124,7 @@ class TcpQueue:
 
     def _fail(self, error: TransportError) -> None:
         if self._failed is None:
-            self._failed = error
+            self._failed = error.with_traceback(None)  # the reader's frames hold requests
         self._outgoing.clear()  # nothing more is sent on this connection
         self._partial = False
         self._drop_send_lock()  # (a thread waiting for it sees the queue closed)

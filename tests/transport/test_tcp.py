@@ -631,6 +631,39 @@ def test_an_answered_command_holds_no_caller_memory(size):
     with_target(test)
 
 
+def test_a_failed_command_holds_no_caller_memory():
+    """The queue's error is raised to every caller of the failed queue: it must not carry a
+    caller's frame (its DataRef) on its traceback, nor the reader's (the request it parsed)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from nvmeof_fuse.host.memory import Region, buffer_address
+
+    async def failing_read(queue, transport) -> weakref.ref:
+        array = np.zeros(4096, dtype=np.uint8)
+        addr, length, owner = buffer_address(array)
+        region = Region(addr, length, transport.register(addr, length, owner), owner)
+        try:
+            await queue.execute(cmd.read(1, 0, 8, NULL_SGL), region.ref(), timeout=5)
+        except TransportError:
+            pass
+        region.close()
+        return weakref.ref(array)
+
+    async def test(target, transport, queue):
+        target.fault = "data digest"  # raised while the reader holds the request
+        first = await failing_read(queue, transport)
+        second = await failing_read(queue, transport)  # refused by the failed queue
+        gc.collect()
+        assert first() is None and second() is None  # the failed queue keeps neither
+        with pytest.raises(TransportError, match="data digest mismatch"):
+            await queue.execute(cmd.flush(1), timeout=5)
+
+    with_target(test, transport_kw={"data_digest": True})
+
+
 FAULTS = {
     "header digest": ("header_digest", r"header digest mismatch on C2HData PDU"),
     "data digest": ("data_digest", r"data digest mismatch on C2HData for command \d+"),
