@@ -34,7 +34,7 @@ import trio
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
-from .parking import Watchdog, cancellable, closed_for_timeout, time_out
+from .parking import Watchdog, cancellable, closed_for_timeout, for_caller, time_out
 from .region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
@@ -513,12 +513,12 @@ class RdmaQueue:
 
     async def _allocate(self, data: DataRef | None, timeout: float) -> Request:
         if self._failed:
-            raise self._failed
+            raise for_caller(self._failed)
         with trio.move_on_after(timeout):
             while not self._slots.available and not self._failed:
                 await self._slot_waiters.park()
         if self._failed:
-            raise self._failed
+            raise for_caller(self._failed)
         if not self._slots.available:
             raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
         return self._slots.allocate(data)
@@ -570,7 +570,7 @@ class RdmaQueue:
         if alone:
             self.latency += (time.perf_counter() - posted - self.latency) * _LATENCY_WEIGHT
         if request.error is not None:
-            raise request.error
+            raise for_caller(request.error)
         return request.completion  # type: ignore[return-value]
 
     async def _poll_for(self, request: Request, until: float) -> None:
@@ -787,7 +787,7 @@ class RdmaQueue:
         may still RDMA their data, into or out of memory their callers then reuse."""
         if self._slots.pending:  # (a queue taken over idle keeps its QP: rdma_polled)
             self._disconnect()
-        self._failed = error
+        self._failed = error.with_traceback(None)  # the reaper's frames hold requests
         self._queued, self._queued_requests = [], []  # never posted: failed with the rest
         self._slots.fail_all(error)
         self._slot_waiters.unpark_all()

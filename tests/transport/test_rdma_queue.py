@@ -371,6 +371,44 @@ async def test_a_command_answered_before_its_queue_failed_keeps_its_completion(q
 
 
 @in_trio
+async def test_a_failed_queue_holds_no_caller_memory(queue):
+    """The queue's error is raised to every caller in flight: it must not carry a caller's
+    frame (its DataRef) on its traceback, nor the reaper's (the request it was handling)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from nvmeof_fuse.host.memory import buffer_address
+    from nvmeof_fuse.transport.region import Region
+
+    arrays = []
+
+    async def reading() -> None:
+        array = np.zeros(4096, dtype=np.uint8)
+        addr, length, owner = buffer_address(array)
+        region = Region(addr, length, SimpleNamespace(keys=lambda pd: MR(), close=lambda: None),
+                        owner)
+        arrays.append(weakref.ref(array))
+        try:
+            await queue.execute(read_command(), region.ref(), timeout=30)
+        except TransportError:
+            pass
+        region.close()
+
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        for _ in range(3):
+            nursery.start_soon(reading)
+        await trio.testing.wait_all_tasks_blocked()
+        cid = min(queue.qp.sent)
+        queue.qp.respond(cid)
+        queue.qp.respond(cid)  # a second response: raised while the reaper holds the request
+    gc.collect()
+    assert len(arrays) == 3 and [ref() for ref in arrays] == [None] * 3
+
+
+@in_trio
 async def test_commands_posted_in_one_batch_share_one_post_send(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
