@@ -30,6 +30,7 @@ import trio
 
 from ..errors import CommandTimeout, TransportError
 from ..nvme import Completion
+from .parking import for_caller
 from .rdma import (
     _CID,
     _LATENCY_WEIGHT,
@@ -173,7 +174,7 @@ class PolledQueue:
                     finally:
                         self._sleepers -= 1
         if request.error is not None:
-            raise request.error
+            raise for_caller(request.error)
         self.latency += (time.perf_counter() - request.deadline - self.latency) * _LATENCY_WEIGHT
         return request.completion  # type: ignore[return-value]
 
@@ -274,7 +275,7 @@ class PolledQueue:
     def _fail(self, error: TransportError) -> None:
         """Fail every request in flight (the lock is held)."""
         if self.failed is None:
-            self.failed = error
+            self.failed = error.with_traceback(None)  # the poller's frames hold requests
         self._unposted = []  # their requests fail below: nothing may post them later
         self._slots.fail_all(error)
 

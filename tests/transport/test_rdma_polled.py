@@ -264,3 +264,39 @@ def test_the_owner_of_the_memory_is_held_until_the_response_came(queue, memory):
     answer(queue.qp, request.cid)
     polled.progress()
     assert request.finished and owner not in polled._held.values()
+
+
+def test_a_failed_queue_holds_no_caller_memory(queue):
+    """The queue's error is raised to every waiter: it must not carry a waiter's frame (its
+    request and DataRef) on its traceback, nor the poller's (the request it was handling)."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    from nvmeof_fuse.host.memory import buffer_address
+    from nvmeof_fuse.transport.region import Region
+
+    polled = PolledQueue(queue)
+    arrays = []
+
+    def submit_one():
+        array = np.zeros(4096, dtype=np.uint8)
+        addr, length, owner = buffer_address(array)
+        region = Region(addr, length, SimpleNamespace(keys=lambda pd: Keys(), close=lambda: None),
+                        owner)
+        arrays.append(weakref.ref(array))
+        (request,) = polled.submit([(cmd.read(1, 0, 1, NULL_SGL), region.ref())])
+        return request
+
+    requests = [submit_one(), submit_one()]
+    answer(queue.qp, requests[0].cid)
+    queue.qp.respond(requests[0].cid)  # a second response: raised while the poller holds it
+    for request in requests:
+        try:
+            polled.wait(request, time.perf_counter() + 30)
+        except TransportError:
+            pass
+    del requests, request
+    gc.collect()
+    assert polled.failed is not None and [ref() for ref in arrays] == [None, None]
