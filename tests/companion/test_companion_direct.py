@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import weakref
 
 import numpy as np
 import pytest
@@ -202,3 +203,21 @@ def test_one_loss_is_told_once_however_many_states_it_passes(served):
         out = nvmeof_fuse.empty(4096)
         assert f.read(out, file_offset=0) == 4096
     assert told == ["resetting", "connecting"]
+
+
+def test_a_pwrite_keeps_the_callers_buffer_until_the_write_is_done(served):
+    """The caller may drop its buffer once pwrite returned: the NIC must not read freed
+    memory through a registration its finalizer already closed."""
+    ctrl, fabric, server, mnt = served
+    alive: list[bool] = []
+    with File(str(mnt / "n2")) as f:
+        buf = np.full(8192, 7, dtype=np.uint8)
+        watched = weakref.ref(buf)
+        ctrl.on_command = lambda opcode: (alive.append(watched() is not None)
+                                          if opcode == OPC_WRITE else None)
+        future = f.pwrite(buf, file_offset=4096)
+        del buf
+        assert future.get(10) == 8192
+    assert alive and all(alive)
+    assert bytes(ctrl.disks[2][4096:4096 + 8192]) == bytes([7]) * 8192
+    assert watched() is None  # and let go once written
