@@ -25,6 +25,7 @@ import queue
 import re
 import sys
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -279,6 +280,10 @@ class File:
             self._channel.close()
             raise
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, "nvmeof-fuse file")
+        # A file dropped unclosed still lets go of its queues, registrations and connection.
+        self._dropped = weakref.finalize(self, _release_dropped, self._executor, self._direct,
+                                         self._staging, self._channel)
+        self._dropped.atexit = False  # at exit the connection goes with the process
         shm.on_free(self._forget)
 
     def _open_direct(self, hello: dict, queues: int) -> DirectQueues | None:
@@ -316,16 +321,9 @@ class File:
             return
         self._executor.shutdown(wait=True)  # new pread/pwrite calls fail from here on
         self._closed = True
+        self._dropped.detach()
         shm.remove_on_free(self._forget)
-        try:
-            if self._direct is not None:
-                self._direct.close()  # waits (bounded) for its requests in flight
-                self._channel.call("report", moved=self._direct.moved())
-        except NVMeoFError as exc:
-            log.debug("closing the file's own queues: %s", exc)
-        finally:
-            self._staging.close()
-            self._channel.close()
+        _release(self._executor, self._direct, self._staging, self._channel)
 
     def _forget(self, key: int) -> None:
         """A shared allocation was freed (a finalizer, any thread): unregister it later."""
@@ -661,6 +659,28 @@ class File:
             return IOFuture(self._executor.submit(fn, *args))
         except RuntimeError:  # the executor is shutting down: close() was called
             raise CompanionError(f"{self.path} is closed", errno.EBADF) from None
+
+
+def _release(executor: concurrent.futures.ThreadPoolExecutor, direct: DirectQueues | None,
+             staging: _Staging, channel: Any) -> None:
+    """Let go of a file's threads, queues, registrations and connection."""
+    executor.shutdown(wait=False)  # close() waited for its futures; a dropped file has none
+    try:
+        if direct is not None:
+            direct.close()  # waits (bounded) for its requests in flight
+            channel.call("report", moved=direct.moved())
+    except NVMeoFError as exc:
+        log.debug("closing the file's own queues: %s", exc)
+    finally:
+        staging.close()
+        channel.close()
+
+
+def _release_dropped(*resources: Any) -> None:
+    """:func:`_release` for a file dropped unclosed, on a thread of its own: the collector
+    may run on any thread, one of the file's own included."""
+    threading.Thread(target=_release, args=resources, daemon=True,
+                     name="nvmeof-fuse dropped file").start()
 
 
 def _host_view(obj: Any) -> memoryview:

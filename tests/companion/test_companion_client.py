@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import os
 import socket
 
@@ -138,6 +139,18 @@ def test_a_vanished_client_is_cleaned_up(served):
     assert ctrl.transport.live == baseline
     with File(str(mnt / "n1")) as g:  # the daemon still serves
         assert g.read(nvmeof_fuse.empty(10)) == 10
+
+
+def test_a_file_dropped_unclosed_lets_go_of_its_session(served):
+    ctrl, server, mnt = served
+    baseline = ctrl.transport.live
+    f = File(str(mnt / "n1"))
+    f.read(nvmeof_fuse.empty(4096))
+    assert stats(server)["clients"] == 1
+    del f  # never closed: its connection, registrations and threads must not outlive it
+    gc.collect()
+    assert wait_for(lambda: stats(server)["clients"] == 0, 5)
+    assert stats(server)["regions"] == 0 and ctrl.transport.live == baseline
 
 
 def test_freed_shared_array_is_unregistered(served):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import logging
 import weakref
 
@@ -221,3 +222,16 @@ def test_a_pwrite_keeps_the_callers_buffer_until_the_write_is_done(served):
     assert alive and all(alive)
     assert bytes(ctrl.disks[2][4096:4096 + 8192]) == bytes([7]) * 8192
     assert watched() is None  # and let go once written
+
+
+def test_a_file_dropped_unclosed_gives_its_queues_back(served):
+    ctrl, fabric, server, mnt = served
+    f = File(str(mnt / "n1"))
+    assert f.read(np.zeros(4096, dtype=np.uint8)) == 4096
+    assert server.snapshot()["leases"] == 1
+    del f
+    gc.collect()
+    assert wait_for(lambda: server.snapshot()["clients"] == 0, 5)
+    assert server.snapshot()["leases"] == 0
+    with File(str(mnt / "n1")) as g:  # the queues are free for the next client
+        assert g.own_queues == (3, 4, 5)
