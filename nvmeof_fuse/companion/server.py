@@ -220,12 +220,12 @@ class CompanionServer:
         if op == "register":
             if len(fds) != 1:
                 raise ProtocolError(f"register needs one file descriptor, got {len(fds)}")
-            fd = fds.pop()
-            if header.get("kind") == "dmabuf":
-                rid = session.register_dmabuf(fd, f(header, "offset"), f(header, "length"),
-                                              f(header, "iova"))
+            if header.get("kind") == "dmabuf":  # fields checked before the fd is taken
+                offset, length, iova = f(header, "offset"), f(header, "length"), f(header, "iova")
+                rid = session.register_dmabuf(fds.pop(), offset, length, iova)
             else:
-                rid = session.register_memfd(fd, f(header, "length"),
+                length = f(header, "length")
+                rid = session.register_memfd(fds.pop(), length,
                                              bool(header.get("staging", False)))
             return {"region": rid}
         for fd in fds:

@@ -13,7 +13,7 @@ import trio
 from companion_fakes import AddressController, serving, wait_for
 
 import nvmeof_fuse
-from nvmeof_fuse.companion import protocol
+from nvmeof_fuse.companion import protocol, shm
 from nvmeof_fuse.companion.client import File, locate
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
@@ -185,6 +185,17 @@ def test_malformed_requests_get_named_errors(served):
             ch.call("register", kind="memfd", length=4096)
         assert f.read(nvmeof_fuse.empty(10)) == 10  # the connection survives all of that
     assert stats(server)["errors"] == 7
+
+
+def test_a_malformed_register_closes_the_descriptor_it_carried(served):
+    ctrl, server, mnt = served
+    mem = shm.allocate(4096)
+    with File(str(mnt / "n1")) as f:
+        open_fds = len(os.listdir("/proc/self/fd"))  # the daemon serves in this process
+        for fields in ({"kind": "memfd"}, {"kind": "dmabuf", "length": 4096, "iova": 0}):
+            with pytest.raises(CompanionError, match="must be int, got None"):
+                f._channel.call("register", fds=(mem.fd,), **fields)
+        assert len(os.listdir("/proc/self/fd")) == open_fds
 
 
 def test_locate_names_what_is_wrong(tmp_path, served):
