@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import errno
+import functools
 import logging
 import math
 import os
@@ -222,8 +224,27 @@ class DirectQueues:
 
     async def _ask(self, op: str, timeout: float, **fields: Any) -> dict:
         """One request to the daemon from the loop (its reply arrives on the reader thread)."""
-        header = await wait_future(self._channel.call_future(op, **fields), timeout)
+        future = self._channel.call_future(op, **fields)
+        try:
+            header = await wait_future(future, timeout)
+        except BaseException as exc:
+            if op == "lock":  # granted after we gave up, it would hold the range: give it back
+                future.add_done_callback(functools.partial(self._unlock_late, fields["nsid"]))
+            if isinstance(exc, trio.TooSlowError):
+                raise protocol.CompanionError(f"the mount daemon did not answer {op} within "
+                                              f"{timeout:g} s", errno.ETIMEDOUT) from None
+            raise
         return protocol.raise_for_reply(header)
+
+    def _unlock_late(self, nsid: int, future: concurrent.futures.Future) -> None:
+        """Release a write lock its writer stopped waiting for (on the reader thread)."""
+        if future.exception() is not None or not future.result().get("ok"):
+            return
+        try:
+            self._channel.call_future("unlock", token=future.result()["token"], nsid=nsid,
+                                      moved=self.moved())
+        except NVMeoFError as exc:  # the daemon is gone, and the lock with it
+            log.debug("giving back a write lock: %s", exc)
 
     async def _lease(self) -> Lease:
         if self._first is not None:
