@@ -163,7 +163,14 @@ class _Staging:
                                  errno.ETIMEDOUT) from None
         try:
             yield at
-        finally:
+        except CompanionError as exc:
+            if exc.errno != errno.ETIMEDOUT:  # timed out: the daemon may still use it, so
+                self._free.put(at)  # it is never lent again
+            raise
+        except BaseException:
+            self._free.put(at)
+            raise
+        else:
             self._free.put(at)
 
     def close(self) -> None:

@@ -14,7 +14,7 @@ from companion_fakes import AddressController, serving, wait_for
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import protocol, shm
-from nvmeof_fuse.companion.client import File, locate
+from nvmeof_fuse.companion.client import STAGING_SLOTS, File, locate
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
 
@@ -115,6 +115,31 @@ def test_end_of_namespace(served):
         assert exc.value.errno == errno.ENOSPC
         with pytest.raises(InvalidArgument, match="overruns the 4096-byte buffer"):
             f.read(arr, 5000)
+
+
+def test_a_staging_slot_whose_request_timed_out_is_never_lent_again(served):
+    """The daemon may still use a slot whose request the client gave up on: lent again,
+    another request's bytes would reach the disk at the first one's offset."""
+    ctrl, server, mnt = served
+    plain_command = ctrl.io_command
+    delayed = []
+
+    async def slow_first_write(sqe, data=None, *, to_controller=False):
+        if sqe[0] == 0x01 and not delayed:
+            delayed.append(True)
+            await trio.sleep(1.5)
+        await plain_command(sqe, data, to_controller=to_controller)
+
+    ctrl.io_command = slow_first_write
+    before = bytes(ctrl.disks[1][:512])
+    with File(str(mnt / "n1"), timeout=0.5) as f:
+        with pytest.raises(CompanionError, match="did not answer write") as exc:
+            f.write(np.full(512, 1, dtype=np.uint8), file_offset=0)  # staged: a plain array
+        assert exc.value.errno == errno.ETIMEDOUT
+        for i in range(2, 2 + STAGING_SLOTS):  # round every slot once
+            f.write(np.full(512, i, dtype=np.uint8), file_offset=i * 512)
+        assert wait_for(lambda: ctrl.commands == 1 + STAGING_SLOTS)  # the first one too
+    assert bytes(ctrl.disks[1][:512]) in (before, bytes([1]) * 512)
 
 
 def test_close_releases_registrations(served):
