@@ -100,6 +100,7 @@ class _Registrations:
         self._register = register
         self._by_owner: dict[int, Region] = {}
         self._lock = threading.Lock()
+        self._register_lock = threading.Lock()  # one registration per owner
         self._closed = False
 
     def find(self, addr: int, size: int, obj: Any) -> tuple[Region, int, bool]:
@@ -109,14 +110,18 @@ class _Registrations:
             return Region(addr, size, self._register(addr, size, obj), obj), 0, True
         with self._lock:
             region = self._by_owner.get(id(owner))
-        if region is None:  # not kept alive by its registration: watched instead
-            region = Region(base, length, self._register(base, length, None))
-            with self._lock:
-                if self._closed:
-                    region.close()
-                    raise InvalidArgument("the file is closed")
-                self._by_owner[id(owner)] = region
-            weakref.finalize(owner, self._forget, id(owner))
+        if region is None:
+            with self._register_lock:  # threads starting on one new array register it once
+                with self._lock:
+                    region = self._by_owner.get(id(owner))
+                if region is None:  # not kept alive by its registration: watched instead
+                    region = Region(base, length, self._register(base, length, None))
+                    with self._lock:
+                        if self._closed:
+                            region.close()
+                            raise InvalidArgument("the file is closed")
+                        self._by_owner[id(owner)] = region
+                    weakref.finalize(owner, self._forget, id(owner))
         return region, addr - region.addr, False
 
     def _forget(self, key: int) -> None:

@@ -6,6 +6,7 @@ import errno
 import gc
 import logging
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -262,3 +263,33 @@ def test_a_write_lock_not_granted_in_time_is_a_named_timeout_and_given_back_late
         assert wait_for(lambda: not any(s.write_locks for s in server.sessions), 5)
         assert f.write(data, file_offset=0) == 4096  # the late grant was given back
     assert bytes(ctrl.disks[2][:4096]) == bytes([9]) * 4096
+
+
+def test_threads_reading_into_one_new_array_register_it_once(served):
+    ctrl, fabric, server, mnt = served
+    plain_register = ctrl.transport.register
+
+    def slow_register(addr, length, owner):  # as ibv_reg_mr is: the GIL released meanwhile
+        time.sleep(0.05)
+        return plain_register(addr, length, owner)
+
+    with File(str(mnt / "n1")) as f:
+        live = ctrl.transport.live
+        ctrl.transport.register = slow_register
+        arr = np.zeros(4 * 4096, dtype=np.uint8)
+        start = threading.Barrier(4)
+
+        def read(view: np.ndarray, file_offset: int) -> None:
+            start.wait()
+            f.read(view, file_offset=file_offset)
+
+        threads = [threading.Thread(target=read, args=(arr[i * 4096:(i + 1) * 4096], i * 4096))
+                   for i in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert ctrl.transport.live == live + 1
+        assert bytes(arr) == bytes(ctrl.disks[1][:4 * 4096])
+        del arr  # and no registration outlives it
+        assert wait_for(lambda: ctrl.transport.live == live)
