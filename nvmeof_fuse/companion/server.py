@@ -374,6 +374,8 @@ class CompanionServer:
         if offset < 0 or length <= 0 or offset + length > ns.size:
             raise InvalidArgument(f"bad write lock: offset {offset}, length {length} on "
                                   f"namespace {nsid} ({ns.size} bytes)")
+        if timeout < 0:
+            raise InvalidArgument(f"bad write lock: hold_s {timeout} is negative")
         assert session.nursery is not None
         release = trio.Event()
         limit = timeout + LOCK_GRACE

@@ -231,6 +231,9 @@ class Session:
 
     def report(self, moved: dict[str, int]) -> None:
         """The client's own running totals of bytes over its own queues."""
+        if not isinstance(moved, dict):
+            raise protocol.ProtocolError(f"companion field 'moved' must be an object, "
+                                         f"got {moved!r}")
         for counter in ("client_queue_read_bytes", "client_queue_write_bytes"):
             total = moved.get(counter)
             if isinstance(total, int) and total > self.counts[counter]:

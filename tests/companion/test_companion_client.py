@@ -212,6 +212,19 @@ def test_malformed_requests_get_named_errors(served):
     assert stats(server)["errors"] == 7
 
 
+def test_malformed_lock_and_report_fields_are_named_not_internal_errors(served):
+    ctrl, server, mnt = served
+    with File(str(mnt / "n1")) as f:
+        ch = f._channel
+        with pytest.raises(CompanionError, match="hold_s -1 is negative") as exc:
+            ch.call("lock", nsid=1, offset=0, length=512, hold_s=-1)
+        assert exc.value.errno == errno.EINVAL
+        for op in ("report", "stats"):
+            with pytest.raises(CompanionError, match="field 'moved' must be an object") as exc:
+                ch.call(op, moved=[1])
+            assert exc.value.errno == errno.EPROTO
+
+
 def test_a_malformed_register_closes_the_descriptor_it_carried(served):
     ctrl, server, mnt = served
     mem = shm.allocate(4096)
