@@ -20,6 +20,7 @@ import ctypes
 import errno
 import json
 import logging
+import operator
 import os
 import queue
 import re
@@ -374,16 +375,22 @@ class File:
         return _Memory(None, *buffer_address(buf))
 
     @staticmethod
-    def _span(mem: _Memory, size: int | None, buf_offset: int) -> int:
-        """The bytes to move: ``size``, or the rest of the buffer; checked against it."""
+    def _span(mem: _Memory, size: int | None, file_offset: int, buf_offset: int
+              ) -> tuple[int, int, int]:
+        """``(size, file_offset, buf_offset)`` as ints (numpy's too), checked: the bytes to
+        move are ``size``, or the rest of the buffer."""
         total = mem.total
+        buf_offset = _integer(buf_offset, "buf_offset")
         if buf_offset < 0 or buf_offset > total:
             raise InvalidArgument(f"buf_offset {buf_offset} is outside the {total}-byte buffer")
-        size = total - buf_offset if size is None else size
+        size = total - buf_offset if size is None else _integer(size, "size")
         if size < 0 or buf_offset + size > total:
             raise InvalidArgument(f"size {size} at buf_offset {buf_offset} overruns the "
                                   f"{total}-byte buffer")
-        return size
+        file_offset = _integer(file_offset, "file_offset")
+        if file_offset < 0:
+            raise InvalidArgument(f"file_offset {file_offset} is negative")
+        return size, file_offset, buf_offset
 
     @contextmanager
     def _target(self, mem: _Memory, buf_offset: int, size: int) -> Iterator[_Target]:
@@ -476,9 +483,7 @@ class File:
         """Read into ``buf``; returns the bytes read (short at the end of the namespace)."""
         self._check_open()
         mem = self._memory(buf)
-        size = self._span(mem, size, buf_offset)
-        if file_offset < 0:
-            raise InvalidArgument(f"file_offset {file_offset} is negative")
+        size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
         size = max(0, min(size, self.nbytes - file_offset))
         if not size:
             return 0
@@ -519,9 +524,7 @@ class File:
         """Write ``buf`` at ``file_offset``; returns the bytes written."""
         self._check_open()
         mem = self._memory(buf)
-        size = self._span(mem, size, buf_offset)
-        if file_offset < 0:
-            raise InvalidArgument(f"file_offset {file_offset} is negative")
+        size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
         self._check_write(file_offset, size)
         if not size:
             return 0
@@ -646,9 +649,7 @@ class File:
                                 buf_offset)
         self._check_open()
         mem = self._memory(buf)
-        size = self._span(mem, size, buf_offset)
-        if file_offset < 0:
-            raise InvalidArgument(f"file_offset {file_offset} is negative")
+        size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
         if write:
             self._check_write(file_offset, size)
         else:
@@ -688,6 +689,14 @@ def _release_dropped(*resources: Any) -> None:
     may run on any thread, one of the file's own included."""
     threading.Thread(target=_release, args=resources, daemon=True,
                      name="nvmeof-fuse dropped file").start()
+
+
+def _integer(value: Any, name: str) -> int:
+    """``value`` as an int (a numpy integer is one too), or InvalidArgument naming it."""
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise InvalidArgument(f"{name} must be an integer, got {value!r}") from None
 
 
 def _host_view(obj: Any) -> memoryview:

@@ -142,6 +142,21 @@ def test_a_staging_slot_whose_request_timed_out_is_never_lent_again(served):
     assert bytes(ctrl.disks[1][:512]) in (before, bytes([1]) * 512)
 
 
+def test_numpy_integers_are_offsets_and_sizes_and_floats_are_refused_by_name(served):
+    ctrl, server, mnt = served
+    offsets = np.arange(4, dtype=np.int64) * 1000 + 7  # as computed offsets usually are
+    arr = nvmeof_fuse.empty(4096)
+    with File(str(mnt / "n1")) as f:
+        assert f.read(arr, np.int64(3000), file_offset=offsets[1], buf_offset=np.int32(5)) == 3000
+        assert bytes(arr[5:3005]) == ctrl.disks[1][1007:4007]
+        assert f.pwrite(np.ones(100, dtype=np.uint8), file_offset=offsets[2]).get(5) == 100
+        assert ctrl.disks[1][2007:2107] == bytes([1]) * 100
+        with pytest.raises(InvalidArgument, match=r"^file_offset must be an integer, got 1\.5$"):
+            f.read(arr, file_offset=1.5)
+        with pytest.raises(InvalidArgument, match=r"^size must be an integer, got 10\.0$"):
+            f.write(arr, 10.0)
+
+
 def test_close_releases_registrations(served):
     ctrl, server, mnt = served
     baseline = ctrl.transport.live

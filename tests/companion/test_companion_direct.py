@@ -293,3 +293,15 @@ def test_threads_reading_into_one_new_array_register_it_once(served):
         assert bytes(arr) == bytes(ctrl.disks[1][:4 * 4096])
         del arr  # and no registration outlives it
         assert wait_for(lambda: ctrl.transport.live == live)
+
+
+def test_numpy_integer_sizes_and_offsets_on_the_files_own_queues(served):
+    """Neither the transfer nor the byte counts it reports (JSON) may choke on them."""
+    ctrl, fabric, server, mnt = served
+    arr = nvmeof_fuse.empty(8192)
+    with File(str(mnt / "n2")) as f:
+        assert f.read(arr, np.int64(4096), file_offset=np.int64(4096)) == 4096
+        assert f.read_batch([(arr, np.int64(4096), np.uint32(8192))]) == [4096]
+        assert f.write(arr, np.int64(100), file_offset=np.int64(12)) == 100
+        assert f.stats()["client_queue_read_bytes"] == 8192
+    assert bytes(arr[:4096]) == bytes(ctrl.disks[2][8192:12288])
