@@ -161,8 +161,10 @@ def _owning_span(addr: int, size: int, obj: Any) -> tuple[Any, int, int]:
     if found is not None:
         mem, _ = found
         return mem, mem.addr, len(mem)
-    if hasattr(obj, "data_ptr"):  # a CPU tensor: watched as itself
-        return obj, addr, size
+    if hasattr(obj, "data_ptr"):  # a CPU tensor: watched as itself, registered whole
+        base, length, _ = buffer_address(obj)
+        if base <= addr and addr + size <= base + length:
+            return obj, base, length
     return None, addr, size
 
 

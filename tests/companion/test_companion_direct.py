@@ -305,3 +305,33 @@ def test_numpy_integer_sizes_and_offsets_on_the_files_own_queues(served):
         assert f.write(arr, np.int64(100), file_offset=np.int64(12)) == 100
         assert f.stats()["client_queue_read_bytes"] == 8192
     assert bytes(arr[:4096]) == bytes(ctrl.disks[2][8192:12288])
+
+
+class CpuTensor:
+    """What buffer_address reads of a torch CPU tensor, over a numpy array."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.array = np.zeros(nbytes, dtype=np.uint8)
+
+    def is_contiguous(self) -> bool:
+        return True
+
+    def data_ptr(self) -> int:
+        return self.array.__array_interface__["data"][0]
+
+    def numel(self) -> int:
+        return self.array.size
+
+    def element_size(self) -> int:
+        return 1
+
+
+def test_a_cpu_tensor_is_read_into_part_by_part(served):
+    """Its registration covers the tensor, not the part the first transfer used."""
+    ctrl, fabric, server, mnt = served
+    tensor = CpuTensor(3 * 4096)
+    with File(str(mnt / "n2")) as f:
+        for part in range(3):
+            at = part * 4096
+            assert f.read(tensor, 4096, file_offset=at, buf_offset=at) == 4096
+    assert bytes(tensor.array) == bytes(ctrl.disks[2][:3 * 4096])
