@@ -364,6 +364,9 @@ class File:
         np = sys.modules.get("numpy")
         if np is not None and type(buf) is np.ndarray:  # the hot path, without probing
             flags = buf.flags
+            if buf.dtype.hasobject:
+                raise InvalidArgument("an array of Python objects (dtype object) cannot "
+                                      "move bytes to or from a namespace")
             if flags.c_contiguous and flags.writeable and buf.nbytes:
                 # a third of what __array_interface__ costs (it builds a dict)
                 return _Memory(None, ctypes.addressof(ctypes.c_char.from_buffer(buf)),

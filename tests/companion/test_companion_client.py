@@ -157,6 +157,18 @@ def test_numpy_integers_are_offsets_and_sizes_and_floats_are_refused_by_name(ser
             f.write(arr, 10.0)
 
 
+@pytest.mark.parametrize("op", ["read", "write"])
+def test_an_array_of_python_objects_is_refused(served, op):
+    """Disk bytes over its object pointers would crash the process (pointers on disk leak)."""
+    ctrl, server, mnt = served
+    ctrl.disks[1][:512] = bytes(512)  # were it read, NULL pointers: a failure, not a crash
+    arr = np.full(64, None, dtype=object)
+    with File(str(mnt / "n1")) as f:
+        with pytest.raises(InvalidArgument, match="dtype object"):
+            getattr(f, op)(arr)
+    assert list(arr) == [None] * 64 and ctrl.disks[1][:512] == bytes(512)
+
+
 def test_close_releases_registrations(served):
     ctrl, server, mnt = served
     baseline = ctrl.transport.live
