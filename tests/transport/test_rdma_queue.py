@@ -188,15 +188,22 @@ async def started(queue, nursery) -> None:
     await nursery.start(queue.reap)
 
 
+async def answered_read(queue, nursery) -> tuple[list, int]:
+    """A read under a started reaper, answered by the target (its SEND completion not
+    reaped yet): the list its result lands in, and its command ID."""
+    await started(queue, nursery)
+    results: list = []
+    nursery.start_soon(read_recording, queue, results)
+    await trio.testing.wait_all_tasks_blocked()
+    (cid,) = queue.qp.sent
+    queue.qp.respond(cid)
+    return results, cid
+
+
 @in_trio
 async def test_response_completes_the_command_and_the_send_frees_its_slot(queue):
     async with trio.open_nursery() as nursery:
-        await started(queue, nursery)
-        results = []
-        nursery.start_soon(read_recording, queue, results)
-        await trio.testing.wait_all_tasks_blocked()
-        (cid,) = queue.qp.sent
-        queue.qp.respond(cid)
+        results, cid = await answered_read(queue, nursery)
         await trio.testing.wait_all_tasks_blocked()
         assert results and results[0].command_id == cid and results[0].ok
         assert queue.available == 6  # the SEND has not completed: its slot stays taken
@@ -358,12 +365,7 @@ async def test_a_command_answered_before_its_queue_failed_keeps_its_completion(q
     flushed receives are reaped together.  The caller already let go with the response gets
     that completion, not the queue's error (its command is done; a retry would run it twice)."""
     async with trio.open_nursery() as nursery:
-        await started(queue, nursery)
-        results = []
-        nursery.start_soon(read_recording, queue, results)
-        await trio.testing.wait_all_tasks_blocked()
-        (cid,) = queue.qp.sent
-        queue.qp.respond(cid)  # its SEND completion is not reaped yet
+        results, cid = await answered_read(queue, nursery)  # its SEND completion not reaped
         queue.recv_cq.add(WC(queue.qp.recvs.popleft().wr_id, status=5))  # flushed
         await trio.testing.wait_all_tasks_blocked()
     assert len(results) == 1 and not isinstance(results[0], TransportError), results
