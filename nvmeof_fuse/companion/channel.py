@@ -21,7 +21,7 @@ import trio
 
 from ..errors import NVMeoFError
 from . import protocol
-from .protocol import CompanionError, Piece
+from .protocol import CompanionError, NoAnswer, Piece
 from .shm import SharedMemory
 
 
@@ -117,8 +117,7 @@ class SocketChannel:
         except concurrent.futures.TimeoutError:
             with self._lock:
                 self._pending.pop(future.request_id, None)  # type: ignore[attr-defined]
-            raise CompanionError(f"the mount daemon did not answer {op} within {limit:g} s",
-                                 errno.ETIMEDOUT) from None
+            raise NoAnswer(f"the mount daemon did not answer {op} within {limit:g} s") from None
         return protocol.raise_for_reply(header)
 
     # -- the channel calls ---------------------------------------------------------------
@@ -188,8 +187,7 @@ class LocalChannel:
         try:
             return self.mount.run(bounded)
         except trio.TooSlowError:
-            raise CompanionError(f"the mount did not finish within {limit:g} s",
-                                 errno.ETIMEDOUT) from None
+            raise NoAnswer(f"the mount did not finish within {limit:g} s") from None
 
     def hello(self) -> dict:
         return self.mount.run_sync(self.mount.server.hello)

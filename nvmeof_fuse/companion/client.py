@@ -37,7 +37,7 @@ from ..host.memory import buffer_address
 from . import gpu, shm
 from .channel import LocalChannel, SocketChannel
 from .local import served_here
-from .protocol import CompanionError, Piece, chunks, plan_read, plan_write
+from .protocol import CompanionError, NoAnswer, Piece, chunks, plan_read, plan_write
 
 if TYPE_CHECKING:
     from .direct import DirectQueues
@@ -164,9 +164,7 @@ class _Staging:
                                  errno.ETIMEDOUT) from None
         try:
             yield at
-        except CompanionError as exc:
-            if exc.errno != errno.ETIMEDOUT:  # timed out: the daemon may still use it, so
-                self._free.put(at)  # it is never lent again
+        except NoAnswer:  # the daemon may still use the slot: it is never lent again
             raise
         except BaseException:
             self._free.put(at)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import errno
 import functools
 import logging
 import math
@@ -238,8 +237,8 @@ class DirectQueues:
             if op == "lock":  # granted after we gave up, it would hold the range: give it back
                 future.add_done_callback(functools.partial(self._unlock_late, fields["nsid"]))
             if isinstance(exc, trio.TooSlowError):
-                raise protocol.CompanionError(f"the mount daemon did not answer {op} within "
-                                              f"{timeout:g} s", errno.ETIMEDOUT) from None
+                raise protocol.NoAnswer(f"the mount daemon did not answer {op} within "
+                                        f"{timeout:g} s") from None
             raise
         return protocol.raise_for_reply(header)
 

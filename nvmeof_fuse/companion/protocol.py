@@ -41,6 +41,14 @@ class CompanionError(NVMeoFError):
         self.errno = errno
 
 
+class NoAnswer(CompanionError):
+    """The mount daemon did not answer in time (ETIMEDOUT): it may still act on the request,
+    with memory the request named."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, _errno.ETIMEDOUT)
+
+
 def encode(header: dict, payload: bytes | memoryview = b"") -> bytes:
     """One message: header length, JSON header, payload."""
     body = json.dumps(header, separators=(",", ":")).encode()

@@ -16,7 +16,7 @@ import nvmeof_fuse
 from nvmeof_fuse.companion import protocol, shm
 from nvmeof_fuse.companion.client import STAGING_SLOTS, File, locate
 from nvmeof_fuse.companion.protocol import CompanionError
-from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
+from nvmeof_fuse.errors import CommandTimeout, InvalidArgument, NVMeoFError
 
 
 @pytest.fixture
@@ -140,6 +140,28 @@ def test_a_staging_slot_whose_request_timed_out_is_never_lent_again(served):
             f.write(np.full(512, i, dtype=np.uint8), file_offset=i * 512)
         assert wait_for(lambda: ctrl.commands == 1 + STAGING_SLOTS, 30)  # the first one too
     assert bytes(ctrl.disks[1][:512]) in (before, bytes([1]) * 512)
+
+
+def test_a_staging_slot_whose_command_timed_out_in_the_daemon_is_lent_again(served):
+    """A daemon that answered (its command timed out: ETIMEDOUT) is done with the slot."""
+    ctrl, server, mnt = served
+    plain_command = ctrl.io_command
+    failing = [True] * STAGING_SLOTS
+
+    async def timing_out(sqe, data=None, *, to_controller=False):
+        if sqe[0] == 0x01 and failing:
+            failing.pop()
+            raise CommandTimeout("I/O queue 1: command 3 timed out")
+        await plain_command(sqe, data, to_controller=to_controller)
+
+    ctrl.io_command = timing_out
+    with File(str(mnt / "n1"), timeout=5.0) as f:
+        for _ in range(STAGING_SLOTS):
+            with pytest.raises(CompanionError) as exc:
+                f.write(np.full(512, 1, dtype=np.uint8), file_offset=0)
+            assert exc.value.errno == errno.ETIMEDOUT
+        assert f.write(np.full(512, 2, dtype=np.uint8), file_offset=512) == 512
+    assert bytes(ctrl.disks[1][512:1024]) == bytes([2]) * 512
 
 
 def test_numpy_integers_are_offsets_and_sizes_and_floats_are_refused_by_name(served):
