@@ -357,8 +357,9 @@ class File:
     # -- caller memory ---------------------------------------------------------------------
 
     @staticmethod
-    def _memory(buf: Any) -> _Memory:
-        """Where ``buf`` lives, resolved once per call."""
+    def _memory(buf: Any, write: bool = False) -> _Memory:
+        """Where ``buf`` lives, resolved once per call; a read-only source of a write
+        (``bytes``, a read-only array) is copied first (registered memory is writable)."""
         np = sys.modules.get("numpy")
         if np is not None and type(buf) is np.ndarray:  # the hot path, without probing
             flags = buf.flags
@@ -373,7 +374,7 @@ class File:
         if cuda.is_cuda(buf):
             addr, total = cuda.span(buf)
             return _Memory(cuda, addr, total, buf)
-        return _Memory(None, *buffer_address(buf))
+        return _Memory(None, *buffer_address(_writable(buf) if write else buf))
 
     @staticmethod
     def _span(mem: _Memory, size: int | None, file_offset: int, buf_offset: int
@@ -522,9 +523,10 @@ class File:
 
     def write(self, buf: Any, size: int | None = None, file_offset: int = 0,
               buf_offset: int = 0) -> int:
-        """Write ``buf`` at ``file_offset``; returns the bytes written."""
+        """Write ``buf`` at ``file_offset``; returns the bytes written.  ``buf`` may be
+        read-only (``bytes``): then it is copied first."""
         self._check_open()
-        mem = self._memory(buf)
+        mem = self._memory(buf, write=True)
         size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
         self._check_write(file_offset, size)
         if not size:
@@ -649,7 +651,7 @@ class File:
             return self._submit(self.write if write else self.read, buf, size, file_offset,
                                 buf_offset)
         self._check_open()
-        mem = self._memory(buf)
+        mem = self._memory(buf, write)
         size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
         if write:
             self._check_write(file_offset, size)
@@ -690,6 +692,17 @@ def _release_dropped(*resources: Any) -> None:
     may run on any thread, one of the file's own included."""
     threading.Thread(target=_release, args=resources, daemon=True,
                      name="nvmeof-fuse dropped file").start()
+
+
+def _writable(buf: Any) -> Any:
+    """``buf``, or a writable copy of it when it is a read-only contiguous buffer."""
+    try:
+        view = memoryview(buf)
+    except TypeError:  # not a buffer: buffer_address names what it is
+        return buf
+    if not view.readonly or not view.c_contiguous:
+        return buf
+    return bytearray(view.cast("B"))
 
 
 def _integer(value: Any, name: str) -> int:

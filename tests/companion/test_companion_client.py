@@ -363,3 +363,16 @@ def test_a_silent_daemon_times_out_by_name(tmp_path):
         assert exc.value.errno == errno.ETIMEDOUT
     finally:
         listener.close()
+
+
+@pytest.mark.parametrize("source", ["bytes", "read-only array"])
+def test_a_write_from_read_only_memory_is_written(served, source):
+    """A write only reads its buffer: bytes and read-only arrays are sources too."""
+    ctrl, server, mnt = served
+    data = bytes(range(256)) * 4
+    buf = data if source == "bytes" else np.frombuffer(data, dtype=np.uint8)
+    with File(str(mnt / "n1")) as f:
+        assert f.write(buf, file_offset=512) == 1024
+        assert f.pwrite(buf, 100, file_offset=4096, buf_offset=3).get(5) == 100
+    assert bytes(ctrl.disks[1][512:1536]) == data
+    assert bytes(ctrl.disks[1][4096:4196]) == data[3:103]

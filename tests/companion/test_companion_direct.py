@@ -335,3 +335,12 @@ def test_a_cpu_tensor_is_read_into_part_by_part(served):
             at = part * 4096
             assert f.read(tensor, 4096, file_offset=at, buf_offset=at) == 4096
     assert bytes(tensor.array) == bytes(ctrl.disks[2][:3 * 4096])
+
+
+def test_a_write_from_read_only_memory_goes_out_on_the_files_own_queues(served):
+    ctrl, fabric, server, mnt = served
+    data = bytes(range(256)) * 32
+    with File(str(mnt / "n2")) as f:
+        assert f.write(data, file_offset=4096) == 8192
+        assert f.stats()["client_queue_write_bytes"] == 8192
+    assert bytes(ctrl.disks[2][4096:4096 + 8192]) == data
