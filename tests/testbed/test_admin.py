@@ -140,6 +140,7 @@ def test_fstab_line_mounts_and_umount_flushes_and_disconnects(testbed, root, fst
 
 @pytest.mark.slow
 def test_mount_t_with_a_uri_ending_in_an_nsid_mounts_that_namespace(testbed, root):
+    ok("nvmeof-fuse", "install-helper")  # mount(8) finds nvmeof-fuse on its default PATH
     point = f"{root}/n2only"
     os.makedirs(point, exist_ok=True)
     baseline = rc_qps()
