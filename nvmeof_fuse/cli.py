@@ -296,7 +296,8 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 def daemon_command(args: argparse.Namespace, argv: Sequence[str]) -> list[str]:
     """This command line in foreground form, with an absolute mountpoint (it runs in /)."""
-    rest = [a for a in argv if a != "--daemon"]
+    # argparse also takes a unique prefix (--dae): left in, the child would detach again.
+    rest = [a for a in argv if not (len(a) > 4 and "--daemon".startswith(a))]
     i = len(rest) - 1 - rest[::-1].index(args.mountpoint)
     rest[i] = os.path.abspath(args.mountpoint)
     return [sys.executable, "-m", "nvmeof_fuse.cli", *rest]

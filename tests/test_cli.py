@@ -227,6 +227,15 @@ def test_daemon_command_is_foreground_with_absolute_mountpoint(monkeypatch, tmp_
     assert cmd[3:] == [*MOUNT, str(tmp_path / "mnt")]
 
 
+@pytest.mark.parametrize("flag", ["--dae", "--daem", "--daemo"])
+def test_daemon_command_drops_an_abbreviated_daemon_flag(flag):
+    """argparse takes ``--dae`` for ``--daemon``: left in, the child would detach again,
+    and its child too, without end."""
+    argv = [*MOUNT, flag, "/mnt"]
+    cmd = cli.daemon_command(cli.parse_args(argv), argv)
+    assert not cli.parse_args(cmd[3:]).daemon
+
+
 # --- discover and list ------------------------------------------------------------------
 
 
