@@ -295,11 +295,17 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 def daemon_command(args: argparse.Namespace, argv: Sequence[str]) -> list[str]:
-    """This command line in foreground form, with an absolute mountpoint (it runs in /)."""
+    """This command line in foreground form, with an absolute mountpoint and secret files
+    (it runs in /)."""
     # argparse also takes a unique prefix (--dae): left in, the child would detach again.
     rest = [a for a in argv if not (len(a) > 4 and "--daemon".startswith(a))]
     i = len(rest) - 1 - rest[::-1].index(args.mountpoint)
     rest[i] = os.path.abspath(args.mountpoint)
+    # Secret files too: the daemon reads them again, at connect and reconnect (the last wins).
+    for option, value in (("--dhchap-secret", args.dhchap_secret),
+                          ("--dhchap-ctrl-secret", args.dhchap_ctrl_secret)):
+        if value and ":" not in value and not os.path.isabs(value):  # a file (see auth)
+            rest += [option, os.path.abspath(value)]
     return [sys.executable, "-m", "nvmeof_fuse.cli", *rest]
 
 

@@ -236,6 +236,21 @@ def test_daemon_command_drops_an_abbreviated_daemon_flag(flag):
     assert not cli.parse_args(cmd[3:]).daemon
 
 
+def test_daemon_command_makes_secret_files_absolute(monkeypatch, tmp_path):
+    """The daemon runs in /, and reads the secret files again (at connect and reconnect)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "host.key").write_text(SECRET + "\n")
+    (tmp_path / "ctrl.key").write_text(SECRET + "\n")
+    argv = [*MOUNT, "--daemon", "-S", "host.key", "--dhchap-ctrl-secret=ctrl.key", "mnt"]
+    cmd = cli.daemon_command(cli.parse_args(argv), argv)
+    monkeypatch.chdir("/")
+    child = cli.parse_args(cmd[3:])
+    opts = cli.connect_options(child, nqn=child.nqn, default_port=4420)
+    assert (opts.dhchap_secret, opts.dhchap_ctrl_secret) == (
+        str(tmp_path / "host.key"), str(tmp_path / "ctrl.key"))
+    assert child.mountpoint == str(tmp_path / "mnt")
+
+
 # --- discover and list ------------------------------------------------------------------
 
 
