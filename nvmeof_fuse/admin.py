@@ -65,7 +65,7 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
                                            "nqn.2014-08.org.example:probe", "/"])
     cli.connect_options(probe, nqn=probe.nqn, default_port=4420)
     cli.mount_options(probe)
-    return common, probe.log_file
+    return common + cli.absolute_secret_files(probe), probe.log_file
 
 
 def _mount_one(o: Outcome, log_file: str | None) -> None:

@@ -301,12 +301,18 @@ def daemon_command(args: argparse.Namespace, argv: Sequence[str]) -> list[str]:
     rest = [a for a in argv if not (len(a) > 4 and "--daemon".startswith(a))]
     i = len(rest) - 1 - rest[::-1].index(args.mountpoint)
     rest[i] = os.path.abspath(args.mountpoint)
-    # Secret files too: the daemon reads them again, at connect and reconnect (the last wins).
+    return [sys.executable, "-m", "nvmeof_fuse.cli", *rest, *absolute_secret_files(args)]
+
+
+def absolute_secret_files(args: argparse.Namespace) -> list[str]:
+    """Options that name the secret files given relative by absolute path (the last of an
+    option wins), for a daemon that runs in / and reads them again at each (re)connect."""
+    extra = []
     for option, value in (("--dhchap-secret", args.dhchap_secret),
                           ("--dhchap-ctrl-secret", args.dhchap_ctrl_secret)):
         if value and ":" not in value and not os.path.isabs(value):  # a file (see auth)
-            rest += [option, os.path.abspath(value)]
-    return [sys.executable, "-m", "nvmeof_fuse.cli", *rest]
+            extra += [option, os.path.abspath(value)]
+    return extra
 
 
 def spawn_daemon(

@@ -4,7 +4,7 @@ import json
 import re
 
 import pytest
-from test_cli import host, one_line_error  # noqa: F401  (host is a fixture)
+from test_cli import SECRET, host, one_line_error  # noqa: F401  (host is a fixture)
 
 from nvmeof_fuse import cli, mountall
 from nvmeof_fuse.errors import InvalidArgument
@@ -98,6 +98,21 @@ def test_mount_all(capsys, host, spawned, tmp_path, monkeypatch):  # noqa: F811
     assert cli.main(["mount-all", "-a", "192.0.2.1", "-o", "json", str(root)]) == 0
     assert [o["status"] for o in json.loads(capsys.readouterr().out)] == ["already mounted"] * 2
     assert len(spawned) == 2
+
+
+def test_mount_all_makes_secret_files_absolute(host, spawned, tmp_path,  # noqa: F811
+                                               monkeypatch):
+    """Each mount runs in /, where a relative dhchap_secret names another file or none."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "host.key").write_text(SECRET + "\n")
+    host.page = Page(rec(S1))
+    assert cli.main(["mount-all", "-a", "192.0.2.1", "-O", "dhchap_secret=host.key",
+                     str(tmp_path / "root")]) == 0
+    [argv] = spawned
+    monkeypatch.chdir("/")
+    args = cli.parse_args(argv[3:])
+    assert args.dhchap_secret == str(tmp_path / "host.key")
+    cli.connect_options(args, nqn=args.nqn, default_port=4420)
 
 
 def test_mount_all_failures_are_rows(capsys, host, spawned, tmp_path):  # noqa: F811
