@@ -157,6 +157,8 @@ class LbaRangeLock:
         self._queue: list[_Request] = []  # held and waiting, in arrival order
         self._exclusive = 0  # requests in the queue with an exclusive part
         self._waiting = 0  # requests in the queue not granted yet
+        self.on_wait: Callable[[], None] | None = None
+        """Called when a request has to wait (a holder may then be asked to let go)."""
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -186,6 +188,8 @@ class LbaRangeLock:
         req.event = trio.Event()
         self._waiting += 1
         try:
+            if self.on_wait is not None:
+                self.on_wait()
             await req.event.wait()
         except BaseException:
             self.release(req)  # cancelled while waiting (or granted as it was cancelled)

@@ -15,7 +15,7 @@ from .. import nvme
 from ..concurrency import run_all
 from ..errors import CommandTimeout, InvalidArgument, NamespaceRemoved, TransportError
 from ..nvme import command as cmd
-from .byterange import ByteRangeIO
+from .byterange import ByteRangeIO, LbaRangeLock
 from .memory import DataRef
 from .stats import IoStats
 
@@ -204,6 +204,11 @@ class Namespace:
     def write_locked(self, offset: int, length: int):
         """Hold the range lock a write of these bytes takes (see ByteRangeIO.write_locked)."""
         return self._bytes.write_locked(offset, length)
+
+    @property
+    def write_lock(self) -> LbaRangeLock:
+        """The LBA range lock every write holds (:class:`LbaRangeLock`)."""
+        return self._bytes.lock
 
     # -- other commands --------------------------------------------------------------------------
 

@@ -316,6 +316,26 @@ def test_range_lock_is_fifo_and_shares_aligned_ranges():
     run(main)
 
 
+def test_range_lock_tells_on_wait_only_of_requests_that_must_wait():
+    """``on_wait`` lets a holder be asked to let go (a companion write delegation)."""
+    lock = LbaRangeLock()
+    waits = []
+    lock.on_wait = lambda: waits.append(len(lock))
+
+    async def main():
+        held = await lock.acquire([(0, 4, True)])
+        other = await lock.acquire([(4, 4, True)])  # no conflict: granted at once
+        assert waits == []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lock.acquire, [(2, 1, False)])
+            await trio.testing.wait_all_tasks_blocked()
+            assert waits == [3]  # told as it queued behind the holder
+            lock.release(held)
+        lock.release(other)
+
+    run(main)
+
+
 def test_range_lock_waiter_cancelled_leaves_no_trace():
     """A request cancelled while it waits leaves the queue; those behind it still get in."""
     lock = LbaRangeLock()
