@@ -23,6 +23,7 @@ import trio
 
 from ..errors import InvalidArgument, NVMeoFError
 from . import protocol
+from .delegation import Delegations
 from .protocol import Piece, ProtocolError
 from .session import CompanionStats, ReadOnly, Registered, Session
 
@@ -73,14 +74,21 @@ class CompanionServer:
         # Awaited with the nsid after each write, before the client hears it is done: the
         # mount drops the kernel's cached pages there, which the write went around.
         self.on_write: Callable[[int], Awaitable[None]] | None = None
+        self.delegations = Delegations(self._written)
 
     def info(self) -> dict[str, Any]:
         """What ``.nvmeof/companion.json`` shows: where and whose the socket is."""
         return {"socket": "@" + self.address[1:], "pid": os.getpid(), "uid": self.owner_uid,
                 "version": protocol.VERSION}
 
+    async def _written(self, nsid: int) -> None:
+        if self.on_write is not None:
+            await self.on_write(nsid)
+
     def snapshot(self) -> dict[str, Any]:
         return {**self.stats.snapshot(),
+                "delegations_granted": self.delegations.granted,
+                "delegations_recalled": self.delegations.recalled,
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
                               **s.counts} for s in self.sessions]}
 
@@ -255,9 +263,9 @@ class CompanionServer:
             self._unlease(session)
             return {}
         if op == "lock":
-            token = await self.lock(session, f(header, "nsid"), f(header, "offset"),
-                                    f(header, "length"), f(header, "hold_s"))
-            return {"token": token}
+            return await self.lock(session, f(header, "nsid"), f(header, "offset"),
+                                   f(header, "length"), f(header, "hold_s"),
+                                   delegate=header.get("delegate") is True)
         if op == "unlock":
             session.report(header.get("moved") or {})
             await self.unlock(session, f(header, "token"), f(header, "nsid"))
@@ -363,10 +371,12 @@ class CompanionServer:
         return found
 
     async def lock(self, session: Session, nsid: int, offset: int, length: int,
-                   timeout: float) -> int:
-        """Hold the range lock of a write the client makes on its own queues; a token.
+                   timeout: float, delegate: bool = False) -> dict[str, Any]:
+        """Hold the range lock of a write the client makes on its own queues: its token.
 
-        Held until :meth:`unlock`, the client's end, or ``timeout`` plus a grace.
+        Held until :meth:`unlock`, the client's end, or ``timeout`` plus a grace.  With
+        ``delegate``, the whole namespace instead when nobody else uses it (``delegated``
+        in the reply; :mod:`~nvmeof_fuse.companion.delegation`).
         """
         if self.read_only:
             raise ReadOnly("the namespace is mounted read-only")
@@ -377,8 +387,12 @@ class CompanionServer:
         if timeout < 0:
             raise InvalidArgument(f"bad write lock: hold_s {timeout} is negative")
         assert session.nursery is not None
-        release = trio.Event()
         limit = timeout + LOCK_GRACE
+        if delegate:
+            token = await self.delegations.grant(session, ns, nsid, limit)
+            if token is not None:
+                return {"token": token, "delegated": True}
+        release = trio.Event()
 
         async def hold(task_status: trio.TaskStatus[None]) -> None:
             with trio.move_on_after(limit) as held:
@@ -393,11 +407,16 @@ class CompanionServer:
             await session.nursery.start(hold)
             session.next_token += 1
             session.write_locks[session.next_token] = release
-            return session.next_token
+            return {"token": session.next_token}
         raise NoLease("the client went away while waiting for a write lock")
 
     async def unlock(self, session: Session, token: int, nsid: int) -> None:
-        """The client's write is done: drop cached pages, then release its lock."""
+        """The client's write is done: drop cached pages, then release its lock (or the
+        client hands back its delegation)."""
+        delegation = self.delegations.of(session, token)
+        if delegation is not None:
+            await self.delegations.hand_back(delegation)
+            return
         release = session.write_locks.pop(token, None)
         if release is None:
             raise InvalidArgument(f"write lock {token} is not held")
