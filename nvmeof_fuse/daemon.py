@@ -70,6 +70,8 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
 
                 fs = await inner.start(filesystem)
                 companion.on_write = fs.drop_cached  # companion writes bypass the page cache
+                companion.delegations.files_open = fs.file_open
+                fs.before_open = companion.delegations.wait_returned
                 names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
                 log.info("mounted %s at %s", names or "no namespaces", path)
                 ready(ctrl, companion)

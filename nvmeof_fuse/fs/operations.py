@@ -117,6 +117,9 @@ class NamespaceFS:
         self.nodes: dict[int, _Node] = {}
         self.ns_inodes: dict[int, int] = {}  # nsid -> inode of n<nsid>
         self.handles: dict[int, _Handle] = {}
+        self.before_open: Callable[[int], Awaitable[None]] | None = None
+        """Awaited with the nsid when a namespace file is opened, before the open is
+        answered (the companion server recalls a write delegation of it)."""
         self._fh = itertools.count(1)
         self._idle = trio.Event()  # set while no file is open
         self._idle.set()
@@ -331,6 +334,12 @@ class NamespaceFS:
             return FileInfo(fh=fh, direct_io=True, keep_cache=False)
         # O_TRUNC is deliberately ignored, as on a block device.
         self.handles[fh] = _Handle(node, writable)
+        if self.before_open is not None:
+            try:
+                await self.before_open(node.ns.nsid)
+            except BaseException:
+                await self.release(fh)  # never answered: the kernel will not release it
+                raise
         direct = bool(flags & os.O_DIRECT)
         # Parallel direct writes: the namespace's range lock orders overlapping writes (and
         # their read-modify-write), so the kernel need not serialize them per file.
@@ -381,6 +390,11 @@ class NamespaceFS:
         self.handles.pop(fh, None)
         if not self.handles:
             self._idle.set()
+
+    def file_open(self, nsid: int) -> bool:
+        """Whether a handle of ``n<nsid>`` is open."""
+        return any(isinstance(h.node, _NsFile) and h.node.ns.nsid == nsid
+                   for h in self.handles.values())
 
     async def drop_cached(self, nsid: int) -> None:
         """Make the kernel forget its cached pages of ``n<nsid>``, whose data changed behind

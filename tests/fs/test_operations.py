@@ -138,6 +138,24 @@ def test_read_only_open_does_not_flush_on_close(fs, ctrl):
     assert ctrl.namespaces[1].flushes == 0
 
 
+def test_before_open_runs_with_the_handle_counted_and_a_failure_releases_it(fs):
+    seen = []
+
+    async def before_open(nsid):
+        seen.append((nsid, fs.file_open(nsid), fs.file_open(7)))
+        if len(seen) == 2:
+            raise FUSEError(errno.EIO)
+
+    fs.before_open = before_open  # the companion recalls a write delegation here
+    fi = call(fs.open, lookup(fs, "n1"), os.O_RDONLY, None)
+    assert seen == [(1, True, False)]
+    with pytest.raises(FUSEError):
+        call(fs.open, lookup(fs, "n7"), os.O_RDONLY, None)
+    assert not fs.file_open(7) and fs.file_open(1)
+    call(fs.release, fi.fh)
+    assert not fs.file_open(1)
+
+
 def test_o_direct_open_gets_direct_io(fs):
     fi = call(fs.open, lookup(fs, "n1"), os.O_RDONLY | os.O_DIRECT, None)
     assert fi.direct_io and not fi.keep_cache
