@@ -53,6 +53,12 @@ POLLED_MAX_BYTES = 128 * 1024
 which the polled path saves; what a large one costs is the transfer, which the target and
 the fabric move in parallel per queue, so those are spread over the loop's queues."""
 REPORT_INTERVAL = 1.0  # s between reports of this client's byte counts to the daemon
+REDELEGATE_AFTER = 1.0
+"""Seconds after a recall before this client asks for a namespace's delegation again (a
+namespace that FUSE or another client uses now and then is not bounced back and forth)."""
+REDELEGATE_MAX = 16.0
+"""Seconds between asks at most while the daemon keeps refusing (the namespace is in use):
+each ask waits for this client's range-locked writes of it to finish first."""
 RENEW_FOREVER = 365 * 86400.0  # s: bound of a lease wait when the mount never gives up
 
 
@@ -167,6 +173,19 @@ def _owning_span(addr: int, size: int, obj: Any) -> tuple[Any, int, int]:
     return None, addr, size
 
 
+class _Delegated:
+    """A namespace the daemon delegated to us (:mod:`~nvmeof_fuse.companion.delegation`)."""
+
+    __slots__ = ("token", "hold_s", "inflight", "recalled", "returned")
+
+    def __init__(self, token: int, hold_s: int, recalled: bool = False) -> None:
+        self.token = token
+        self.hold_s = hold_s  # what our writes under it may take (the daemon's bound)
+        self.inflight = 0  # writes under it not done yet
+        self.recalled = recalled  # no new writes under it: hand it back once idle
+        self.returned = False
+
+
 class DirectQueues:
     """Leased I/O queues of this process on a mount (one per :class:`File`)."""
 
@@ -180,6 +199,13 @@ class DirectQueues:
         self._polled_lock = threading.Lock()
         self._reported = dict(self._moved)
         self._shapes = {shape.nsid: shape for shape in self._first.namespaces}
+        self._delegated: dict[int, _Delegated] = {}  # nsid -> its delegation (loop-owned)
+        self._delegate_after: dict[int, float] = {}  # nsid -> no asking before (monotonic)
+        self._delegate_delay: dict[int, float] = {}  # nsid -> next wait after a refusal
+        self._asking: dict[int, trio.Event] = {}  # nsid -> set once its delegation ask ends
+        self._range_locked: dict[int, int] = {}  # nsid -> our range-locked writes in flight
+        self._drained: dict[int, trio.Event] = {}  # nsid -> set when those reach none
+        self._nursery: trio.Nursery | None = None
         self._max_transfer = self._first.max_transfer
         self._per_command = {shape.nsid: nvme_cmd.lbas_per_command(self._max_transfer,
                                                                      shape.lba_size)
@@ -212,15 +238,21 @@ class DirectQueues:
             self._channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)
             try:
                 async with trio.open_nursery() as nursery:
+                    self._nursery = nursery
                     nursery.start_soon(self._report_now_and_then)
                     yield ctrl
                     nursery.cancel_scope.cancel()
             finally:
+                self._nursery = None
                 self._channel.on_event = None
                 self._registrations.close()
 
     def _on_event(self, event: dict) -> None:
-        """News from the daemon (on the loop): a lost controller revokes our queues."""
+        """News from the daemon (on the loop): a delegation recalled, or our queues revoked
+        with a lost controller."""
+        if event.get("event") == "recall":
+            self._recalled(event.get("nsid"), event.get("token"))
+            return
         if event.get("event") != "revoked" or not self._ctrl.io_queues:
             return
         log.info("the mount daemon lost the controller (%s): reconnecting our queues",
@@ -246,6 +278,8 @@ class DirectQueues:
         """Release a write lock its writer stopped waiting for (on the reader thread)."""
         if future.exception() is not None or not future.result().get("ok"):
             return
+        if future.result().get("delegated"):
+            return  # a delegation is handed back when the daemon recalls it
         try:
             self._channel.call_future("unlock", token=future.result()["token"], nsid=nsid,
                                       moved=self.moved())
@@ -342,26 +376,132 @@ class DirectQueues:
     async def write(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
                     get: Any) -> int:
         """Write ``size`` bytes from ``region`` at ``at`` to ``file_offset``, under the
-        daemon's write lock; ``get(start, length)`` gives caller bytes of the end LBAs."""
-        ns = self._ctrl.namespaces[nsid]
+        daemon's write lock or its delegation of the namespace; ``get(start, length)``
+        gives caller bytes of the end LBAs."""
         budget = self._timeout + size / 5e6
-        reply = await self._ask("lock", budget, nsid=nsid, offset=file_offset, length=size,
-                                hold_s=math.ceil(budget))
+        hold_s = math.ceil(budget)
+        while True:
+            held = self._delegated.get(nsid)
+            if held is not None and not held.recalled and hold_s <= held.hold_s:
+                break  # the common case once delegated: no round trip to the daemon
+            asking = self._asking.get(nsid)
+            if asking is not None:  # another write asks for the delegation: wait for it
+                await asking.wait()
+                continue
+            # (A recalled delegation not handed back yet: range locks wait for the hand-back.)
+            delegate = (held is None or held.returned) and self._may_delegate(nsid)
+            if delegate:
+                reply = await self._ask_delegation(nsid, file_offset, size, hold_s, budget)
+            else:
+                reply = await self._ask("lock", budget, nsid=nsid, offset=file_offset,
+                                        length=size, hold_s=hold_s)
+            if not reply.get("delegated"):
+                await self._write_range_locked(nsid, region, at, size, file_offset, get,
+                                               reply["token"])
+                return size
+            held = self._delegated.get(nsid)
+            if held is None or held.token != reply["token"]:  # a new delegation
+                held = self._delegated[nsid] = _Delegated(reply["token"], hold_s)
+                break
+            if not held.returned:  # ours still (maybe recalled: this write ends first)
+                break
+        held.inflight += 1
         try:
-            async def write_middle(slba: int, nlb: int) -> None:
-                start = slba * ns.lba_size - file_offset
-                await ns.write_from(slba, nlb, region.ref(at + start, nlb * ns.lba_size))
-
-            await ns.write_placed(file_offset, size,
-                                  lambda edge: get(edge.data.start,
-                                                   edge.data.stop - edge.data.start),
-                                  write_middle)
-            self._moved["client_queue_write_bytes"] += size
+            await self._write_placed(nsid, region, at, size, file_offset, get)
         finally:
-            with trio.CancelScope(shield=True):
-                await self._ask("unlock", self._timeout, token=reply["token"], nsid=nsid,
-                                moved=self.moved())
+            held.inflight -= 1
+            if held.recalled and not held.inflight:
+                self._hand_back(nsid, held)
         return size
+
+    async def _ask_delegation(self, nsid: int, file_offset: int, size: int, hold_s: int,
+                              budget: float) -> dict:
+        """Ask for ``n<nsid>``'s delegation (or else a range lock of this write), one write
+        at a time; the others wait for the answer.  The daemon delegates only a namespace
+        of which nobody holds a range, so our own range-locked writes drain first."""
+        asking = self._asking[nsid] = trio.Event()
+        try:
+            with trio.move_on_after(budget):  # (each is bounded; if not, the daemon refuses)
+                while self._range_locked.get(nsid):
+                    await self._drained.setdefault(nsid, trio.Event()).wait()
+            reply = await self._ask("lock", budget, nsid=nsid, offset=file_offset,
+                                    length=size, hold_s=hold_s, delegate=True)
+        finally:
+            del self._asking[nsid]
+            asking.set()
+        if reply.get("delegated"):
+            self._delegate_delay[nsid] = REDELEGATE_AFTER
+        else:  # used by others: ask again later, less often while that lasts
+            delay = self._delegate_delay.get(nsid, REDELEGATE_AFTER)
+            self._delegate_after[nsid] = time.monotonic() + delay
+            self._delegate_delay[nsid] = min(2 * delay, REDELEGATE_MAX)
+        return reply
+
+    async def _write_range_locked(self, nsid: int, region: Region, at: int, size: int,
+                                  file_offset: int, get: Any, token: int) -> None:
+        self._range_locked[nsid] = self._range_locked.get(nsid, 0) + 1
+        try:
+            await self._write_placed(nsid, region, at, size, file_offset, get)
+        finally:
+            try:
+                with trio.CancelScope(shield=True):
+                    await self._ask("unlock", self._timeout, token=token, nsid=nsid,
+                                    moved=self.moved())
+            finally:
+                self._range_locked[nsid] -= 1
+                if not self._range_locked[nsid] and nsid in self._drained:
+                    self._drained.pop(nsid).set()
+
+    async def _write_placed(self, nsid: int, region: Region, at: int, size: int,
+                            file_offset: int, get: Any) -> None:
+        ns = self._ctrl.namespaces[nsid]
+
+        async def write_middle(slba: int, nlb: int) -> None:
+            start = slba * ns.lba_size - file_offset
+            await ns.write_from(slba, nlb, region.ref(at + start, nlb * ns.lba_size))
+
+        await ns.write_placed(file_offset, size,
+                              lambda edge: get(edge.data.start, edge.data.stop - edge.data.start),
+                              write_middle)
+        self._moved["client_queue_write_bytes"] += size
+
+    def _may_delegate(self, nsid: int) -> bool:
+        return time.monotonic() >= self._delegate_after.get(nsid, 0.0)
+
+    def _recalled(self, nsid: Any, token: Any) -> None:
+        """The daemon wants ``n<nsid>`` back: no new writes under it; hand it back once the
+        writes under it are done."""
+        if not isinstance(nsid, int) or not isinstance(token, int):
+            return
+        self._delegate_after[nsid] = time.monotonic() + REDELEGATE_AFTER
+        held = self._delegated.get(nsid)
+        if held is None or held.token != token:  # granted, the reply still on its way
+            held = self._delegated[nsid] = _Delegated(token, 0, recalled=True)
+            if self._nursery is not None:  # its writer hands it back, or this does
+                self._nursery.start_soon(self._hand_back_unclaimed, nsid, held)
+            return
+        held.recalled = True
+        if not held.inflight:
+            self._hand_back(nsid, held)
+
+    def _hand_back(self, nsid: int, held: _Delegated) -> None:
+        if held.returned or self._nursery is None:
+            return  # (with no loop left, the daemon takes it back as the client goes)
+        held.returned = True
+        self._nursery.start_soon(self._give_back, nsid, held.token)
+
+    async def _hand_back_unclaimed(self, nsid: int, held: _Delegated) -> None:
+        """Hand back a recalled delegation whose grant no write took up (its lock request
+        had timed out here): the daemon need not wait for its bound."""
+        await trio.sleep(REDELEGATE_AFTER)
+        if not held.inflight:
+            self._hand_back(nsid, held)
+
+    async def _give_back(self, nsid: int, token: int) -> None:
+        try:
+            await self._ask("unlock", self._timeout, token=token, nsid=nsid, moved=self.moved())
+        except NVMeoFError as exc:  # the daemon is gone, or takes it back at its bound
+            log.debug("handing back the delegation of n%d: %s", nsid, exc)
 
     # -- polled reads (the caller's thread drives a queue of ours) -------------------------
 

@@ -344,3 +344,78 @@ def test_a_write_from_read_only_memory_goes_out_on_the_files_own_queues(served):
         assert f.write(data, file_offset=4096) == 8192
         assert f.stats()["client_queue_write_bytes"] == 8192
     assert bytes(ctrl.disks[2][4096:4096 + 8192]) == data
+
+
+def test_writes_under_a_delegation_ask_the_daemon_once_and_a_recall_is_answered(
+        served, monkeypatch):
+    ctrl, fabric, server, mnt = served
+    asked = _count_lock_asks(server, monkeypatch)
+    ns = ctrl.namespaces[2]
+    bufs = nvmeof_fuse.empty((16, 10_000))
+    for i in range(16):
+        bufs[i][:] = i + 1
+    fuse_written = threading.Event()
+
+    async def fuse_write() -> None:  # a FUSE write of another range, on the daemon's loop
+        await ns.write(5, b"FUS")
+        fuse_written.set()
+
+    with File(str(mnt / "n2")) as f:
+        for i in range(8):  # unaligned: the client read-modify-writes the end LBAs itself
+            assert f.write(bufs[i], file_offset=100 + i * 10_000) == 10_000
+        assert asked == [True]  # one request to the daemon: the delegation
+        futures = [f.pwrite(bufs[i], 10_000, 100 + i * 10_000) for i in range(16)]
+        trio.from_thread.run_sync(trio.lowlevel.spawn_system_task, fuse_write,
+                                  trio_token=server.trio_token)
+        assert [fut.get(10) for fut in futures] == [10_000] * 16
+        assert fuse_written.wait(10)  # recalled, and handed back once its writes were done
+        assert f.write(bufs[0], file_offset=100) == 10_000  # a range lock now
+        assert asked[-1] is False  # not asked again right after a recall
+        stats = f.stats()
+    assert stats["delegations_granted"] == 1 and stats["delegations_recalled"] == 1
+    assert stats["client_queue_write_bytes"] == 25 * 10_000
+    disk = ctrl.disks[2]
+    assert bytes(disk[5:8]) == b"FUS"
+    for i in range(16):
+        at = 100 + i * 10_000
+        assert bytes(disk[at:at + 10_000]) == bytes(bufs[i]), i
+
+
+def _count_lock_asks(server, monkeypatch) -> list:
+    asked: list = []
+    lock = server.lock
+
+    async def counted(*args, **kwargs):
+        asked.append(kwargs.get("delegate"))
+        return await lock(*args, **kwargs)
+
+    monkeypatch.setattr(server, "lock", counted)
+    return asked
+
+
+def test_a_burst_of_writes_asks_for_the_delegation_once_and_recalls_nothing(
+        served, monkeypatch):
+    ctrl, fabric, server, mnt = served
+    asked = _count_lock_asks(server, monkeypatch)
+    bufs = nvmeof_fuse.empty((16, 10_000))
+    with File(str(mnt / "n2")) as f:
+        futures = [f.pwrite(bufs[i], 10_000, 100 + i * 10_000) for i in range(16)]
+        assert [fut.get(10) for fut in futures] == [10_000] * 16
+        stats = f.stats()
+    assert asked == [True]  # the others waited for its answer
+    assert (stats["delegations_granted"], stats["delegations_recalled"]) == (1, 0)
+
+
+def test_a_refused_delegation_is_not_asked_for_again_by_each_write(served, monkeypatch):
+    ctrl, fabric, server, mnt = served
+    asked = _count_lock_asks(server, monkeypatch)
+    server.delegations.files_open = lambda nsid: True  # FUSE has the file open
+    bufs = nvmeof_fuse.empty((16, 10_000))
+    with File(str(mnt / "n2")) as f:
+        futures = [f.pwrite(bufs[i], 10_000, 100 + i * 10_000) for i in range(16)]
+        assert [fut.get(10) for fut in futures] == [10_000] * 16
+        assert f.write(bufs[0], file_offset=0) == 10_000
+        stats = f.stats()
+    assert asked == [True] + [False] * 16  # range locks, until the back-off runs out
+    assert stats["delegations_granted"] == 0
+    assert bytes(ctrl.disks[2][:10_000]) == bytes(bufs[0])
