@@ -71,9 +71,11 @@ class CompanionServer:
         self.stats = CompanionStats()
         self.sessions: set[Session] = set()
         self.quarantine: list[Registered] = []  # regions whose command timed out
-        # Awaited with the nsid after each write, before the client hears it is done: the
-        # mount drops the kernel's cached pages there, which the write went around.
-        self.on_write: Callable[[int], Awaitable[None]] | None = None
+        # Awaited with the nsid, offset and length (0: all of it) after each write, before
+        # the client hears it is done: the mount drops the kernel's cached pages there,
+        # which the write went around.
+        self.on_write: Callable[[int, int, int], Awaitable[None]] | None = None
+        self._locked: dict[trio.Event, tuple[int, int, int]] = {}  # lock -> nsid, its bytes
         self.delegations = Delegations(self._written)
 
     def info(self) -> dict[str, Any]:
@@ -81,9 +83,9 @@ class CompanionServer:
         return {"socket": "@" + self.address[1:], "pid": os.getpid(), "uid": self.owner_uid,
                 "version": protocol.VERSION}
 
-    async def _written(self, nsid: int) -> None:
+    async def _written(self, nsid: int, offset: int = 0, length: int = 0) -> None:
         if self.on_write is not None:
-            await self.on_write(nsid)
+            await self.on_write(nsid, offset, length)
 
     def snapshot(self) -> dict[str, Any]:
         return {**self.stats.snapshot(),
@@ -397,8 +399,12 @@ class CompanionServer:
         async def hold(task_status: trio.TaskStatus[None]) -> None:
             with trio.move_on_after(limit) as held:
                 async with ns.write_locked(offset, length):
-                    task_status.started()
-                    await release.wait()
+                    self._locked[release] = (nsid, offset, length)
+                    try:
+                        task_status.started()
+                        await release.wait()
+                    finally:
+                        self._locked.pop(release, None)
             if held.cancelled_caught:
                 log.warning("companion: %s held a write lock on n%d for over %g s; released",
                             session.peer, nsid, limit)
@@ -421,16 +427,15 @@ class CompanionServer:
         if release is None:
             raise InvalidArgument(f"write lock {token} is not held")
         try:
-            if self.on_write is not None:
-                await self.on_write(nsid)
+            await self._written(*self._locked.get(release, (nsid, 0, 0)))
         finally:
             release.set()
 
-    async def write(self, session: Session, nsid: int, *args: Any) -> None:
-        """``session.write(nsid, *args)``, then ``on_write(nsid)``."""
-        await session.write(nsid, *args)
-        if self.on_write is not None:
-            await self.on_write(nsid)
+    async def write(self, session: Session, nsid: int, offset: int, length: int,
+                    *args: Any) -> None:
+        """``session.write(nsid, offset, length, *args)``, then ``on_write``."""
+        await session.write(nsid, offset, length, *args)
+        await self._written(nsid, offset, length)
 
     def hello(self) -> dict[str, Any]:
         ctrl = self.controller

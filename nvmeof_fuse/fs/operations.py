@@ -46,7 +46,8 @@ _STATIC_TIMEOUT = 60.0  # s: namespace sizes and the tree never change while mou
 class Kernel(Protocol):
     """Where the filesystem asks the kernel to forget what it caches (the FUSE session)."""
 
-    async def invalidate_inode(self, inode: int, attr_only: bool = False) -> None: ...
+    async def invalidate_inode(self, inode: int, attr_only: bool = False, offset: int = 0,
+                               length: int = 0) -> None: ...
 
     async def invalidate_entry(self, parent: int, name: bytes) -> None: ...
 
@@ -196,10 +197,13 @@ class NamespaceFS:
         await self._ask_kernel(lambda kernel: kernel.invalidate_entry(parent, name),
                                f"make the kernel forget {name.decode()!r}")
 
-    async def _invalidate(self, inode: int, attr_only: bool = False) -> None:
-        """Make the kernel forget what it caches of ``inode`` (its pages, or its attributes)."""
-        await self._ask_kernel(lambda kernel: kernel.invalidate_inode(inode, attr_only),
-                               f"drop the kernel's cache of inode {inode}")
+    async def _invalidate(self, inode: int, attr_only: bool = False, offset: int = 0,
+                          length: int = 0) -> None:
+        """Make the kernel forget what it caches of ``inode`` (its pages, those of
+        ``length`` bytes at ``offset`` when ``length`` is not 0, or its attributes)."""
+        await self._ask_kernel(
+            lambda kernel: kernel.invalidate_inode(inode, attr_only, offset, length),
+            f"drop the kernel's cache of inode {inode}")
 
     async def _ask_kernel(self, ask: Callable[[Kernel], Awaitable[None]], what: str) -> None:
         """Have the kernel forget something it caches, within INVALIDATE_TIMEOUT; ENOENT
@@ -396,13 +400,14 @@ class NamespaceFS:
         return any(isinstance(h.node, _NsFile) and h.node.ns.nsid == nsid
                    for h in self.handles.values())
 
-    async def drop_cached(self, nsid: int) -> None:
-        """Make the kernel forget its cached pages of ``n<nsid>``, whose data changed behind
-        FUSE (a companion write), so buffered readers see the new data."""
+    async def drop_cached(self, nsid: int, offset: int = 0, length: int = 0) -> None:
+        """Make the kernel forget its cached pages of ``n<nsid>`` (of ``length`` bytes at
+        ``offset``; 0: all), whose data changed behind FUSE (a companion write), so
+        buffered readers see the new data."""
         inode = self.ns_inodes.get(nsid)
         if inode is None:
             return
-        await self._invalidate(inode)
+        await self._invalidate(inode, offset=offset, length=length)
 
     async def wait_idle(self) -> None:
         """Return once no file is open (after the last release)."""

@@ -451,8 +451,11 @@ class FuseSession:
         fd = self.fd
         await trio.to_thread.run_sync(os.write, fd, message, abandon_on_cancel=True)
 
-    async def invalidate_inode(self, inode: int, attr_only: bool = False) -> None:
-        await self.notify(wire.inval_inode(inode, -1 if attr_only else 0, 0))
+    async def invalidate_inode(self, inode: int, attr_only: bool = False, offset: int = 0,
+                               length: int = 0) -> None:
+        """Drop ``inode``'s attributes, and its cached pages from ``offset`` (``length`` 0:
+        to the end) unless ``attr_only``."""
+        await self.notify(wire.inval_inode(inode, -1 if attr_only else offset, length))
 
     async def invalidate_entry(self, parent: int, name: bytes) -> None:
         await self.notify(wire.inval_entry(parent, name))

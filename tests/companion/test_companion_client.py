@@ -90,7 +90,7 @@ def test_the_mount_hears_of_each_write_before_the_client_does(served):
     ctrl, server, mnt = served
     heard = []
 
-    async def on_write(nsid):
+    async def on_write(nsid, offset, length):
         await trio.sleep(0.05)  # the client's write waits for this
         heard.append(nsid)
 

@@ -25,8 +25,9 @@ def served(tmp_path):
     with serving(ctrl, tmp_path) as (server, mnt):
         dropped: list[int] = []
 
-        async def drop(nsid: int) -> None:
-            dropped.append(nsid)
+        async def drop(nsid: int, offset: int, length: int) -> None:
+            # A delegation drops all of them (any LBA may have changed), a lock its range.
+            dropped.append((nsid, offset, length) if length else nsid)
 
         server.on_write = drop
         yield ctrl, server, dropped

@@ -86,10 +86,10 @@ def test_no_lease_says_why(tmp_path, queues, transport, why):
 def test_a_held_write_lock_keeps_a_read_modify_write_out_until_unlock(served):
     """A FUSE write of a partial LBA waits for a client's lock on that LBA."""
     ctrl, server = served
-    dropped: list[int] = []
+    dropped: list[tuple[int, int, int]] = []
 
-    async def drop(nsid: int) -> None:
-        dropped.append(nsid)
+    async def drop(nsid: int, offset: int, length: int) -> None:
+        dropped.append((nsid, offset, length))
 
     server.on_write = drop
     ns = ctrl.namespaces[1]
@@ -111,7 +111,7 @@ def test_a_held_write_lock_keeps_a_read_modify_write_out_until_unlock(served):
         assert not rmw_done.is_set()
         ch.call("unlock", token=token, nsid=1, moved={"client_queue_write_bytes": 1000})
         assert rmw_done.wait(5)
-        assert dropped == [1]
+        assert dropped == [(1, 100, 1000)]  # the pages of the range it wrote
         assert server.snapshot()["client_queue_write_bytes"] == 1000
     finally:
         ch.close()

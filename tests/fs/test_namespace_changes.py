@@ -19,8 +19,8 @@ class FakeKernel(list):
     async def invalidate_entry(self, parent, name):
         self.append(("entry", parent, name))
 
-    async def invalidate_inode(self, inode, attr_only=False):
-        self.append(("inode", inode, attr_only))
+    async def invalidate_inode(self, inode, attr_only=False, offset=0, length=0):
+        self.append(("inode", inode, attr_only) + ((offset, length) if length else ()))
 
 
 @pytest.fixture

@@ -233,3 +233,18 @@ def test_nsid_option_shows_only_that_namespace(ctrl, monkeypatch):
     with pytest.raises(FUSEError) as e:
         lookup(fs, "n1")
     assert e.value.errno == errno.ENOENT
+
+
+def test_drop_cached_asks_the_kernel_for_the_range_or_the_whole_file(fs):
+    asked = []
+
+    class Kernel:
+        async def invalidate_inode(self, inode, attr_only=False, offset=0, length=0):
+            asked.append((inode, attr_only, offset, length))
+
+    fs.kernel = Kernel()
+    n1 = lookup(fs, "n1")
+    call(fs.drop_cached, 1, 4096, 10_000)  # a companion write's range
+    call(fs.drop_cached, 1)  # a delegation's end: any of it may have changed
+    call(fs.drop_cached, 99)  # no such namespace: nothing to drop
+    assert asked == [(n1, False, 4096, 10_000), (n1, False, 0, 0)]
