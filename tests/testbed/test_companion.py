@@ -176,6 +176,79 @@ def test_a_companion_write_reaches_a_reader_holding_cached_pages(cmnt):
         assert os.pread(cached.fileno(), size, offset) == new.tobytes()
 
 
+def _resident_pages(fd: int, offset: int, length: int) -> list[bool]:
+    """Which pages of these bytes of the file are in the kernel's page cache (mincore)."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    page = mmap.PAGESIZE
+    start = offset // page * page
+    span = offset + length - start
+    addr = libc.mmap(None, span, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        vec = ctypes.create_string_buffer((span + page - 1) // page)
+        assert libc.mincore(addr, span, vec) == 0, os.strerror(ctypes.get_errno())
+        return [bool(b & 1) for b in vec.raw]
+    finally:
+        libc.munmap(addr, span)
+
+
+def test_a_companion_write_drops_only_the_cached_pages_of_its_range(cmnt):
+    """A buffered reader keeps its cached pages of what the write did not touch."""
+    import nvmeof_fuse
+
+    written, kept, size = (5 << 20) + 100, 12 << 20, 64 << 10
+    with open(f"{cmnt}/n2", "rb", buffering=0) as cached:
+        fd = cached.fileno()
+        old = os.pread(fd, size, written)
+        os.pread(fd, size, kept)
+        assert all(_resident_pages(fd, written, size))
+        assert all(_resident_pages(fd, kept, size))
+        new = nvmeof_fuse.empty(size)
+        new[:] = [(b + 1) % 256 for b in old]
+        with nvmeof_fuse.File(f"{cmnt}/n2") as f:  # the file is open: a range lock
+            assert f.write(new, file_offset=written) == size
+        assert not any(_resident_pages(fd, written, size))  # the pages it wrote, dropped
+        assert all(_resident_pages(fd, kept, size))  # the rest still cached
+        assert os.pread(fd, size, written) == new.tobytes()
+
+
+def test_a_delegated_writer_hands_the_namespace_back_to_a_file_that_opens(cmnt, testbed):
+    """With no file of n1 open, a client's writes go under a delegation (no round trip to
+    the daemon each); an open of the file recalls it, and the reader sees every write,
+    those made before its open and, under range locks, those made while it is open."""
+    import nvmeof_fuse
+
+    base, size, count = (20 << 20) + 7, 100_000, 12
+    before = daemon_stats()
+    buf = nvmeof_fuse.empty(size)
+    with nvmeof_fuse.File(f"{cmnt}/n1") as f:
+        for i in range(count):
+            buf[:] = i + 1
+            assert f.write(buf, file_offset=base + i * size) == size
+        during = daemon_stats()
+        assert during["delegations_granted"] == before["delegations_granted"] + 1
+        with open(f"{cmnt}/n1", "rb", buffering=0) as reader:  # the open recalls it
+            assert daemon_stats()["delegations_recalled"] == before["delegations_recalled"] + 1
+            for i in range(count):
+                assert os.pread(reader.fileno(), size, base + i * size) == bytes([i + 1]) * size
+            buf[:] = 0xAB  # a write while the file is open: cached pages are dropped
+            assert f.write(buf, file_offset=base) == size
+            assert os.pread(reader.fileno(), size, base) == b"\xab" * size
+        assert daemon_stats()["delegations_granted"] == during["delegations_granted"]
+    fabric = make_fabric(testbed, "rdma")
+    expected = {(1, base): [(0, size, hashlib.sha256(b"\xab" * size).hexdigest()),
+                            (size, size, hashlib.sha256(bytes([2]) * size).hexdigest())]}
+    _check_against_file_and_kernel(fabric, cmnt, expected)
+
+
 @pytest.mark.slow
 def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(fmnt):
     """A real dma-buf (udmabuf over a memfd) stands in for a CUDA tensor's.
