@@ -72,6 +72,8 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 companion.on_write = fs.drop_cached  # companion writes bypass the page cache
                 companion.delegations.files_open = fs.file_open
                 fs.before_open = companion.delegations.wait_returned
+                listeners = getattr(getattr(ctrl, "events", None), "listeners", [])
+                listeners.append(companion.delegations.follow)  # namespaces that change
                 names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
                 log.info("mounted %s at %s", names or "no namespaces", path)
                 ready(ctrl, companion)

@@ -10,11 +10,17 @@ exclusive lock on every LBA on the client's behalf, and the client writes
 asking again.
 
 Whoever then needs the namespace waits on that lock, and the wait recalls the
-delegation: a FUSE open, a FUSE or staged write, another client's lock.  The
-client is told (``recall``), lets its writes in flight finish and hands the
-delegation back (``unlock`` with its token); a client that goes, or that does
-not hand it back within its bound, loses it.  The kernel's cached pages of the
-namespace are dropped before the waiter goes on.
+delegation: a FUSE open, a FUSE or staged write, another client's lock, a change
+of the namespace on the target.  The client is told (``recall``), lets its
+writes in flight finish and hands the delegation back (``unlock`` with its
+token); a client that goes, or that does not hand it back within its bound,
+loses it.  The kernel's cached pages of the namespace are dropped before the
+waiter goes on.
+
+A recall may never reach the client (stopped, its socket full).  So the client
+writes under a delegation only for a term after the daemon last confirmed it (the
+grant, or the delegations a ``report`` lists), and that term is shorter than the
+grace the daemon gives a recalled holder beyond its write bound.
 """
 
 from __future__ import annotations
@@ -22,9 +28,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from .session import Session
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +42,7 @@ log = logging.getLogger(__name__)
 class Delegation:
     """A namespace delegated to one client's session."""
 
-    session: Any
+    session: Session
     nsid: int
     token: int
     limit: float  # s the client has to hand it back once recalled
@@ -54,22 +63,29 @@ class Delegations:
         self.files_open: Callable[[int], bool] = lambda nsid: False
         """Whether a FUSE handle of ``n<nsid>`` is open (the mount sets it)."""
         self.granted = 0  # delegations granted so far (stats)
-        self.recalled = 0  # of those, recalled
+        self.recalled = 0  # of those, recalled (counted as they end)
 
     def held(self, nsid: int) -> Delegation | None:
         return self._by_nsid.get(nsid)
 
-    def of(self, session: Any, token: int) -> Delegation | None:
+    def of(self, session: Session, token: int) -> Delegation | None:
         """The delegation ``session`` holds under ``token``, if any."""
         for d in self._by_nsid.values():
             if d.session is session and d.token == token:
                 return d
         return None
 
-    async def grant(self, session: Any, ns: Any, nsid: int, limit: float) -> int | None:
-        """Delegate ``ns`` to ``session`` (or confirm it holds it): the token, or None when
-        somebody else uses the namespace (the caller takes a range lock instead)."""
+    def live_tokens(self, session: Session) -> list[int]:
+        """The tokens of ``session``'s delegations, granted and not recalled."""
+        return [d.token for d in self._by_nsid.values()
+                if d.session is session and d.active and not d.recalled]
+
+    async def grant(self, session: Session, ns: Any, nsid: int, limit: float) -> int | None:
+        """Delegate ``ns`` to ``session`` (or confirm it holds it, its writes now bounded
+        by ``limit``): the token, or None when somebody else uses the namespace or it was
+        recalled (the caller takes a range lock instead)."""
         d = self._by_nsid.get(nsid)
+        claimed = d is None
         if d is None:
             if (self.files_open(nsid) or len(ns.write_lock) or session.nursery is None
                     or session.ended):
@@ -82,10 +98,13 @@ class Delegations:
             except RuntimeError:  # the session's nursery closed: it is going
                 del self._by_nsid[nsid]
                 return None
-        if d.session is not session:
+        elif d.session is not session:
             return None
         await d.settled.wait()  # at once: _hold neither waits nor fails to settle
-        return d.token if d.active and not d.recalled else None
+        if not d.active or (d.recalled and not claimed):
+            return None  # (recalled as it was granted: its client hands it back at once)
+        d.limit = max(d.limit, limit)
+        return d.token
 
     async def _hold(self, ns: Any, d: Delegation) -> None:
         lock = ns.write_lock
@@ -101,6 +120,8 @@ class Delegations:
         d.session.write_locks[d.token] = d.release  # released with the client's other locks
         d.active = True
         self.granted += 1
+        if d.recalled:  # while it was being granted
+            self._tell_recalled(d)
         d.settled.set()
         try:
             with d.scope:
@@ -110,6 +131,7 @@ class Delegations:
                             "%g s of the recall; taken back", d.session.peer, d.nsid, d.limit)
         finally:
             del self._by_nsid[d.nsid]
+            self.recalled += d.recalled
             d.session.write_locks.pop(d.token, None)
             try:
                 with trio.CancelScope(shield=True):
@@ -124,12 +146,16 @@ class Delegations:
         if d is None or d.recalled:
             return
         d.recalled = True
-        self.recalled += 1
         d.scope.deadline = trio.current_time() + d.limit
+        if d.active:  # (else once granted, or never: refused)
+            self._tell_recalled(d)
+
+    @staticmethod
+    def _tell_recalled(d: Delegation) -> None:
         session = d.session
         if session.notify is not None and session.nursery is not None:
             session.nursery.start_soon(session.notify,
-                                       {"event": "recall", "nsid": nsid, "token": d.token})
+                                       {"event": "recall", "nsid": d.nsid, "token": d.token})
 
     async def wait_returned(self, nsid: int) -> None:
         """Recall ``n<nsid>`` if delegated and wait until it is back (bounded by the
@@ -138,6 +164,14 @@ class Delegations:
         if d is not None:
             self.recall(nsid)
             await d.done.wait()
+
+    async def follow(self, changes: list) -> None:
+        """Recall the delegations of namespaces removed or resized on the target (a
+        listener of ``host.events``): each holds the lock of the namespace it was granted,
+        and only its LBAs."""
+        for change in changes:
+            if change.kind != "added":
+                self.recall(change.nsid)
 
     async def hand_back(self, d: Delegation) -> None:
         """The client hands ``d`` back: return once the namespace is free for others."""

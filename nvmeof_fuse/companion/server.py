@@ -272,9 +272,9 @@ class CompanionServer:
             session.report(header.get("moved") or {})
             await self.unlock(session, f(header, "token"), f(header, "nsid"))
             return {}
-        if op == "report":
+        if op == "report":  # also renews the client's delegations: those still its own
             session.report(header.get("moved") or {})
-            return {}
+            return {"delegated": self.delegations.live_tokens(session)}
         if op == "stats":
             session.report(header.get("moved") or {})
             return {"stats": self.snapshot()}

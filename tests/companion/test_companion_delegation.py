@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 from companion_fakes import LeasingController, serving, wait_for
 
 from nvmeof_fuse.companion import server as companion_server
 from nvmeof_fuse.companion.channel import SocketChannel
+from nvmeof_fuse.companion.delegation import Delegations
+from nvmeof_fuse.host.byterange import LbaRangeLock
 
 
 def channel(server, events: list | None = None) -> SocketChannel:
@@ -155,3 +159,55 @@ def test_an_open_of_a_namespace_not_delegated_does_not_wait(served):
     opened = on_server_loop(server, lambda: server.delegations.wait_returned(2))
     assert opened.wait(5)
     assert dropped == []
+
+
+def test_a_report_lists_the_clients_delegations_until_recalled(served):
+    ctrl, server, dropped = served
+    events: list[dict] = []
+    ch = channel(server, events)
+    try:
+        token = ch.call("lock", nsid=1, offset=0, length=512, hold_s=5, delegate=True)["token"]
+        assert ch.call("report", moved={})["delegated"] == [token]  # renews the client's term
+        changed = on_server_loop(server, lambda: server.delegations.follow(
+            [SimpleNamespace(kind="resized", nsid=1)]))  # its LBAs changed on the target
+        assert changed.wait(5) and wait_for(lambda: events)
+        assert events[0]["event"] == "recall"
+        assert ch.call("report", moved={})["delegated"] == []
+        ch.call("unlock", token=token, nsid=1)
+    finally:
+        ch.close()
+
+
+def test_a_delegation_recalled_as_it_is_granted_still_reaches_its_client():
+    """The ask that claimed it gets the token and the recall, and hands it back at once
+    (a refusal would leave the lock held for a client that does not know it)."""
+    told: list[dict] = []
+
+    class Locks(dict):
+        def __setitem__(self, token, release):  # as the grant is made: a FUSE open
+            delegations.recall(1)
+            super().__setitem__(token, release)
+
+    async def notify(event):
+        told.append(event)
+
+    async def drop(nsid):
+        pass
+
+    delegations = Delegations(drop)
+    session = SimpleNamespace(nursery=None, ended=False, next_token=0, write_locks=Locks(),
+                              notify=notify, peer="pid 1")
+    ns = SimpleNamespace(write_lock=LbaRangeLock(), nlb=8)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            session.nursery = nursery
+            token = await delegations.grant(session, ns, 1, 5.0)
+            assert token == 1
+            await trio.testing.wait_all_tasks_blocked()
+            assert told == [{"event": "recall", "nsid": 1, "token": 1}]
+            await delegations.hand_back(delegations.of(session, token))
+        assert (delegations.granted, delegations.recalled) == (1, 1)
+        assert len(ns.write_lock) == 0
+
+    trio.run(main)
