@@ -57,8 +57,13 @@ REDELEGATE_AFTER = 1.0
 """Seconds after a recall before this client asks for a namespace's delegation again (a
 namespace that FUSE or another client uses now and then is not bounced back and forth)."""
 REDELEGATE_MAX = 16.0
-"""Seconds between asks at most while the daemon keeps refusing (the namespace is in use):
-each ask waits for this client's range-locked writes of it to finish first."""
+"""Seconds between asks at most while the daemon keeps refusing or recalling (the namespace
+is in use): each ask waits for this client's range-locked writes of it to finish first."""
+DELEGATION_TERM = 10.0
+"""Seconds a delegation is written under after the daemon last confirmed it (its grant, or
+a ``report`` reply, each second): shorter than the grace the daemon gives a recalled
+holder beyond its write bound (``server.LOCK_GRACE``), so a recall that never arrived
+cannot leave writes going on after the daemon took the namespace back."""
 RENEW_FOREVER = 365 * 86400.0  # s: bound of a lease wait when the mount never gives up
 
 
@@ -176,14 +181,28 @@ def _owning_span(addr: int, size: int, obj: Any) -> tuple[Any, int, int]:
 class _Delegated:
     """A namespace the daemon delegated to us (:mod:`~nvmeof_fuse.companion.delegation`)."""
 
-    __slots__ = ("token", "hold_s", "inflight", "recalled", "returned")
+    __slots__ = ("token", "hold_s", "inflight", "recalled", "returned", "since",
+                 "valid_until")
 
-    def __init__(self, token: int, hold_s: int, recalled: bool = False) -> None:
+    def __init__(self, token: int, hold_s: int, asked_at: float, recalled: bool = False
+                 ) -> None:
         self.token = token
         self.hold_s = hold_s  # what our writes under it may take (the daemon's bound)
         self.inflight = 0  # writes under it not done yet
         self.recalled = recalled  # no new writes under it: hand it back once idle
         self.returned = False
+        self.since = time.monotonic()  # known to the daemon's replies from here on
+        self.valid_until = asked_at + DELEGATION_TERM  # no new writes under it after this
+
+    def usable(self, hold_s: int) -> bool:
+        return (not self.recalled and hold_s <= self.hold_s
+                and time.monotonic() < self.valid_until)
+
+    def confirmed(self, hold_s: int, asked_at: float) -> None:
+        """The daemon confirmed it, bounding our writes by ``hold_s``, to an ask sent at
+        ``asked_at``."""
+        self.hold_s = max(self.hold_s, hold_s)
+        self.valid_until = max(self.valid_until, asked_at + DELEGATION_TERM)
 
 
 class DirectQueues:
@@ -293,15 +312,38 @@ class DirectQueues:
         return lease_from(await self._ask("lease", self.renew_timeout, want=len(self.qids)))
 
     async def _report_now_and_then(self) -> None:
+        """Report our byte counts each second when they changed; while we hold delegations,
+        each second in any case: the reply renews them."""
         while True:
             await trio.sleep(REPORT_INTERVAL)
             moved = self.moved()
-            if moved != self._reported:
+            live = {nsid: held for nsid, held in self._delegated.items()
+                    if not held.recalled and not held.returned}
+            if live:
+                await self._renew(live, moved)
+            elif moved != self._reported:
                 self._reported = moved
                 try:
                     self._channel.call_future("report", moved=self._reported)
                 except NVMeoFError as exc:  # the daemon is gone: requests will say so
                     log.debug("reporting to the mount daemon: %s", exc)
+
+    async def _renew(self, live: dict[int, _Delegated], moved: dict[str, int]) -> None:
+        """Report, and renew the term of each delegation the daemon still counts as ours;
+        one it does not (taken back, its recall lost) is handed back once idle."""
+        asked_at = time.monotonic()
+        try:
+            reply = await self._ask("report", self._timeout, moved=moved)
+        except NVMeoFError as exc:  # their terms run out: writes ask the daemon again
+            log.debug("renewing delegations: %s", exc)
+            return
+        self._reported = moved
+        tokens = reply.get("delegated") or []
+        for nsid, held in live.items():
+            if held.token in tokens:
+                held.confirmed(0, asked_at)
+            elif held.since < asked_at and self._delegated.get(nsid) is held:
+                self._recalled(nsid, held.token)
 
     def moved(self) -> dict[str, int]:
         """This client's running totals over its own queues (what it reports)."""
@@ -382,15 +424,17 @@ class DirectQueues:
         hold_s = math.ceil(budget)
         while True:
             held = self._delegated.get(nsid)
-            if held is not None and not held.recalled and hold_s <= held.hold_s:
+            if held is not None and held.usable(hold_s):
                 break  # the common case once delegated: no round trip to the daemon
             asking = self._asking.get(nsid)
             if asking is not None:  # another write asks for the delegation: wait for it
                 await asking.wait()
                 continue
-            # (A recalled delegation not handed back yet: range locks wait for the hand-back.)
-            delegate = (held is None or held.returned) and self._may_delegate(nsid)
-            if delegate:
+            # Ours but its term or its bound runs short: the daemon confirms it.  (Recalled
+            # and not handed back yet: range locks, which wait for the hand-back.)
+            ours = held is not None and not held.recalled
+            asked_at = time.monotonic()
+            if ours or ((held is None or held.returned) and self._may_delegate(nsid)):
                 reply = await self._ask_delegation(nsid, file_offset, size, hold_s, budget)
             else:
                 reply = await self._ask("lock", budget, nsid=nsid, offset=file_offset,
@@ -401,9 +445,10 @@ class DirectQueues:
                 return size
             held = self._delegated.get(nsid)
             if held is None or held.token != reply["token"]:  # a new delegation
-                held = self._delegated[nsid] = _Delegated(reply["token"], hold_s)
+                held = self._delegated[nsid] = _Delegated(reply["token"], hold_s, asked_at)
                 break
             if not held.returned:  # ours still (maybe recalled: this write ends first)
+                held.confirmed(hold_s, asked_at)
                 break
         held.inflight += 1
         try:
@@ -429,13 +474,16 @@ class DirectQueues:
         finally:
             del self._asking[nsid]
             asking.set()
-        if reply.get("delegated"):
-            self._delegate_delay[nsid] = REDELEGATE_AFTER
-        else:  # used by others: ask again later, less often while that lasts
-            delay = self._delegate_delay.get(nsid, REDELEGATE_AFTER)
-            self._delegate_after[nsid] = time.monotonic() + delay
-            self._delegate_delay[nsid] = min(2 * delay, REDELEGATE_MAX)
+        if not reply.get("delegated"):  # used by others
+            self._back_off(nsid)
         return reply
+
+    def _back_off(self, nsid: int, reset: bool = False) -> None:
+        """Ask for ``n<nsid>``'s delegation again later, less often each time (``reset``:
+        a delegation that was held long)."""
+        delay = REDELEGATE_AFTER if reset else self._delegate_delay.get(nsid, REDELEGATE_AFTER)
+        self._delegate_after[nsid] = time.monotonic() + delay
+        self._delegate_delay[nsid] = min(2 * delay, REDELEGATE_MAX)
 
     async def _write_range_locked(self, nsid: int, region: Region, at: int, size: int,
                                   file_offset: int, get: Any, token: int) -> None:
@@ -473,10 +521,14 @@ class DirectQueues:
         writes under it are done."""
         if not isinstance(nsid, int) or not isinstance(token, int):
             return
-        self._delegate_after[nsid] = time.monotonic() + REDELEGATE_AFTER
         held = self._delegated.get(nsid)
+        if held is not None and held.token == token and held.recalled:
+            return  # heard already (a report's reply, then the recall itself)
+        self._back_off(nsid, reset=held is not None and held.token == token
+                       and time.monotonic() - held.since >= REDELEGATE_MAX)
         if held is None or held.token != token:  # granted, the reply still on its way
-            held = self._delegated[nsid] = _Delegated(token, 0, recalled=True)
+            held = self._delegated[nsid] = _Delegated(token, 0, time.monotonic(),
+                                                      recalled=True)
             if self._nursery is not None:  # its writer hands it back, or this does
                 self._nursery.start_soon(self._hand_back_unclaimed, nsid, held)
             return

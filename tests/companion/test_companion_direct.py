@@ -419,3 +419,54 @@ def test_a_refused_delegation_is_not_asked_for_again_by_each_write(served, monke
     assert asked == [True] + [False] * 16  # range locks, until the back-off runs out
     assert stats["delegations_granted"] == 0
     assert bytes(ctrl.disks[2][:10_000]) == bytes(bufs[0])
+
+
+def test_a_recall_that_never_arrives_is_caught_by_the_renewal(served, monkeypatch):
+    ctrl, fabric, server, mnt = served
+    monkeypatch.setattr(direct, "REPORT_INTERVAL", 0.05)
+    asked = _count_lock_asks(server, monkeypatch)
+    ns = ctrl.namespaces[2]
+    buf = nvmeof_fuse.empty(10_000)
+    buf[:] = 7
+    fuse_written = threading.Event()
+
+    async def fuse_write() -> None:  # waits on the delegation, which recalls it
+        await ns.write(5, b"FUS")
+        fuse_written.set()
+
+    with File(str(mnt / "n2")) as f:
+        assert f.write(buf, file_offset=100) == 10_000  # delegated
+        (session,) = server.sessions
+        notify = session.notify
+
+        async def lossy(event):  # the client never hears of the recall
+            if event.get("event") != "recall":
+                await notify(event)
+
+        session.notify = lossy
+        trio.from_thread.run_sync(trio.lowlevel.spawn_system_task, fuse_write,
+                                  trio_token=server.trio_token)
+        assert fuse_written.wait(10)  # a report's reply no longer listed it: handed back
+        assert f.write(buf, file_offset=20_000) == 10_000
+        stats = f.stats()
+    assert asked == [True, False]  # the second under a range lock: not ours any more
+    assert (stats["delegations_granted"], stats["delegations_recalled"]) == (1, 1)
+    assert bytes(ctrl.disks[2][5:8]) == b"FUS"
+    assert bytes(ctrl.disks[2][20_000:30_000]) == bytes(buf)
+
+
+def test_a_delegation_whose_term_ran_out_is_confirmed_before_the_next_write(
+        served, monkeypatch):
+    ctrl, fabric, server, mnt = served
+    monkeypatch.setattr(direct, "DELEGATION_TERM", 0.2)
+    monkeypatch.setattr(direct, "REPORT_INTERVAL", 3600.0)  # no renewals
+    asked = _count_lock_asks(server, monkeypatch)
+    buf = nvmeof_fuse.empty(10_000)
+    with File(str(mnt / "n2")) as f:
+        assert f.write(buf, file_offset=0) == 10_000
+        assert f.write(buf, file_offset=10_000) == 10_000  # within its term: not asked
+        time.sleep(0.3)
+        assert f.write(buf, file_offset=20_000) == 10_000
+        stats = f.stats()
+    assert asked == [True, True]  # the second ask confirmed the same delegation
+    assert (stats["delegations_granted"], stats["delegations_recalled"]) == (1, 0)
