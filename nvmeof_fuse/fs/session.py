@@ -6,9 +6,10 @@ leader/follower (:class:`_Workers`): one of them at a time is the reader, which 
 nonblocking reads and parks in ``wait_readable`` only when the kernel has none queued; once
 it has a request, it makes another worker the reader and runs the request itself (so a slow
 request never holds up the others, and none is handed from task to task).  A worker that
-has answered one reads the next queued request itself and runs it.  Each reply goes out with
-one ``writev`` (a READ's data straight from the buffer the namespace lends, before the task
-yields again).
+has answered one reads the next queued request itself and runs it, and when it answered the
+last one in flight it polls briefly for the next before it sleeps (:mod:`.idlepoll`).
+Each reply goes out with one ``writev`` (a READ's data straight from the buffer the
+namespace lends, before the task yields again).
 A WRITE's data is read into a buffer of its own, which the write task owns until it
 completes, so it is never copied here.  Those buffers are page-aligned and reused: see
 :func:`receive_buffer`.
@@ -22,6 +23,7 @@ import mmap
 import os
 import socket
 import subprocess
+import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -29,6 +31,7 @@ from typing import Any
 import trio
 
 from nvmeof_fuse.fs import wire
+from nvmeof_fuse.fs.idlepoll import IdlePoll
 from nvmeof_fuse.fs.wire import (
     IN_HEADER,
     OUT_HEADER,
@@ -106,7 +109,9 @@ class _Workers:
     one trio scheduler round less per request at QD1, and a handler that waits still holds
     up only its own task.  A worker that has finished a request first takes one already
     queued in the kernel (no hand-over at all: under load most requests go this way), and
-    parks only when there is none.
+    parks only when there is none.  When it has answered the last request in flight and no
+    other task can run, it first polls the descriptor briefly (:class:`IdlePoll`), so a
+    client that keeps one request in flight does not wake us from a sleep for each.
 
     ``take`` reads one request: its (handler, args), or None when it needs no handler;
     it raises BlockingIOError when none is queued and _SessionEnded at the end."""
@@ -121,6 +126,8 @@ class _Workers:
         self.drained = False  # the last reader stopped at EAGAIN: the next may park at once
         self.idle: list[trio.lowlevel.Task] = []
         self.closing = False
+        self.running = 0  # requests being run
+        self.idle_poll = IdlePoll()
 
     def start(self) -> None:
         self.nursery.start_soon(self._work)
@@ -206,26 +213,60 @@ class _Workers:
                 if not self.closing:
                     self._wake()  # the next reader, while this task runs the request
                 ran = 0  # the reader's wait or the hand-on's yield let the others run
-                await job[0](*job[1])
+                await self._run(job)
                 continue
             else:  # another task reads: run what is already queued in the kernel
                 try:
                     job = take()
                 except BlockingIOError:
-                    job = None
+                    job = None if self.running else self._poll()
                 except _SessionEnded:
                     self.close()
                     continue
                 if job is None:
+                    if self.closing:  # (the poll met the session's end)
+                        continue
                     ran = 0
                     idle.append(task)
                     await trio.lowlevel.wait_task_rescheduled(abort)
                     continue
-            await job[0](*job[1])
+            await self._run(job)
             ran += 1
             if ran >= BATCH:  # handlers that never yield must not starve the rest
                 ran = 0
                 await trio.lowlevel.checkpoint()
+
+    async def _run(self, job: Job) -> None:
+        self.running += 1
+        try:
+            await job[0](*job[1])
+        finally:
+            self.running -= 1
+
+    def _poll(self) -> Job | None:
+        """Poll the descriptor for the next request for up to the idle poll's budget, if no
+        other task can run meanwhile (nothing waits on this thread but the descriptor and
+        others' I/O, which the poll delays by at most the budget).  Between reads it yields
+        the CPU to any thread that can run on it: the client may be one."""
+        budget = self.idle_poll.budget()
+        if not budget or self.closing or trio.lowlevel.current_statistics().tasks_runnable:
+            return None
+        take, clock, yield_cpu = self.take, time.perf_counter, os.sched_yield
+        start = clock()
+        while (now := clock()) < start + budget:
+            try:
+                job = take()
+            except BlockingIOError:
+                yield_cpu()
+                continue
+            except _SessionEnded:
+                self.close()
+                return None
+            if job is not None:
+                self.idle_poll.caught(now - start)
+                return job
+        self.idle_poll.missed()
+        return None
 
     def close(self) -> None:
         """Take no more requests: the workers exit once the requests read are answered."""

@@ -341,3 +341,101 @@ def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
         assert seen[-1] > seen[0]  # the other task ran while the stream was read
 
     trio.run(main)
+
+
+def _polling_workers(nursery, fd, take):
+    """Workers whose idle poll has a budget no test run outlasts
+    (the tests bound the poll by the requests they let arrive, never by time)."""
+    from nvmeof_fuse.fs.idlepoll import IdlePoll
+    from nvmeof_fuse.fs.session import _Workers
+
+    workers = _Workers(nursery, fd, take)
+    workers.idle_poll = IdlePoll(poll_max=3600.0)
+    return workers
+
+
+def test_a_worker_that_answered_the_last_request_polls_for_the_next():
+    """With nothing in flight and nothing else to run, the worker that answered the last
+    request polls the descriptor before it parks: a request that arrives meanwhile is run
+    by it, and the reader parked on the descriptor never wakes; the session's end met while
+    polling lets every worker exit."""
+    from nvmeof_fuse.fs.session import _SessionEnded
+
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        ran_by: dict[str, object] = {}
+        arriving: list[str] = []  # come after a few empty reads: while a worker polls
+        empty_reads = 0
+
+        async def job(name: str) -> None:
+            ran_by[name] = trio.lowlevel.current_task()
+            arriving.append({"first": "second", "second": "end"}[name])
+
+        def take():
+            nonlocal empty_reads
+            if arriving:
+                if empty_reads < 3:
+                    empty_reads += 1
+                    raise BlockingIOError
+                empty_reads = 0
+                name = arriving.pop()
+                if name == "end":
+                    raise _SessionEnded
+                return job, (name,)
+            return job, (ours.recv(64).decode(),)  # BlockingIOError when none is queued
+
+        with ours, theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                workers = _polling_workers(nursery, ours.fileno(), take)
+                workers.start()
+                await trio.testing.wait_all_tasks_blocked()
+                theirs.send(b"first")
+            assert ran_by.keys() == {"first", "second"}
+            assert ran_by["second"] is not ran_by["first"]  # not the reader: it stayed parked
+            assert workers.closing and not workers.idle
+
+    trio.run(main)
+
+
+def test_no_poll_while_a_request_is_in_flight():
+    """A handler still waiting (on the target) keeps the others from polling: its answer
+    must not wait behind a poll on this thread."""
+    from nvmeof_fuse.fs.session import _SessionEnded
+
+    async def main():
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+        release = trio.Event()
+        empty_reads = 0
+        done: list[str] = []
+
+        async def job(name: str) -> None:
+            if name == "held":
+                await release.wait()
+            done.append(name)
+
+        def take():
+            nonlocal empty_reads
+            if "held" in done:  # (the poll after it: end the session)
+                raise _SessionEnded
+            try:
+                return job, (ours.recv(64).decode(),)
+            except BlockingIOError:
+                empty_reads += 1
+                raise
+
+        with ours, theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                workers = _polling_workers(nursery, ours.fileno(), take)
+                workers.start()
+                await trio.testing.wait_all_tasks_blocked()
+                theirs.send(b"held")
+                await trio.testing.wait_all_tasks_blocked()
+                theirs.send(b"quick")
+                await trio.testing.wait_all_tasks_blocked()
+                assert done == ["quick"] and empty_reads < 10  # read, then parked at once
+                release.set()
+            assert done == ["quick", "held"]
+
+    trio.run(main)
