@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from nvmeof_fuse.bench import MIB, fio_job_figure, name_list
+from nvmeof_fuse.bench import IDLE_SECONDS, MIB, fio_job_figure, name_list
 
 FUSECTL = "/sys/fs/fuse/connections"
 MAX_BACKGROUND = 32  # the same for both FUSE servers (ours raises it to this itself)
@@ -293,6 +293,14 @@ def run(seconds: float, size_mib: int, only: list[str], log=print) -> dict:
                         results["cpu_us"].setdefault(c, {})[job.key] = \
                             used / side["total_ios"] * 1e6
                 log(f"{job.label:22} {COLUMNS[c]:30} {_fmt(value):>10} {job.unit}")
+        # A server that polls must not burn a CPU once its client stops: its CPU over a
+        # quiet interval right after the last job.
+        idle = {c: _cpu_seconds(pid) for c, (_, pid) in targets.items() if pid}
+        time.sleep(IDLE_SECONDS)
+        for c, before in idle.items():
+            percent = (_cpu_seconds(targets[c][1]) - before) / IDLE_SECONDS * 100
+            notes.append(f"{COLUMNS[c]}: {percent:.1f}% of a CPU while idle "
+                         f"({IDLE_SECONDS:g} s after the last job)")
     results["loadavg_after"] = os.getloadavg()[0]
     notes.append(f"load average {results['loadavg_before']:.2f} before, "
                  f"{results['loadavg_after']:.2f} after ({os.cpu_count()} CPUs)")
