@@ -343,14 +343,16 @@ def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
     trio.run(main)
 
 
-def _polling_workers(nursery, fd, take):
-    """Workers whose idle poll has a budget no test run outlasts
-    (the tests bound the poll by the requests they let arrive, never by time)."""
+async def _start_polling_workers(nursery, fd, take):
+    """Workers whose idle poll has a budget no test run outlasts (the tests bound the poll
+    by the requests they let arrive, never by time), started and parked on ``fd``."""
     from nvmeof_fuse.fs.idlepoll import IdlePoll
     from nvmeof_fuse.fs.session import _Workers
 
     workers = _Workers(nursery, fd, take)
     workers.idle_poll = IdlePoll(poll_max=3600.0)
+    workers.start()
+    await trio.testing.wait_all_tasks_blocked()
     return workers
 
 
@@ -387,9 +389,7 @@ def test_a_worker_that_answered_the_last_request_polls_for_the_next():
 
         with ours, theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
-                workers = _polling_workers(nursery, ours.fileno(), take)
-                workers.start()
-                await trio.testing.wait_all_tasks_blocked()
+                workers = await _start_polling_workers(nursery, ours.fileno(), take)
                 theirs.send(b"first")
             assert ran_by.keys() == {"first", "second"}
             assert ran_by["second"] is not ran_by["first"]  # not the reader: it stayed parked
@@ -427,9 +427,7 @@ def test_no_poll_while_a_request_is_in_flight():
 
         with ours, theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
-                workers = _polling_workers(nursery, ours.fileno(), take)
-                workers.start()
-                await trio.testing.wait_all_tasks_blocked()
+                await _start_polling_workers(nursery, ours.fileno(), take)
                 theirs.send(b"held")
                 await trio.testing.wait_all_tasks_blocked()
                 theirs.send(b"quick")
