@@ -1,14 +1,18 @@
 """How long a FUSE server that just went idle polls for the next request before it sleeps.
 
 A client that keeps one request in flight (QD1) sends the next one a short, steady time
-after our reply.  Sleeping in between costs a wake-up per request, which on a host that
-halts idle CPUs (a VM's vCPUs above all) costs more than the request itself.  So, as NAPI
-busy polling and the kernel's hybrid polling do, the server polls for about twice the gap
-it saw the last times a poll caught a request, never past ``POLL_MAX``.  Only gaps seen
-while polling count (one measured across a sleep holds the wake-up too).  A poll that runs
-out is followed by 1, 2, 4 ... 64 idle moments that sleep at once, then by a probe with a
-longer budget: a client that thinks, or a host where everything is slower, costs a probe
-now and then, and an idle mount nothing at all.  Plain arithmetic on what the caller saw.
+after our reply, and nothing of ours runs meanwhile.  Sleeping in between costs a wake-up
+per request, which on a host that halts idle CPUs (a VM's vCPUs above all) costs more than
+the request itself.  So, as NAPI busy polling and the kernel's hybrid polling do, the server
+polls for about twice the gap it saw the last times a poll caught a request, never past
+``POLL_MAX``.  Only gaps seen while polling count (one measured across a sleep holds the
+wake-up too).  A poll that runs out is followed by 1, 2, 4 ... 64 idle moments that sleep
+at once, then by a probe with a longer budget: a client that thinks, or a host where
+everything is slower, costs a probe now and then, and an idle mount nothing at all.  Polls
+begin only once ``MIN_ALONE`` idle moments in a row each followed a single request: while
+the server answers several requests between idle moments it is busy anyway, and where the
+CPUs are the limit a poll would take the CPU the client needs to send more.  Plain
+arithmetic on what the caller saw.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ POLL_MAX = 0.0001
 the gap itself."""
 GAP_WEIGHT = 0.125  # of the newest gap in the moving average
 MAX_SKIP = 64  # idle moments slept through after a run of polls that found nothing
+MIN_ALONE = 8  # idle moments in a row after a single request each, before polls begin
 
 
 class IdlePoll:
@@ -27,10 +32,15 @@ class IdlePoll:
         self.poll_max = poll_max
         self.gap = poll_max / 2  # moving average of the gaps polls caught
         self.skip = 0  # idle moments left to sleep through without polling
+        self.alone = 0  # idle moments in a row that came after a single request each
         self._backoff = 1
 
-    def budget(self) -> float:
-        """Seconds to poll at this idle moment before sleeping (0: sleep at once)."""
+    def budget(self, served: int) -> float:
+        """Seconds to poll at this idle moment, after ``served`` requests since the last one,
+        before sleeping (0: sleep at once)."""
+        self.alone = self.alone + 1 if served == 1 else 0
+        if self.alone < MIN_ALONE:
+            return 0.0
         if self.skip:
             self.skip -= 1
             return 0.0

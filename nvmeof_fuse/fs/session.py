@@ -127,6 +127,7 @@ class _Workers:
         self.idle: list[trio.lowlevel.Task] = []
         self.closing = False
         self.running = 0  # requests being run
+        self.served = 0  # requests run since the last idle moment (see _poll)
         self.idle_poll = IdlePoll()
 
     def start(self) -> None:
@@ -237,6 +238,7 @@ class _Workers:
                 await trio.lowlevel.checkpoint()
 
     async def _run(self, job: Job) -> None:
+        self.served += 1
         self.running += 1
         try:
             await job[0](*job[1])
@@ -244,11 +246,13 @@ class _Workers:
             self.running -= 1
 
     def _poll(self) -> Job | None:
-        """Poll the descriptor for the next request for up to the idle poll's budget, if no
-        other task can run meanwhile (nothing waits on this thread but the descriptor and
+        """At an idle moment (the last request in flight answered, none queued): poll the
+        descriptor for the next request for up to the idle poll's budget, if no other task
+        can run meanwhile (nothing waits on this thread but the descriptor and
         others' I/O, which the poll delays by at most the budget).  Between reads it yields
         the CPU to any thread that can run on it: the client may be one."""
-        budget = self.idle_poll.budget()
+        served, self.served = self.served, 0
+        budget = self.idle_poll.budget(served)
         if not budget or self.closing or trio.lowlevel.current_statistics().tasks_runnable:
             return None
         take, clock, yield_cpu = self.take, time.perf_counter, os.sched_yield

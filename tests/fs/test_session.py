@@ -346,11 +346,12 @@ def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
 async def _start_polling_workers(nursery, fd, take):
     """Workers whose idle poll has a budget no test run outlasts (the tests bound the poll
     by the requests they let arrive, never by time), started and parked on ``fd``."""
-    from nvmeof_fuse.fs.idlepoll import IdlePoll
+    from nvmeof_fuse.fs.idlepoll import MIN_ALONE, IdlePoll
     from nvmeof_fuse.fs.session import _Workers
 
     workers = _Workers(nursery, fd, take)
     workers.idle_poll = IdlePoll(poll_max=3600.0)
+    workers.idle_poll.alone = MIN_ALONE  # as after a client that kept one request in flight
     workers.start()
     await trio.testing.wait_all_tasks_blocked()
     return workers
