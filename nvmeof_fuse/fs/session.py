@@ -248,9 +248,9 @@ class _Workers:
     def _poll(self) -> Job | None:
         """At an idle moment (the last request in flight answered, none queued): poll the
         descriptor for the next request for up to the idle poll's budget, if no other task
-        can run meanwhile (nothing waits on this thread but the descriptor and
-        others' I/O, which the poll delays by at most the budget).  Between reads it yields
-        the CPU to any thread that can run on it: the client may be one."""
+        can run meanwhile (nothing waits on this thread but the descriptor and others' I/O,
+        which the poll delays by at most the budget).  Between reads it yields the CPU to
+        any thread that can run on it: the client may be one."""
         served, self.served = self.served, 0
         budget = self.idle_poll.budget(served)
         if not budget or self.closing or trio.lowlevel.current_statistics().tasks_runnable:
