@@ -93,3 +93,13 @@ ensure_deps() {
   ensure_venv
   export PATH=$VENV/bin:$PATH
 }
+
+# The two sides of a same-boot A/B (scripts/bench-ab-*): $2 gets the package as of git REF $1,
+# $3 a copy of the working tree's, both compiled, so the tree may change while the VM runs.
+ab_snapshots() {
+  local ref=$1 old=$2 new=$3
+  rm -rf "$old" "$new"; mkdir -p "$old" "$new"
+  git -C "$REPO" archive "$ref" nvmeof_fuse | tar -x -C "$old"
+  cp -r "$REPO/nvmeof_fuse" "$new/"
+  "$VENV/bin/python" -m compileall -q "$old" "$new" >/dev/null 2>&1 || true
+}
