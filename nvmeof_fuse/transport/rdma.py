@@ -594,10 +594,12 @@ class RdmaQueue:
                 self._reaper.cancel()
 
     def _others_in_flight(self) -> bool:
-        """Whether another queue of this controller has commands in flight: polling this
-        one would hold up their completions (one thread reaps every queue)."""
+        """Whether another I/O queue of this controller has commands in flight: polling
+        this one would hold up their completions (one thread reaps every queue).  The
+        admin queue does not count: it always holds an Asynchronous Event Request, and a
+        keep-alive or an AER may wait a poll's length."""
         for queue in self.transport._queues:
-            if queue is not self and queue._slots.pending:
+            if queue is not self and queue.qid and queue._slots.pending:
                 return True
         return False
 

@@ -540,7 +540,7 @@ async def test_a_failed_completion_found_by_polling_fails_the_queue(queue):
 @in_trio
 async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
     answer_at_once(queue)
-    busy = SimpleNamespace(_slots=SimpleNamespace(pending={5: object()}))
+    busy = SimpleNamespace(qid=2, _slots=SimpleNamespace(pending={5: object()}))
     queue.transport._queues[:] = [queue, busy]  # one thread reaps both: do not hold it up
     polls = []
     poll_for = queue._poll_for
@@ -555,6 +555,28 @@ async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
         assert (await queue.execute(read_command(), timeout=30)).ok
         assert not polls
         busy._slots.pending.clear()
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert len(polls) == 1
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_an_event_request_on_the_admin_queue_does_not_stop_polling(queue):
+    """The admin queue always holds an Asynchronous Event Request: it would otherwise turn
+    polling off for good on every live controller."""
+    answer_at_once(queue)
+    admin = SimpleNamespace(qid=0, _slots=SimpleNamespace(pending={0: object()}))
+    queue.transport._queues[:] = [admin, queue]
+    polls = []
+    poll_for = queue._poll_for
+
+    async def recording(*args):
+        polls.append(args)
+        await poll_for(*args)
+
+    queue._poll_for = recording
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
         assert (await queue.execute(read_command(), timeout=30)).ok
         assert len(polls) == 1
         nursery.cancel_scope.cancel()
