@@ -94,6 +94,16 @@ ensure_deps() {
   export PATH=$VENV/bin:$PATH
 }
 
+# The `nvmeof` reference initiator, the benches' peer on RDMA, at the version they were measured with.
+NVMEOF_VERSION=2026.10.22
+ensure_nvmeof() {
+  "$VENV/bin/python" -c "import nvmeof, sys; sys.exit(nvmeof.__version__ != '$NVMEOF_VERSION')" \
+    2>/dev/null && return
+  log "installing nvmeof==$NVMEOF_VERSION (the reference initiator) into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check "nvmeof==$NVMEOF_VERSION" \
+    || die "pip install nvmeof==$NVMEOF_VERSION failed"
+}
+
 # The two sides of a same-boot A/B (scripts/bench-ab-*): $2 gets the package as of git REF $1,
 # $3 a copy of the working tree's, both compiled, so the tree may change while the VM runs.
 ab_snapshots() {
