@@ -127,29 +127,11 @@ async def _core(args: argparse.Namespace) -> dict:
         region = ctrl.allocate(16 * MIB)
         for job in jobs:
             cur = Cursor(job, ns.lba_size, ns.nlb)
-            count = 0
-
-            async def worker(i: int, deadline: float, job: Job = job, cur: Cursor = cur) -> None:
-                nonlocal count
-                ref = region.ref(i * job.size, job.size)
-                while time.monotonic() < deadline:
-                    slba = cur.next()
-                    if job.key == "seq_read_bounce":
-                        await ns.read_lbas(slba, cur.nlb)
-                    elif job.write:
-                        await ns.write_from(slba, cur.nlb, ref)
-                    else:
-                        await ns.read_into(slba, cur.nlb, ref)
-                    count += 1
-
             try:
                 with trio.fail_after(args.seconds + 60):
-                    start, cpu = time.monotonic(), os.times()
-                    deadline = start + args.seconds
-                    async with trio.open_nursery() as nursery:
-                        for i in range(job.qd):
-                            nursery.start_soon(worker, i, deadline)
-                    elapsed, end = time.monotonic() - start, os.times()
+                    cpu = os.times()
+                    count, elapsed = await core_slice(ns, region, job, cur, args.seconds)
+                    end = os.times()
                 results["metrics"][job.key] = figure(job, count, elapsed)
                 if count:  # our process's CPU: user (Python) and system (syscalls, rxe's work)
                     user, system = end.user - cpu.user, end.system - cpu.system
@@ -168,6 +150,34 @@ async def _core(args: argparse.Namespace) -> dict:
     return results
 
 
+async def core_slice(ns, region, job: Job, cur: Cursor, seconds: float) -> tuple[int, float]:
+    """Run ``job`` on our core for ``seconds`` (``job.qd`` tasks, each with its own piece of
+    the registered ``region``); the I/Os done and the seconds taken."""
+    import trio
+
+    count = 0
+    start = time.monotonic()
+    deadline = start + seconds
+
+    async def worker(i: int) -> None:
+        nonlocal count
+        ref = region.ref(i * job.size, job.size)
+        while time.monotonic() < deadline:
+            slba = cur.next()
+            if job.key == "seq_read_bounce":
+                await ns.read_lbas(slba, cur.nlb)
+            elif job.write:
+                await ns.write_from(slba, cur.nlb, ref)
+            else:
+                await ns.read_into(slba, cur.nlb, ref)
+            count += 1
+
+    async with trio.open_nursery() as nursery:
+        for i in range(job.qd):
+            nursery.start_soon(worker, i)
+    return count, time.monotonic() - start
+
+
 def run_core(args: argparse.Namespace) -> dict:
     import trio
 
@@ -181,7 +191,6 @@ def run_nvmeof(args: argparse.Namespace) -> dict:
     ``RDMAQueue.submit``/``poll`` on the controller's single I/O queue (busy polling)."""
     try:
         import nvmeof
-        from nvmeof import protocol as p
     except ImportError as e:
         raise SystemExit(f"bench: the nvmeof library is not installed ({e})") from None
     results: dict = {"initiator": "nvmeof", "metrics": {}, "errors": {},
@@ -197,20 +206,26 @@ def run_nvmeof(args: argparse.Namespace) -> dict:
                 if args.jobs and job.key not in args.jobs:
                     continue
                 cur = Cursor(job, ns.lba_size, ns.info.size_lbas)
-                opcode = p.OPC_WRITE if job.write else p.OPC_READ
                 try:
-                    if job.qd == 1:
-                        def one(cur: Cursor = cur, job: Job = job) -> None:
-                            (ns.write if job.write else ns.read)(buf, cur.next(), cur.nlb)
-                        count, elapsed = _sync_loop(one, args.seconds)
-                    else:
-                        count, elapsed = _queued(ctrl, ns, buf, job, cur, opcode, args.seconds)
+                    count, elapsed = library_slice(ctrl, ns, buf, job, cur, args.seconds)
                     results["metrics"][job.key] = figure(job, count, elapsed)
                 except Exception as e:  # noqa: BLE001 - one failed job shows as n/a
                     results["errors"][job.key] = _reason(e)
         finally:
             buf.close()
     return results
+
+
+def library_slice(ctrl, ns, buf, job: Job, cur: Cursor, seconds: float) -> tuple[int, float]:
+    """Run ``job`` on the ``nvmeof`` library for ``seconds``: QD1 through ``Namespace.read``
+    or ``write``, deeper through its queue's ``submit``/``poll``; I/Os done, seconds taken."""
+    from nvmeof import protocol as p
+
+    if job.qd == 1:
+        def one() -> None:
+            (ns.write if job.write else ns.read)(buf, cur.next(), cur.nlb)
+        return _sync_loop(one, seconds)
+    return _queued(ctrl, ns, buf, job, cur, p.OPC_WRITE if job.write else p.OPC_READ, seconds)
 
 
 def _sync_loop(one: Callable[[], None], seconds: float) -> tuple[int, float]:
