@@ -82,22 +82,31 @@ class Namespace:
 
     async def read_into(self, slba: int, nlb: int, dest: DataRef) -> None:
         """Read ``nlb`` LBAs at ``slba`` straight into registered memory ``dest``."""
-        await self._transfer(slba, nlb, dest, write=False)
+        if self._one_command(slba, nlb, dest):  # the hot path: one coroutine frame less
+            await self.controller.io_command(cmd.read(self.nsid, slba, nlb, nvme.NULL_SGL), dest)
+        else:
+            await self._split(slba, nlb, dest, write=False)
 
     async def write_from(self, slba: int, nlb: int, src: DataRef) -> None:
         """Write ``nlb`` LBAs at ``slba`` straight from registered memory ``src``."""
-        await self._transfer(slba, nlb, src, write=True)
+        if self._one_command(slba, nlb, src):
+            await self.controller.io_command(cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL), src,
+                                             to_controller=True)
+        else:
+            await self._split(slba, nlb, src, write=True)
 
-    async def _transfer(self, slba: int, nlb: int, ref: DataRef, write: bool) -> None:
+    def _one_command(self, slba: int, nlb: int, ref: DataRef) -> bool:
+        """Check a transfer of ``nlb`` LBAs at ``slba`` with ``ref``; whether one command
+        moves it all."""
         self.check_range(slba, nlb)
         if ref.length != nlb * self.lba_size:
             raise InvalidArgument(f"buffer of {ref.length} bytes does not hold {nlb} LBAs "
                                   f"of {self.lba_size} bytes")
+        return nlb <= self._per_command()
+
+    async def _split(self, slba: int, nlb: int, ref: DataRef, write: bool) -> None:
+        """A transfer past the controller's limit: its commands run at once."""
         build = cmd.write if write else cmd.read
-        if nlb <= self._per_command():  # one command: no splitting, no task per piece
-            await self.controller.io_command(build(self.nsid, slba, nlb, nvme.NULL_SGL), ref,
-                                             to_controller=write)
-            return
 
         def job(lba: int, n: int, at: int):
             async def run() -> None:
