@@ -537,11 +537,8 @@ async def test_a_failed_completion_found_by_polling_fails_the_queue(queue):
             await queue.execute(read_command(), timeout=30)
 
 
-@in_trio
-async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
-    answer_at_once(queue)
-    busy = SimpleNamespace(qid=2, _slots=SimpleNamespace(pending={5: object()}))
-    queue.transport._queues[:] = [queue, busy]  # one thread reaps both: do not hold it up
+def recorded_polls(queue) -> list:
+    """The arguments of each poll ``queue``'s callers make from now on."""
     polls = []
     poll_for = queue._poll_for
 
@@ -550,6 +547,15 @@ async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
         await poll_for(*args)
 
     queue._poll_for = recording
+    return polls
+
+
+@in_trio
+async def test_no_polling_while_another_queue_has_commands_in_flight(queue):
+    answer_at_once(queue)
+    busy = SimpleNamespace(qid=2, _slots=SimpleNamespace(pending={5: object()}))
+    queue.transport._queues[:] = [queue, busy]  # one thread reaps both: do not hold it up
+    polls = recorded_polls(queue)
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         assert (await queue.execute(read_command(), timeout=30)).ok
@@ -567,14 +573,7 @@ async def test_an_event_request_on_the_admin_queue_does_not_stop_polling(queue):
     answer_at_once(queue)
     admin = SimpleNamespace(qid=0, _slots=SimpleNamespace(pending={0: object()}))
     queue.transport._queues[:] = [admin, queue]
-    polls = []
-    poll_for = queue._poll_for
-
-    async def recording(*args):
-        polls.append(args)
-        await poll_for(*args)
-
-    queue._poll_for = recording
+    polls = recorded_polls(queue)
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         assert (await queue.execute(read_command(), timeout=30)).ok
