@@ -49,6 +49,8 @@ STOP_TIMEOUT = 5.0  # s for a queue's reaper to end once stopped
 POLL_MAX = 0.002
 """Seconds a caller polls at most for a command alone on its queue before sleeping on the
 completion channel; queues whose recent latency is above it are not polled at all."""
+YIELD_EVERY = POLL_MAX
+"""Seconds a caller polling for its command alone may go on without a scheduler pass."""
 _LATENCY_WEIGHT = 0.125  # of the newest sample in a queue's moving average latency
 _SEND, _RECV = 1 << 62, 1 << 61
 _INDEX = (1 << 32) - 1
@@ -284,6 +286,7 @@ class RdmaTransport:
         self.connect_timeout = connect_timeout
         self._queues: list[RdmaQueue] = []
         self._registrations: dict[RdmaRegistration, None] = {}  # ordered set
+        self.yielded_at = 0.0  # perf_counter of the last checkpoint before a caller's poll
 
     @property
     def address(self) -> str:
@@ -579,12 +582,20 @@ class RdmaQueue:
     async def _poll_for(self, request: Request, until: float) -> None:
         """Poll the CQs until ``request`` finished or ``until`` (``perf_counter``) passed.
 
-        Other tasks run first (one checkpoint), while the target works; then the
-        caller polls without yielding, bounded by ``until``.  Nothing is armed
-        meanwhile, so a completion found here raises no wake-up.
+        Other tasks waiting to run go first (one checkpoint), while the target works;
+        then the caller polls without yielding, bounded by ``until``.  With none
+        waiting, the checkpoint (a scheduler pass: an ``epoll_wait``, the timers) is
+        skipped, but never for more than ``YIELD_EVERY``, so timers and file
+        descriptors are still looked at while a QD1 caller finds every completion by
+        polling.  Nothing is armed meanwhile, so a completion found here raises no
+        wake-up.
         """
-        await trio.lowlevel.cancel_shielded_checkpoint()
         clock = time.perf_counter
+        transport = self.transport
+        if (clock() - transport.yielded_at > YIELD_EVERY
+                or trio.lowlevel.current_statistics().tasks_runnable):
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            transport.yielded_at = clock()
         try:
             while not request.finished and self._failed is None:
                 if not self._drain() and clock() > until:

@@ -66,7 +66,7 @@ class FakeTransport:
 
 async def run(ios: int, qd: int, nr_queues: int = 1) -> tuple[float, float]:
     """(CPU s, wall s) for ``ios`` 4 KiB reads at queue depth ``qd`` over ``nr_queues``."""
-    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[], yielded_at=0.0)
     queues = [make_queue(transport, qid) for qid in range(1, nr_queues + 1)]
     opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", keep_alive_tmo=0)
     async with trio.open_nursery() as nursery:

@@ -13,6 +13,7 @@ import functools
 import os
 import re
 import struct
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -145,7 +146,7 @@ def queue(monkeypatch):
 def fake_rdma_queue(monkeypatch):
     """An RdmaQueue (qid 1, 8 slots) over the fake verbs, its receives posted; closed after."""
     monkeypatch.setattr(rdma, "_ibverbs", FAKE_VERBS)
-    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[])
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[], yielded_at=0.0)
     channel = Channel()
     context = SimpleNamespace(create_comp_channel=lambda: channel,
                               create_cq=lambda size, ch: CQ(ch))
@@ -535,6 +536,62 @@ async def test_a_failed_completion_found_by_polling_fails_the_queue(queue):
             await queue.execute(read_command(), timeout=30)
         with pytest.raises(TransportError, match="work request failed"):
             await queue.execute(read_command(), timeout=30)
+
+
+@in_trio
+async def test_a_polling_caller_lets_tasks_waiting_to_run_go_first(queue):
+    answer_at_once(queue)
+    order = []
+
+    async def other() -> None:
+        order.append("other")
+
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        queue.transport.yielded_at = time.perf_counter()  # just yielded: only others count
+        nursery.start_soon(other)  # runnable, not run yet
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        order.append("command")
+        assert order == ["other", "command"]
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_with_nothing_waiting_to_run_a_poll_skips_the_scheduler_pass(queue):
+    answer_at_once(queue)
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        await trio.testing.wait_all_tasks_blocked()
+        yielded = queue.transport.yielded_at = time.perf_counter()
+        for _ in range(3):
+            assert (await queue.execute(read_command(), timeout=30)).ok
+        assert queue.transport.yielded_at == yielded  # found by polling, no checkpoint
+        queue.transport.yielded_at -= 2 * rdma.YIELD_EVERY  # long ago: yields again
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert queue.transport.yielded_at > yielded
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_a_qd1_caller_that_never_waits_still_lets_timers_fire(queue):
+    """Every completion is there at the first poll, so the caller never sleeps; the
+    scheduler still runs at least every YIELD_EVERY, and a sleeping task wakes."""
+    answer_at_once(queue)
+    woke = trio.Event()
+
+    async def sleeper() -> None:
+        await trio.sleep(0.01)
+        woke.set()
+
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        nursery.start_soon(sleeper)
+        commands = 0
+        while not woke.is_set():
+            assert (await queue.execute(read_command(), timeout=30)).ok
+            commands += 1
+            assert commands < 1_000_000, "the timer never fired"
+        nursery.cancel_scope.cancel()
 
 
 def recorded_polls(queue) -> list:
