@@ -219,12 +219,12 @@ def run_nvmeof(args: argparse.Namespace) -> dict:
 def library_slice(ctrl, ns, buf, job: Job, cur: Cursor, seconds: float) -> tuple[int, float]:
     """Run ``job`` on the ``nvmeof`` library for ``seconds``: QD1 through ``Namespace.read``
     or ``write``, deeper through its queue's ``submit``/``poll``; I/Os done, seconds taken."""
-    from nvmeof import protocol as p
-
     if job.qd == 1:
         def one() -> None:
             (ns.write if job.write else ns.read)(buf, cur.next(), cur.nlb)
         return _sync_loop(one, seconds)
+    from nvmeof import protocol as p
+
     return _queued(ctrl, ns, buf, job, cur, p.OPC_WRITE if job.write else p.OPC_READ, seconds)
 
 

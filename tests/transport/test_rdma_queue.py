@@ -539,20 +539,22 @@ async def test_a_failed_completion_found_by_polling_fails_the_queue(queue):
 
 
 @in_trio
-async def test_a_polling_caller_lets_tasks_waiting_to_run_go_first(queue):
+async def test_a_polling_caller_takes_a_scheduler_pass_while_tasks_wait_to_run(queue):
     answer_at_once(queue)
-    order = []
+    ran = []
 
     async def other() -> None:
-        order.append("other")
+        ran.append("other")
 
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        queue.transport.yielded_at = time.perf_counter()  # just yielded: only others count
+        await trio.testing.wait_all_tasks_blocked()
+        yielded = queue.transport.yielded_at = time.perf_counter()  # only others count now
         nursery.start_soon(other)  # runnable, not run yet
         assert (await queue.execute(read_command(), timeout=30)).ok
-        order.append("command")
-        assert order == ["other", "command"]
+        assert queue.transport.yielded_at > yielded  # the caller yielded before polling
+        await trio.testing.wait_all_tasks_blocked()
+        assert ran == ["other"]
         nursery.cancel_scope.cancel()
 
 
