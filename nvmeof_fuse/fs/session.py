@@ -30,6 +30,7 @@ from typing import Any
 
 import trio
 
+from nvmeof_fuse.concurrency import tasks_runnable
 from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.idlepoll import IdlePoll
 from nvmeof_fuse.fs.wire import (
@@ -253,7 +254,7 @@ class _Workers:
         any thread that can run on it: the client may be one."""
         served, self.served = self.served, 0
         budget = self.idle_poll.budget(served)
-        if not budget or self.closing or trio.lowlevel.current_statistics().tasks_runnable:
+        if not budget or self.closing or tasks_runnable():
             return None
         take, clock, yield_cpu = self.take, time.perf_counter, os.sched_yield
         start = clock()

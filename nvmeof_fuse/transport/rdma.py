@@ -34,6 +34,7 @@ from typing import NoReturn
 
 import trio
 
+from ..concurrency import tasks_runnable
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
@@ -593,7 +594,7 @@ class RdmaQueue:
         clock = time.perf_counter
         transport = self.transport
         if (clock() - transport.yielded_at > YIELD_EVERY
-                or trio.lowlevel.current_statistics().tasks_runnable):
+                or tasks_runnable()):
             await trio.lowlevel.cancel_shielded_checkpoint()
             transport.yielded_at = clock()
         try:
