@@ -715,7 +715,9 @@ class RdmaQueue:
         receives; how many there were.  ``answered`` is told each response's command ID.
         A failed work request raises TransportError."""
         sends = self._take_sends(slots)
-        recvs = self.recv_cq.poll(self.size)
+        # No more than the commands in flight can complete: a poll zeroes room for as many
+        # entries as it asks for (a queue's size costs 4x one entry under TCG).
+        recvs = self.recv_cq.poll(len(slots.pending) or 1)
         if recvs:
             view = self.responses.view
             reposts = []
@@ -734,7 +736,7 @@ class RdmaQueue:
         return sends + len(recvs)
 
     def _take_sends(self, slots: CommandSlots) -> int:
-        sends = self.send_cq.poll(self.size)
+        sends = self.send_cq.poll(len(slots.pending) or 1)
         for wc in sends:
             if wc.status:
                 raise self._wc_error(wc)

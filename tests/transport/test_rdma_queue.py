@@ -74,6 +74,8 @@ class Channel:
 class CQ:
     def __init__(self, channel: Channel) -> None:
         self.channel, self.wcs, self.armed = channel, collections.deque(), False
+        self.asked: list[int] = []  # entries each poll asked for
+
 
     def add(self, wc: WC) -> None:
         self.wcs.append(wc)
@@ -82,6 +84,7 @@ class CQ:
             self.channel.signal(self)
 
     def poll(self, n: int) -> list:
+        self.asked.append(n)
         return [self.wcs.popleft() for _ in range(min(n, len(self.wcs)))]
 
     def req_notify(self) -> None:
@@ -425,6 +428,31 @@ async def test_commands_posted_in_one_batch_share_one_post_send(queue):
             queue.qp.respond(cid)
         await trio.testing.wait_all_tasks_blocked()
         assert len(done) == 4 and all(c.ok for c in done) and queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_polls_ask_for_no_more_entries_than_commands_in_flight(queue):
+    """ibverbs zeroes room for every entry a poll asks for: a queue's size per poll cost
+    4x one entry under TCG."""
+    answer_at_once(queue)
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        assert (await queue.execute(read_command(), timeout=30)).ok
+        assert set(queue.recv_cq.asked) == set(queue.send_cq.asked) == {1}
+        del queue.qp.post_send  # these four wait for their answers
+        queue.qp.sent.clear()
+        done: list = []
+        for _ in range(4):
+            nursery.start_soon(read_recording, queue, done)
+        await trio.testing.wait_all_tasks_blocked()
+        queue.recv_cq.asked.clear()
+        for cid in list(queue.qp.sent):
+            queue.qp.send_done(cid)
+            queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(done) == 4 and all(c.ok for c in done) and queue.available == 7
+        assert queue.recv_cq.asked and max(queue.recv_cq.asked) <= 4
         nursery.cancel_scope.cancel()
 
 
