@@ -9,9 +9,10 @@ travels by keyed SGL (the target RDMA-READs/WRITEs our registered memory) or,
 for small writes, inside the command capsule.
 Completions wake trio through the completion channel's fd; while completions
 keep coming the reaper polls without sleeping.  A command alone on its queue is
-polled for by its caller instead, for about twice the queue's recent latency
-(as the kernel's hybrid polling), so a QD1 reader pays no sleep and wake-up per
-I/O; past that, or with an idle queue, nothing polls and the channel is armed.
+polled for by its caller instead, for about twice the queue's recent latency for
+commands of its size (as the kernel's hybrid polling: :mod:`.pollbudget`), so a QD1
+reader pays no sleep and wake-up per I/O; past that, or with an idle queue, nothing
+polls and the channel is armed.
 With several commands in flight nothing polls before sleeping either: a command
 alone says nothing of the gaps between completions at depth (tens of ms in a
 1 MiB stream under TCG), and polls that miss take the CPU the target side needs.
@@ -39,6 +40,7 @@ from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
 from .parking import Watchdog, cancellable, closed_for_timeout, for_caller, time_out
+from .pollbudget import PollBudget
 from .region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
@@ -48,11 +50,10 @@ _CM_REQUEST = struct.Struct("<HHHHH22x")  # recfmt, qid, hrqsize, hsqsize, cntli
 _CM_ACCEPT = struct.Struct("<HH28x")  # recfmt, crqsize
 STOP_TIMEOUT = 5.0  # s for a queue's reaper to end once stopped
 POLL_MAX = 0.002
-"""Seconds a caller polls at most for a command alone on its queue before sleeping on the
-completion channel; queues whose recent latency is above it are not polled at all."""
+"""Seconds of recent latency past which a command alone on its queue is not polled for
+(but for a probe now and then: :mod:`.pollbudget`); below, its caller polls for twice that."""
 YIELD_EVERY = POLL_MAX
 """Seconds a caller polling for its command alone may go on without a scheduler pass."""
-_LATENCY_WEIGHT = 0.125  # of the newest sample in a queue's moving average latency
 _SEND, _RECV = 1 << 62, 1 << 61
 _INDEX = (1 << 32) - 1
 _CID = struct.Struct("<H")  # the command ID, bytes 2..3 of a capsule
@@ -412,8 +413,8 @@ class RdmaQueue:
         self._reaped = trio.Event()
         self._poster = None  # the task posting queued capsules, once started
         self._idle_reaper = None  # the reaper's task while it waits for a command, unarmed
-        self.latency = POLL_MAX / 2
-        """Moving average of seconds from posting a command alone on the queue to its end."""
+        self.poll_budget = PollBudget(POLL_MAX)
+        """Latency of commands alone on the queue, from posting to their end, per size."""
         self._poster_woken = False
         self._queued: list = []  # SendWRs waiting for the poster
         self._queued_requests: list[Request] = []
@@ -564,18 +565,23 @@ class RdmaQueue:
             except OSError as exc:
                 slots.release(request)
                 raise TransportError(f"{self.name}: cannot post a command: {exc}") from exc
-        posted = time.perf_counter() if alone else 0.0
-        if (alone and self.latency < POLL_MAX and self._idle_reaper is not None
-                and not self._others_in_flight()):
-            await self._poll_for(request, posted + 2 * self.latency)
-            if slots.awaiting_send:  # answered before its SEND completed: the reaper, idle
-                self._wake_reaper()  # and unarmed, arms for that completion
+        polled = False
+        if alone:
+            posted = time.perf_counter()
+            nbytes = data.length if data is not None else 0
+            if self._idle_reaper is not None and not self._others_in_flight():
+                budget = self.poll_budget.budget(nbytes)
+                if budget:
+                    await self._poll_for(request, posted + budget)
+                    polled = request.finished
+                    if slots.awaiting_send:  # answered before its SEND completed: the
+                        self._wake_reaper()  # reaper, idle and unarmed, arms for it
         if not request.finished:
             if self._idle_reaper is not None:
                 self._wake_reaper()
             await self._watchdog.park(request, timeout)
         if alone:
-            self.latency += (time.perf_counter() - posted - self.latency) * _LATENCY_WEIGHT
+            self.poll_budget.record(nbytes, time.perf_counter() - posted, polled=polled)
         if request.error is not None:
             raise for_caller(request.error)
         return request.completion  # type: ignore[return-value]

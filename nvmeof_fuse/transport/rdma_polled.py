@@ -10,8 +10,8 @@ request it finds done, as MPI or kvikio runtimes make progress while waiting.
 
 - One lock guards the slots (command IDs) and every verbs call on the queue.
 - Exactly one waiter polls at a time; others sleep on a condition and take over
-  when it leaves.  A poller spins for about twice the queue's recent latency
-  (when that is under ``POLL_MAX``), then arms the CQs and sleeps on the
+  when it leaves.  A poller spins for about twice the queue's recent latency for
+  commands of its size (:mod:`.pollbudget`), then arms the CQs and sleeps on the
   completion channel's fd: nothing spins while nobody waits, and every wait is
   bounded by the caller's deadline.
 - :meth:`detach` (the owner's loop, before the queue is torn down) fails every
@@ -33,8 +33,6 @@ from ..nvme import Completion
 from .parking import for_caller
 from .rdma import (
     _CID,
-    _LATENCY_WEIGHT,
-    POLL_MAX,
     SQE_BYTES,
     CommandSlots,
     RdmaQueue,
@@ -63,7 +61,7 @@ class PolledQueue:
         self._unposted: list = []  # work requests written but not posted yet (post=False)
         self.failed: TransportError | None = None
         self.detached = False
-        self.latency = min(queue.latency, POLL_MAX)
+        self.poll_budget = queue.poll_budget  # the queue's own: it has left trio for good
 
     @property
     def available(self) -> int:
@@ -155,13 +153,14 @@ class PolledQueue:
         clock = time.perf_counter
         if self._unposted:
             self.flush()
+        polled = False
         while not request.finished:
             if clock() >= until:
                 raise CommandTimeout(f"{self.name}: command {request.cid} got no completion "
                                      "in time")
             if self._role.acquire(blocking=False):
                 try:
-                    self._poll(request, until)
+                    polled = self._poll(request, until)
                 finally:
                     self._role.release()
                 self._notify()
@@ -175,7 +174,9 @@ class PolledQueue:
                         self._sleepers -= 1
         if request.error is not None:
             raise for_caller(request.error)
-        self.latency += (time.perf_counter() - request.deadline - self.latency) * _LATENCY_WEIGHT
+        data = request.data
+        self.poll_budget.record(data.length if data is not None else 0,
+                                clock() - request.deadline, polled=polled)
         return request.completion  # type: ignore[return-value]
 
     def _notify(self) -> None:
@@ -183,11 +184,19 @@ class PolledQueue:
             with self._wakeup:
                 self._wakeup.notify_all()
 
-    def _poll(self, request: Request, until: float) -> None:
+    def _poll(self, request: Request, until: float) -> bool:
         """Spin briefly, then sleep on the completion channel, until ``request`` finished,
-        the queue failed or ``until`` passed (the caller holds the poller's role)."""
+        the queue failed or ``until`` passed (the caller holds the poller's role); True if
+        it was found while spinning, before any sleep.
+
+        The spin is twice the recent latency of commands of its size when that is short,
+        as the trio path's hybrid polling; none for slow ones, which would waste a CPU the
+        target side needs (the testbed's rxe and nvmet share the VM's)."""
         clock = time.perf_counter
-        spin_until = clock() + self._spin()
+        data = request.data
+        spin = self.poll_budget.budget(data.length if data is not None else 0)
+        spin_until = clock() + spin
+        slept = False
         while not request.finished and self.failed is None:
             if self._drain():
                 if self._sleepers:
@@ -195,23 +204,19 @@ class PolledQueue:
                 continue
             now = clock()
             if now >= until:
-                return
+                return False
             if now < spin_until:
                 continue
             with self._lock:
                 if self.failed is not None:
-                    return
+                    return False
                 self._arm()
             if self._drain():
                 continue
             self._sleep(min(until - now, BLOCK_SLICE))
-            spin_until = clock() + self._spin()
-
-    def _spin(self) -> float:
-        """Seconds to poll before sleeping: twice the recent latency when that is short (as
-        the trio path's hybrid polling); none for slow queues, which would waste a CPU the
-        target side needs (the testbed's rxe and nvmet share the VM's)."""
-        return 2 * self.latency if self.latency < POLL_MAX else 0.0
+            slept = True
+            spin_until = clock() + spin
+        return request.finished and not slept
 
     def _sleep(self, limit: float) -> None:
         """Wait for the completion channel's event (bounded) and consume it."""

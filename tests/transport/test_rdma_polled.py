@@ -20,7 +20,8 @@ from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
 from nvmeof_fuse.transport import rdma_polled
-from nvmeof_fuse.transport.rdma_polled import POLL_MAX, PolledQueue, take_over
+from nvmeof_fuse.transport.pollbudget import PollBudget
+from nvmeof_fuse.transport.rdma_polled import PolledQueue, take_over
 from nvmeof_fuse.transport.region import host_buffer
 
 
@@ -149,7 +150,7 @@ def test_a_channel_past_select_s_fd_limit_is_still_slept_on(queue, memory, monke
     os.close(channel.fd)
     channel.fd = high
     polled = PolledQueue(queue)
-    polled.latency = POLL_MAX  # a slow queue: its waiter sleeps at once, without spinning
+    polled.poll_budget = PollBudget(0.0)  # never polls: its waiter sleeps at once
     (request,) = polled.submit(reads(memory, 1))
     drains = 0
     drain = polled._drain
