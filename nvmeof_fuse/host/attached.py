@@ -136,13 +136,14 @@ class AttachedController(Controller):
 
     async def _hand_over(self) -> None:
         """Give the last ``polled`` RDMA queues to callers' threads; the loop keeps one at least."""
-        if not self._polled or len(self.io_queues) <= self._polled:
+        count = min(self._polled, len(self.io_queues) - 1)
+        if count <= 0:
             return
         from ..transport.rdma import RdmaQueue
         from ..transport.rdma_polled import take_over
 
         polled = []
-        for queue in self.io_queues[-self._polled:]:
+        for queue in self.io_queues[-count:]:
             if isinstance(queue, RdmaQueue):
                 taken = await take_over(queue, self.options.timeout)
                 if taken is not None:

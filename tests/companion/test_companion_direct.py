@@ -16,12 +16,13 @@ from companion_fakes import FakeFabric, FakeTensor, LeasingController, serving, 
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import direct
-from nvmeof_fuse.companion.client import File
+from nvmeof_fuse.companion.client import QUEUES_PER_CLIENT, File
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument
 from nvmeof_fuse.host.byterange import NoSpace
 
 OPC_WRITE, OPC_READ = 0x01, 0x02
+OWN = tuple(range(3, 3 + QUEUES_PER_CLIENT))  # the queue IDs a File leases here
 
 
 @pytest.fixture
@@ -42,19 +43,19 @@ def test_reads_and_writes_go_over_the_files_own_queues(served, kind, nsid):
     data = make(size)
     data[:] = np.random.default_rng(nsid).integers(0, 256, size, dtype=np.uint8)
     with File(str(mnt / f"n{nsid}")) as f:
-        assert f.own_queues == (3, 4, 5)
+        assert f.own_queues == OWN
         assert f.write(data, file_offset=offset) == size
         out = make(size)
         assert f.read(out, file_offset=offset) == size
         stats = f.stats()
     assert bytes(out) == bytes(data) == bytes(ctrl.disks[nsid][offset:offset + size])
-    assert sorted(fabric.connects) == [3, 4, 5]
-    assert {qid for _, qid in fabric.commands} <= {3, 4, 5}  # no command on the daemon's queues
+    assert sorted(fabric.connects) == list(OWN)
+    assert {qid for _, qid in fabric.commands} <= set(OWN)  # no command on the daemon's queues
     assert stats["client_queue_read_bytes"] == stats["client_queue_write_bytes"] == size
     for counter in ("direct_read_bytes", "direct_write_bytes", "staged_read_bytes",
                     "staged_write_bytes", "daemon_copied_bytes"):
         assert stats[counter] == 0, counter
-    assert stats["sessions"][0]["qids"] == [3, 4, 5]
+    assert stats["sessions"][0]["qids"] == list(OWN)
 
 
 def test_sixteen_futures_from_one_thread_and_a_batch(served):
@@ -85,7 +86,7 @@ def test_a_qid_still_held_on_the_target_is_tried_again(served, monkeypatch):
     monkeypatch.setattr("nvmeof_fuse.host.attached.QID_BUSY_DELAY", 0.01)
     fabric.connect_status = [0x0C]  # Command Sequence Error: the QID's old queue lingers
     with File(str(mnt / "n1")) as f:
-        assert f.own_queues == (3, 4, 5)
+        assert f.own_queues == OWN
     assert fabric.connects[:3] == [3, 3, 4]
 
 
@@ -166,7 +167,7 @@ def test_a_lost_controller_revokes_the_clients_queues_at_once(served):
     ctrl, fabric, server, mnt = served
     out = nvmeof_fuse.empty(4096)
     with File(str(mnt / "n1")) as f:
-        assert fabric.connects == [3, 4, 5]
+        assert fabric.connects == list(OWN)
 
         def lose() -> None:
             ctrl.state = "connecting"
@@ -174,7 +175,7 @@ def test_a_lost_controller_revokes_the_clients_queues_at_once(served):
 
         trio.from_thread.run_sync(lose, trio_token=server.trio_token)
         # asked again, connected again
-        assert wait_for(lambda: fabric.connects == [3, 4, 5, 3, 4, 5])
+        assert wait_for(lambda: fabric.connects == [*OWN, *OWN])
         assert f.read(out, file_offset=512) == 4096
     assert bytes(out) == bytes(ctrl.disks[1][512:512 + 4096])
 
@@ -198,7 +199,7 @@ def test_one_loss_is_told_once_however_many_states_it_passes(served):
         for state in ("resetting", "connecting"):  # one loss, two states
             trio.from_thread.run_sync(move, state, trio_token=server.trio_token)
             assert wait_for(lambda: not ctrl.state_changed.is_set())  # the server looked
-        assert wait_for(lambda: fabric.connects == [3, 4, 5, 3, 4, 5])
+        assert wait_for(lambda: fabric.connects == [*OWN, *OWN])
         trio.from_thread.run_sync(move, "live", trio_token=server.trio_token)
         assert wait_for(lambda: not ctrl.state_changed.is_set())
         trio.from_thread.run_sync(move, "connecting", trio_token=server.trio_token)  # a new loss
@@ -236,7 +237,7 @@ def test_a_file_dropped_unclosed_gives_its_queues_back(served):
     assert wait_for(lambda: server.snapshot()["clients"] == 0, 30)
     assert server.snapshot()["leases"] == 0
     with File(str(mnt / "n1")) as g:  # the queues are free for the next client
-        assert g.own_queues == (3, 4, 5)
+        assert g.own_queues == OWN
 
 
 def test_a_write_lock_not_granted_in_time_is_a_named_timeout_and_given_back_later(served):
