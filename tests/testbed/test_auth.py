@@ -122,6 +122,27 @@ def test_mount_authenticates_and_agrees_with_the_kernel(testbed, tmp_path, trans
             assert pread_direct(kernel[1], 8192, len(data)) == data
 
 
+def test_mount_over_tcp_authenticates(testbed, tmp_path):
+    """In-band authentication runs on every transport: here over NVMe/TCP."""
+    key = gen_key(1, 32, HOSTNQN)
+    log = str(tmp_path / "daemon.log")
+    data = os.urandom(4096)
+    with auth_subsystem("hmac(sha256)", "ffdhe2048", key, port=NVMET_PORTS["tcp"]):
+        mount(testbed, log, "-S", key_file(tmp_path, "key", key), "-i", "2", transport="tcp")
+        try:
+            with open(f"{MNT}/.nvmeof/controller.json") as f:
+                assert json.load(f)["controller"]["dhchap"] == "host"
+            with open(f"{MNT}/n1", "r+b", buffering=0) as f:
+                f.seek(4096)
+                f.write(data)
+            with open(f"{MNT}/n1", "rb", buffering=0) as f:
+                f.seek(4096)
+                assert f.read(len(data)) == data
+            assert "sha256, ffdhe2048" in open(log).read()
+        finally:
+            unmount()
+
+
 @pytest.mark.slow
 def test_bidirectional_authentication(testbed, tmp_path):
     key, ctrl_key = gen_key(1, 32, HOSTNQN), gen_key(2, 48, SUBNQN)
