@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 
 POLLED_QUEUES = 2
 """Of a client's leased queues, how many its callers' threads drive themselves (whole-LBA
-reads into registered host memory, any size, spread by free slots;
+reads into registered host memory, any size, to the one with fewer commands unanswered;
 :mod:`nvmeof_fuse.transport.rdma_polled`); the loop keeps the others (one at least).
 Two, because the target and the fabric move a large transfer in parallel per queue (one
 such queue held 1 MiB reads to 0.75x of two in the VM), and a small read's cost is the
@@ -587,7 +587,8 @@ class DirectQueues:
             sqes = [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
                      region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
                     for start in range(0, nlb, per)]
-        queue = polled[0] if len(polled) == 1 else max(polled, key=lambda q: q.available)
+        # The least loaded; ties go to the first, so that a QD1 reader keeps to one queue.
+        queue = polled[0] if len(polled) == 1 else min(polled, key=lambda q: q.unanswered)
         requests = queue.submit(sqes, put, post=post)  # put holds the caller's buffer
         if requests is None:  # full, or failed: the loop's queues serve it
             return None

@@ -71,6 +71,12 @@ class PolledQueue:
     def pending(self) -> int:
         return len(self._slots.pending)
 
+    @property
+    def unanswered(self) -> int:
+        """Commands the target has not answered yet (a slot whose SEND completion is not
+        reaped yet is still pending, but no load on the target)."""
+        return len(self._slots.pending) - self._slots.awaiting_send
+
     # -- submission (any thread) -----------------------------------------------------------
 
     def submit(self, sqes: list[tuple[bytearray, DataRef]], keep: Any = None, *,

@@ -148,3 +148,25 @@ def test_a_single_polled_read_is_posted_at_once(polled_direct):
     assert qp.posts == [1]
     answer_all(qp)
     assert read.done() and read.result(5) == 8192
+
+
+def test_a_read_goes_to_the_polled_queue_with_fewer_commands_unanswered(polled_direct,
+                                                                        monkeypatch):
+    """Ties go to the first queue, so that a QD1 reader keeps to one."""
+    from transport.test_rdma_queue import fake_rdma_queue
+
+    from nvmeof_fuse.transport.rdma_polled import PolledQueue
+
+    d, queue, qp, memory = polled_direct
+    other_queue = fake_rdma_queue(monkeypatch)
+    other = PolledQueue(next(other_queue))
+    d._ctrl.polled_queues = [queue, other]
+    first = d.start_read(1, memory, 0, 4096, 0, None, False)
+    assert first._queue is queue
+    second = d.start_read(1, memory, 4096, 4096, 4096, None, False)
+    assert second._queue is other  # the first has a command unanswered
+    answer_all(qp)
+    assert first.result(5) == 4096
+    third = d.start_read(1, memory, 8192, 4096, 8192, None, False)
+    assert third._queue is queue  # its first read was answered; the other still waits
+    next(other_queue, None)  # closes the other queue

@@ -72,6 +72,16 @@ def test_a_posted_read_is_reaped_by_its_waiter_and_frees_its_slot(queue, memory)
     assert polled.available == 7 and polled.pending == 0
 
 
+def test_a_read_answered_before_its_send_completed_is_pending_but_not_unanswered(queue,
+                                                                                memory):
+    polled = PolledQueue(queue)
+    (request,) = polled.submit(reads(memory, 1))
+    assert polled.unanswered == polled.pending == 1
+    queue.qp.respond(request.cid)  # its SEND completion comes later
+    assert polled.wait(request, time.perf_counter() + 30).ok
+    assert polled.pending == 1 and polled.unanswered == 0
+
+
 def test_many_reads_go_out_in_one_post(queue, memory):
     polled = PolledQueue(queue)
     requests = polled.submit(reads(memory, 4))
