@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-i", "--nr-io-queues", help="number of I/O queues")
     m.add_argument("--companion-queues",
                    help="more I/O queue IDs to lease to companion clients, which connect them "
-                        f"themselves (default {DEFAULT_COMPANION_QUEUES}, 4 per client; 0: off)")
+                        f"themselves (default {DEFAULT_COMPANION_QUEUES}, 3 per client; 0: off)")
     m.add_argument("-Q", "--queue-size", help="I/O queue size (default 128)")
     m.add_argument("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)")
     m.add_argument("-c", "--reconnect-delay", default="10",

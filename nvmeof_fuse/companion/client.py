@@ -48,7 +48,7 @@ DEFAULT_TIMEOUT = 60.0  # s per request, plus time for its bytes at MIN_RATE
 MIN_RATE = 5e6  # bytes/s assumed when bounding a large request
 STAGING_SLOT = 1 << 20
 STAGING_SLOTS = 4
-QUEUES_PER_CLIENT = 4  # I/O queues a File leases and connects: 2 polled, 2 on its loop
+QUEUES_PER_CLIENT = 3  # I/O queues a File leases and connects: 1 polled, 2 on its loop
 INFO_TIMEOUT = 10.0  # s for reading .nvmeof/companion.json (a hung mount blocks)
 _warned: set[str] = set()
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidArgument
 from . import auth
 
-DEFAULT_COMPANION_QUEUES = 16
+DEFAULT_COMPANION_QUEUES = 8
 
 
 @dataclass
