@@ -159,6 +159,9 @@ class PolledQueue:
         clock = time.perf_counter
         if self._unposted:
             self.flush()
+        data = request.data
+        nbytes = data.length if data is not None else 0
+        spin: float | None = None  # asked of the budget once per command, when it is polled
         polled = False
         while not request.finished:
             if clock() >= until:
@@ -166,7 +169,9 @@ class PolledQueue:
                                      "in time")
             if self._role.acquire(blocking=False):
                 try:
-                    polled = self._poll(request, until)
+                    if spin is None:
+                        spin = self.poll_budget.budget(nbytes)
+                    polled = self._poll(request, until, spin)
                 finally:
                     self._role.release()
                 self._notify()
@@ -180,9 +185,7 @@ class PolledQueue:
                         self._sleepers -= 1
         if request.error is not None:
             raise for_caller(request.error)
-        data = request.data
-        self.poll_budget.record(data.length if data is not None else 0,
-                                clock() - request.deadline, polled=polled)
+        self.poll_budget.record(nbytes, clock() - request.deadline, polled=polled)
         return request.completion  # type: ignore[return-value]
 
     def _notify(self) -> None:
@@ -190,17 +193,15 @@ class PolledQueue:
             with self._wakeup:
                 self._wakeup.notify_all()
 
-    def _poll(self, request: Request, until: float) -> bool:
-        """Spin briefly, then sleep on the completion channel, until ``request`` finished,
-        the queue failed or ``until`` passed (the caller holds the poller's role); True if
-        it was found while spinning, before any sleep.
+    def _poll(self, request: Request, until: float, spin: float) -> bool:
+        """Spin for ``spin`` seconds, then sleep on the completion channel, until ``request``
+        finished, the queue failed or ``until`` passed (the caller holds the poller's role);
+        True if it was found while spinning, before any sleep.
 
         The spin is twice the recent latency of commands of its size when that is short,
         as the trio path's hybrid polling; none for slow ones, which would waste a CPU the
         target side needs (the testbed's rxe and nvmet share the VM's)."""
         clock = time.perf_counter
-        data = request.data
-        spin = self.poll_budget.budget(data.length if data is not None else 0)
         spin_until = clock() + spin
         slept = False
         while not request.finished and self.failed is None:
