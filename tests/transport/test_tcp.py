@@ -308,10 +308,10 @@ def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
 def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, monkeypatch):
     from nvmeof_fuse.nvme import tcp_pdu as pdu
     from nvmeof_fuse.transport import splice as splicing
-    from nvmeof_fuse.transport import tcp
+    from nvmeof_fuse.transport import tcp_queue
 
     spliced, threaded = [], []
-    send, send_pdus = splicing.Splicer.send, tcp.send_pdus
+    send, send_pdus = splicing.Splicer.send, tcp_queue.send_pdus
 
     def counting(self, fd, data, more=False):
         sent = send(self, fd, data, more)
@@ -323,7 +323,7 @@ def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, 
         return send_pdus(sock, splicer, pdus)
 
     monkeypatch.setattr(splicing.Splicer, "send", counting)
-    monkeypatch.setattr(tcp, "send_pdus", handed)
+    monkeypatch.setattr(tcp_queue, "send_pdus", handed)
     data = random.Random(5).randbytes(768 * 1024)
 
     async def test(target, transport, queue):
@@ -363,13 +363,13 @@ def count_threads(monkeypatch) -> list[str]:
     """Bulk sends handed to worker threads, and C2HData PDUs read (``c2h_data`` of more
     than BULK_BYTES, ``small_c2h_data`` the others), as they start, with whether on the
     main (trio) thread."""
-    from nvmeof_fuse.transport import tcp
+    from nvmeof_fuse.transport import tcp_data, tcp_reader
 
     started = []
 
     def counted(name, fn):
         def counting(*args):
-            if name == "c2h_data" and args[1].length <= tcp.BULK_BYTES:
+            if name == "c2h_data" and args[1].length <= tcp_data.BULK_BYTES:
                 name_ = "small_c2h_data"
             else:
                 name_ = name
@@ -377,8 +377,9 @@ def count_threads(monkeypatch) -> list[str]:
             return fn(*args)
         return counting
 
-    monkeypatch.setattr(tcp, "send_exactly", counted("send_exactly", tcp.send_exactly))
-    monkeypatch.setattr(tcp.TcpQueue, "_c2h_data", counted("c2h_data", tcp.TcpQueue._c2h_data))
+    monkeypatch.setattr(tcp_data, "send_exactly", counted("send_exactly", tcp_data.send_exactly))
+    monkeypatch.setattr(tcp_reader.PduReader, "_c2h_data",
+                        counted("c2h_data", tcp_reader.PduReader._c2h_data))
     return started
 
 
@@ -494,7 +495,7 @@ def test_stopping_a_queue_ends_a_bulk_receive_at_once():
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(reading)
-            while queue._mid_payload is None:  # the receiver thread
+            while queue.reader.mid_payload is None:  # the receiver thread
                 await trio.sleep(0.01)  # waits for the payload's second half
             with trio.fail_after(2):  # far below the command's timeout (5 s)
                 await transport.drop_queues()
@@ -508,11 +509,11 @@ def test_stopping_a_queue_ends_a_bulk_receive_at_once():
 def test_only_the_trio_thread_changes_a_request(target_kw, monkeypatch):
     """The receiver thread hands over (request, completion) and (request, R2T) pairs; it
     never writes a request, which the trio thread alone changes."""
-    from nvmeof_fuse.transport import tcp
+    from nvmeof_fuse.transport import tcp_queue
 
     elsewhere = []
 
-    class Watched(tcp.Request):
+    class Watched(tcp_queue.Request):
         __slots__ = ()
 
         def __setattr__(self, name, value):
@@ -520,7 +521,7 @@ def test_only_the_trio_thread_changes_a_request(target_kw, monkeypatch):
                 elsewhere.append(name)
             super().__setattr__(name, value)
 
-    monkeypatch.setattr(tcp, "Request", Watched)
+    monkeypatch.setattr(tcp_queue, "Request", Watched)
     started = count_threads(monkeypatch)
     rng = random.Random(8)
     big = [rng.randbytes(256 * 1024) for _ in range(4)]
@@ -940,10 +941,10 @@ def test_gpu_memory_is_refused_by_name():
 def test_an_r2t_for_bulk_data_is_answered_by_the_receiver_thread_itself(monkeypatch):
     """No hand-off to the trio thread and on to another thread: the receiver thread sends
     the H2CData the moment it reads the R2T; a small R2T is still answered by trio."""
-    from nvmeof_fuse.transport import tcp
+    from nvmeof_fuse.transport import tcp_queue
 
     senders, answered_by_trio = [], []
-    send_pdus, send_h2c = tcp.send_pdus, tcp.TcpQueue._send_h2c
+    send_pdus, send_h2c = tcp_queue.send_pdus, tcp_queue.TcpQueue._send_h2c
 
     def sending(sock, splicer, pdus):
         senders.append(threading.current_thread() is threading.main_thread())
@@ -953,8 +954,8 @@ def test_an_r2t_for_bulk_data_is_answered_by_the_receiver_thread_itself(monkeypa
         answered_by_trio.append(header.length)
         return send_h2c(self, request, header)
 
-    monkeypatch.setattr(tcp, "send_pdus", sending)
-    monkeypatch.setattr(tcp.TcpQueue, "_send_h2c", by_trio)
+    monkeypatch.setattr(tcp_queue, "send_pdus", sending)
+    monkeypatch.setattr(tcp_queue.TcpQueue, "_send_h2c", by_trio)
     rng = random.Random(11)
     big, small = rng.randbytes(256 * 1024), rng.randbytes(16 * 1024)
 
@@ -970,12 +971,12 @@ def test_an_r2t_for_bulk_data_is_answered_by_the_receiver_thread_itself(monkeypa
 
 def test_the_receiver_thread_failing_to_send_h2cdata_in_time_fails_the_queue_by_name(
         monkeypatch):
-    from nvmeof_fuse.transport import tcp
+    from nvmeof_fuse.transport import tcp_data, tcp_queue
 
     def stalled(sock, splicer, pdus):
-        raise tcp.Stalled
+        raise tcp_data.Stalled
 
-    monkeypatch.setattr(tcp, "send_pdus", stalled)
+    monkeypatch.setattr(tcp_queue, "send_pdus", stalled)
 
     async def test(target, transport, queue):
         with pytest.raises(TransportError, match=r"^I/O queue 1: sending H2CData for command "
