@@ -488,7 +488,7 @@ class TcpQueue:
         with trio.move_on_after(STOP_TIMEOUT):
             await self._received.wait()
 
-    # -- the receiver thread: answers bulk R2Ts as it reads them --------------------
+    # -- for the reader (ReaderOwner), on its receiver thread -------------------------------------
 
     def post(self, batch: list) -> None:
         """Receiver thread: hand the reader's ``batch`` to the trio thread."""
