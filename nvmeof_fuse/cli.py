@@ -178,7 +178,7 @@ def _add_connection(p: argparse.ArgumentParser, *, port_help: str,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nvmeof_fuse.host.options import DEFAULT_COMPANION_QUEUES
+    from nvmeof_fuse.host.options import DEFAULT_COMPANION_QUEUES, QUEUES_PER_CLIENT
 
     parser = argparse.ArgumentParser(
         prog=PROG, description="Mount NVMe-oF namespaces as files; discover; list mounts."
@@ -192,7 +192,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("-i", "--nr-io-queues", help="number of I/O queues")
     m.add_argument("--companion-queues",
                    help="more I/O queue IDs to lease to companion clients, which connect them "
-                        f"themselves (default {DEFAULT_COMPANION_QUEUES}, 3 per client; 0: off)")
+                        f"themselves (default {DEFAULT_COMPANION_QUEUES}, "
+                        f"{QUEUES_PER_CLIENT} per client; 0: off)")
     m.add_argument("-Q", "--queue-size", help="I/O queue size (default 128)")
     m.add_argument("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)")
     m.add_argument("-c", "--reconnect-delay", default="10",

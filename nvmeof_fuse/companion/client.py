@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from ..errors import InvalidArgument, NVMeoFError
 from ..host.byterange import NoSpace
 from ..host.memory import buffer_address
+from ..host.options import QUEUES_PER_CLIENT
 from . import gpu, shm
 from .channel import LocalChannel, SocketChannel
 from .local import served_here
@@ -48,7 +49,6 @@ DEFAULT_TIMEOUT = 60.0  # s per request, plus time for its bytes at MIN_RATE
 MIN_RATE = 5e6  # bytes/s assumed when bounding a large request
 STAGING_SLOT = 1 << 20
 STAGING_SLOTS = 4
-QUEUES_PER_CLIENT = 3  # I/O queues a File leases and connects: 1 polled, 2 on its loop
 INFO_TIMEOUT = 10.0  # s for reading .nvmeof/companion.json (a hung mount blocks)
 _warned: set[str] = set()
 

@@ -12,6 +12,8 @@ from ..errors import InvalidArgument
 from . import auth
 
 DEFAULT_COMPANION_QUEUES = 8
+QUEUES_PER_CLIENT = 3
+"""I/O queues a companion ``File`` leases and connects: 1 polled, 2 on its loop."""
 
 
 @dataclass
