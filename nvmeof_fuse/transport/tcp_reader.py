@@ -183,17 +183,23 @@ class PduReader:
             raise TransportError(f"{self._owner.name}: second response for command ID {cid}")
         self._answer(self._lookup(cid, "CapsuleResp"), completion)
 
+    def _data_request(self, header: pdu.Header, what: str, to_controller: bool) -> Request:
+        """The command a C2HData or R2T names: in flight, moving data that way, with
+        the bytes named inside its buffer."""
+        request = self._lookup(header.cid, what)
+        if request.data is None or request.to_controller != to_controller:
+            raise TransportError(f"{self._owner.name}: {what} for command {header.cid}, "
+                                 f"which {'writes' if to_controller else 'reads'} no data")
+        if header.offset + header.length > request.data.length:
+            raise TransportError(f"{self._owner.name}: {what} for command {header.cid} names "
+                                 f"bytes {header.offset}+{header.length}, past its "
+                                 f"{request.data.length}-byte buffer")
+        return request
+
     def _c2h_data(self, header: pdu.Header, header_size: int) -> None:
         name = self._owner.name
-        request = self._lookup(header.cid, "C2HData")
-        if request.data is None or request.to_controller:
-            raise TransportError(f"{name}: C2HData for command {header.cid}, "
-                                 "which reads no data")
+        request = self._data_request(header, "C2HData", False)
         end = header.offset + header.length
-        if end > request.data.length:
-            raise TransportError(f"{name}: C2HData for command {header.cid} at "
-                                 f"{header.offset}+{header.length} runs past its "
-                                 f"{request.data.length}-byte buffer")
         so_far = self._progress.get(header.cid)
         expected = so_far[1] if so_far and so_far[0] is request else 0
         if header.offset != expected:  # in order, as Linux receives it: no holes, no overlaps
@@ -226,15 +232,7 @@ class PduReader:
             self._progress[header.cid] = (request, received)
 
     def _r2t(self, header: pdu.Header) -> None:
-        request = self._lookup(header.cid, "R2T")
-        if request.data is None or not request.to_controller:
-            raise TransportError(f"{self._owner.name}: R2T for command {header.cid}, "
-                                 "which writes no data")
-        end = header.offset + header.length
-        if end > request.data.length:
-            raise TransportError(f"{self._owner.name}: R2T for command {header.cid} asks for "
-                                 f"{header.offset}+{header.length}, past its "
-                                 f"{request.data.length} bytes")
+        request = self._data_request(header, "R2T", True)
         if self.in_thread:
             if self.inbox:
                 self._post()  # the callers answered so far go on meanwhile

@@ -106,6 +106,21 @@ def test_pdus_that_do_not_fit_the_commands_in_flight_fail_by_name(pair, wire, me
             reader.one_pdu()
 
 
+@pytest.mark.parametrize(("command", "wire", "message"), [
+    (request(2, 8192), c2h_data(2, 4096, bytes(8192), success=True),
+     r"^I/O queue 3: C2HData for command 2 names bytes 4096\+8192, past its 8192-byte buffer$"),
+    (request(2, 8192, write=True), r2t(2, 0, 16384),
+     r"^I/O queue 3: R2T for command 2 names bytes 0\+16384, past its 8192-byte buffer$"),
+], ids=["C2HData", "R2T"])
+def test_data_past_the_end_of_a_commands_buffer_fails_by_name(pair, command, wire, message):
+    ours, theirs = pair
+    reader, _ = reader_for(ours, command)
+    theirs.sendall(wire)
+    with pytest.raises(TransportError, match=message):
+        reader.one_pdu()
+    assert not any(command.memory)  # nothing was written into the caller's memory
+
+
 def test_a_large_payload_lands_in_the_callers_memory_in_order(pair):
     ours, theirs = pair
     size = 4 * DIRECT_RECV_BYTES
