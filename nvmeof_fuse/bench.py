@@ -278,8 +278,6 @@ def run_companion(args: argparse.Namespace) -> dict:
     ``nvmeof_fuse.empty`` arrays; with ``--processes N``, N such processes at once."""
     if args.processes > 1:
         return _companion_processes(args)
-    from collections import deque
-
     import nvmeof_fuse
 
     jobs = [j for j in JOBS if args.jobs is None or j.key in args.jobs]
@@ -292,24 +290,14 @@ def run_companion(args: argparse.Namespace) -> dict:
             time.sleep(max(0.0, args.start_at - time.time()))
         for job in jobs:
             cur = Cursor(job, f.lba_size, f.nbytes // f.lba_size)
-            move = f.pwrite if job.write else f.pread
-            ios = 0
-            start, cpu = time.monotonic(), os.times()
-            deadline = start + args.seconds
+            cpu = os.times()
             try:
-                pending = deque((i, move(bufs[i], job.size, cur.next() * f.lba_size))
-                                for i in range(job.qd))
-                while pending:
-                    i, future = pending.popleft()
-                    future.get()
-                    ios += 1
-                    if time.monotonic() < deadline:
-                        pending.append((i, move(bufs[i], job.size, cur.next() * f.lba_size)))
+                ios, elapsed = companion_slice(f, bufs, job, cur, args.seconds)
             except Exception as e:  # noqa: BLE001 - reported as n/a
                 results["errors"][job.key] = _reason(e)
             else:
                 end = os.times()
-                results["metrics"][job.key] = figure(job, ios, time.monotonic() - start)
+                results["metrics"][job.key] = figure(job, ios, elapsed)
                 if ios:  # this process's CPU (all its threads), as the core's figure
                     user, system = end.user - cpu.user, end.system - cpu.system
                     results["cpu_us_per_io"][job.key] = round((user + system) / ios * 1e6)
@@ -319,6 +307,27 @@ def run_companion(args: argparse.Namespace) -> dict:
         "client_queue_read_bytes", "direct_read_bytes", "staged_read_bytes",
         "daemon_copied_bytes")}
     return results
+
+
+def companion_slice(f, bufs, job: Job, cur: Cursor, seconds: float) -> tuple[int, float]:
+    """Keep ``job.qd`` ``pread``/``pwrite`` futures of the companion ``File`` ``f`` in
+    flight from this thread for ``seconds`` (``bufs[i]``: future i's memory); I/Os done,
+    seconds taken."""
+    from collections import deque
+
+    move = f.pwrite if job.write else f.pread
+    ios = 0
+    start = time.monotonic()
+    deadline = start + seconds
+    pending = deque((i, move(bufs[i], job.size, cur.next() * f.lba_size))
+                    for i in range(job.qd))
+    while pending:
+        i, future = pending.popleft()
+        future.get()
+        ios += 1
+        if time.monotonic() < deadline:
+            pending.append((i, move(bufs[i], job.size, cur.next() * f.lba_size)))
+    return ios, time.monotonic() - start
 
 
 def _companion_processes(args: argparse.Namespace) -> dict:
