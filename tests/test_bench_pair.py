@@ -32,17 +32,14 @@ class FakeNamespace:
 class FakePeer:
     """A peer whose slices read the library-style namespace (blocking calls)."""
 
-    key = "nvmeof"
+    def __init__(self, ns: FakeNamespace, order: list[str], key: str = "nvmeof") -> None:
+        self.ns, self.order, self.key = ns, order, key
 
-    def __init__(self, ns: FakeNamespace, order: list[str]) -> None:
-        self.ns, self.order = ns, order
-
-    def cursor(self, job):
-        return bench.Cursor(job, self.ns.lba_size, self.ns.info.size_lbas)
-
-    def run(self, job, cur, seconds):
+    async def run(self, job, seconds):
         self.order.append(self.key)
-        return bench.library_slice(None, self.ns, None, job, cur, seconds)
+        cur = bench.Cursor(job, self.ns.lba_size, self.ns.info.size_lbas)
+        count, elapsed = bench.library_slice(None, self.ns, None, job, cur, seconds)
+        return count, elapsed, count * 100e-6  # 100 us of CPU per I/O
 
 
 def test_each_side_runs_every_slice_and_the_order_flips():
@@ -65,6 +62,17 @@ def test_each_side_runs_every_slice_and_the_order_flips():
     assert [len(result["slices"][side]) for side in ("core", "nvmeof")] == [3, 3]
     assert result["median"]["core"] > 0 and result["median"]["nvmeof"] > 0
     assert 0 <= result["ahead"] <= 3
+    assert result["ratio"] == result["median"]["core"] / result["median"]["nvmeof"]
+
+
+def test_against_the_companion_the_ratio_is_the_companions_over_the_cores():
+    region = SimpleNamespace(ref=lambda offset, length: (offset, length))
+    job = next(j for j in bench.JOBS if j.key == "rand_read_qd1")
+    peer = FakePeer(FakeNamespace(), [], key="companion")
+    result = trio.run(bench_pair._alternate, job, FakeNamespace(), region, peer,
+                      SimpleNamespace(slices=2, slice_seconds=0.02))
+    assert result["ratio"] == result["median"]["companion"] / result["median"]["core"]
+    assert result["cpu_us_per_io"]["companion"] == 100  # the peer's own figure
 
 
 class FakeFuture:
@@ -114,9 +122,57 @@ def test_the_companion_table_names_its_peer():
                                      "cpu_us_per_io": {"core": 3480, "companion": 4400}}}}
     text = bench_pair.render(results)
     assert "our core against the companion API, 8 alternating slices" in text
-    assert "core/companion" in text.splitlines()[1]
+    assert "companion ahead in how many" in text and "companion/core" in text.splitlines()[1]
     row = next(line for line in text.splitlines() if line.startswith("1 MiB seq read"))
     assert "55.0" in row and "50.0" in row and "1.10" in row and "3480 / 4400" in row
+
+
+class FakeFile:
+    nsid, lba_size, nbytes = 2, 4096, 1024 * 4096
+
+    def __init__(self, path: str) -> None:
+        self.closed = False
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.closed = True
+
+    def pread(self, buf, size, offset):
+        return SimpleNamespace(get=lambda: size)
+
+
+def test_the_companion_worker_runs_the_slices_asked_for_and_answers_each(monkeypatch):
+    import io
+    import json
+
+    import nvmeof_fuse
+
+    monkeypatch.setattr(nvmeof_fuse, "File", FakeFile)
+    monkeypatch.setattr(nvmeof_fuse, "empty", lambda shape: list(range(shape[0])))
+    asks = io.StringIO("".join(json.dumps({"job": key, "seconds": 0.01}) + "\n"
+                               for key in ("rand_read_qd1", "rand_read_qd16")))
+    out = io.StringIO()
+    assert bench_pair.companion_worker("/mnt/n2", 2, asks, out) == 0
+    replies = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert replies[0] == {"ready": True}
+    assert [set(r) for r in replies[1:]] == [{"count", "elapsed", "cpu"}] * 2
+    assert all(r["count"] >= 1 for r in replies[1:])
+
+
+def test_a_companion_worker_on_another_namespace_says_so_in_one_line(monkeypatch):
+    import io
+    import json
+
+    import nvmeof_fuse
+
+    monkeypatch.setattr(nvmeof_fuse, "File", FakeFile)
+    out = io.StringIO()
+    assert bench_pair.companion_worker("/mnt/n2", 1, io.StringIO(), out) == 1
+    [reply] = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert reply == {"error": "/mnt/n2 is namespace 2, and our core reads namespace 1 "
+                              "(--nsid)"}
 
 
 @pytest.mark.parametrize(("argv", "says"), [
