@@ -3,7 +3,7 @@ companion API on a mounted namespace file.
 
   python -m nvmeof_fuse.bench_pair -a ADDR -n NQN [-s PORT] [--nsid 2] [--slices 8]
                                    [--slice-seconds 1.5] [--jobs KEY,...] [--json]
-                                   [--peer nvmeof | --peer companion --file MOUNT/nN]
+                                   [--peer nvmeof | self | companion --file MOUNT/nN]
 
 ``python -m nvmeof_fuse.bench core`` and ``nvmeof`` (or ``companion``) run one after the
 other, and a host under load moves a job's figure between them: in one VM boot under TCG
@@ -13,7 +13,9 @@ each job runs in short slices that alternate between them (who goes first flips 
 slice), so the drift falls on both alike.  The library runs in a worker thread of this
 process while our trio loop stays free for its keep-alive.  The companion runs in a worker
 process of its own, as a user's process would hold a ``File``: in this process it read
-at 0.65x of our core at 4 KiB QD1 where, run alone just before, it read at 1.03x.  Our
+at 0.65x of our core at 4 KiB QD1 where, run alone just before, it read at 1.03x.
+``--peer self`` runs our core against itself in such a worker process: a null test of the
+method (in the VM, 4 KiB ratios of 1.00-1.10 from 6 slices, 1.30 once from 4).  Our
 core connects a controller of its own, as in ``bench core``; the companion uses the
 mount's.  Prints, per job, both medians, the ratio the issues set goals for (our core
 over the library, the companion over our core), each side's CPU per I/O (of the side's
@@ -44,13 +46,14 @@ from .bench import (
     library_slice,
 )
 
-PEERS = {"nvmeof": "the nvmeof library", "companion": "the companion API"}
-LABELS = {"nvmeof": "nvmeof lib", "companion": "companion"}
-SUBJECTS = {"nvmeof": "core", "companion": "companion"}
+PEERS = {"nvmeof": "the nvmeof library", "companion": "the companion API",
+         "self": "itself in a worker process (a null test: the ratio should be 1)"}
+LABELS = {"nvmeof": "nvmeof lib", "companion": "companion", "self": "core again"}
+SUBJECTS = {"nvmeof": "core", "companion": "companion", "self": "self"}
 """Whose figure the ratio and the slices ahead are about: the issues' goals put our core
 against the library, and the companion against our core."""
 REPLY_GRACE = 60.0
-"""Seconds past a slice's own that a companion worker may take to answer (its commands in
+"""Seconds past a slice's own that a worker process may take to answer (its commands in
 flight drain after the slice ends; under TCG a 1 MiB QD16 drain takes a while)."""
 
 
@@ -103,29 +106,32 @@ class LibraryPeer:
         await trio.to_thread.run_sync(close)
 
 
-class CompanionPeer:
-    """A companion ``File`` on the mount, driven by a worker process of its own, as a user's
-    process would hold it: nothing of our core's controller, loop or threads shares its
-    process.  It runs a slice when asked on its stdin and answers on its stdout."""
+class WorkerPeer:
+    """A side run by a worker process of its own (``--worker``): a companion ``File`` on
+    the mount, as a user's process would hold it, with nothing of our core's controller,
+    loop or threads in its process; or our core again (``self``), which shows what the
+    method itself costs a side.  It runs a slice when asked on its stdin and answers on its
+    stdout."""
 
-    key = "companion"
-
-    def __init__(self, process, timeout: float) -> None:
+    def __init__(self, key: str, process, timeout: float) -> None:
+        self.key = key
         self._process = process
         self._timeout = timeout
         self._pending = b""
 
     @classmethod
-    async def open(cls, args: argparse.Namespace) -> CompanionPeer:
+    async def open(cls, args: argparse.Namespace) -> WorkerPeer:
         import subprocess
 
         import trio
 
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "nvmeof_fuse.bench_pair", "-a", args.traddr, "-n", args.nqn,
-             "--companion-worker", args.file, "--nsid", str(args.nsid)],
+            [sys.executable, "-m", "nvmeof_fuse.bench_pair", "-a", args.traddr,
+             "-s", str(args.trsvcid), "-n", args.nqn, "--nsid", str(args.nsid),
+             "--connect-timeout", str(args.connect_timeout), "--peer", args.peer,
+             *(["--file", args.file] if args.file else []), "--worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        peer = cls(process, args.connect_timeout)
+        peer = cls(args.peer, process, args.connect_timeout)
         try:
             await peer._reply(args.connect_timeout + REPLY_GRACE)
         except BaseException:
@@ -147,12 +153,12 @@ class CompanionPeer:
             while b"\n" not in self._pending:
                 chunk = await self._process.stdout.receive_some()
                 if not chunk:
-                    raise RuntimeError("the companion worker ended (its error is above)")
+                    raise RuntimeError(f"the {self.key} worker ended (its error is above)")
                 self._pending += chunk
         line, self._pending = self._pending.split(b"\n", 1)
         reply = json.loads(line)
         if "error" in reply:
-            raise RuntimeError(f"companion worker: {reply['error']}")
+            raise RuntimeError(f"{self.key} worker: {reply['error']}")
         return reply
 
     async def aclose(self) -> None:
@@ -170,17 +176,20 @@ class CompanionPeer:
             await process.wait()
 
 
-def companion_worker(path: str, nsid: int, asks=None, out=None) -> int:
-    """``--companion-worker``: hold a companion ``File`` and run the slices asked for on
-    ``asks`` (stdin: a JSON line each), answering each with a JSON line on ``out``."""
-    import nvmeof_fuse
-
-    asks = sys.stdin if asks is None else asks
-    out = sys.stdout if out is None else out
-
+def _sayer(out):
     def say(**reply) -> None:
         out.write(json.dumps(reply) + "\n")
         out.flush()
+    return say
+
+
+def companion_worker(path: str, nsid: int, asks=None, out=None) -> int:
+    """``--worker --peer companion``: hold a companion ``File`` and run the slices asked for
+    on ``asks`` (stdin: a JSON line each), answering each with a JSON line on ``out``."""
+    import nvmeof_fuse
+
+    asks = sys.stdin if asks is None else asks
+    say = _sayer(sys.stdout if out is None else out)
 
     try:
         f = nvmeof_fuse.File(path)
@@ -210,6 +219,39 @@ def companion_worker(path: str, nsid: int, asks=None, out=None) -> int:
     return 0
 
 
+async def core_worker(args: argparse.Namespace) -> int:
+    """``--worker --peer self``: our core on a controller of its own, run as
+    :func:`companion_worker` runs the companion."""
+    import trio
+
+    from .host.controller import ConnectOptions, connect
+
+    say = _sayer(sys.stdout)
+    jobs = {job.key: job for job in JOBS}
+    options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
+                             connect_timeout=args.connect_timeout)
+    try:
+        async with connect(options) as ctrl:
+            ns = ctrl.namespaces.get(args.nsid)
+            if ns is None:
+                say(error=f"namespace {args.nsid} not found (have {sorted(ctrl.namespaces)})")
+                return 1
+            region = ctrl.allocate(16 * MIB)
+            cursors: dict[str, Cursor] = {}
+            say(ready=True)
+            while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
+                ask = json.loads(line)
+                job = jobs[ask["job"]]
+                cur = cursors.setdefault(job.key, Cursor(job, ns.lba_size, ns.nlb))
+                before = time.process_time()
+                count, elapsed = await core_slice(ns, region, job, cur, ask["seconds"])
+                say(count=count, elapsed=elapsed, cpu=time.process_time() - before)
+    except Exception as e:  # noqa: BLE001 - one line, to the parent
+        say(error=_reason(e))
+        return 1
+    return 0
+
+
 async def _pair(args: argparse.Namespace) -> dict:
     import trio
 
@@ -218,7 +260,7 @@ async def _pair(args: argparse.Namespace) -> dict:
     jobs = [job for job in JOBS if not args.jobs or job.key in args.jobs]
     results: dict = {"peer": args.peer, "slices": args.slices,
                      "slice_seconds": args.slice_seconds, "jobs": {}, "errors": {}}
-    peer = await (CompanionPeer if args.peer == "companion" else LibraryPeer).open(args)
+    peer = await (LibraryPeer if args.peer == "nvmeof" else WorkerPeer).open(args)
     try:
         options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
                                  connect_timeout=args.connect_timeout)
@@ -302,17 +344,21 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jobs", type=_job_keys, default=None, metavar="KEY[,KEY...]",
                     help=f"run only these jobs (of {', '.join(j.key for j in JOBS)})")
     ap.add_argument("--peer", choices=sorted(PEERS), default="nvmeof",
-                    help="what our core runs against (default nvmeof)")
+                    help="what our core runs against (default nvmeof; self: a null test)")
     ap.add_argument("--file", help="--peer companion: the mounted namespace file (MOUNT/nN)")
     ap.add_argument("--json", action="store_true", help="print JSON")
-    ap.add_argument("--companion-worker", metavar="FILE", help=argparse.SUPPRESS)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    if args.companion_worker:  # CompanionPeer's process: it reports its errors itself
-        return companion_worker(args.companion_worker, args.nsid)
+    if args.worker:  # a WorkerPeer's process: it reports its errors to the parent itself
+        if args.peer == "self":
+            import trio
+
+            return trio.run(core_worker, args)
+        return companion_worker(args.file, args.nsid)
     if (args.slices < 1 or args.slice_seconds <= 0 or args.nsid <= 0
             or not 0 < args.trsvcid < 65536):
         print("bench_pair: --slices, --slice-seconds, --nsid and --trsvcid must be positive "

@@ -185,3 +185,14 @@ def test_bad_input_is_one_line(argv, says, capsys):
     assert bench_pair.main(["-a", "10.0.0.1", "-n", "nqn.x", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err
+
+
+def test_the_null_test_names_itself_and_its_ratio():
+    results = {"peer": "self", "slices": 6, "slice_seconds": 1.5, "errors": {},
+               "jobs": {"rand_read_qd1": {"median": {"core": 666.0, "self": 696.0},
+                                          "ratio": 696 / 666, "ahead": 4,
+                                          "cpu_us_per_io": {"core": 1282, "self": 1332}}}}
+    text = bench_pair.render(results)
+    assert "against itself in a worker process (a null test: the ratio should be 1)" in text
+    row = next(line for line in text.splitlines() if line.startswith("4 KiB randread QD1"))
+    assert "1.05" in row and "4 of 6" in row and "1282 / 1332" in row
