@@ -101,11 +101,21 @@ def test_a_companion_slice_keeps_qd_futures_in_flight_from_one_thread():
     assert all(size == 4096 and offset % 4096 == 0 for _, size, offset in started)
 
 
+def results_of(job: str, medians: dict, cpu: dict, *, ratio: float, ahead: int,
+               slices: int = 8, peer: str | None = None, errors: dict | None = None) -> dict:
+    """What _pair returns for one job (no "peer" key: results from before peers)."""
+    results = {"slices": slices, "slice_seconds": 1.5, "errors": errors or {},
+               "jobs": {job: {"median": medians, "ratio": ratio, "ahead": ahead,
+                              "cpu_us_per_io": cpu}}}
+    if peer:
+        results["peer"] = peer
+    return results
+
+
 def test_the_table_shows_both_medians_the_ratio_and_the_slices_ahead():
-    results = {"slices": 8, "slice_seconds": 1.5, "errors": {"seq_write": "target gone"},
-               "jobs": {"rand_read_qd1": {"median": {"core": 946.0, "nvmeof": 765.0},
-                                          "ratio": 946 / 765, "ahead": 8,
-                                          "cpu_us_per_io": {"core": 967, "nvmeof": 1287}}}}
+    results = results_of("rand_read_qd1", {"core": 946.0, "nvmeof": 765.0},
+                         {"core": 967, "nvmeof": 1287}, ratio=946 / 765, ahead=8,
+                         errors={"seq_write": "target gone"})
     text = bench_pair.render(results)
     assert "8 alternating slices of 1.5 s" in text
     row = next(line for line in text.splitlines() if line.startswith("4 KiB randread QD1"))
@@ -116,10 +126,9 @@ def test_the_table_shows_both_medians_the_ratio_and_the_slices_ahead():
 
 
 def test_the_companion_table_names_its_peer():
-    results = {"peer": "companion", "slices": 8, "slice_seconds": 1.5, "errors": {},
-               "jobs": {"seq_read": {"median": {"core": 55.0, "companion": 50.0},
-                                     "ratio": 1.1, "ahead": 6,
-                                     "cpu_us_per_io": {"core": 3480, "companion": 4400}}}}
+    results = results_of("seq_read", {"core": 55.0, "companion": 50.0},
+                         {"core": 3480, "companion": 4400}, ratio=1.1, ahead=6,
+                         peer="companion")
     text = bench_pair.render(results)
     assert "our core against the companion API, 8 alternating slices" in text
     assert "companion ahead in how many" in text and "companion/core" in text.splitlines()[1]
@@ -188,10 +197,9 @@ def test_bad_input_is_one_line(argv, says, capsys):
 
 
 def test_the_null_test_names_itself_and_its_ratio():
-    results = {"peer": "self", "slices": 6, "slice_seconds": 1.5, "errors": {},
-               "jobs": {"rand_read_qd1": {"median": {"core": 666.0, "self": 696.0},
-                                          "ratio": 696 / 666, "ahead": 4,
-                                          "cpu_us_per_io": {"core": 1282, "self": 1332}}}}
+    results = results_of("rand_read_qd1", {"core": 666.0, "self": 696.0},
+                         {"core": 1282, "self": 1332}, ratio=696 / 666, ahead=4, slices=6,
+                         peer="self")
     text = bench_pair.render(results)
     assert "against itself in a worker process (a null test: the ratio should be 1)" in text
     row = next(line for line in text.splitlines() if line.startswith("4 KiB randread QD1"))
