@@ -28,7 +28,8 @@ import os
 import random
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 MIB = 1 << 20
@@ -106,25 +107,40 @@ class Cursor:
 
 # -- our core -------------------------------------------------------------------------------------
 
+class NoNamespace(SystemExit):
+    """The namespace a bench was asked for is not on the controller: ``prog: text``."""
+
+    def __init__(self, prog: str, text: str) -> None:
+        super().__init__(f"{prog}: {text}")
+        self.text = text
+
+
+@asynccontextmanager
+async def own_core(args: argparse.Namespace, prog: str, **options) -> AsyncIterator[tuple]:
+    """Our core on a controller of its own (``args``' address, ``options`` more of its
+    ConnectOptions): ``(controller, namespace args.nsid, a registered 16 MiB region)``.
+    :class:`NoNamespace` naming the namespaces there when ``args.nsid`` is not one of them."""
+    from nvmeof_fuse.host.controller import ConnectOptions, connect
+
+    async with connect(ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
+                                      connect_timeout=args.connect_timeout,
+                                      **options)) as ctrl:
+        ns = ctrl.namespaces.get(args.nsid)
+        if ns is None:
+            raise NoNamespace(prog, f"namespace {args.nsid} not found "
+                                    f"(have {sorted(ctrl.namespaces)})")
+        yield ctrl, ns, ctrl.allocate(16 * MIB)
+
+
 async def _core(args: argparse.Namespace) -> dict:
     import trio
-
-    from nvmeof_fuse.host.controller import ConnectOptions, connect
 
     results: dict = {"initiator": "core", "metrics": {}, "errors": {}, "cpu_us_per_io": {},
                      "sys_us_per_io": {}}
     jobs = [job for job in [*JOBS, Job("seq_read_bounce", MIB, 16, True)]
             if not args.jobs or job.key in args.jobs]
-    options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
-                             transport=getattr(args, "transport", "rdma"),
-                             connect_timeout=args.connect_timeout,
-                             nr_io_queues=getattr(args, "nr_io_queues", None))
-    async with connect(options) as ctrl:
-        ns = ctrl.namespaces.get(args.nsid)
-        if ns is None:
-            raise SystemExit(f"bench: namespace {args.nsid} not found "
-                             f"(have {sorted(ctrl.namespaces)})")
-        region = ctrl.allocate(16 * MIB)
+    async with own_core(args, "bench", transport=getattr(args, "transport", "rdma"),
+                        nr_io_queues=getattr(args, "nr_io_queues", None)) as (ctrl, ns, region):
         for job in jobs:
             cur = Cursor(job, ns.lba_size, ns.nlb)
             try:

@@ -37,6 +37,7 @@ from .bench import (
     MIB,
     Cursor,
     Job,
+    NoNamespace,
     _fmt,
     _job_keys,
     _reason,
@@ -44,6 +45,7 @@ from .bench import (
     core_slice,
     figure,
     library_slice,
+    own_core,
 )
 
 PEERS = {"nvmeof": "the nvmeof library", "companion": "the companion API",
@@ -52,6 +54,7 @@ LABELS = {"nvmeof": "nvmeof lib", "companion": "companion", "self": "core again"
 SUBJECTS = {"nvmeof": "core", "companion": "companion", "self": "self"}
 """Whose figure the ratio and the slices ahead are about: the issues' goals put our core
 against the library, and the companion against our core."""
+JOB_BY_KEY = {job.key: job for job in JOBS}
 REPLY_GRACE = 60.0
 """Seconds past a slice's own that a worker process may take to answer (its commands in
 flight drain after the slice ends; under TCG a 1 MiB QD16 drain takes a while)."""
@@ -202,12 +205,11 @@ def companion_worker(path: str, nsid: int, asks=None, out=None) -> int:
                       "(--nsid)")
             return 1
         bufs = nvmeof_fuse.empty((16, MIB))
-        jobs = {job.key: job for job in JOBS}
         cursors: dict[str, Cursor] = {}
         say(ready=True)
         for line in asks:
             ask = json.loads(line)
-            job = jobs[ask["job"]]
+            job = JOB_BY_KEY[ask["job"]]
             cur = cursors.setdefault(job.key, Cursor(job, f.lba_size, f.nbytes // f.lba_size))
             before = time.process_time()
             try:
@@ -224,28 +226,21 @@ async def core_worker(args: argparse.Namespace) -> int:
     :func:`companion_worker` runs the companion."""
     import trio
 
-    from .host.controller import ConnectOptions, connect
-
     say = _sayer(sys.stdout)
-    jobs = {job.key: job for job in JOBS}
-    options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
-                             connect_timeout=args.connect_timeout)
     try:
-        async with connect(options) as ctrl:
-            ns = ctrl.namespaces.get(args.nsid)
-            if ns is None:
-                say(error=f"namespace {args.nsid} not found (have {sorted(ctrl.namespaces)})")
-                return 1
-            region = ctrl.allocate(16 * MIB)
+        async with own_core(args, "bench_pair") as (_, ns, region):
             cursors: dict[str, Cursor] = {}
             say(ready=True)
             while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
                 ask = json.loads(line)
-                job = jobs[ask["job"]]
+                job = JOB_BY_KEY[ask["job"]]
                 cur = cursors.setdefault(job.key, Cursor(job, ns.lba_size, ns.nlb))
                 before = time.process_time()
                 count, elapsed = await core_slice(ns, region, job, cur, ask["seconds"])
                 say(count=count, elapsed=elapsed, cpu=time.process_time() - before)
+    except NoNamespace as e:
+        say(error=e.text)
+        return 1
     except Exception as e:  # noqa: BLE001 - one line, to the parent
         say(error=_reason(e))
         return 1
@@ -255,21 +250,12 @@ async def core_worker(args: argparse.Namespace) -> int:
 async def _pair(args: argparse.Namespace) -> dict:
     import trio
 
-    from .host.controller import ConnectOptions, connect
-
     jobs = [job for job in JOBS if not args.jobs or job.key in args.jobs]
     results: dict = {"peer": args.peer, "slices": args.slices,
                      "slice_seconds": args.slice_seconds, "jobs": {}, "errors": {}}
     peer = await (LibraryPeer if args.peer == "nvmeof" else WorkerPeer).open(args)
     try:
-        options = ConnectOptions(args.traddr, args.nqn, trsvcid=args.trsvcid,
-                                 connect_timeout=args.connect_timeout)
-        async with connect(options) as ctrl:
-            ns = ctrl.namespaces.get(args.nsid)
-            if ns is None:
-                raise SystemExit(f"bench_pair: namespace {args.nsid} not found "
-                                 f"(have {sorted(ctrl.namespaces)})")
-            region = ctrl.allocate(16 * MIB)
+        async with own_core(args, "bench_pair") as (_, ns, region):
             for job in jobs:
                 try:
                     with trio.fail_after(2 * args.slices * (args.slice_seconds + 30)):

@@ -204,3 +204,45 @@ def test_the_null_test_names_itself_and_its_ratio():
     assert "against itself in a worker process (a null test: the ratio should be 1)" in text
     row = next(line for line in text.splitlines() if line.startswith("4 KiB randread QD1"))
     assert "1.05" in row and "4 of 6" in row and "1282 / 1332" in row
+
+
+class FakeWorkerOutput:
+    """A worker's stdout, as the parent reads it: these chunks, then its end."""
+
+    def __init__(self, *chunks: bytes) -> None:
+        self.chunks = list(chunks)
+
+    async def receive_some(self) -> bytes:
+        return self.chunks.pop(0) if self.chunks else b""
+
+
+@pytest.mark.parametrize(("chunks", "message"), [
+    ((b'{"error": "Compan', b'ionError: /mnt is not a mount"}\n'),
+     r"^companion worker: CompanionError: /mnt is not a mount$"),
+    ((b'{"rea',), r"^the companion worker ended \(its error is above\)$"),
+], ids=["its error", "its end"])
+def test_a_workers_error_or_end_reaches_the_parent_as_one_line(chunks, message):
+    peer = bench_pair.WorkerPeer("companion", SimpleNamespace(stdout=FakeWorkerOutput(*chunks)),
+                                 timeout=5.0)
+    with pytest.raises(RuntimeError, match=message):
+        trio.run(peer._reply, 5.0)
+
+
+def test_a_worker_answers_line_by_line_however_its_output_is_cut():
+    out = FakeWorkerOutput(b'{"ready": true}\n{"count": 3, "ela', b'psed": 1.5, "cpu": 0.1}\n')
+    peer = bench_pair.WorkerPeer("self", SimpleNamespace(stdout=out), timeout=5.0)
+    assert trio.run(peer._reply, 5.0) == {"ready": True}
+    assert trio.run(peer._reply, 5.0) == {"count": 3, "elapsed": 1.5, "cpu": 0.1}
+
+
+def test_the_core_worker_names_a_namespace_that_is_not_there(monkeypatch, capsys):
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def own_core(args, prog, **options):
+        raise bench.NoNamespace(prog, "namespace 9 not found (have [1, 2])")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(bench_pair, "own_core", own_core)
+    assert trio.run(bench_pair.core_worker, SimpleNamespace()) == 1
+    assert capsys.readouterr().out == '{"error": "namespace 9 not found (have [1, 2])"}\n'
