@@ -49,7 +49,10 @@ POLLED_QUEUES = 1
 reads into registered host memory, to the one with fewer commands unanswered;
 :mod:`nvmeof_fuse.transport.rdma_polled`); the loop keeps the others (one at least).
 One: with two of four polled (every whole-LBA read polled), 4 KiB reads lost 15-35% in
-the VM, process against process, while 1 MiB reads cost 40% less CPU at the same MB/s."""
+the VM, process against process, while 1 MiB reads cost 40% less CPU at the same MB/s.  A
+repeat (2026-12-02, four rounds of five configurations) did not show that loss, but the
+same code moved 1.5x between rounds there; ``bench_pair --peer companion`` under each
+configuration, our core the yardstick in each process, is the way to decide it."""
 POLLED_MAX_BYTES = 128 * 1024
 """Reads up to this size take the polled queue.  What a small read costs is CPU per command,
 which the polled path saves; what a large one costs is the transfer, which the target and
