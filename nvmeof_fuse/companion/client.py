@@ -37,6 +37,7 @@ from ..host.memory import buffer_address
 from ..host.options import QUEUES_PER_CLIENT
 from . import gpu, shm
 from .channel import LocalChannel, SocketChannel
+from .future import IOFuture
 from .local import served_here
 from .protocol import CompanionError, NoAnswer, Piece, chunks, plan_read, plan_write
 
@@ -111,35 +112,6 @@ def locate(path: str) -> tuple[str, int, dict]:
         raise CompanionError(f"the mount at {mountpoint} serves no companion socket",
                              errno.ENOTSUP)
     return mountpoint, int(match.group(1)), info
-
-
-class IOFuture:
-    """The result of :meth:`File.pread` / :meth:`File.pwrite`: ``get()`` gives the bytes moved.
-
-    ``finish`` runs once in the thread that gets the result (GPU ordering wants the
-    caller's thread); ``limit`` bounds a ``get()`` given no timeout.
-    """
-
-    def __init__(self, future: concurrent.futures.Future, finish: Any = None,
-                 limit: float | None = None) -> None:
-        self._future = future
-        self._finish = finish
-        self._limit = limit
-
-    def get(self, timeout: float | None = None) -> int:
-        timeout = self._limit if timeout is None else timeout
-        try:
-            result = self._future.result(timeout)
-        except concurrent.futures.TimeoutError:
-            raise CompanionError(f"the transfer did not finish within {timeout:g} s",
-                                 errno.ETIMEDOUT) from None
-        finish, self._finish = self._finish, None
-        if finish is not None:
-            finish()
-        return result
-
-    def done(self) -> bool:
-        return self._future.done()
 
 
 class _Staging:
@@ -588,6 +560,12 @@ class File:
                 _warn_once(f"own-reg:{exc}", f"nvmeof_fuse: cannot register the buffer for "
                            f"our own queues ({exc}); using the mount daemon")
                 return None
+            if not write and not temporary:  # the common case first: no target needed
+                polled = direct.polled_read(self.nsid, region, at, size, file_offset,
+                                            mem.owner, self._budget(size) + direct.renew_timeout,
+                                            post)
+                if polled is not None:
+                    return polled
             target = _LazyHostTarget(mem.owner, buf_offset, size)
         if write:
             target.before_write()
@@ -603,8 +581,8 @@ class File:
                                   temporary)
             finish = None
         elif isinstance(target, _LazyHostTarget):  # host memory: nothing to do afterwards
-            future = direct.start_read(self.nsid, region, at, size, file_offset,
-                                       target.put, temporary, post)
+            future = direct.start(direct.read, self.nsid, region, at, size, file_offset,
+                                  target.put, temporary)
             finish = None
         else:  # device copies belong to the caller's thread: collected, put in finish
             edges: list[tuple[int, bytes]] = []

@@ -41,6 +41,7 @@ from ..host.sync import SyncController
 from ..nvme import command as nvme_cmd
 from ..nvme.sgl import NULL_SGL
 from . import gpu, protocol, shm
+from .future import IOFuture
 
 log = logging.getLogger(__name__)
 
@@ -563,19 +564,13 @@ class DirectQueues:
 
     # -- polled reads (the caller's thread drives a queue of ours) -------------------------
 
-    def start_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
-                   put: Any, temporary: bool, post: bool = True) -> Any:
-        """:meth:`start` of :meth:`read`, posted from this thread on a polled queue when it
-        can be (whole LBAs, memory kept registered, a free slot): no loop, no thread switch.
-        With ``post=False`` a polled read waits for :meth:`post_reads` (a batch)."""
-        if not temporary:
-            future = self._polled_read(nsid, region, at, size, file_offset, put, post)
-            if future is not None:
-                return future
-        return self.start(self.read, nsid, region, at, size, file_offset, put, temporary)
-
-    def _polled_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
-                     put: Any, post: bool = True) -> PolledRead | None:
+    def polled_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
+                    keep: Any, limit: float, post: bool = True) -> PolledRead | None:
+        """Post a read of whole LBAs from this thread on a polled queue (no loop, no thread
+        switch); None when it cannot go there (partial LBAs, no free slot, no polled
+        queue), and then :meth:`start` serves it.  ``keep`` (the owner of the memory) is
+        held until the read is done; ``limit`` bounds a ``get()`` given no timeout.
+        With ``post=False`` the read waits for :meth:`post_reads` (a batch)."""
         ctrl = self._ctrl
         polled = ctrl.polled_queues if ctrl is not None else None
         shape = self._shapes.get(nsid)
@@ -596,12 +591,12 @@ class DirectQueues:
                     for start in range(0, nlb, per)]
         # The least loaded; ties go to the first, so that a QD1 reader keeps to one queue.
         queue = polled[0] if len(polled) == 1 else min(polled, key=lambda q: q.unanswered)
-        requests = queue.submit(sqes, put, post=post)  # put holds the caller's buffer
+        requests = queue.submit(sqes, keep, post=post)
         if requests is None:  # full, or failed: the loop's queues serve it
             return None
-        return PolledRead(self, queue, requests, size,
+        return PolledRead(self, queue, requests, size, limit,
                           lambda: self.start(self.read, nsid, region, at, size, file_offset,
-                                             put, False))
+                                             functools.partial(_no_edges, keep), False))
 
     def post_reads(self) -> None:
         """Post the polled reads started with ``post=False``: one ``post_send`` per queue."""
@@ -632,7 +627,12 @@ class DirectQueues:
         self._bridge.close()
 
 
-class PolledRead:
+def _no_edges(keep: Any, at: int, data: Any) -> None:
+    """The edge writer of a read of whole LBAs, which has none; holds ``keep``."""
+    raise AssertionError("a read of whole LBAs has no partial LBAs to copy")
+
+
+class PolledRead(IOFuture):
     """A read posted on a polled queue; waiting for it reaps the queue in the waiter's thread.
 
     If the queue fails under it (lost connection, command timeout), the read is
@@ -640,16 +640,18 @@ class PolledRead:
     the same EIO rules as any other request.
     """
 
-    __slots__ = ("_direct", "_queue", "_requests", "_size", "_fallback", "_future", "_done")
+    __slots__ = ("_direct", "_queue", "_requests", "_size", "_fallback", "_done")
 
     def __init__(self, direct: DirectQueues, queue: Any, requests: list, size: int,
-                 fallback: Any) -> None:
+                 limit: float | None, fallback: Any) -> None:
+        self._future: Any = None  # the loop's future, once the read went there
+        self._finish = None
+        self._limit = limit
         self._direct = direct
         self._queue = queue
         self._requests = requests
         self._size = size
         self._fallback = fallback
-        self._future: Any = None  # the loop's future, once the read went there
         self._done = False  # read and counted: a second result() counts nothing
 
     def done(self) -> bool:

@@ -162,6 +162,19 @@ def test_memory_is_registered_once_per_owning_array_and_let_go_with_it(served):
     assert bytes(buf) == bytes(ctrl.disks[1][100:5100])
 
 
+def test_an_array_registered_by_its_identity_cannot_move_under_its_registration(served):
+    """Registrations are kept per owning array, by identity, and watched with a weakref.
+
+    Only ndarray.resize could move a live array's memory, and numpy refuses it for an
+    array that has weak references: this fails loudly if numpy ever allows it."""
+    ctrl, fabric, server, mnt = served
+    arr = np.zeros(1 << 16, dtype=np.uint8)
+    with File(str(mnt / "n1")) as f:
+        assert f.read(arr, 4096, file_offset=0) == 4096
+        with pytest.raises(ValueError, match="referenced"):
+            arr.resize(1 << 24, refcheck=False)
+
+
 def test_a_lost_controller_revokes_the_clients_queues_at_once(served):
     """Without a keep-alive of its own, a client learns of the loss from the daemon."""
     ctrl, fabric, server, mnt = served

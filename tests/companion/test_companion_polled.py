@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import errno
 import threading
 import time
 from types import SimpleNamespace
@@ -10,6 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from nvmeof_fuse.companion.direct import PolledRead
+from nvmeof_fuse.companion.future import IOFuture
+from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import Completion, NVMeStatusError
 
@@ -56,16 +59,28 @@ def loop_path(result: int):
 
 def test_a_completed_read_counts_its_bytes():
     direct = Direct()
-    read = PolledRead(direct, Queue(completion()), [request(), request()], 8192, loop_path(-1))
+    read = PolledRead(direct, Queue(completion()), [request(), request()], 8192, None,
+                      loop_path(-1))
     assert read.result(5) == 8192
     assert read.result(5) == 8192 and read.done()  # asked again: counted once
     assert direct.done == [8192] and not direct.failed
 
 
+def test_a_polled_read_is_the_future_pread_returns():
+    """No wrapper around it: get() bounds the wait by its limit and names a timeout."""
+    read = PolledRead(Direct(), Queue(completion()), [request()], 4096, 7.0, loop_path(-1))
+    assert isinstance(read, IOFuture) and read.get() == 4096
+    slow = PolledRead(Direct(), Queue(CommandTimeout("no completion")), [request()], 4096,
+                      0.01, loop_path(-1))
+    with pytest.raises(CompanionError, match="did not finish within 0.01 s") as caught:
+        slow.get()
+    assert caught.value.errno == errno.ETIMEDOUT
+
+
 def test_a_lost_queue_reports_the_loss_and_runs_the_read_on_the_loop():
     direct = Direct()
     lost = TransportError("I/O queue 4: work request failed: retry exceeded")
-    read = PolledRead(direct, Queue(lost), [request()], 4096, loop_path(4096))
+    read = PolledRead(direct, Queue(lost), [request()], 4096, None, loop_path(4096))
     assert read.result(5) == 4096
     assert direct.failed == [lost] and not direct.done
     assert read.done()  # the loop's future, from now on
@@ -73,7 +88,7 @@ def test_a_lost_queue_reports_the_loss_and_runs_the_read_on_the_loop():
 
 def test_a_command_timeout_goes_to_the_loop_but_a_callers_timeout_does_not():
     direct = Direct(timeout=30)
-    read = PolledRead(direct, Queue(CommandTimeout("no completion")), [request()], 4096,
+    read = PolledRead(direct, Queue(CommandTimeout("no completion")), [request()], 4096, None,
                       loop_path(4096))
     with pytest.raises(concurrent.futures.TimeoutError):
         read.result(0.01)  # the caller's bound: the read stays on its queue
@@ -85,7 +100,7 @@ def test_a_command_timeout_goes_to_the_loop_but_a_callers_timeout_does_not():
 
 def test_an_error_status_is_raised_as_it_is():
     direct = Direct()
-    read = PolledRead(direct, Queue(completion(status=0x2 << 1)), [request()], 4096,
+    read = PolledRead(direct, Queue(completion(status=0x2 << 1)), [request()], 4096, None,
                       loop_path(-1))
     with pytest.raises(NVMeStatusError):
         read.result(5)
@@ -128,9 +143,9 @@ def answer_all(qp) -> None:
 
 def test_a_batch_of_polled_reads_goes_out_in_one_post(polled_direct):
     d, queue, qp, memory = polled_direct
-    reads = [d.start_read(1, memory, i * 4096, 4096, i * 4096, None, False, post=False)
+    reads = [d.polled_read(1, memory, i * 4096, 4096, i * 4096, None, None, post=False)
              for i in range(3)]
-    reads.append(d.start_read(1, memory, 65536, 65536, 65536, None, False, post=False))
+    reads.append(d.polled_read(1, memory, 65536, 65536, 65536, None, None, post=False))
     assert all(isinstance(r, PolledRead) for r in reads)
     assert qp.posts == []
     d.post_reads()
@@ -144,7 +159,7 @@ def test_a_batch_of_polled_reads_goes_out_in_one_post(polled_direct):
 
 def test_a_single_polled_read_is_posted_at_once(polled_direct):
     d, queue, qp, memory = polled_direct
-    read = d.start_read(1, memory, 0, 8192, 4096, None, False)
+    read = d.polled_read(1, memory, 0, 8192, 4096, None, None)
     assert qp.posts == [1]
     answer_all(qp)
     assert read.done() and read.result(5) == 8192
@@ -161,12 +176,12 @@ def test_a_read_goes_to_the_polled_queue_with_fewer_commands_unanswered(polled_d
     other_queue = fake_rdma_queue(monkeypatch)
     other = PolledQueue(next(other_queue))
     d._ctrl.polled_queues = [queue, other]
-    first = d.start_read(1, memory, 0, 4096, 0, None, False)
+    first = d.polled_read(1, memory, 0, 4096, 0, None, None)
     assert first._queue is queue
-    second = d.start_read(1, memory, 4096, 4096, 4096, None, False)
+    second = d.polled_read(1, memory, 4096, 4096, 4096, None, None)
     assert second._queue is other  # the first has a command unanswered
     answer_all(qp)
     assert first.result(5) == 4096
-    third = d.start_read(1, memory, 8192, 4096, 8192, None, False)
+    third = d.polled_read(1, memory, 8192, 4096, 8192, None, None)
     assert third._queue is queue  # its first read was answered; the other still waits
     next(other_queue, None)  # closes the other queue
