@@ -185,3 +185,22 @@ def test_a_read_goes_to_the_polled_queue_with_fewer_commands_unanswered(polled_d
     third = d.polled_read(1, memory, 8192, 4096, 8192, None, None)
     assert third._queue is queue  # its first read was answered; the other still waits
     next(other_queue, None)  # closes the other queue
+
+
+def test_the_polled_read_micro_benchmark_still_runs(monkeypatch):
+    """tests/companion/bench_polled_read.py builds a File around the daemon: keep it working."""
+    from companion.bench_polled_read import LBA, NLB_TOTAL, polled_file
+
+    import nvmeof_fuse
+    from nvmeof_fuse import bench
+    from nvmeof_fuse.transport import rdma
+
+    monkeypatch.setattr(rdma, "_ibverbs", rdma._ibverbs)  # the fake verbs it installs go after
+    f = polled_file()
+    bufs = nvmeof_fuse.empty((4, LBA))
+    job = bench.Job("rand_read_qd4", LBA, 4, False)
+    ios, _ = bench.companion_slice(f, bufs, job, bench.Cursor(job, LBA, NLB_TOTAL), 0.05)
+    queue = f._direct._ctrl.polled_queues[0]
+    assert ios >= 4 and queue.pending == 0 and queue.failed is None
+    assert f._direct._polled_read_bytes == ios * LBA  # every read went to the polled queue
+    queue.queue.close()
