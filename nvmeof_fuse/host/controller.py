@@ -48,6 +48,8 @@ log = logging.getLogger(__name__)
 
 ADMIN_QUEUE_SIZE = 32  # NVME_AQ_DEPTH
 MAX_DEFAULT_IO_QUEUES = 8
+SPREAD_BYTES = 64 * 1024
+"""Commands moving this much or more spread over the I/O queues (see pick_queue)."""
 BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
@@ -129,11 +131,23 @@ class Controller:
                                         fabrics=fabrics)
         return completion
 
-    def pick_queue(self) -> Queue:
-        """The I/O queue with the most free slots (round-robin among equals)."""
+    def pick_queue(self, nbytes: int = 0) -> Queue:
+        """The I/O queue for a command moving ``nbytes``.
+
+        A small one goes to the first queue with a free slot, so that one reaper takes a
+        burst of their completions in one pass: spread over two queues, 4 KiB reads at
+        QD16 cost 8% more CPU per request in the FUSE file (host, fake verbs) and ran 6%
+        slower in the VM.  A large one (``SPREAD_BYTES`` and up) goes to the queue with
+        the most free slots (round-robin among equals), so that the target moves the
+        data of several at once: on one queue, 1 MiB reads at QD16 ran 17% slower.
+        """
         queues = self.io_queues
         if len(queues) == 1:
             return queues[0]
+        if nbytes < SPREAD_BYTES:
+            for queue in queues:
+                if queue.available:
+                    return queue
         self._next_queue = (self._next_queue + 1) % len(queues)
         best = queues[self._next_queue]
         most = best.available
@@ -151,7 +165,7 @@ class Controller:
         """
         if self._states.current is not LIVE:  # not the property: this is the hot path
             await self.wait_live()
-        queue = self.pick_queue()
+        queue = self.pick_queue(data.length if data is not None else 0)
         try:
             completion = await queue.execute(sqe, data, to_controller=to_controller,
                                              timeout=self.options.timeout)
@@ -167,7 +181,7 @@ class Controller:
         for _ in range(IO_RETRIES - 1):
             self.connection_lost(queue, exc)
             await self.wait_live()
-            queue = self.pick_queue()
+            queue = self.pick_queue(data.length if data is not None else 0)
             try:
                 return await queue.execute(sqe, data, to_controller=to_controller,
                                            timeout=self.options.timeout)

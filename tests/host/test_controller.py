@@ -312,3 +312,21 @@ def test_a_rejected_secret_stops_reconnecting_by_name():
 def test_a_subsystem_off_the_port_is_retried_until_ctrl_loss_tmo():
     outcome = run_reconnects(connect_failed(DNR | 1 << 8 | 0x82), ctrl_loss_tmo=25)
     assert outcome["connects"] == 3 and "gave up after 3 reconnects" in outcome["message"]
+
+
+def test_small_commands_share_the_first_queue_with_room_and_large_ones_spread():
+    """One reaper takes a burst of small completions in one pass; large transfers go to
+    several queues, so that the target moves their data at once."""
+    from nvmeof_fuse.host.controller import SPREAD_BYTES
+
+    ctrl = object.__new__(Controller)
+    ctrl.io_queues = [FakeQueue(1), FakeQueue(2), FakeQueue(3)]
+    ctrl._next_queue = 0
+    assert {ctrl.pick_queue(4096).qid for _ in range(8)} == {1}
+    assert ctrl.pick_queue().qid == 1  # no data: an I/O command like Flush
+    ctrl.io_queues[0].available = 0  # full: the next one with a free slot
+    assert ctrl.pick_queue(4096).qid == 2
+    ctrl.io_queues[0].available = 31
+    assert [ctrl.pick_queue(SPREAD_BYTES).qid for _ in range(3)] == [2, 3, 1]  # round-robin
+    ctrl.io_queues[2].available = 40
+    assert ctrl.pick_queue(1 << 20).qid == 3  # the most free slots
