@@ -644,9 +644,7 @@ class PolledRead(IOFuture):
 
     def __init__(self, direct: DirectQueues, queue: Any, requests: list, size: int,
                  limit: float | None, fallback: Any) -> None:
-        self._future: Any = None  # the loop's future, once the read went there
-        self._finish = None
-        self._limit = limit
+        super().__init__(None, None, limit)  # _future: the loop's, once the read went there
         self._direct = direct
         self._queue = queue
         self._requests = requests
