@@ -26,7 +26,7 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "transport"),
                 os.path.join(os.path.dirname(__file__), "..", "..")]
 
 import trio  # noqa: E402
-from bench_rdma_queue import make_queue  # noqa: E402
+from bench_rdma_queue import fake_register, make_queue  # noqa: E402
 from bench_rdma_queue import run as core_run  # noqa: E402
 
 import nvmeof_fuse  # noqa: E402
@@ -38,10 +38,6 @@ LBA = 4096
 NLB_TOTAL = 1 << 20
 
 
-def _register(addr: int, length: int, owner: object) -> SimpleNamespace:
-    return SimpleNamespace(keys=lambda pd: SimpleNamespace(lkey=1, rkey=2), close=lambda: None)
-
-
 def polled_file() -> client.File:
     """A File whose DirectQueues hold one polled queue over the instant fake verbs (built
     around the daemon, which the real constructors would ask for a lease)."""
@@ -50,7 +46,7 @@ def polled_file() -> client.File:
     d._ctrl = SimpleNamespace(polled_queues=[PolledQueue(make_queue(transport, 1))])
     d._shapes = {1: SimpleNamespace(nsid=1, lba_size=LBA, nsze=NLB_TOTAL)}
     d._per_command = {1: 256}
-    d._registrations = direct._Registrations(_register)
+    d._registrations = direct._Registrations(fake_register)
     d._polled_lock = threading.Lock()
     d._polled_read_bytes = 0
     d._timeout = 30.0

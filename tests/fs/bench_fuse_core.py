@@ -45,36 +45,23 @@ def _identify_namespace():
     return nvme.IdentifyNamespace.from_bytes(bytes(data))
 
 
-def _register(addr: int, length: int, owner: object) -> SimpleNamespace:
-    return SimpleNamespace(keys=lambda pd: SimpleNamespace(lkey=1, rkey=2), close=lambda: None)
-
-
 def serve(mountpoint: str, queues: int) -> None:
     """Mount namespace 1 of a live Controller on fake verbs; serve until unmounted."""
     import trio
-    from bench_rdma_queue import FakeTransport, make_queue
+    from bench_rdma_queue import fake_register, live_controller
 
     from nvmeof_fuse.fs.mount import MountOptions
     from nvmeof_fuse.fs.mount import serve as serve_mount
-    from nvmeof_fuse.host.controller import ConnectOptions, Controller
     from nvmeof_fuse.host.memory import BouncePool
     from nvmeof_fuse.host.namespace import Namespace
-    from nvmeof_fuse.host.state import CONNECTING, LIVE
 
     async def main() -> None:
-        transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[], yielded_at=0.0)
-        io_queues = [make_queue(transport, qid) for qid in range(1, queues + 1)]
-        options = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:fake", keep_alive_tmo=0)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, nursery.cancel_scope)
-            ctrl = Controller(options, FakeTransport(), nursery)
-            ctrl.io_queues = io_queues
+            ctrl = await live_controller(nursery, queues)
             ctrl.max_transfer = 1 << 20
-            assert ctrl._change_state(CONNECTING) and ctrl._change_state(LIVE)
-            for queue in io_queues:
-                await nursery.start(queue.reap)
-            ctrl.bounce = BouncePool(_register, ctrl.max_transfer, 32)
-            ctrl.identify = SimpleNamespace(subnqn=options.nqn, cntlid=1)
+            ctrl.bounce = BouncePool(fake_register, ctrl.max_transfer, 32)
+            ctrl.identify = SimpleNamespace(subnqn=ctrl.options.nqn, cntlid=1)
             ctrl.describe = lambda: {"transport": "fake rdma"}
             ctrl.namespaces[1] = Namespace(ctrl, 1, _identify_namespace())
 
@@ -91,12 +78,6 @@ def serve(mountpoint: str, queues: int) -> None:
                 scope.cancel()
 
     trio.run(main)
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _start(cmd: list[str], log: str) -> tuple[subprocess.Popen, str]:
@@ -136,6 +117,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.queues)
         return
+    from nvmeof_fuse.bench_host import _cpu_seconds
     work = tempfile.mkdtemp(prefix="bench-fuse-core-")
     servers = {}
     try:

@@ -64,20 +64,31 @@ class FakeTransport:
     address = "rdma 192.0.2.1:4420"
 
 
+def fake_register(addr: int, length: int, owner: object) -> SimpleNamespace:
+    """A registration on the fake verbs: fixed keys, nothing to release."""
+    return SimpleNamespace(keys=lambda pd: SimpleNamespace(lkey=1, rkey=2), close=lambda: None)
+
+
+async def live_controller(nursery: trio.Nursery, nr_queues: int) -> Controller:
+    """A LIVE Controller whose ``nr_queues`` I/O queues sit on the instant fake verbs, their
+    reapers running in ``nursery`` (close the queues after it)."""
+    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[], yielded_at=0.0)
+    opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", keep_alive_tmo=0)
+    ctrl = Controller(opts, FakeTransport(), nursery)
+    ctrl.io_queues = [make_queue(transport, qid) for qid in range(1, nr_queues + 1)]
+    assert ctrl._change_state(CONNECTING) and ctrl._change_state(LIVE)
+    for queue in ctrl.io_queues:
+        await nursery.start(queue.reap)
+    return ctrl
+
+
 async def run(ios: int, qd: int, nr_queues: int = 1) -> tuple[float, float]:
     """(CPU s, wall s) for ``ios`` 4 KiB reads at queue depth ``qd`` over ``nr_queues``."""
-    transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[], yielded_at=0.0)
-    queues = [make_queue(transport, qid) for qid in range(1, nr_queues + 1)]
-    opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", keep_alive_tmo=0)
     async with trio.open_nursery() as nursery:
-        ctrl = Controller(opts, FakeTransport(), nursery)
-        ctrl.io_queues = queues
-        assert ctrl._change_state(CONNECTING) and ctrl._change_state(LIVE)
-        for queue in queues:
-            await nursery.start(queue.reap)
+        ctrl = await live_controller(nursery, nr_queues)
+        queues = ctrl.io_queues
         ns = Namespace(ctrl, 1, SimpleNamespace(lba_size=LBA, nsze=NLB_TOTAL))
-        memory = host_buffer(lambda addr, length, owner: SimpleNamespace(
-            keys=lambda pd: SimpleNamespace(lkey=1, rkey=2), close=lambda: None), qd * LBA)
+        memory = host_buffer(fake_register, qd * LBA)
         left = ios
 
         async def worker(i: int) -> None:
