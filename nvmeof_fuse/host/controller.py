@@ -18,7 +18,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import trio
@@ -35,7 +35,7 @@ from ..errors import (
 )
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
-from ..transport.base import Queue, Transport
+from ..transport.base import Finished, Queue, Transport
 from . import auth
 from .events import AsyncEvents
 from .hostid import host_identity
@@ -174,6 +174,19 @@ class Controller:
         if not completion.ok:  # name the command only when it failed: this is the hot path
             completion.raise_for_status(nvme.command.command_name(sqe, admin=False))
         return completion
+
+    def start_io(self, sqe: bytearray, data: DataRef | None,
+                 done: Callable[[Finished], None], *, to_controller: bool = False) -> bool:
+        """:meth:`io_command` without a task waiting, where the queue it picks takes the
+        command at once (:meth:`Queue.start`): ``done`` is told its end, and must not raise.
+        False, with nothing sent, otherwise (or while not live).  A command that fails here
+        is not retried: its caller runs it again with :meth:`io_command`, which also
+        reports the lost connection (the failed queue, all of its slots free, is the
+        one a small command picks first)."""
+        if self._states.current is not LIVE:
+            return False
+        return self.pick_queue(data.length if data is not None else 0).start(
+            sqe, data, done, to_controller=to_controller, timeout=self.options.timeout)
 
     async def _retry(self, queue: Queue, exc: NVMeoFError, sqe: bytearray,
                      data: DataRef | None, to_controller: bool) -> Completion:

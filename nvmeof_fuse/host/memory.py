@@ -101,6 +101,14 @@ class BouncePool:
                     f"no bounce buffer came free within {self.timeout:g} s") from None
         return self._free.pop()
 
+    def take_nowait(self) -> Region | None:
+        """A free buffer, or None when there is none; pair with :meth:`give`."""
+        try:
+            self._available.acquire_nowait()
+        except trio.WouldBlock:
+            return None
+        return self._free.pop()
+
     def give(self, region: Region) -> None:
         """Return a buffer from :meth:`take` (never one the target may still write)."""
         self._free.append(region)

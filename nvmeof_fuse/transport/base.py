@@ -7,6 +7,7 @@ commands with :mod:`nvmeof_fuse.nvme` and runs them through
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -35,7 +36,23 @@ class Queue(Protocol):
         """
         ...
 
+    def start(self, sqe: bytearray, data: DataRef | None, done: Callable[[Finished], None], *,
+              to_controller: bool = False, timeout: float) -> bool:
+        """Send ``sqe`` and return at once, if this queue takes it now; ``done`` is called
+        once it finished, from whichever task reaps it, and must not raise.  False: nothing
+        was sent (no free slot, the queue failed, or it serves a waiting caller better)."""
+        ...
+
     def close(self) -> None: ...
+
+
+class Finished(Protocol):
+    """A command :meth:`Queue.start` sent, as its callback is told of its end."""
+
+    completion: Completion | None
+    error: Exception | None
+    """Set instead of ``completion`` when the command failed (TransportError) or timed
+    out (CommandTimeout): the target may still move its data."""
 
 
 class Transport(Protocol):

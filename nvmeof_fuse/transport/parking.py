@@ -4,7 +4,9 @@ Both transports park a caller on its command's request without a cancel scope
 per command: the target may still be moving data into the caller's memory, so
 a caller may not leave early.  One watchdog task per queue sleeps until the
 earliest deadline of a parked caller and has the queue expire those past it.
-A request is any object with ``cid``, ``task``, ``deadline`` and ``timeout``.
+A request is any object with ``cid``, ``task``, ``deadline`` and ``timeout``; a queue
+shows the watchdog only those whose caller still waits (a command started with a
+callback, on RDMA, is watched by :meth:`Watchdog.watch` without a task parked).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ class Watchdog:
 
     def __init__(self, requests: Callable[[], Iterable[Any]],
                  expire: Callable[[float], None]) -> None:
-        self._requests = requests  # the queue's requests in flight
+        self._requests = requests  # the queue's requests in flight with a caller waiting
         self._expire = expire  # the queue's: time out (or fail for) those past ``now``
         self._scope: trio.CancelScope | None = None
 
@@ -42,19 +44,22 @@ class Watchdog:
         """Wait, not cancellable, until ``request`` is finished or its ``timeout`` passed
         (then whoever lets the caller go hands it the error)."""
         request.task = trio.lowlevel.current_task()
+        self.watch(request, timeout)
+        await trio.lowlevel.wait_task_rescheduled(uncancellable)
+
+    def watch(self, request: Any, timeout: float) -> None:
+        """Give ``request`` its deadline, ``timeout`` s from now."""
         request.timeout = timeout
         request.deadline = deadline = trio.current_time() + timeout
         scope = self._scope
         if scope is not None and deadline < scope.deadline:
             scope.deadline = deadline
-        await trio.lowlevel.wait_task_rescheduled(uncancellable)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Sleep until the earliest deadline of a parked caller; then expire (forever)."""
         task_status.started()
         while True:
-            earliest = min((r.deadline for r in self._requests() if r.task is not None),
-                           default=math.inf)
+            earliest = min((r.deadline for r in self._requests()), default=math.inf)
             with trio.CancelScope(deadline=earliest) as self._scope:
                 await trio.sleep_forever()
             self._expire(trio.current_time())

@@ -39,7 +39,14 @@ from ..concurrency import tasks_runnable
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
-from .parking import Watchdog, cancellable, closed_for_timeout, for_caller, time_out
+from .parking import (
+    Watchdog,
+    cancellable,
+    closed_for_timeout,
+    for_caller,
+    time_out,
+    timeout_error,
+)
 from .pollbudget import PollBudget
 from .region import DataRef, Region, host_buffer
 
@@ -89,10 +96,12 @@ class Request:
     moved by keyed SGL was placed before the response (RC ordering).  A capsule
     that carries the caller's data in-capsule (``inline``) holds the caller until
     its SEND completed too, so that memory is no longer read by the HCA.
+    The caller is a task parked on it (``task``) or, for a command started with
+    :meth:`RdmaQueue.start`, a callback (``done``).
     """
 
     __slots__ = ("cid", "data", "inline", "sent", "completion", "error", "finished",
-                 "task", "deadline", "timeout")
+                 "task", "done", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None) -> None:
         self.cid = cid
@@ -104,6 +113,7 @@ class Request:
         self.finished = False
         """The caller may go on: answered (and sent, if ``inline``), or failed."""
         self.task = None  # the trio task parked on this request, if any
+        self.done: Callable[[Request], None] | None = None  # or the callback told its end
         self.deadline = math.inf
         self.timeout = 0.0
 
@@ -177,12 +187,16 @@ class CommandSlots:
 
     @staticmethod
     def finish(request: Request) -> None:
-        """Let the caller of ``request`` go on (it reads ``completion`` or ``error``)."""
+        """Let the caller of ``request`` go on (it reads ``completion`` or ``error``): wake
+        its task, or call its callback now."""
         request.finished = True
         task = request.task
         if task is not None:
             request.task = None
             trio.lowlevel.reschedule(task)
+        elif request.done is not None:
+            done, request.done = request.done, None
+            done(request)
 
 
 # --- I/O ------------------------------------------------------------------------------------------
@@ -408,7 +422,7 @@ class RdmaQueue:
         self._slots = CommandSlots(size)
         self._slot_waiters = trio.lowlevel.ParkingLot()
         self._failed: TransportError | None = None
-        self._watchdog = Watchdog(lambda: self._slots.pending.values(), self._expire)
+        self._watchdog = Watchdog(self._waited_for, self._expire)
         self._reaper: trio.CancelScope | None = None  # the reaper's scope, once it runs
         self._reaped = trio.Event()
         self._poster = None  # the task posting queued capsules, once started
@@ -539,26 +553,9 @@ class RdmaQueue:
         else:
             request = await self._allocate(data, timeout)
         alone = len(slots.pending) == 1
-        cid = request.cid
-        # Straight into the registered capsule: command ID and SGL are written there.
-        offset = cid * SQE_BYTES
-        capsule = self.capsules.view
-        capsule[offset:offset + SQE_BYTES] = sqe
-        _CID.pack_into(capsule, offset + 2, cid)
-        extra = self._place_data(capsule, offset + 24, data, to_controller)
-        if extra:
-            request.inline = True
-            wrs = [self._send_wr(cid, [self._capsule_sges[cid], *extra])]
-        else:
-            wrs = self._sends[cid]
+        wrs = self._fill_capsule(request, sqe, data, to_controller)
         if len(slots.pending) > 1 and self._poster is not None:
-            # Others are in flight, so other callers are likely posting in this trio batch
-            # too: the poster hands them to the QP in one post_send (one syscall, one rxe run).
-            self._queued.extend(wrs)
-            self._queued_requests.append(request)
-            if not self._poster_woken:
-                self._poster_woken = True
-                trio.lowlevel.reschedule(self._poster)
+            self._post_soon(request, wrs)
         else:
             try:
                 self.qp.post_send(wrs)
@@ -585,6 +582,55 @@ class RdmaQueue:
         if request.error is not None:
             raise for_caller(request.error)
         return request.completion  # type: ignore[return-value]
+
+    def start(self, sqe: bytearray, data: DataRef | None,
+              done: Callable[[Request], None], *, to_controller: bool = False,
+              timeout: float) -> bool:
+        """Send ``sqe`` without waiting for it: ``done(request)`` is called once it finished
+        (``request.completion``, or ``request.error``: failed, timed out), by whichever task
+        reaps it; it must not raise.  False, with nothing sent, when no slot is free or the
+        queue failed.  Nothing polls for such a command: a caller with nothing else in
+        flight does better with :meth:`execute`, which does."""
+        slots = self._slots
+        if self._failed is not None or not slots.free or self._poster is None:
+            return False
+        request = slots.allocate(data)
+        request.done = done
+        self._post_soon(request, self._fill_capsule(request, sqe, data, to_controller))
+        self._watchdog.watch(request, timeout)
+        if self._idle_reaper is not None:
+            self._wake_reaper()
+        return True
+
+    def _fill_capsule(self, request: Request, sqe: bytearray, data: DataRef | None,
+                      to_controller: bool) -> list:
+        """Write ``sqe`` into ``request``'s registered capsule, with its command ID and
+        data pointer; the send work requests that post it."""
+        cid = request.cid
+        offset = cid * SQE_BYTES
+        capsule = self.capsules.view
+        capsule[offset:offset + SQE_BYTES] = sqe
+        _CID.pack_into(capsule, offset + 2, cid)
+        extra = self._place_data(capsule, offset + 24, data, to_controller)
+        if extra:
+            request.inline = True
+            return [self._send_wr(cid, [self._capsule_sges[cid], *extra])]
+        return self._sends[cid]
+
+    def _post_soon(self, request: Request, wrs: list) -> None:
+        """Queue ``wrs`` for the poster.  With others in flight, other callers likely post in
+        this trio batch too: the poster hands them to the QP in one post_send (one syscall,
+        one rxe run)."""
+        self._queued.extend(wrs)
+        self._queued_requests.append(request)
+        if not self._poster_woken:
+            self._poster_woken = True
+            trio.lowlevel.reschedule(self._poster)
+
+    def _waited_for(self):
+        """The requests in flight whose caller waits (parked, or a callback): the watchdog's."""
+        return (r for r in self._slots.pending.values()
+                if r.task is not None or r.done is not None)
 
     async def _poll_for(self, request: Request, until: float) -> None:
         """Poll the CQs until ``request`` finished or ``until`` (``perf_counter``) passed.
@@ -784,13 +830,16 @@ class RdmaQueue:
         to be reused), so the QP goes to the error state before any caller gets its
         memory back.  The other commands fail with the queue; the controller reconnects.
         """
-        expired = [request for request in self._slots.pending.values()
-                   if request.task is not None and request.deadline <= now]
+        expired = [request for request in self._waited_for() if request.deadline <= now]
         if not expired:
             return
         self._disconnect()
         for request in expired:
-            time_out(request, self.name)
+            if request.task is not None:
+                time_out(request, self.name)
+            else:
+                request.error = timeout_error(request, self.name)
+                self._slots.finish(request)
         self._fail(closed_for_timeout(expired[0], self.name))
 
     def _fail(self, error: TransportError) -> None:

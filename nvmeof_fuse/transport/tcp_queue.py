@@ -162,7 +162,8 @@ class TcpQueue:
         """PDUs not yet (wholly) handed to the kernel: ``[buffers, request or None]``."""
         self._sender = None  # the sender task
         self._sender_idle = False  # parked, waiting for PDUs to send
-        self._watchdog = Watchdog(lambda: self._pending.values(), self._expire)
+        self._watchdog = Watchdog(
+            lambda: (r for r in self._pending.values() if r.task is not None), self._expire)
         self._splice = transport.splice
         self._send_lock = threading.Lock()
         """Held by whichever thread puts PDUs into the socket, so that they never
@@ -207,6 +208,11 @@ class TcpQueue:
             self._free.append(request.cid)
             if self._slot_waiters:
                 self._slot_waiters.unpark()
+
+    def start(self, sqe: bytearray, data: DataRef | None, done, *,
+              to_controller: bool = False, timeout: float) -> bool:
+        """Commands here always have a waiting caller (:meth:`execute`): nothing is sent."""
+        return False
 
     async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False, timeout: float) -> Completion:

@@ -27,7 +27,8 @@ class Queue:
 
     def __init__(self) -> None:
         self.pending: dict[int, SimpleNamespace] = {}
-        self.watchdog = Watchdog(lambda: self.pending.values(), self.expire)
+        self.watchdog = Watchdog(
+            lambda: (r for r in self.pending.values() if r.task is not None), self.expire)
 
     def expire(self, now: float) -> None:
         for r in list(self.pending.values()):

@@ -668,3 +668,81 @@ async def test_an_event_request_on_the_admin_queue_does_not_stop_polling(queue):
         assert (await queue.execute(read_command(), timeout=30)).ok
         assert len(polls) == 1
         nursery.cancel_scope.cancel()
+
+
+# -- commands started with a callback (RdmaQueue.start) -------------------------------------------
+
+def start_recording(queue, ends: list, timeout: float = 30) -> bool:
+    """Start a read whose callback puts its request in ``ends``; whether it was sent."""
+    return queue.start(read_command(), None, ends.append, timeout=timeout)
+
+
+@in_trio
+async def test_a_started_command_calls_back_once_answered_with_no_task_waiting(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        await trio.testing.wait_all_tasks_blocked()  # the reaper idles, unarmed
+        ends: list = []
+        assert start_recording(queue, ends)
+        await trio.testing.wait_all_tasks_blocked()  # the poster posted it
+        (cid,) = queue.qp.sent
+        assert not ends
+        queue.qp.respond(cid)  # the reaper was woken by start(), so it armed for this
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(ends) == 1 and ends[0].completion.ok and ends[0].error is None
+        assert ends[0].completion.command_id == cid
+        queue.qp.send_done(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.available == 7
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_a_started_command_times_out_through_its_callback_after_the_queue_stopped(queue):
+    """As for a parked caller: the QP is disconnected before the callback may reuse memory."""
+    seen = {}
+
+    def disconnect():
+        seen["disconnected first"] = not ends
+        queue.cm.connected = False
+
+    queue.cm.connected = True
+    queue.cm.disconnect = disconnect
+    ends: list = []
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        assert start_recording(queue, ends, timeout=0.01)
+        with trio.fail_after(5):
+            while not ends:
+                await trio.sleep(0.01)
+        assert isinstance(ends[0].error, CommandTimeout) and ends[0].completion is None
+        assert seen["disconnected first"]
+        assert not start_recording(queue, [])  # the queue failed: nothing more is sent
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_a_failed_queue_tells_started_commands_their_error(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        ends: list = []
+        assert start_recording(queue, ends)
+        await trio.testing.wait_all_tasks_blocked()
+        (cid,) = queue.qp.sent
+        queue.qp.send_done(cid, status=5)  # flushed: the QP went to error
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(ends) == 1 and "work request failed: flushed" in str(ends[0].error)
+
+
+@in_trio
+async def test_start_sends_nothing_while_no_slot_is_free(queue):
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        ends: list = []
+        while queue.available:
+            assert start_recording(queue, ends)
+        assert not start_recording(queue, ends)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(queue.qp.sent) == 7 and queue.qp.posts == [7]  # one post_send for all
+        nursery.cancel_scope.cancel()
