@@ -171,20 +171,29 @@ class LbaRangeLock:
         finally:
             self.release(req)
 
-    async def acquire(self, parts: list[tuple[int, int, bool]]) -> _Request:
-        """Queue a request for ``parts`` and wait until it is granted; :meth:`release` it."""
+    def try_acquire(self, parts: list[tuple[int, int, bool]]) -> _Request | None:
+        """A request for ``parts``, granted now, or None (and nothing queued) if it would
+        have to wait; :meth:`release` it."""
         req = _Request(parts)
         queue = self._queue
+        # (with no exclusive part queued or asked for, nothing can conflict)
+        if (req.exclusive or self._exclusive) and any(req.conflicts(e) for e in queue):
+            return None
         if req.exclusive:
             self._exclusive += 1
-        elif not self._exclusive:  # nothing queued can conflict with shared parts
-            req.granted = True
-            queue.append(req)
-            return req
+        req.granted = True
         queue.append(req)
-        if not any(req.conflicts(earlier) for earlier in queue[:-1]):
-            req.granted = True
-            return req
+        return req
+
+    async def acquire(self, parts: list[tuple[int, int, bool]]) -> _Request:
+        """Queue a request for ``parts`` and wait until it is granted; :meth:`release` it."""
+        granted = self.try_acquire(parts)
+        if granted is not None:
+            return granted
+        req = _Request(parts)
+        if req.exclusive:
+            self._exclusive += 1
+        self._queue.append(req)
         req.event = trio.Event()
         self._waiting += 1
         try:

@@ -316,6 +316,30 @@ def test_range_lock_is_fifo_and_shares_aligned_ranges():
     run(main)
 
 
+def test_range_lock_try_acquire_grants_only_what_would_not_wait():
+    """No waiting and no queueing: None where acquire would wait (behind a holder, or behind
+    an earlier waiter, so the order of arrival still holds)."""
+    lock = LbaRangeLock()
+    waits = []
+    lock.on_wait = lambda: waits.append(len(lock))
+
+    async def main():
+        shared = lock.try_acquire([(0, 10, False)])
+        assert shared is not None and shared.granted
+        assert lock.try_acquire([(5, 6, True)]) is None and len(lock) == 1
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(lock.acquire, [(5, 6, True)])  # waits for the shared holder
+            await trio.testing.wait_all_tasks_blocked()
+            assert lock.try_acquire([(0, 100, False)]) is None  # behind the exclusive waiter
+            other = lock.try_acquire([(20, 30, True)])  # no conflict with anything queued
+            assert other is not None and len(lock) == 3
+            assert waits == [2]  # only acquire tells: try_acquire never waits
+            lock.release(shared)
+        lock.release(other)
+
+    run(main)
+
+
 def test_range_lock_tells_on_wait_only_of_requests_that_must_wait():
     """``on_wait`` lets a holder be asked to let go (a companion write delegation)."""
     lock = LbaRangeLock()
