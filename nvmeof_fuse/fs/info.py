@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from nvmeof_fuse.host.stats import IoStats
@@ -23,7 +24,18 @@ class NamespaceLike(Protocol):
         """Like read, but valid only until the calling task next yields."""
         ...
 
+    def start_read_lent(self, offset: int, length: int,
+                        done: Callable[[memoryview | None], None]) -> bool:
+        """Like read_lent with no task waiting: ``done`` gets the data (or None: it failed;
+        read again), lent for that call.  False: nothing started, call read_lent."""
+        ...
+
     async def write(self, offset: int, data: bytes | memoryview) -> int: ...
+
+    def start_write(self, offset: int, data: memoryview, done: Callable[[bool], None]) -> bool:
+        """Like write with no task waiting: ``done`` is told whether it landed (False: it
+        failed; write again).  False: nothing started, call write."""
+        ...
 
     async def flush(self) -> None: ...
 

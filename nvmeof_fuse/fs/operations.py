@@ -361,6 +361,28 @@ class NamespaceFS:
         except NVMeoFError as exc:
             raise _fuse_error(exc, f"read of {size} bytes at offset {off} of n{ns.nsid}") from None
 
+    def start_read(self, fh: int, off: int, size: int,
+                   done: Callable[[memoryview | None], None]) -> bool:
+        """:meth:`read` with no task waiting, where the namespace can
+        (:meth:`Namespace.start_read_lent`): ``done`` gets the data, lent for that call, or
+        None when the read failed (then :meth:`read` it, for the error or a retry).  False:
+        nothing started, :meth:`read` it."""
+        h = self.handles.get(fh)
+        if h is None or not isinstance(h.node, _NsFile):
+            return False
+        return h.node.ns.start_read_lent(off, size, done)
+
+    def start_write(self, fh: int, off: int, buf: memoryview,
+                    done: Callable[[bool], None]) -> bool:
+        """:meth:`write` with no task waiting, where the namespace can
+        (:meth:`Namespace.start_write`): ``done`` is told whether all of ``buf`` landed
+        (False: :meth:`write` it, for the error or a retry).  False: nothing started,
+        :meth:`write` it."""
+        h = self.handles.get(fh)
+        if h is None or not h.writable or not isinstance(h.node, _NsFile):
+            return False
+        return h.node.ns.start_write(off, buf, done)
+
     async def write(self, fh, off, buf):
         h = self.handles[fh]
         if not isinstance(h.node, _NsFile) or not h.writable:

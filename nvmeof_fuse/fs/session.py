@@ -203,7 +203,11 @@ class _Workers:
             if queue:
                 job = queue.popleft()
             elif self.closing:
-                return
+                if not self.running:
+                    return
+                idle.append(task)  # a callback may still hand a request back (end())
+                await trio.lowlevel.wait_task_rescheduled(abort)
+                continue
             elif not self.reading:
                 self.reading = True
                 try:
@@ -244,7 +248,23 @@ class _Workers:
         try:
             await job[0](*job[1])
         finally:
-            self.running -= 1
+            self.end()
+
+    def begin(self) -> None:
+        """A request goes on with no worker (a callback will answer it): it counts as
+        running, so that no worker polls for the next request while it is in flight, and
+        the workers stay, once closing, until it is answered (or handed back)."""
+        self.running += 1
+
+    def end(self, retry: Job | None = None) -> None:
+        """A running request was answered; or it is handed back, to run as ``retry``."""
+        self.running -= 1
+        if retry is not None:
+            self.queue.append(retry)
+            self._wake()
+        elif self.closing and not self.running:
+            while self.idle:  # they wait for this, to exit
+                trio.lowlevel.reschedule(self.idle.pop())
 
     def _poll(self) -> Job | None:
         """At an idle moment (the last request in flight answered, none queued): poll the
@@ -295,6 +315,9 @@ class FuseSession:
     def __init__(self, ops: Any, fd: int, params: wire.InitParams | None = None,
                  debug: bool = False) -> None:
         self.ops = ops
+        self._start_read_op = getattr(ops, "start_read", None)
+        self._start_write_op = getattr(ops, "start_write", None)
+        self._in_flight = 0  # READs and WRITEs read and not yet answered
         self.fd = fd
         self.params = params = params or wire.InitParams()
         self.debug = debug
@@ -365,11 +388,17 @@ class FuseSession:
         _, opcode, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(head)
         if opcode == 15:  # READ
             fh, offset, size, _ = READ_IN.unpack_from(head, 40)
+            self._in_flight += 1
+            if self._in_flight > 1 and self._start_read(unique, fh, offset, size):
+                return None
             return self._read, (unique, fh, offset, size)
         if opcode == 16:  # WRITE: its data is at the start of the data buffer, now the write's
             fh, offset, size, _ = WRITE_IN.unpack_from(head, 40)
             data = bufs[1]
             bufs[1] = None
+            self._in_flight += 1
+            if self._in_flight > 1 and self._start_write(unique, fh, offset, size, data):
+                return None
             return self._write, (unique, fh, offset, size, data)
         request = bytes(head[:n]) if n <= WRITE_HEADERS else (
             bytes(head) + bytes(memoryview(bufs[1])[: n - WRITE_HEADERS]))
@@ -413,18 +442,74 @@ class FuseSession:
             log.error("%s failed", what, exc_info=exc)
             self._send(wire.error_reply(unique, errno.EIO))
 
+    def _start_read(self, unique: int, fh: int, offset: int, size: int) -> bool:
+        """Start a READ that a callback answers when the target has (``ops.start_read``):
+        no task waits for it, and none is woken to answer it.  Called only while other
+        READs or WRITEs are in flight: alone, one is better served by its task, which polls
+        for its completion (and then for the next request), so that a QD1 client does not
+        wait for a wake-up per request.  False: run :meth:`_read`."""
+        workers, start = self._workers, self._start_read_op
+        if workers is None or start is None:
+            return False
+
+        def answer(data: memoryview | None) -> None:
+            try:
+                if data is None:  # failed: _read runs it again, for a retry or the errno
+                    workers.end((self._read, (unique, fh, offset, size)))
+                else:
+                    self._in_flight -= 1
+                    self._send_data(unique, data)
+                    workers.end()
+            except Exception as exc:  # noqa: BLE001 -- called by a queue's reaper, which must go on
+                log.warning("cannot answer a FUSE read of %d bytes at %d: %s", size, offset, exc)
+
+        if not start(fh, offset, size, answer):
+            return False
+        workers.begin()
+        return True
+
     async def _read(self, unique: int, fh: int, offset: int, size: int) -> None:
         try:
             data = await self.ops.read(fh, offset, size)
         except Exception as exc:  # noqa: BLE001 -- every failure becomes the request's errno
             self._fail(unique, exc, f"read of {size} bytes at {offset}")
             return
-        # Lent data: sent before this task yields again.
+        finally:
+            self._in_flight -= 1
+        self._send_data(unique, data)  # lent data: sent before this task yields again
+
+    def _send_data(self, unique: int, data: bytes | memoryview) -> None:
         try:
             os.writev(self.fd, (OUT_HEADER.pack(OUT_HEADER_SIZE + len(data), 0, unique), data))
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ENODEV):
                 log.warning("cannot answer a FUSE read: %s", exc)
+
+    def _start_write(self, unique: int, fh: int, offset: int, size: int,
+                     buf: mmap.mmap) -> bool:
+        """Start a WRITE that a callback answers once the target has its data
+        (``ops.start_write``), as :meth:`_start_read`.  False: run :meth:`_write`."""
+        workers, start = self._workers, self._start_write_op
+        if workers is None or start is None:
+            return False
+
+        def answer(landed: bool) -> None:
+            try:
+                if not landed:  # failed: _write runs it again, for a retry or the errno
+                    workers.end((self._write, (unique, fh, offset, size, buf)))
+                else:
+                    self._in_flight -= 1
+                    self._send(wire.write_reply(unique, size))
+                    self._free.append(buf)
+                    workers.end()
+            except Exception as exc:  # noqa: BLE001 -- called by a queue's reaper, which must go on
+                log.warning("cannot answer a FUSE write of %d bytes at %d: %s", size, offset,
+                            exc)
+
+        if not start(fh, offset, memoryview(buf)[:size], answer):
+            return False
+        workers.begin()
+        return True
 
     async def _write(self, unique: int, fh: int, offset: int, size: int,
                      buf: mmap.mmap) -> None:
@@ -434,6 +519,8 @@ class FuseSession:
             self._fail(unique, exc, f"write of {size} bytes at {offset}")
         else:
             self._send(wire.write_reply(unique, written))
+        finally:
+            self._in_flight -= 1
         self._free.append(buf)
 
     async def _meta(self, opcode: int, unique: int, nodeid: int, request: bytes) -> None:

@@ -9,6 +9,8 @@ any byte offset and length (partial LBAs by read-modify-write).
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .. import nvme
@@ -20,6 +22,7 @@ from .memory import DataRef
 from .stats import IoStats
 
 if TYPE_CHECKING:
+    from ..transport.base import Finished
     from .controller import Controller
 
 
@@ -201,6 +204,96 @@ class Namespace:
         """:meth:`read` without the copy: lent data, valid until the calling task next
         yields (see :meth:`lend_lbas`).  For handing straight on, as a FUSE reply does."""
         return await self._bytes.read_lent(offset, length)
+
+    def start_read_lent(self, offset: int, length: int,
+                        done: Callable[[memoryview | None], None]) -> bool:
+        """:meth:`read_lent` with no task waiting, where one command through a free bounce
+        buffer reads it all: ``done`` is called with the data (lent for that call only)
+        once the target answered, or with None when the command failed (nothing is
+        counted then: read again with :meth:`read_lent`, which retries, reconnects or
+        raises the error).  It must not raise.  False, with nothing sent, when the read
+        needs more than that, the controller is not live, or its queue takes no command
+        without a waiting caller (:meth:`Controller.start_io`)."""
+        ls = self.lba_size
+        end = min(offset + length, self.size)
+        if self.removed or offset < 0 or end <= offset:
+            return False
+        first = offset // ls
+        nlb = (end - 1) // ls - first + 1
+        if nlb > self._per_command():
+            return False
+        pool = self.controller.bounce
+        region = pool.take_nowait() if pool is not None else None
+        if region is None:
+            return False
+        skip = offset - first * ls
+        stats = self.stats
+        started = time.perf_counter()
+
+        def finished(request: Finished) -> None:
+            error = request.error
+            if error is None:
+                pool.give(region)  # nothing takes it before done() returns: no task runs
+                if request.completion.ok:  # type: ignore[union-attr]
+                    stats.record("read", end - offset, time.perf_counter() - started)
+                    done(region.view[skip:skip + end - offset])  # type: ignore[index]
+                    return
+            # else the target may still write into the buffer: it stays taken
+            done(None)
+
+        if not self.controller.start_io(cmd.read(self.nsid, first, nlb, nvme.NULL_SGL),
+                                        DataRef(region, 0, nlb * ls), finished):
+            pool.give(region)
+            return False
+        return True
+
+    def start_write(self, offset: int, data: memoryview,
+                    done: Callable[[bool], None]) -> bool:
+        """:meth:`write` with no task waiting, for whole LBAs that one command through a
+        free bounce buffer writes, when their range lock is free now: ``data`` is copied
+        at once, and ``done`` is called with True once the target has it, or with False
+        when the command failed (nothing is counted then, and the lock is let go: write
+        again with :meth:`write`, which retries, reconnects or raises the error).  It
+        must not raise.  False, with nothing sent, otherwise (as :meth:`start_read_lent`)."""
+        ls = self.lba_size
+        length = len(data)
+        if (self.removed or offset < 0 or offset % ls or length % ls or not length
+                or offset + length > self.size):
+            return False
+        nlb = length // ls
+        if nlb > self._per_command():
+            return False
+        slba = offset // ls
+        lock = self._bytes.lock
+        held = lock.try_acquire([(slba, slba + nlb, False)])  # shared, as write() takes it
+        if held is None:
+            return False
+        pool = self.controller.bounce
+        region = pool.take_nowait() if pool is not None else None
+        if region is None:
+            lock.release(held)
+            return False
+        region.view[:length] = data  # type: ignore[index]
+        stats = self.stats
+        started = time.perf_counter()
+
+        def finished(request: Finished) -> None:
+            lock.release(held)
+            if request.error is None:  # else the target may still read the buffer: kept
+                pool.give(region)
+                if request.completion.ok:  # type: ignore[union-attr]
+                    stats.record("write", length, time.perf_counter() - started)
+                    done(True)
+                    return
+            done(False)
+
+        if not self.controller.start_io(cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL),
+                                        DataRef(region, 0, length), finished,
+                                        to_controller=True):
+            pool.give(region)
+            lock.release(held)
+            return False
+        return True
 
     async def write(self, offset: int, data: bytes | memoryview) -> int:
         """Write at any byte offset; partial LBAs by read-modify-write."""

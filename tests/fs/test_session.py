@@ -445,3 +445,129 @@ def test_no_poll_while_a_request_is_in_flight():
             assert done == ["quick", "held"]
 
     trio.run(main)
+
+
+def test_reads_in_flight_together_are_answered_by_callbacks():
+    """A READ that arrives while another is in flight is started with a callback
+    (``ops.start_read``) and answered from it, with no task waiting; one whose callback
+    says it failed runs again as a task (for a retry, or its errno).  A READ alone runs as
+    a task, which polls for its completion.  Stopping waits for the callbacks in flight."""
+    async def main():
+        ctrl = make_controller((1, 512, 64))
+        ns = ctrl.namespaces[1]
+        ns.device.data[:] = bytes(range(256)) * (512 * 64 // 256)
+        release = trio.Event()
+        plain_read = ns.read_lent
+        started: list = []  # (offset, size, done)
+
+        async def held_read(offset: int, length: int):
+            await release.wait()
+            return await plain_read(offset, length)
+
+        ns.read_lent = held_read
+        ns.start_read_lent = lambda offset, size, done: started.append((offset, size, done)) or 1
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        session = FuseSession(NamespaceFS(ctrl), os.dup(ours.fileno()))
+        ours.close()
+        kernel = FakeKernel(theirs)
+        theirs.settimeout(STEP)
+
+        def read(unique: int, offset: int) -> bytes:
+            return request(wire.READ, struct.pack("<QQIIQII", fh, offset, 64, 0, 0, 0, 0), unique)
+
+        def reply() -> tuple[int, bytes]:
+            data = theirs.recv(1 << 16)
+            return struct.unpack_from("<Q", data, 8)[0], data[16:]
+
+        with theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.run)
+                init = struct.pack("<IIII", 7, 38, 65536, 0xFFFFFFFF) + bytes(48)
+                assert (await kernel.ask(wire.INIT, init))[0] == 0
+                _, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
+                inode = struct.unpack_from("<Q", body)[0]
+                _, body = await kernel.ask(wire.OPEN, struct.pack("<II", os.O_RDONLY, 0),
+                                           unique=3, nodeid=inode)
+                fh = struct.unpack_from("<Q", body)[0]
+                for unique, offset in ((10, 0), (11, 512), (12, 1024)):
+                    theirs.send(read(unique, offset))
+                await trio.testing.wait_all_tasks_blocked()
+                assert [s[:2] for s in started] == [(512, 64), (1024, 64)]  # not the first
+                workers = session._workers
+                assert workers is not None and workers.running == 3
+                data = bytes(ns.device.data[512:576])
+                started[0][2](memoryview(data))  # as the queue's reaper does
+                assert await trio.to_thread.run_sync(reply) == (11, data)
+                started[1][2](None)  # failed: _read runs it (held, as the first)
+                session.stop_reading()
+                await trio.testing.wait_all_tasks_blocked()
+                assert session._workers is workers  # two reads still in flight
+                release.set()
+            replies = dict([await trio.to_thread.run_sync(reply) for _ in range(2)])
+            assert replies == {10: bytes(ns.device.data[:64]), 12: bytes(ns.device.data[1024:1088])}
+            assert session._workers is None and workers.running == 0
+        session.close()
+
+    trio.run(main)
+
+
+def test_writes_in_flight_together_are_answered_by_callbacks():
+    """As reads: a WRITE that arrives while another is in flight is started with a
+    callback (``ops.start_write``), answered from it, and its data buffer reused; one whose
+    callback says it failed runs again as a task."""
+    async def main():
+        ctrl = make_controller((1, 512, 64))
+        ns = ctrl.namespaces[1]
+        release = trio.Event()
+        plain_write = ns.write
+        started: list = []  # (offset, data, done)
+
+        async def held_write(offset: int, data):
+            await release.wait()
+            return await plain_write(offset, data)
+
+        ns.write = held_write
+        ns.start_write = lambda offset, data, done: started.append(
+            (offset, bytes(data), done)) or 1
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        session = FuseSession(NamespaceFS(ctrl), os.dup(ours.fileno()))
+        ours.close()
+        kernel = FakeKernel(theirs)
+        theirs.settimeout(STEP)
+
+        def write(unique: int, offset: int) -> bytes:
+            args = struct.pack("<QQIIQII", fh, offset, 512, 0, 0, 0, 0)
+            return request(wire.WRITE, args + bytes([unique]) * 512, unique)
+
+        def reply() -> tuple[int, bytes]:
+            data = theirs.recv(1 << 16)
+            return struct.unpack_from("<Q", data, 8)[0], data[16:]
+
+        with theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(session.run)
+                init = struct.pack("<IIII", 7, 38, 65536, 0xFFFFFFFF) + bytes(48)
+                assert (await kernel.ask(wire.INIT, init))[0] == 0
+                _, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
+                inode = struct.unpack_from("<Q", body)[0]
+                _, body = await kernel.ask(wire.OPEN, struct.pack("<II", os.O_RDWR, 0),
+                                           unique=3, nodeid=inode)
+                fh = struct.unpack_from("<Q", body)[0]
+                for unique, offset in ((10, 0), (11, 512), (12, 1024)):
+                    theirs.send(write(unique, offset))
+                await trio.testing.wait_all_tasks_blocked()
+                assert [(o, d) for o, d, _ in started] == [(512, b"\x0b" * 512),
+                                                           (1024, b"\x0c" * 512)]
+                free = len(session._free)
+                started[0][2](True)  # as the queue's reaper does
+                assert await trio.to_thread.run_sync(reply) == (11, struct.pack("<II", 512, 0))
+                assert len(session._free) == free + 1  # its data buffer is free again
+                started[1][2](False)  # failed: _write runs it (held, as the first)
+                release.set()
+                replies = dict([await trio.to_thread.run_sync(reply) for _ in range(2)])
+                assert replies == {u: struct.pack("<II", 512, 0) for u in (10, 12)}
+                assert ns.device.data[1024:1536] == b"\x0c" * 512
+                theirs.close()
+        session.close()
+
+    trio.run(main)

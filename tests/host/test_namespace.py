@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 
-from nvmeof_fuse.errors import CommandTimeout, InvalidArgument
+from nvmeof_fuse.errors import CommandTimeout, InvalidArgument, TransportError
 from nvmeof_fuse.host.memory import BouncePool, DataRef, host_buffer
 from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.nvme import command as cmd
@@ -40,6 +40,30 @@ class FakeController:
         self.disk = bytearray(random.Random(1).randbytes(size) if size <= 1 << 20 else size)
         self.commands: list[tuple[int, int, int]] = []  # opcode, slba, nlb
         self.fail: Exception | None = None
+        self.started: list = []  # (sqe, data, done) of commands start_io took
+        self.take_started = True  # what start_io answers
+
+    def start_io(self, sqe: bytearray, data: DataRef | None, done, *,
+                 to_controller: bool = False) -> bool:
+        assert to_controller == (sqe[0] == OPC_WRITE)
+        if self.take_started:
+            self.started.append((sqe, data, done))
+        return self.take_started
+
+    def end_started(self, status: int = 0, error: Exception | None = None) -> None:
+        """The target answers the commands start_io took (from and to ``disk``)."""
+        started, self.started = self.started, []
+        for sqe, data, done in started:
+            slba = int.from_bytes(sqe[40:48], "little")
+            if error is None and not status:
+                at = slba * self.lba_size
+                view = data.region.view[data.offset:data.offset + data.length]
+                if sqe[0] == OPC_WRITE:
+                    self.disk[at:at + data.length] = view
+                else:
+                    view[:] = self.disk[at:at + data.length]
+            completion = None if error else SimpleNamespace(ok=not status)
+            done(SimpleNamespace(completion=completion, error=error))
 
     async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
                          to_controller: bool = False) -> None:
@@ -285,3 +309,105 @@ def test_flush_and_write_zeroes_commands():
     assert commands[0] == (OPC_FLUSH, 0, 1)
     assert sorted(commands[1:]) == [(OPC_WRITE_ZEROES, 1, cmd.MAX_NLB),
                                     (OPC_WRITE_ZEROES, 1 + cmd.MAX_NLB, 2)]
+
+
+# --- reads with a callback (start_read_lent) ---------------------------------------------
+
+
+def test_start_read_lent_calls_back_with_the_bytes_and_gives_the_buffer_back():
+    ns = namespace()
+    pool = ns.controller.bounce
+    got: list = []
+    assert ns.start_read_lent(700, 1000, lambda data: got.append(bytes(data)))
+    assert pool.available == 3 and not got  # taken until the target answered
+    ns.controller.end_started()
+    assert got == [bytes(ns.controller.disk[700:1700])]
+    assert pool.available == 4
+    assert ns.stats.snapshot()["ops"]["read"]["bytes"] == 1000
+
+
+def test_start_read_lent_stops_at_the_end_of_the_namespace():
+    ns = namespace(nlb=8)
+    got: list = []
+    assert ns.start_read_lent(4000, 4096, lambda data: got.append(bytes(data)))
+    ns.controller.end_started()
+    assert got == [bytes(ns.controller.disk[4000:4096])]
+
+
+def test_a_failed_started_read_says_none_and_keeps_a_buffer_the_target_may_write():
+    ns = namespace()
+    pool = ns.controller.bounce
+    got: list = []
+    assert ns.start_read_lent(0, 512, got.append)
+    ns.controller.end_started(error=TransportError("I/O queue 1: stopped"))
+    assert got == [None] and pool.available == 3
+    assert ns.start_read_lent(0, 512, got.append)
+    ns.controller.end_started(status=0x281)  # an error status: the buffer is safe again
+    assert got == [None, None] and pool.available == 3
+    assert "read" not in ns.stats.snapshot()["ops"]  # read_lent, run again, counts it
+
+
+@pytest.mark.parametrize("offset, length, why", [
+    (0, 4096, "two commands"), (32768, 512, "at the end"), (-512, 512, "negative"),
+    (0, 0, "empty")])
+def test_start_read_lent_sends_nothing_for_reads_one_command_does_not_cover(offset, length, why):
+    ns = namespace()
+    assert not ns.start_read_lent(offset, length, lambda data: None), why
+    assert not ns.controller.started and ns.controller.bounce.available == 4
+
+
+def test_start_read_lent_sends_nothing_without_a_free_buffer_or_a_queue_to_take_it():
+    ns = namespace(buffers=1)
+    assert ns.start_read_lent(0, 512, lambda data: None)
+    assert not ns.start_read_lent(512, 512, lambda data: None)  # the one buffer is taken
+    ns.controller.end_started()
+    ns.controller.take_started = False
+    assert not ns.start_read_lent(512, 512, lambda data: None)
+    assert ns.controller.bounce.available == 1  # given back
+
+
+# --- writes with a callback (start_write) ---------------------------------------------
+
+
+def test_start_write_copies_at_once_and_holds_its_lbas_until_the_target_has_them():
+    ns = namespace()
+    pool, lock = ns.controller.bounce, ns.write_lock
+    data = bytearray(b"\x5a" * 1024)
+    ends: list = []
+    assert ns.start_write(1024, memoryview(data), ends.append)
+    data[:] = bytes(1024)  # copied already: the caller may reuse its buffer
+    assert pool.available == 3 and len(lock) == 1
+    assert lock.try_acquire([(2, 3, True)]) is None  # a read-modify-write of LBA 2 waits
+    ns.controller.end_started()
+    assert ends == [True] and pool.available == 4 and len(lock) == 0
+    assert bytes(ns.controller.disk[1024:2048]) == b"\x5a" * 1024
+    assert ns.stats.snapshot()["ops"]["write"]["bytes"] == 1024
+
+
+def test_a_failed_started_write_says_false_and_lets_its_lock_go():
+    ns = namespace()
+    ends: list = []
+    assert ns.start_write(0, memoryview(bytes(512)), ends.append)
+    ns.controller.end_started(error=TransportError("I/O queue 1: stopped"))
+    assert ends == [False] and len(ns.write_lock) == 0
+    assert ns.controller.bounce.available == 3  # the target may still read it
+
+
+@pytest.mark.parametrize("offset, length, why", [
+    (100, 512, "unaligned"), (0, 700, "a partial LBA"), (0, 4096, "two commands"),
+    (32256, 1024, "past the end"), (0, 0, "empty")])
+def test_start_write_sends_nothing_for_writes_one_whole_command_does_not_cover(offset, length,
+                                                                               why):
+    ns = namespace()
+    assert not ns.start_write(offset, memoryview(bytes(length)), lambda landed: None), why
+    assert not ns.controller.started and len(ns.write_lock) == 0
+
+
+def test_start_write_sends_nothing_while_its_lbas_are_locked_or_refused():
+    ns = namespace()
+    held = ns.write_lock.try_acquire([(1, 2, True)])  # a read-modify-write of LBA 1
+    assert not ns.start_write(512, memoryview(bytes(512)), lambda landed: None)
+    ns.write_lock.release(held)
+    ns.controller.take_started = False
+    assert not ns.start_write(512, memoryview(bytes(512)), lambda landed: None)
+    assert len(ns.write_lock) == 0 and ns.controller.bounce.available == 4
