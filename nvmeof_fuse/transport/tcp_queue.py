@@ -28,6 +28,7 @@ import socket
 import struct
 import threading
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import trio
@@ -87,7 +88,7 @@ class Request:
     """
 
     __slots__ = ("cid", "serial", "data", "view", "to_controller", "completion", "error",
-                 "finished", "unsent", "task", "deadline", "timeout")
+                 "finished", "unsent", "task", "done", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool,
                  serial: int = 0) -> None:
@@ -104,6 +105,7 @@ class Request:
         """The caller may go on: answered with nothing left to send, or failed."""
         self.unsent = 0
         self.task = None  # the trio task parked on this request, if any
+        self.done: Callable[[Request], None] | None = None  # or the callback told its end
         self.deadline = math.inf
         self.timeout = 0.0
 
@@ -163,7 +165,8 @@ class TcpQueue:
         self._sender = None  # the sender task
         self._sender_idle = False  # parked, waiting for PDUs to send
         self._watchdog = Watchdog(
-            lambda: (r for r in self._pending.values() if r.task is not None), self._expire)
+            lambda: (r for r in self._pending.values() if r.task is not None or r.done is not None),
+            self._expire)
         self._splice = transport.splice
         self._send_lock = threading.Lock()
         """Held by whichever thread puts PDUs into the socket, so that they never
@@ -209,10 +212,18 @@ class TcpQueue:
             if self._slot_waiters:
                 self._slot_waiters.unpark()
 
-    def start(self, sqe: bytearray, data: DataRef | None, done, *,
+    def start(self, sqe: bytearray, data: DataRef | None, done: Callable[[Request], None], *,
               to_controller: bool = False, timeout: float) -> bool:
-        """Commands here always have a waiting caller (:meth:`execute`): nothing is sent."""
-        return False
+        """Send ``sqe`` without waiting for it: ``done(request)`` is called once it finished
+        (``request.completion``, or ``request.error``), by the trio thread, never before
+        this returns; it must not raise.  False, with nothing sent, when no slot is free or
+        the queue failed."""
+        if self._failed is not None or not self._free or self._sender is None:
+            return False
+        request = self._send_command(self._free.pop(), sqe, data, to_controller, batch=True)
+        request.done = done
+        self._watchdog.watch(request, timeout)
+        return True
 
     async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False, timeout: float) -> Completion:
@@ -220,6 +231,20 @@ class TcpQueue:
             cid = self._free.pop()
         else:
             cid = await self._allocate(timeout)
+        # With others in flight, other callers likely submit in this trio batch too: the
+        # sender hands them to the kernel together, in one sendmsg.
+        request = self._send_command(cid, sqe, data, to_controller,
+                                     batch=len(self._pending) > 0)
+        if not request.finished:
+            await self._watchdog.park(request, timeout)
+        if request.error is not None:
+            raise for_caller(request.error)
+        return request.completion  # type: ignore[return-value]
+
+    def _send_command(self, cid: int, sqe: bytearray, data: DataRef | None,
+                      to_controller: bool, *, batch: bool) -> Request:
+        """The request for ``sqe`` on command ID ``cid``, its capsule queued for the socket
+        (sent at once unless ``batch``: see :meth:`_submit`)."""
         length = data.length if data is not None else 0
         self._serial += 1
         request = Request(cid, data if length else None, to_controller, self._serial)
@@ -241,14 +266,8 @@ class TcpQueue:
             buffers.append(payload)
             if self.data_digest:
                 buffers.append(pdu.digest(payload))
-        # With others in flight, other callers likely submit in this trio batch too: the
-        # sender hands them to the kernel together, in one sendmsg.
-        self._submit(buffers, request, batch=len(self._pending) > 1)
-        if not request.finished:
-            await self._watchdog.park(request, timeout)
-        if request.error is not None:
-            raise for_caller(request.error)
-        return request.completion  # type: ignore[return-value]
+        self._submit(buffers, request, batch=batch)
+        return request
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -577,11 +596,14 @@ class TcpQueue:
     def _let_go(self, request: Request) -> None:
         request.finished = True
         request.view = None  # the caller's memory is the caller's again
-        self._woke = True
         task = request.task
         if task is not None:
+            self._woke = True
             request.task = None
             trio.lowlevel.reschedule(task)
+        elif request.done is not None:
+            done, request.done = request.done, None
+            done(request)
 
     def _h2c_pdus(self, request: Request, header: pdu.Header) -> list[list]:
         return h2c_pdus(request, header, maxh2cdata=self.maxh2cdata, cpda=self.cpda,
@@ -601,7 +623,7 @@ class TcpQueue:
     def _expire(self, now: float) -> None:
         self._mailbox.drain()  # an answer handed over but not yet handled is no timeout
         for request in list(self._pending.values()):
-            if request.task is None or request.deadline > now:
+            if (request.task is None and request.done is None) or request.deadline > now:
                 continue
             if request.unsent:
                 # Its PDUs still wait for the socket and read the caller's memory: the
