@@ -13,6 +13,10 @@ namespace lends, before the task yields again).
 A WRITE's data is read into a buffer of its own, which the write task owns until it
 completes, so it is never copied here.  Those buffers are page-aligned and reused: see
 :func:`receive_buffer`.
+A READ or WRITE that arrives while others are in flight runs no task at all where the
+namespace can start it with a callback (one command, a free bounce buffer, a free range
+lock): the reaper that sees its completion sends the reply (:meth:`FuseSession._start_read`);
+one that fails goes back to the workers and runs as above.
 """
 
 from __future__ import annotations

@@ -39,8 +39,8 @@ class Queue(Protocol):
     def start(self, sqe: bytearray, data: DataRef | None, done: Callable[[Finished], None], *,
               to_controller: bool = False, timeout: float) -> bool:
         """Send ``sqe`` and return at once, if this queue takes it now; ``done`` is called
-        once it finished, from whichever task reaps it, and must not raise.  False: nothing
-        was sent (no free slot, the queue failed, or it serves a waiting caller better)."""
+        once it finished, by the trio thread (never before this returns), and must not
+        raise.  False: nothing was sent (no free slot, or the queue failed)."""
         ...
 
     def close(self) -> None: ...
