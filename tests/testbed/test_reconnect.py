@@ -12,12 +12,16 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from kernel_initiator import connected, pread_direct
 from vm import NVMET_PORTS, rdma_objects, sh, target_away, wait_for, waits_on_fuse
 
 MNT = "/tmp/nvmeof-reconnect"
+OUTAGE = 8  # seconds the port stays unlinked
+
+
 @contextlib.contextmanager
 def mounted(testbed, log: str, *options: str, transport: str = "rdma"):
     os.makedirs(MNT, exist_ok=True)
@@ -69,6 +73,44 @@ def test_a_write_during_an_outage_waits_and_lands_after_the_reconnect(testbed, t
         assert raw[offset - start:offset - start + len(new)] == new
     # none of the generations' QPs is left (the baseline may still hold an earlier test's)
     assert wait_for(lambda: rdma_objects("qp") <= baseline, 90), sh("rdma", "resource", "show")
+
+
+def written(mnt: str, name: str) -> int:
+    with open(f"{mnt}/.nvmeof/stats.json") as f:
+        ops = json.load(f)[name]["ops"]
+    return sum(op["bytes"] for op in ops.values())
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_fio_verify_writes_at_depth_ride_out_an_outage(testbed, tmp_path, transport):
+    """The port goes away for OUTAGE s while fio writes at depth (on RDMA, answered by
+    their commands' callbacks): every command in flight fails with the connection, runs
+    again once reconnected, and fio's crc32c verify passes."""
+    log = str(tmp_path / "daemon.log")
+    with mounted(testbed, log, "-k", "2", "-c", "2", "-l", "120", transport=transport) as mnt:
+        # rate-limited, so the writes are still going when the port goes away
+        fio = subprocess.Popen(
+            ["fio", "--name=outage", f"--filename={mnt}/n2", "--rw=randwrite",
+             "--bssplit=4k/50:64k/50", "--iodepth=8", "--ioengine=libaio", "--direct=1",
+             "--size=24M", "--rate=2m", "--verify=crc32c", "--do_verify=1",
+             "--verify_fatal=1", "--output-format=terse"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert wait_for(lambda: written(mnt, "n2") > 1 << 20, 120), "fio wrote nothing"
+            with target_away(testbed.nqn, NVMET_PORTS[transport]):
+                assert wait_for(lambda: log_has(log, "lost the connection"), 60), \
+                    open(log).read()
+                time.sleep(OUTAGE)  # the outage itself, not a wait for a condition
+            out, err = fio.communicate(timeout=600)
+        finally:
+            if fio.poll() is None:
+                fio.kill()
+        assert fio.returncode == 0, out[-2000:] + err[-2000:] + open(log).read()
+        text = open(log).read()
+        assert "reconnected to" in text and "Traceback" not in text, text
+        with open(f"{mnt}/.nvmeof/stats.json") as f:
+            connection = json.load(f)["connection"]
+        assert connection["state"] == "live" and connection["reconnects"] >= 1
 
 
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
