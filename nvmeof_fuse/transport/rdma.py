@@ -421,6 +421,7 @@ class RdmaQueue:
         self.pd = pd
         self._slots = CommandSlots(size)
         self._slot_waiters = trio.lowlevel.ParkingLot()
+        self._slot_wanted = 0  # callers waiting for a slot, parked or woken and not yet run
         self._failed: TransportError | None = None
         self._watchdog = Watchdog(self._waited_for, self._expire)
         self._reaper: trio.CancelScope | None = None  # the reaper's scope, once it runs
@@ -536,9 +537,13 @@ class RdmaQueue:
     async def _allocate(self, data: DataRef | None, timeout: float) -> Request:
         if self._failed:
             raise for_caller(self._failed)
-        with trio.move_on_after(timeout):
-            while not self._slots.available and not self._failed:
-                await self._slot_waiters.park()
+        self._slot_wanted += 1  # start() leaves freed slots to us meanwhile
+        try:
+            with trio.move_on_after(timeout):
+                while not self._slots.available and not self._failed:
+                    await self._slot_waiters.park()
+        finally:
+            self._slot_wanted -= 1
         if self._failed:
             raise for_caller(self._failed)
         if not self._slots.available:
@@ -588,11 +593,13 @@ class RdmaQueue:
               timeout: float) -> bool:
         """Send ``sqe`` without waiting for it: ``done(request)`` is called once it finished
         (``request.completion``, or ``request.error``: failed, timed out), by whichever task
-        reaps it; it must not raise.  False, with nothing sent, when no slot is free or the
-        queue failed.  Nothing polls for such a command: a caller with nothing else in
-        flight does better with :meth:`execute`, which does."""
+        reaps it; it must not raise.  False, with nothing sent, when the queue failed or no
+        slot is free for it (callers waiting for one go first).  Nothing polls for such a
+        command: a caller with nothing else in flight does better with :meth:`execute`,
+        which does."""
         slots = self._slots
-        if self._failed is not None or not slots.free or self._poster is None:
+        if (self._failed is not None or not slots.free or self._slot_wanted
+                or self._poster is None):
             return False
         request = slots.allocate(data)
         request.done = done

@@ -157,6 +157,7 @@ class TcpQueue:
         self._free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
         self._pending: dict[int, Request] = {}
         self._slot_waiters = trio.lowlevel.ParkingLot()
+        self._slot_wanted = 0  # callers waiting for a slot, parked or woken and not yet run
         self._failed: TransportError | None = None
         self._receiver: trio.CancelScope | None = None
         self._received = trio.Event()
@@ -196,9 +197,13 @@ class TcpQueue:
 
     async def _allocate(self, timeout: float) -> int:
         if self._failed is None and not self._free:
-            with trio.move_on_after(timeout):
-                while not self._free and self._failed is None:
-                    await self._slot_waiters.park()
+            self._slot_wanted += 1  # start() leaves freed slots to us meanwhile
+            try:
+                with trio.move_on_after(timeout):
+                    while not self._free and self._failed is None:
+                        await self._slot_waiters.park()
+            finally:
+                self._slot_wanted -= 1
         if self._failed is not None:
             raise for_caller(self._failed)
         if not self._free:
@@ -216,9 +221,10 @@ class TcpQueue:
               to_controller: bool = False, timeout: float) -> bool:
         """Send ``sqe`` without waiting for it: ``done(request)`` is called once it finished
         (``request.completion``, or ``request.error``), by the trio thread, never before
-        this returns; it must not raise.  False, with nothing sent, when no slot is free or
-        the queue failed."""
-        if self._failed is not None or not self._free or self._sender is None:
+        this returns; it must not raise.  False, with nothing sent, when the queue failed or
+        no slot is free for it (callers waiting for one go first)."""
+        if (self._failed is not None or not self._free or self._slot_wanted
+                or self._sender is None):
             return False
         request = self._send_command(self._free.pop(), sqe, data, to_controller, batch=True)
         request.done = done

@@ -746,3 +746,31 @@ async def test_start_sends_nothing_while_no_slot_is_free(queue):
         await trio.testing.wait_all_tasks_blocked()
         assert len(queue.qp.sent) == 7 and queue.qp.posts == [7]  # one post_send for all
         nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_start_leaves_a_freed_slot_to_a_caller_waiting_for_one(queue):
+    """Else a stream of started commands could keep a waiting caller from every slot until
+    its timeout."""
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        ends: list = []
+        while queue.available:
+            assert start_recording(queue, ends)
+        await trio.testing.wait_all_tasks_blocked()
+        results: list = []
+        nursery.start_soon(read_recording, queue, results)  # waits for a slot
+        await trio.testing.wait_all_tasks_blocked()
+        cid = next(iter(queue.qp.sent))
+        queue.qp.send_done(cid)
+        queue.qp.respond(cid)
+        queue._drain()  # (as the reaper would) frees the slot and wakes the waiter, not run yet
+        assert len(ends) == 1 and queue.available == 1
+        assert not start_recording(queue, ends)  # the slot is the waiter's
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.available == 0  # the waiter took it, and its read went out
+        queue.qp.send_done(cid)
+        queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(results) == 1 and results[0].ok
+        nursery.cancel_scope.cancel()
