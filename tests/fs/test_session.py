@@ -447,6 +447,31 @@ def test_no_poll_while_a_request_is_in_flight():
     trio.run(main)
 
 
+def session_on_a_socket(ctrl) -> tuple[FuseSession, FakeKernel]:
+    """A session serving ``ctrl``'s namespaces to a fake kernel (bounded waits)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    session = FuseSession(NamespaceFS(ctrl), os.dup(ours.fileno()))
+    ours.close()
+    theirs.settimeout(STEP)
+    return session, FakeKernel(theirs)
+
+
+async def open_n1(kernel: FakeKernel, flags: int) -> int:
+    """INIT, then LOOKUP and OPEN ``n1`` with ``flags``: its file handle."""
+    init = struct.pack("<IIII", 7, 38, 65536, 0xFFFFFFFF) + bytes(48)
+    assert (await kernel.ask(wire.INIT, init))[0] == 0
+    _, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
+    inode = struct.unpack_from("<Q", body)[0]
+    _, body = await kernel.ask(wire.OPEN, struct.pack("<II", flags, 0), unique=3, nodeid=inode)
+    return struct.unpack_from("<Q", body)[0]
+
+
+async def next_reply(sock: socket.socket) -> tuple[int, bytes]:
+    """The next reply the fake kernel gets: (unique, body)."""
+    data = await trio.to_thread.run_sync(sock.recv, 1 << 16)
+    return struct.unpack_from("<Q", data, 8)[0], data[16:]
+
+
 def test_reads_in_flight_together_are_answered_by_callbacks():
     """A READ that arrives while another is in flight is started with a callback
     (``ops.start_read``) and answered from it, with no task waiting; one whose callback
@@ -466,29 +491,16 @@ def test_reads_in_flight_together_are_answered_by_callbacks():
 
         ns.read_lent = held_read
         ns.start_read_lent = lambda offset, size, done: started.append((offset, size, done)) or 1
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        session = FuseSession(NamespaceFS(ctrl), os.dup(ours.fileno()))
-        ours.close()
-        kernel = FakeKernel(theirs)
-        theirs.settimeout(STEP)
+        session, kernel = session_on_a_socket(ctrl)
+        theirs = kernel.sock
 
         def read(unique: int, offset: int) -> bytes:
             return request(wire.READ, struct.pack("<QQIIQII", fh, offset, 64, 0, 0, 0, 0), unique)
 
-        def reply() -> tuple[int, bytes]:
-            data = theirs.recv(1 << 16)
-            return struct.unpack_from("<Q", data, 8)[0], data[16:]
-
         with theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(session.run)
-                init = struct.pack("<IIII", 7, 38, 65536, 0xFFFFFFFF) + bytes(48)
-                assert (await kernel.ask(wire.INIT, init))[0] == 0
-                _, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
-                inode = struct.unpack_from("<Q", body)[0]
-                _, body = await kernel.ask(wire.OPEN, struct.pack("<II", os.O_RDONLY, 0),
-                                           unique=3, nodeid=inode)
-                fh = struct.unpack_from("<Q", body)[0]
+                fh = await open_n1(kernel, os.O_RDONLY)
                 for unique, offset in ((10, 0), (11, 512), (12, 1024)):
                     theirs.send(read(unique, offset))
                 await trio.testing.wait_all_tasks_blocked()
@@ -497,13 +509,13 @@ def test_reads_in_flight_together_are_answered_by_callbacks():
                 assert workers is not None and workers.running == 3
                 data = bytes(ns.device.data[512:576])
                 started[0][2](memoryview(data))  # as the queue's reaper does
-                assert await trio.to_thread.run_sync(reply) == (11, data)
+                assert await next_reply(theirs) == (11, data)
                 started[1][2](None)  # failed: _read runs it (held, as the first)
                 session.stop_reading()
                 await trio.testing.wait_all_tasks_blocked()
                 assert session._workers is workers  # two reads still in flight
                 release.set()
-            replies = dict([await trio.to_thread.run_sync(reply) for _ in range(2)])
+            replies = dict([await next_reply(theirs) for _ in range(2)])
             assert replies == {10: bytes(ns.device.data[:64]), 12: bytes(ns.device.data[1024:1088])}
             assert session._workers is None and workers.running == 0
         session.close()
@@ -529,30 +541,17 @@ def test_writes_in_flight_together_are_answered_by_callbacks():
         ns.write = held_write
         ns.start_write = lambda offset, data, done: started.append(
             (offset, bytes(data), done)) or 1
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        session = FuseSession(NamespaceFS(ctrl), os.dup(ours.fileno()))
-        ours.close()
-        kernel = FakeKernel(theirs)
-        theirs.settimeout(STEP)
+        session, kernel = session_on_a_socket(ctrl)
+        theirs = kernel.sock
 
         def write(unique: int, offset: int) -> bytes:
             args = struct.pack("<QQIIQII", fh, offset, 512, 0, 0, 0, 0)
             return request(wire.WRITE, args + bytes([unique]) * 512, unique)
 
-        def reply() -> tuple[int, bytes]:
-            data = theirs.recv(1 << 16)
-            return struct.unpack_from("<Q", data, 8)[0], data[16:]
-
         with theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(session.run)
-                init = struct.pack("<IIII", 7, 38, 65536, 0xFFFFFFFF) + bytes(48)
-                assert (await kernel.ask(wire.INIT, init))[0] == 0
-                _, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
-                inode = struct.unpack_from("<Q", body)[0]
-                _, body = await kernel.ask(wire.OPEN, struct.pack("<II", os.O_RDWR, 0),
-                                           unique=3, nodeid=inode)
-                fh = struct.unpack_from("<Q", body)[0]
+                fh = await open_n1(kernel, os.O_RDWR)
                 for unique, offset in ((10, 0), (11, 512), (12, 1024)):
                     theirs.send(write(unique, offset))
                 await trio.testing.wait_all_tasks_blocked()
@@ -560,11 +559,11 @@ def test_writes_in_flight_together_are_answered_by_callbacks():
                                                            (1024, b"\x0c" * 512)]
                 free = len(session._free)
                 started[0][2](True)  # as the queue's reaper does
-                assert await trio.to_thread.run_sync(reply) == (11, struct.pack("<II", 512, 0))
+                assert await next_reply(theirs) == (11, struct.pack("<II", 512, 0))
                 assert len(session._free) == free + 1  # its data buffer is free again
                 started[1][2](False)  # failed: _write runs it (held, as the first)
                 release.set()
-                replies = dict([await trio.to_thread.run_sync(reply) for _ in range(2)])
+                replies = dict([await next_reply(theirs) for _ in range(2)])
                 assert replies == {u: struct.pack("<II", 512, 0) for u in (10, 12)}
                 assert ns.device.data[1024:1536] == b"\x0c" * 512
                 theirs.close()
