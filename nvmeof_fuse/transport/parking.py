@@ -56,7 +56,8 @@ class Watchdog:
             scope.deadline = deadline
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
-        """Sleep until the earliest deadline of a parked caller; then expire (forever)."""
+        """Sleep until the earliest deadline of a waiting caller (parked, or a callback);
+        then expire (forever)."""
         task_status.started()
         while True:
             earliest = min((r.deadline for r in self._requests()), default=math.inf)

@@ -21,6 +21,8 @@ The per-command path is kept lean (it runs ~9x slower in the testbed VM): work
 requests are built once per command slot, capsule SENDs complete on their own
 CQ that raises no wakeup unless a caller waits on it, and a waiting caller is
 parked without a cancel scope; one watchdog per queue enforces the timeouts.
+A command started with :meth:`RdmaQueue.start` has no caller task at all: the task
+that reaps its completion calls its callback.
 """
 
 from __future__ import annotations
