@@ -212,8 +212,8 @@ class Namespace:
         once the target answered, or with None when the command failed (nothing is
         counted then: read again with :meth:`read_lent`, which retries, reconnects or
         raises the error).  It must not raise.  False, with nothing sent, when the read
-        needs more than that, the controller is not live, or its queue takes no command
-        without a waiting caller (:meth:`Controller.start_io`)."""
+        needs more than that, the controller is not live, or the queue it picks has no slot
+        for it (:meth:`Controller.start_io`)."""
         ls = self.lba_size
         end = min(offset + length, self.size)
         if self.removed or offset < 0 or end <= offset:
@@ -231,15 +231,15 @@ class Namespace:
         started = time.perf_counter()
 
         def finished(request: Finished) -> None:
-            error = request.error
-            if error is None:
+            if request.error is not None:  # the target may still write into the buffer,
+                done(None)  # so it stays taken
+            else:
                 pool.give(region)  # nothing takes it before done() returns: no task runs
                 if request.completion.ok:  # type: ignore[union-attr]
                     stats.record("read", end - offset, time.perf_counter() - started)
                     done(region.view[skip:skip + end - offset])  # type: ignore[index]
-                    return
-            # else the target may still write into the buffer: it stays taken
-            done(None)
+                else:
+                    done(None)
 
         if not self.controller.start_io(cmd.read(self.nsid, first, nlb, nvme.NULL_SGL),
                                         DataRef(region, 0, nlb * ls), finished):
@@ -279,13 +279,14 @@ class Namespace:
 
         def finished(request: Finished) -> None:
             lock.release(held)
-            if request.error is None:  # else the target may still read the buffer: kept
+            if request.error is not None:  # the target may still read the buffer,
+                done(False)  # so it stays taken
+            else:
                 pool.give(region)
-                if request.completion.ok:  # type: ignore[union-attr]
+                ok = request.completion.ok  # type: ignore[union-attr]
+                if ok:
                     stats.record("write", length, time.perf_counter() - started)
-                    done(True)
-                    return
-            done(False)
+                done(ok)
 
         if not self.controller.start_io(cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL),
                                         DataRef(region, 0, length), finished,
