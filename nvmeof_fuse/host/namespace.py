@@ -209,8 +209,9 @@ class Namespace:
                         done: Callable[[memoryview | None], None]) -> bool:
         """:meth:`read_lent` with no task waiting, where one command through a free bounce
         buffer reads it all: ``done`` is called with the data (lent for that call only)
-        once the target answered, or with None when the command failed (nothing is
-        counted then: read again with :meth:`read_lent`, which retries, reconnects or
+        once the target answered (counted as a read, and in the counter
+        ``callback_reads``), or with None when the command failed (nothing is counted then:
+        read again with :meth:`read_lent`, which retries, reconnects or
         raises the error).  It must not raise.  False, with nothing sent, when the read
         needs more than that, the controller is not live, or the queue it picks has no slot
         for it (:meth:`Controller.start_io`)."""
@@ -237,6 +238,7 @@ class Namespace:
                 pool.give(region)  # nothing takes it before done() returns: no task runs
                 if request.completion.ok:  # type: ignore[union-attr]
                     stats.record("read", end - offset, time.perf_counter() - started)
+                    stats.add("callback_reads")
                     done(region.view[skip:skip + end - offset])  # type: ignore[index]
                 else:
                     done(None)
@@ -251,7 +253,8 @@ class Namespace:
                     done: Callable[[bool], None]) -> bool:
         """:meth:`write` with no task waiting, for whole LBAs that one command through a
         free bounce buffer writes, when their range lock is free now: ``data`` is copied
-        at once, and ``done`` is called with True once the target has it, or with False
+        at once, and ``done`` is called with True once the target has it (counted as a
+        write, and in ``callback_writes``), or with False
         when the command failed (nothing is counted then, and the lock is let go: write
         again with :meth:`write`, which retries, reconnects or raises the error).  It
         must not raise.  False, with nothing sent, otherwise (as :meth:`start_read_lent`)."""
@@ -286,6 +289,7 @@ class Namespace:
                 ok = request.completion.ok  # type: ignore[union-attr]
                 if ok:
                     stats.record("write", length, time.perf_counter() - started)
+                    stats.add("callback_writes")
                 done(ok)
 
         if not self.controller.start_io(cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL),

@@ -109,8 +109,13 @@ def test_fio_verify_writes_at_depth_ride_out_an_outage(testbed, tmp_path, transp
         text = open(log).read()
         assert "reconnected to" in text and "Traceback" not in text, text
         with open(f"{mnt}/.nvmeof/stats.json") as f:
-            connection = json.load(f)["connection"]
+            stats = json.load(f)
+        connection = stats["connection"]
         assert connection["state"] == "live" and connection["reconnects"] >= 1
+        # at depth, the writes and fio's verify reads were answered by their callbacks
+        counters = stats["n2"]["counters"]
+        assert counters.get("callback_writes", 0) > 0, counters
+        assert counters.get("callback_reads", 0) > 0, counters
 
 
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
