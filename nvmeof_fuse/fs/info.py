@@ -43,6 +43,7 @@ class NamespaceLike(Protocol):
 class ControllerLike(Protocol):
     identify: Any  # .to_dict(), .mn .sn .fr .subnqn .cntlid
     namespaces: dict[int, Any]  # NamespaceLike by NSID
+    starts_io: bool  # its namespaces' start_read_lent/start_write can start I/O
 
     def describe(self) -> dict: ...
 

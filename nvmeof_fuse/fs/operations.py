@@ -121,6 +121,9 @@ class NamespaceFS:
         self.before_open: Callable[[int], Awaitable[None]] | None = None
         """Awaited with the nsid when a namespace file is opened, before the open is
         answered (the companion server recalls a write delegation of it)."""
+        self.starts_io = bool(getattr(controller, "starts_io", False))
+        """Whether :meth:`start_read` and :meth:`start_write` can start I/O (the controller's
+        namespaces have ``start_read_lent`` and ``start_write``); else no one need try."""
         self._fh = itertools.count(1)
         self._idle = trio.Event()  # set while no file is open
         self._idle.set()

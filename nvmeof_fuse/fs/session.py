@@ -252,7 +252,9 @@ class _Workers:
         try:
             await job[0](*job[1])
         finally:
-            self.end()
+            self.running -= 1  # what end() does, inline: this runs for every request
+            if self.closing and not self.running:
+                self._release_idle()
 
     def begin(self) -> None:
         """A request goes on with no worker (a callback will answer it): it counts as
@@ -267,8 +269,12 @@ class _Workers:
             self.queue.append(retry)
             self._wake()
         elif self.closing and not self.running:
-            while self.idle:  # they wait for this, to exit
-                trio.lowlevel.reschedule(self.idle.pop())
+            self._release_idle()
+
+    def _release_idle(self) -> None:
+        """Closing, with nothing running: the idle workers wait for this, to exit."""
+        while self.idle:
+            trio.lowlevel.reschedule(self.idle.pop())
 
     def _poll(self) -> Job | None:
         """At an idle moment (the last request in flight answered, none queued): poll the
@@ -319,8 +325,11 @@ class FuseSession:
     def __init__(self, ops: Any, fd: int, params: wire.InitParams | None = None,
                  debug: bool = False) -> None:
         self.ops = ops
-        self._start_read_op = getattr(ops, "start_read", None)
-        self._start_write_op = getattr(ops, "start_write", None)
+        # Where ops can start I/O with a callback (NamespaceFS over a Controller; not over
+        # RAM, whose I/O answers in its task): else no request pays for trying.
+        starts = getattr(ops, "starts_io", False)
+        self._start_read_op = ops.start_read if starts else None
+        self._start_write_op = ops.start_write if starts else None
         self._in_flight = 0  # READs and WRITEs read and not yet answered
         self.fd = fd
         self.params = params = params or wire.InitParams()
@@ -393,7 +402,8 @@ class FuseSession:
         if opcode == 15:  # READ
             fh, offset, size, _ = READ_IN.unpack_from(head, 40)
             self._in_flight += 1
-            if self._in_flight > 1 and self._start_read(unique, fh, offset, size):
+            if (self._in_flight > 1 and self._start_read_op is not None
+                    and self._start_read(unique, fh, offset, size)):
                 return None
             return self._read, (unique, fh, offset, size)
         if opcode == 16:  # WRITE: its data is at the start of the data buffer, now the write's
@@ -401,7 +411,8 @@ class FuseSession:
             data = bufs[1]
             bufs[1] = None
             self._in_flight += 1
-            if self._in_flight > 1 and self._start_write(unique, fh, offset, size, data):
+            if (self._in_flight > 1 and self._start_write_op is not None
+                    and self._start_write(unique, fh, offset, size, data)):
                 return None
             return self._write, (unique, fh, offset, size, data)
         request = bytes(head[:n]) if n <= WRITE_HEADERS else (
@@ -480,7 +491,12 @@ class FuseSession:
             return
         finally:
             self._in_flight -= 1
-        self._send_data(unique, data)  # lent data: sent before this task yields again
+        # Lent data: sent before this task yields again (as _send_data, inline: every read).
+        try:
+            os.writev(self.fd, (OUT_HEADER.pack(OUT_HEADER_SIZE + len(data), 0, unique), data))
+        except OSError as exc:
+            if exc.errno not in (errno.ENOENT, errno.ENODEV):
+                log.warning("cannot answer a FUSE read: %s", exc)
 
     def _send_data(self, unique: int, data: bytes | memoryview) -> None:
         try:

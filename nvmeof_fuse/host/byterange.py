@@ -187,13 +187,18 @@ class LbaRangeLock:
 
     async def acquire(self, parts: list[tuple[int, int, bool]]) -> _Request:
         """Queue a request for ``parts`` and wait until it is granted; :meth:`release` it."""
-        granted = self.try_acquire(parts)
-        if granted is not None:
-            return granted
         req = _Request(parts)
+        queue = self._queue
         if req.exclusive:
             self._exclusive += 1
-        self._queue.append(req)
+        elif not self._exclusive:  # nothing queued can conflict with shared parts
+            req.granted = True
+            queue.append(req)
+            return req
+        queue.append(req)
+        if not any(req.conflicts(earlier) for earlier in queue[:-1]):
+            req.granted = True
+            return req
         req.event = trio.Event()
         self._waiting += 1
         try:

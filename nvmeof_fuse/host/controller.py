@@ -82,6 +82,9 @@ def make_transport(options: ConnectOptions) -> Transport:
 class Controller:
     """A connected, enabled controller with its admin and I/O queues and namespaces."""
 
+    starts_io = True
+    """Its namespaces can start I/O answered by a callback (:meth:`start_io`)."""
+
     def __init__(self, options: ConnectOptions, transport: Transport,
                  nursery: trio.Nursery) -> None:
         self.options = options

@@ -123,6 +123,7 @@ class RamController:
     namespaces: dict[int, RamNamespace] = field(default_factory=dict)
     options: RamOptions = field(default_factory=RamOptions)
     identify: RamIdentify = field(default_factory=_ram_identify)
+    starts_io: bool = False  # RAM I/O answers in its task (RamNamespace.start_read_lent)
 
     def describe(self) -> dict[str, Any]:
         return {

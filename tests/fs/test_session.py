@@ -157,9 +157,14 @@ def test_two_mounts_in_one_process(tmp_path):
 
 def test_queued_requests_each_get_one_reply():
     """Many requests queued at once (workers take most of them straight from the
-    descriptor): every one is answered once, with its own data."""
+    descriptor): every one is answered once, with its own data.  Over RAM (a controller
+    that starts no I/O) no request is offered to a callback."""
+    asked: list = []
+
     async def test(kernel, ctrl):
         ctrl.namespaces[1].device.data[:] = bytes(range(256)) * (512 * 64 // 256)
+        ctrl.namespaces[1].start_read_lent = ctrl.namespaces[1].start_write = (
+            lambda *args: asked.append(args))
         err, body = await kernel.ask(wire.LOOKUP, b"n1\0", unique=2)
         inode = struct.unpack_from("<Q", body)[0]
         err, body = await kernel.ask(wire.OPEN, struct.pack("<II", os.O_RDWR, 0), unique=3,
@@ -206,6 +211,7 @@ def test_queued_requests_each_get_one_reply():
                 assert replies[unique] == body
 
     trio.run(with_session, test)
+    assert not asked
 
 
 def test_the_reader_runs_its_request_and_hands_the_reading_on():
@@ -491,6 +497,7 @@ def test_reads_in_flight_together_are_answered_by_callbacks():
 
         ns.read_lent = held_read
         ns.start_read_lent = lambda offset, size, done: started.append((offset, size, done)) or 1
+        ctrl.starts_io = True  # as a Controller's namespaces
         session, kernel = session_on_a_socket(ctrl)
         theirs = kernel.sock
 
@@ -541,6 +548,7 @@ def test_writes_in_flight_together_are_answered_by_callbacks():
         ns.write = held_write
         ns.start_write = lambda offset, data, done: started.append(
             (offset, bytes(data), done)) or 1
+        ctrl.starts_io = True
         session, kernel = session_on_a_socket(ctrl)
         theirs = kernel.sock
 
