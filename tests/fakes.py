@@ -101,3 +101,21 @@ class FakeController(RamController):
 def make_controller(*specs: tuple[int, int, int]) -> FakeController:
     """A controller with namespaces given as (nsid, lba_size, nlb)."""
     return FakeController({nsid: FakeNamespace(nsid, ls, nlb) for nsid, ls, nlb in specs})
+
+
+class CommandEnds(list):
+    """What a queue's ``start()`` callbacks tell: called with each finished request, it
+    keeps them in order; :meth:`wait_for` waits, on the callbacks themselves, for a count."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._grew = trio.Event()
+
+    def __call__(self, request: object) -> None:
+        self.append(request)
+        self._grew.set()
+
+    async def wait_for(self, count: int) -> None:
+        while len(self) < count:
+            self._grew = trio.Event()
+            await self._grew.wait()

@@ -19,6 +19,7 @@ from types import SimpleNamespace
 import pytest
 import trio
 import trio.testing
+from fakes import CommandEnds
 
 from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import command as cmd
@@ -672,9 +673,9 @@ async def test_an_event_request_on_the_admin_queue_does_not_stop_polling(queue):
 
 # -- commands started with a callback (RdmaQueue.start) -------------------------------------------
 
-def start_recording(queue, ends: list, timeout: float = 30) -> bool:
-    """Start a read whose callback puts its request in ``ends``; whether it was sent."""
-    return queue.start(read_command(), None, ends.append, timeout=timeout)
+def start_recording(queue, ends: CommandEnds, timeout: float = 30) -> bool:
+    """Start a read whose callback records its request in ``ends``; whether it was sent."""
+    return queue.start(read_command(), None, ends, timeout=timeout)
 
 
 @in_trio
@@ -682,7 +683,7 @@ async def test_a_started_command_calls_back_once_answered_with_no_task_waiting(q
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         await trio.testing.wait_all_tasks_blocked()  # the reaper idles, unarmed
-        ends: list = []
+        ends = CommandEnds()
         assert start_recording(queue, ends)
         await trio.testing.wait_all_tasks_blocked()  # the poster posted it
         (cid,) = queue.qp.sent
@@ -708,16 +709,14 @@ async def test_a_started_command_times_out_through_its_callback_after_the_queue_
 
     queue.cm.connected = True
     queue.cm.disconnect = disconnect
-    ends: list = []
+    ends = CommandEnds()
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
         assert start_recording(queue, ends, timeout=0.01)
-        with trio.fail_after(5):
-            while not ends:
-                await trio.sleep(0.01)
+        await ends.wait_for(1)
         assert isinstance(ends[0].error, CommandTimeout) and ends[0].completion is None
         assert seen["disconnected first"]
-        assert not start_recording(queue, [])  # the queue failed: nothing more is sent
+        assert not start_recording(queue, CommandEnds())  # the queue failed: nothing more is sent
         nursery.cancel_scope.cancel()
 
 
@@ -725,7 +724,7 @@ async def test_a_started_command_times_out_through_its_callback_after_the_queue_
 async def test_a_failed_queue_tells_started_commands_their_error(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        ends: list = []
+        ends = CommandEnds()
         assert start_recording(queue, ends)
         await trio.testing.wait_all_tasks_blocked()
         (cid,) = queue.qp.sent
@@ -739,7 +738,7 @@ async def test_a_failed_queue_tells_started_commands_their_error(queue):
 async def test_start_sends_nothing_while_no_slot_is_free(queue):
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        ends: list = []
+        ends = CommandEnds()
         while queue.available:
             assert start_recording(queue, ends)
         assert not start_recording(queue, ends)
@@ -754,7 +753,7 @@ async def test_start_leaves_a_freed_slot_to_a_caller_waiting_for_one(queue):
     its timeout."""
     async with trio.open_nursery() as nursery:
         await started(queue, nursery)
-        ends: list = []
+        ends = CommandEnds()
         while queue.available:
             assert start_recording(queue, ends)
         await trio.testing.wait_all_tasks_blocked()

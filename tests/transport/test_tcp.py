@@ -10,6 +10,7 @@ import threading
 import pytest
 import trio
 import trio.testing
+from fakes import CommandEnds
 from tcp_target import LBA, FakeTcpTarget
 
 from nvmeof_fuse.errors import CommandTimeout, ConnectError, TransportError
@@ -744,27 +745,21 @@ def test_a_command_without_an_answer_times_out_by_name_and_closes_its_queue():
     with_target(test)
 
 
-async def ended(ends: list, count: int) -> None:
-    """Wait until ``count`` started commands told their end into ``ends``."""
-    while len(ends) < count:
-        await trio.sleep(0.01)
-
-
 def test_started_commands_end_through_their_callbacks_with_their_own_data():
     """Queue.start: no task waits; the trio thread calls each back once its data is in
     place (reads) or taken (writes, inline and by R2T)."""
     async def test(target, transport, queue):
-        bufs, ends = [], []
+        bufs, ends = [], CommandEnds()
         for i in range(16):
             target.data[i * LBA:(i + 1) * LBA] = bytes([i]) * LBA
             buf = host_buffer(transport.register, LBA)
             bufs.append(buf)
-            assert queue.start(cmd.read(1, i, 1, NULL_SGL), buf.ref(), ends.append, timeout=5)
+            assert queue.start(cmd.read(1, i, 1, NULL_SGL), buf.ref(), ends, timeout=5)
         big = host_buffer(transport.register, 40 * 1024)
         big.view[:] = b"\x7f" * (40 * 1024)
         assert queue.start(cmd.write(1, 100, 40 * 1024 // LBA, NULL_SGL), big.ref(),
-                           ends.append, to_controller=True, timeout=5)
-        await ended(ends, 17)
+                           ends, to_controller=True, timeout=5)
+        await ends.wait_for(17)
         assert all(r.completion.ok and r.error is None for r in ends)
         assert [bytes(b.view) for b in bufs] == [bytes([i]) * LBA for i in range(16)]
         assert target.data[100 * LBA:][:40 * 1024] == b"\x7f" * (40 * 1024)
@@ -776,12 +771,12 @@ def test_started_commands_end_through_their_callbacks_with_their_own_data():
 def test_a_started_command_without_an_answer_times_out_through_its_callback():
     async def test(target, transport, queue):
         target.fault = "silent"
-        ends: list = []
-        assert queue.start(cmd.flush(1), None, ends.append, timeout=0.2)
-        await ended(ends, 1)
+        ends = CommandEnds()
+        assert queue.start(cmd.flush(1), None, ends, timeout=0.2)
+        await ends.wait_for(1)
         assert isinstance(ends[0].error, CommandTimeout) and "connection is closed" in str(
             ends[0].error)
-        assert not queue.start(cmd.flush(1), None, ends.append, timeout=5)  # failed: no more
+        assert not queue.start(cmd.flush(1), None, ends, timeout=5)  # failed: no more
 
     with_target(test)
 
