@@ -464,8 +464,7 @@ class FuseSession:
         for its completion (and then for the next request), so that a QD1 client does not
         wait for a wake-up per request.  False: run :meth:`_read`."""
         workers, start = self._workers, self._start_read_op
-        if workers is None or start is None:
-            return False
+        assert workers is not None and start is not None  # a worker reads; the caller checked
 
         def answer(data: memoryview | None) -> None:
             try:
@@ -510,8 +509,7 @@ class FuseSession:
         """Start a WRITE that a callback answers once the target has its data
         (``ops.start_write``), as :meth:`_start_read`.  False: run :meth:`_write`."""
         workers, start = self._workers, self._start_write_op
-        if workers is None or start is None:
-            return False
+        assert workers is not None and start is not None  # a worker reads; the caller checked
 
         def answer(landed: bool) -> None:
             try:
