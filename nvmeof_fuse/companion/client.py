@@ -455,6 +455,11 @@ class File:
     def read(self, buf: Any, size: int | None = None, file_offset: int = 0,
              buf_offset: int = 0) -> int:
         """Read into ``buf``; returns the bytes read (short at the end of the namespace)."""
+        direct = self._direct
+        if direct is not None and not buf_offset:
+            polled = self._pread_array(direct, buf, size, file_offset, True)
+            if polled is not None:
+                return polled.get()
         self._check_open()
         mem = self._memory(buf)
         size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
@@ -599,7 +604,40 @@ class File:
     def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
               buf_offset: int = 0) -> IOFuture:
         """Start :meth:`read`; the future's ``get()`` gives the bytes read."""
+        direct = self._direct
+        if direct is not None and not buf_offset:
+            future = self._pread_array(direct, buf, size, file_offset, True)
+            if future is not None:
+                return future
         return self._start(False, buf, size, file_offset, buf_offset)
+
+    def _pread_array(self, direct: DirectQueues, buf: Any, size: int | None,
+                     file_offset: int, post: bool) -> IOFuture | None:
+        """The hot path of :meth:`pread`: whole LBAs into a writable C-contiguous numpy
+        array whose memory stays registered, on a polled queue of ours.  None for
+        anything else (then :meth:`_start` checks it, and serves or refuses it)."""
+        np = sys.modules.get("numpy")
+        if (np is None or type(buf) is not np.ndarray or type(file_offset) is not int
+                or self._closed or self._stale):
+            return None
+        nbytes = buf.nbytes
+        if size is None:
+            size = nbytes
+        elif type(size) is not int or not 0 < size <= nbytes:
+            return None
+        if (file_offset < 0 or file_offset + size > self.nbytes or file_offset % self.lba_size
+                or size % self.lba_size or buf.dtype.hasobject):
+            return None
+        try:  # refuses a read-only or non-contiguous array (ValueError, TypeError)
+            addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        except (ValueError, TypeError):
+            return None
+        found = direct.array_region(addr, size, buf)
+        if found is None:
+            return None
+        region, at = found
+        return direct.polled_read(self.nsid, region, at, size, file_offset, buf,
+                                  self._budget(size) + direct.renew_timeout, post)
 
     def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0,
                buf_offset: int = 0) -> IOFuture:
@@ -614,7 +652,8 @@ class File:
         if direct is None:
             return [self.pread(buf, size, file_offset) for buf, size, file_offset in requests]
         try:
-            return [self._start(False, buf, size, file_offset, 0, post=False)
+            return [self._pread_array(direct, buf, size, file_offset, False)
+                    or self._start(False, buf, size, file_offset, 0, post=False)
                     for buf, size, file_offset in requests]
         finally:  # those already written go out even if a later request was refused
             direct.post_reads()

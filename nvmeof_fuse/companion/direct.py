@@ -59,6 +59,9 @@ POLLED_MAX_BYTES = 128 * 1024
 which the polled path saves; what a large one costs is the transfer, which the target and
 the fabric move in parallel per queue (one polled queue held 1 MiB reads to 0.75x of the
 loop's two in the VM), so those are spread over the loop's queues."""
+RECENT_BASES = 256
+"""Array bases whose region :meth:`_Registrations.find_array` remembers (forgotten all at
+once past this: a loop over fresh arrays pays a search each, as before)."""
 REPORT_INTERVAL = 1.0  # s between reports of this client's byte counts to the daemon
 REDELEGATE_AFTER = 1.0
 """Seconds after a recall before this client asks for a namespace's delegation again (a
@@ -118,6 +121,7 @@ class _Registrations:
         self._by_owner: dict[int, Region] = {}
         self._lock = threading.Lock()
         self._register_lock = threading.Lock()  # one registration per owner
+        self._recent: dict[int, tuple[weakref.ref, Region]] = {}  # id(base) -> its region
         self._closed = False
 
     def find(self, addr: int, size: int, obj: Any) -> tuple[Region, int, bool]:
@@ -125,6 +129,11 @@ class _Registrations:
         owner, base, length = _owning_span(addr, size, obj)
         if owner is None:
             return Region(addr, size, self._register(addr, size, obj), obj), 0, True
+        region = self._owned(owner, base, length)
+        return region, addr - region.addr, False
+
+    def _owned(self, owner: Any, base: int, length: int) -> Region:
+        """The region of ``owner``'s ``length`` bytes at ``base``, registered on first use."""
         with self._lock:
             region = self._by_owner.get(id(owner))
         if region is None:
@@ -139,7 +148,34 @@ class _Registrations:
                             raise InvalidArgument("the file is closed")
                         self._by_owner[id(owner)] = region
                     weakref.finalize(owner, self._forget, id(owner))
-        return region, addr - region.addr, False
+        return region
+
+    def find_array(self, addr: int, size: int, array: Any) -> tuple[Region, int] | None:
+        """:meth:`find` for a slice of a numpy array that is not temporary, remembered per
+        the array's ``base`` (the rows of one allocation share theirs): ``(region, offset)``,
+        or None when its memory is registered per call (the caller takes the general path)."""
+        key = array.base
+        if key is None:
+            key = array
+        entry = self._recent.get(id(key))
+        if entry is not None and entry[0]() is key:
+            region = entry[1]
+            at = addr - region.addr
+            if 0 <= at and at + size <= region.length and region.registration is not None:
+                return region, at
+        owner, base, length = _owning_span(addr, size, array)
+        if owner is None:
+            return None
+        region = self._owned(owner, base, length)
+        at = addr - region.addr
+        try:
+            ref = weakref.ref(key)
+        except TypeError:  # a base that cannot be watched (bytes): found by search each time
+            return region, at
+        if len(self._recent) >= RECENT_BASES:
+            self._recent.clear()
+        self._recent[id(key)] = (ref, region)
+        return region, at
 
     def _forget(self, key: int) -> None:
         with self._lock:
@@ -363,6 +399,10 @@ class DirectQueues:
     def host_region(self, addr: int, size: int, obj: Any) -> tuple[Region, int, bool]:
         return self._registrations.find(addr, size, obj)
 
+    def array_region(self, addr: int, size: int, array: Any) -> tuple[Region, int] | None:
+        """A numpy array's registered region and offset, None if only a temporary one would do."""
+        return self._registrations.find_array(addr, size, array)
+
     def dmabuf_region(self, cuda: gpu.CudaOps, addr: int, size: int, tensor: Any
                       ) -> tuple[Region, int, bool]:
         """A CUDA tensor's range, registered as a dma-buf in our PD (temporary)."""
@@ -582,16 +622,18 @@ class DirectQueues:
         slba, nlb = file_offset // lba_size, size // lba_size
         if slba + nlb > shape.nsze:
             return None  # the loop's path names the error
-        per = self._per_command[nsid]
-        if nlb <= per:  # one command: the common case
-            sqes = [(nvme_cmd.read(nsid, slba, nlb, NULL_SGL), region.ref(at, size))]
-        else:
-            sqes = [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
-                     region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
-                    for start in range(0, nlb, per)]
         # The least loaded; ties go to the first, so that a QD1 reader keeps to one queue.
         queue = polled[0] if len(polled) == 1 else min(polled, key=lambda q: q.unanswered)
-        requests = queue.submit(sqes, keep, post=post)
+        per = self._per_command[nsid]
+        if nlb <= per:  # one command: the common case
+            request = queue.submit_one(nvme_cmd.read(nsid, slba, nlb, NULL_SGL),
+                                       region.ref(at, size), keep, post=post)
+            requests = None if request is None else [request]
+        else:
+            requests = queue.submit(
+                [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
+                  region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
+                 for start in range(0, nlb, per)], keep, post=post)
         if requests is None:  # full, or failed: the loop's queues serve it
             return None
         return PolledRead(self, queue, requests, size, limit,

@@ -93,32 +93,42 @@ class PolledQueue:
         the next post, wait or progress on this queue), so that a batch of calls goes
         out in one ``post_send``: one doorbell, one trip through the kernel's rxe.
         """
-        q = self.queue
-        slots = self._slots
         with self._lock:
-            if self.failed is not None or len(slots.free) < len(sqes):
+            if self.failed is not None or len(self._slots.free) < len(sqes):
                 return None
-            capsule = q.capsules.view
-            sends = q._sends
-            held = self._held
-            wrs = self._unposted
-            requests = []
-            for sqe, ref in sqes:
-                request = slots.allocate(ref)
-                cid = request.cid
-                offset = cid * SQE_BYTES
-                capsule[offset:offset + SQE_BYTES] = sqe
-                _CID.pack_into(capsule, offset + 2, cid)
-                q._place_data(capsule, offset + 24, ref, False)
-                wrs.extend(sends[cid])
-                requests.append(request)
-                held[cid] = keep
+            requests = [self._write(sqe, ref, keep) for sqe, ref in sqes]
             now = time.perf_counter()
             for request in requests:
                 request.deadline = now  # when it was written (no watchdog reads it)
             if post and not self._post():
                 return None  # the queue failed (so did these requests): nothing went out
         return requests
+
+    def submit_one(self, sqe: bytearray, ref: DataRef, keep: Any = None, *,
+                   post: bool = True) -> Request | None:
+        """:meth:`submit` of one command (a small read's hot path: no lists)."""
+        with self._lock:
+            if self.failed is not None or not self._slots.free:
+                return None
+            request = self._write(sqe, ref, keep)
+            request.deadline = time.perf_counter()
+            if post and not self._post():
+                return None
+        return request
+
+    def _write(self, sqe: bytearray, ref: DataRef, keep: Any) -> Request:
+        """Write one command into a free slot's capsule, to be posted (the lock is held)."""
+        q = self.queue
+        request = self._slots.allocate(ref)
+        cid = request.cid
+        offset = cid * SQE_BYTES
+        capsule = q.capsules.view
+        capsule[offset:offset + SQE_BYTES] = sqe
+        _CID.pack_into(capsule, offset + 2, cid)
+        q._place_data(capsule, offset + 24, ref, False)
+        self._unposted.extend(q._sends[cid])
+        self._held[cid] = keep
+        return request
 
     def flush(self) -> None:
         """Post the commands submitted with ``post=False`` (any thread)."""

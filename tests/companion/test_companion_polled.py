@@ -204,3 +204,107 @@ def test_the_polled_read_micro_benchmark_still_runs(monkeypatch):
     assert ios >= 4 and queue.pending == 0 and queue.failed is None
     assert f._direct._polled_read_bytes == ios * LBA  # every read went to the polled queue
     queue.queue.close()
+
+
+# -- File.pread's hot path: an array's whole LBAs straight to the polled queue --------------------
+
+@pytest.fixture
+def polled_file(polled_direct, monkeypatch):
+    """A File (built around the daemon) on ``polled_direct``; its general path recorded."""
+    from nvmeof_fuse.companion import client
+    from nvmeof_fuse.companion import direct as direct_mod
+
+    d, queue, qp, memory = polled_direct
+    registered: list[tuple[int, int]] = []
+
+    def register(addr, length, owner):
+        registered.append((addr, length))
+        return SimpleNamespace(keys=lambda pd: SimpleNamespace(lkey=1, rkey=2),
+                               close=lambda: None)
+
+    d._registrations = direct_mod._Registrations(register)
+    d.renew_timeout = 60.0
+    f = object.__new__(client.File)
+    f.path, f.nsid, f.lba_size, f.nbytes = "fake/n1", 1, 4096, 1024 * 4096
+    f.timeout, f.compat_mode = 30.0, False
+    f._closed, f._stale, f._direct = False, [], d
+    general: list[tuple] = []
+    monkeypatch.setattr(client.File, "_start", lambda self, *args, **kw: general.append(args))
+    yield f, qp, registered, general
+    d._registrations.close()
+
+
+def test_rows_of_one_allocation_go_to_the_polled_queue_registered_once(polled_file):
+    import nvmeof_fuse
+
+    f, qp, registered, general = polled_file
+    rows = nvmeof_fuse.empty((4, 8192))
+    reads = [f.pread(rows[i], 4096, file_offset=i * 4096) for i in range(4)]
+    reads += [f.pread(rows[0], file_offset=8192)]  # the whole row: 8 KiB
+    assert all(isinstance(r, PolledRead) for r in reads) and not general
+    assert len(registered) == 1  # the allocation, once, though each row is a new view
+    base = registered[0][0]
+    for read, row in zip(reads, [0, 1, 2, 3, 0], strict=True):  # each command addresses its own row
+        assert read._requests[0].data.addr == base + row * 8192
+    answer_all(qp)
+    assert [r.get(5) for r in reads] == [4096] * 4 + [8192]
+
+
+def test_what_the_hot_path_does_not_cover_takes_the_general_path(polled_file):
+    import numpy as np
+
+    import nvmeof_fuse
+
+    f, qp, registered, general = polled_file
+    arr = nvmeof_fuse.empty(16384)
+    read_only = nvmeof_fuse.empty(4096)
+    read_only.flags.writeable = False
+    objects = np.empty(512, dtype=object)
+    for args in [(bytearray(4096), 4096, 0),  # not an array
+                 (np.frombuffer(bytearray(4096), np.uint8), 4096, 0),  # registered per call
+                 (arr[::2], 4096, 0),  # not contiguous
+                 (read_only, 4096, 0),
+                 (objects, 4096, 0),
+                 (arr, 4096, 100),  # part of an LBA
+                 (arr, 100, 0),
+                 (arr, 0, 0),
+                 (arr, 16384 + 4096, 0),  # more than the array holds
+                 (arr, 4096, 1024 * 4096),  # past the end of the namespace
+                 (arr, 4096, -4096),
+                 (arr, 4096, np.int64(4096))]:  # numpy integers: converted there
+        f.pread(*args)
+    f.pread(arr, 4096, 0, buf_offset=4096)
+    f._closed = True
+    f.pread(arr, 4096, 0)
+    assert len(general) == 14 and not qp.sent and not registered
+
+
+def test_a_freed_arrays_remembered_region_serves_no_later_array(polled_file):
+    import gc
+
+    import numpy as np
+
+    f, qp, registered, general = polled_file
+    for round_ in range(3):  # a new array may well get the old one's id and address
+        arr = np.zeros(8192, dtype=np.uint8)
+        read = f.pread(arr, 4096, file_offset=4096)
+        answer_all(qp)
+        assert read.get(5) == 4096
+        assert len(registered) == round_ + 1 and not general
+        del arr, read
+        gc.collect()
+
+
+def test_a_blocking_read_takes_the_hot_path_too(polled_file):
+    import nvmeof_fuse
+
+    f, qp, registered, general = polled_file
+    arr = nvmeof_fuse.empty(8192)
+    done: list[int] = []
+    reader = threading.Thread(target=lambda: done.append(f.read(arr, file_offset=4096)))
+    reader.start()
+    deadline = time.monotonic() + 10
+    while reader.is_alive() and time.monotonic() < deadline:
+        answer_all(qp)
+        reader.join(0.01)
+    assert done == [8192] and not general and len(registered) == 1
