@@ -613,9 +613,10 @@ class File:
 
     def _pread_array(self, direct: DirectQueues, buf: Any, size: int | None,
                      file_offset: int, post: bool) -> IOFuture | None:
-        """The hot path of :meth:`pread`: whole LBAs into a writable C-contiguous numpy
-        array whose memory stays registered, on a polled queue of ours.  None for
-        anything else (then :meth:`_start` checks it, and serves or refuses it)."""
+        """The hot path of :meth:`pread`, :meth:`read` and :meth:`pread_batch`: whole LBAs
+        into a writable C-contiguous numpy array whose memory stays registered, on a polled
+        queue of ours.  None for anything else (then the general path checks it, and serves
+        or refuses it)."""
         np = sys.modules.get("numpy")
         if (np is None or type(buf) is not np.ndarray or type(file_offset) is not int
                 or self._closed or self._stale):

@@ -53,7 +53,12 @@ One: with two of four polled (every whole-LBA read polled), 4 KiB reads lost 15-
 the VM, process against process, while 1 MiB reads cost 40% less CPU at the same MB/s.  A
 repeat (2026-12-02, four rounds of five configurations) did not show that loss, but the
 same code moved 1.5x between rounds there; ``bench_pair --peer companion`` under each
-configuration, our core the yardstick in each process, is the way to decide it."""
+configuration, our core the yardstick in each process, is the way to decide it.  Done so
+(2026-12-02 22:10 UTC, two rounds in one boot, two of three polled and every whole-LBA read
+polled, against this): companion/core 0.97 and 0.98 against 0.95 and 0.91 at 1 MiB read, at
+4,143-4,414 against 7,326-9,093 us of CPU per read; 0.68 and 0.72 against 0.76 and 0.70 at
+4 KiB QD16.  Not switched yet: writes would keep one loop queue (unmeasured), and small reads
+spread over two polled queues may be what costs at 4 KiB (keep them on the first)."""
 POLLED_MAX_BYTES = 128 * 1024
 """Reads up to this size take the polled queue.  What a small read costs is CPU per command,
 which the polled path saves; what a large one costs is the transfer, which the target and
