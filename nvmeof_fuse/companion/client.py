@@ -626,6 +626,8 @@ class File:
             size = nbytes
         elif type(size) is not int or not 0 < size <= nbytes:
             return None
+        if not direct.polling_queues(size):  # a large read: its array is resolved there once
+            return None
         if (file_offset < 0 or file_offset + size > self.nbytes or file_offset % self.lba_size
                 or size % self.lba_size or buf.dtype.hasobject):
             return None

@@ -609,6 +609,14 @@ class DirectQueues:
 
     # -- polled reads (the caller's thread drives a queue of ours) -------------------------
 
+    def polling_queues(self, size: int) -> list:
+        """The polled queues a read of ``size`` bytes may take now; none (reads too large to
+        poll for, or while reconnecting): the loop's path serves it."""
+        ctrl = self._ctrl
+        if ctrl is None or not 0 < size <= POLLED_MAX_BYTES:
+            return []
+        return ctrl.polled_queues
+
     def polled_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
                     keep: Any, limit: float, post: bool = True) -> PolledRead | None:
         """Post a read of whole LBAs from this thread on a polled queue (no loop, no thread
@@ -616,13 +624,12 @@ class DirectQueues:
         queue), and then :meth:`start` serves it.  ``keep`` (the owner of the memory) is
         held until the read is done; ``limit`` bounds a ``get()`` given no timeout.
         With ``post=False`` the read waits for :meth:`post_reads` (a batch)."""
-        ctrl = self._ctrl
-        polled = ctrl.polled_queues if ctrl is not None else None
+        polled = self.polling_queues(size)
         shape = self._shapes.get(nsid)
         if not polled or shape is None:
             return None
         lba_size = shape.lba_size
-        if file_offset % lba_size or size % lba_size or not size or size > POLLED_MAX_BYTES:
+        if file_offset % lba_size or size % lba_size:
             return None
         slba, nlb = file_offset // lba_size, size // lba_size
         if slba + nlb > shape.nsze:
