@@ -45,25 +45,25 @@ from .future import IOFuture
 
 log = logging.getLogger(__name__)
 
-POLLED_QUEUES = 1
+POLLED_QUEUES = 2
 """Of a client's leased queues, how many its callers' threads drive themselves (whole-LBA
-reads into registered host memory, to the one with fewer commands unanswered;
-:mod:`nvmeof_fuse.transport.rdma_polled`); the loop keeps the others (one at least).
-One: with two of four polled (every whole-LBA read polled), 4 KiB reads lost 15-35% in
-the VM, process against process, while 1 MiB reads cost 40% less CPU at the same MB/s.  A
-repeat (2026-12-02, four rounds of five configurations) did not show that loss, but the
-same code moved 1.5x between rounds there; ``bench_pair --peer companion`` under each
-configuration, our core the yardstick in each process, is the way to decide it.  Done so
-(2026-12-02 22:10 UTC, two rounds in one boot, two of three polled and every whole-LBA read
-polled, against this): companion/core 0.97 and 0.98 against 0.95 and 0.91 at 1 MiB read, at
-4,143-4,414 against 7,326-9,093 us of CPU per read; 0.68 and 0.72 against 0.76 and 0.70 at
-4 KiB QD16.  Not switched yet: writes would keep one loop queue (unmeasured), and small reads
-spread over two polled queues may be what costs at 4 KiB (keep them on the first)."""
+reads into registered host memory; :mod:`nvmeof_fuse.transport.rdma_polled`); the loop
+keeps the others, half at least (writes, partial LBAs, CUDA).  Reads up to
+:data:`POLLED_MAX_BYTES` keep to the first, larger ones go to the one with fewer commands
+unanswered.  Measured in the VM (2026-12-03, ``bench_pair --peer companion``, two rounds in
+one boot, companion/core) against one polled queue of three for small reads only: 1 MiB
+read 0.98 and 1.01 against 0.88 and 0.94, at 1,906-2,044 against 4,890-5,140 us of client
+CPU per read (no trip through the client's trio thread); 1 MiB write 0.90 and 0.93
+against 0.96 and 0.92; 4 KiB QD1 0.90 and 0.98 against 1.01 and 0.93; 4 KiB QD16 1.08 and
+0.83 against 0.76 and 0.85.  Earlier, two polled queues that shared small reads lost at
+4 KiB (0.68 and 0.72 against 0.76 and 0.70 at QD16): one completion queue to poll is
+cheaper than two."""
 POLLED_MAX_BYTES = 128 * 1024
-"""Reads up to this size take the polled queue.  What a small read costs is CPU per command,
-which the polled path saves; what a large one costs is the transfer, which the target and
-the fabric move in parallel per queue (one polled queue held 1 MiB reads to 0.75x of the
-loop's two in the VM), so those are spread over the loop's queues."""
+"""Reads up to this size keep to the first polled queue.  What a small read costs is CPU per
+command, which polling one queue saves; what a large one costs is the transfer, which the
+target and the fabric move in parallel per queue (one polled queue held 1 MiB reads to 0.75x
+of the loop's two in the VM), so those are spread over two polled queues, or over the
+loop's when only one is polled."""
 RECENT_BASES = 256
 """Array bases whose region :meth:`_Registrations.find_array` remembers (forgotten all at
 once past this: a loop over fresh arrays pays a search each, as before)."""
@@ -610,12 +610,16 @@ class DirectQueues:
     # -- polled reads (the caller's thread drives a queue of ours) -------------------------
 
     def polling_queues(self, size: int) -> list:
-        """The polled queues a read of ``size`` bytes may take now; none (reads too large to
-        poll for, or while reconnecting): the loop's path serves it."""
+        """The polled queues a read of ``size`` bytes may take now: the first for a small
+        read, all of them for a large one; none (a large read with one queue polled, or
+        while reconnecting): the loop's path serves it."""
         ctrl = self._ctrl
-        if ctrl is None or not 0 < size <= POLLED_MAX_BYTES:
+        if ctrl is None or size <= 0:
             return []
-        return ctrl.polled_queues
+        polled = ctrl.polled_queues
+        if size <= POLLED_MAX_BYTES:
+            return polled[:1]  # small reads keep to one queue: one CQ to poll
+        return polled if len(polled) > 1 else []
 
     def polled_read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
                     keep: Any, limit: float, post: bool = True) -> PolledRead | None:
@@ -634,7 +638,7 @@ class DirectQueues:
         slba, nlb = file_offset // lba_size, size // lba_size
         if slba + nlb > shape.nsze:
             return None  # the loop's path names the error
-        # The least loaded; ties go to the first, so that a QD1 reader keeps to one queue.
+        # A large read: the less loaded, ties to the first.
         queue = polled[0] if len(polled) == 1 else min(polled, key=lambda q: q.unanswered)
         per = self._per_command[nsid]
         if nlb <= per:  # one command: the common case

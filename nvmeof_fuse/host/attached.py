@@ -74,6 +74,12 @@ LeaseSource = Callable[[], Awaitable[Lease]]
 :class:`ControllerLost` once it never will be live again."""
 
 
+def polled_share(wanted: int, leased: int) -> int:
+    """How many of ``leased`` queues callers' threads drive: ``wanted`` at most, and the
+    loop keeps half at least (writes, partial LBAs and large reads with one polled)."""
+    return max(0, min(wanted, leased // 2))
+
+
 def _qid_busy(exc: ConnectError) -> bool:
     cause = exc.__cause__
     return isinstance(cause, nvme.NVMeStatusError) and \
@@ -135,8 +141,8 @@ class AttachedController(Controller):
         return queue
 
     async def _hand_over(self) -> None:
-        """Give the last ``polled`` RDMA queues to callers' threads; the loop keeps one at least."""
-        count = min(self._polled, len(self.io_queues) - 1)
+        """Give the last ``polled`` RDMA queues to callers' threads (see :func:`polled_share`)."""
+        count = polled_share(self._polled, len(self.io_queues))
         if count <= 0:
             return
         from ..transport.rdma import RdmaQueue

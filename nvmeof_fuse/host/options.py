@@ -11,9 +11,10 @@ from dataclasses import dataclass, field
 from ..errors import InvalidArgument
 from . import auth
 
-DEFAULT_COMPANION_QUEUES = 8
-QUEUES_PER_CLIENT = 3
-"""I/O queues a companion ``File`` leases and connects: 1 polled, 2 on its loop."""
+DEFAULT_COMPANION_QUEUES = 16
+"""Four clients' worth of queue IDs (they cost the target nothing until a client connects)."""
+QUEUES_PER_CLIENT = 4
+"""I/O queues a companion ``File`` leases and connects: 2 polled, 2 on its loop."""
 
 
 @dataclass

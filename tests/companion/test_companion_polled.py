@@ -165,9 +165,10 @@ def test_a_single_polled_read_is_posted_at_once(polled_direct):
     assert read.done() and read.result(5) == 8192
 
 
-def test_a_read_goes_to_the_polled_queue_with_fewer_commands_unanswered(polled_direct,
-                                                                        monkeypatch):
-    """Ties go to the first queue, so that a QD1 reader keeps to one."""
+def test_small_reads_keep_to_the_first_polled_queue_and_large_ones_spread(polled_direct,
+                                                                         monkeypatch):
+    """4 KiB readers poll one completion queue; large reads go to the less loaded queue,
+    ties to the first, so that the target moves two transfers at once."""
     from transport.test_rdma_queue import fake_rdma_queue
 
     from nvmeof_fuse.transport.rdma_polled import PolledQueue
@@ -176,15 +177,27 @@ def test_a_read_goes_to_the_polled_queue_with_fewer_commands_unanswered(polled_d
     other_queue = fake_rdma_queue(monkeypatch)
     other = PolledQueue(next(other_queue))
     d._ctrl.polled_queues = [queue, other]
-    first = d.polled_read(1, memory, 0, 4096, 0, None, None)
-    assert first._queue is queue
-    second = d.polled_read(1, memory, 4096, 4096, 4096, None, None)
-    assert second._queue is other  # the first has a command unanswered
+    small = [d.polled_read(1, memory, i * 4096, 4096, i * 4096, None, None) for i in range(2)]
+    assert [read._queue for read in small] == [queue, queue]
+    large = 160 * 1024  # five commands of 32 KiB
+    spread = d.polled_read(1, memory, 65536, large, 65536, None, None)
+    assert spread._queue is other  # the first has two commands unanswered
     answer_all(qp)
-    assert first.result(5) == 4096
-    third = d.polled_read(1, memory, 8192, 4096, 8192, None, None)
-    assert third._queue is queue  # its first read was answered; the other still waits
+    assert [read.result(5) for read in small] == [4096, 4096]
+    again = d.polled_read(1, memory, 262144, large, 262144, None, None)
+    assert again._queue is queue  # its reads were answered; the other still waits
+    answer_all(qp)
+    assert again.result(5) == large
     next(other_queue, None)  # closes the other queue
+
+
+def test_large_reads_take_the_loop_when_one_queue_is_polled(polled_direct):
+    """One polled queue held 1 MiB reads to 0.75x of the loop's two: they go there."""
+    d, queue, qp, memory = polled_direct
+    assert d.polling_queues(128 * 1024) == [queue]
+    assert d.polling_queues(132 * 1024) == []
+    assert d.polled_read(1, memory, 0, 256 * 1024, 0, None, None) is None
+    assert not qp.sent
 
 
 def test_the_polled_read_micro_benchmark_still_runs(monkeypatch):

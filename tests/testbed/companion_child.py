@@ -75,9 +75,14 @@ def roundtrip(path: str, offset: int, size: int, kind: str = "empty") -> None:
 def churn(path: str, offset: int, size: int, stop: str) -> None:
     """Write, read back and compare until the file ``stop`` exists; print a line per round.
 
+    It reads back in two requests, a small one first (whole LBAs of it: the polled
+    queue of small reads; over 128 KiB after it: the polled queues' large reads).
     A request that fails prints its error instead: the caller decides what is right.
     """
+    from nvmeof_fuse.companion.direct import POLLED_MAX_BYTES
+
     data, out = nvmeof_fuse.empty(size), np.zeros(size, dtype=np.uint8)
+    small = min(size, POLLED_MAX_BYTES // 2)
     with nvmeof_fuse.File(path) as f:
         print(json.dumps({"own_queues": list(f.own_queues)}), flush=True)
         rounds = 0
@@ -86,7 +91,9 @@ def churn(path: str, offset: int, size: int, stop: str) -> None:
             data[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
             try:
                 f.write(data, file_offset=offset)
-                f.read(out, file_offset=offset)
+                f.read(out[:small], file_offset=offset)
+                if size > small:
+                    f.read(out[small:], file_offset=offset + small)
             except Exception as exc:  # noqa: BLE001 - reported, not raised
                 print(json.dumps({"round": rounds, "error": str(exc),
                                   "errno": getattr(exc, "errno", None)}), flush=True)

@@ -459,8 +459,8 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
        mnt)
     try:
         churn = Churn(f"{mnt}/n2", (20 << 20) + 5, (1 << 20) + 9, tmp_path)
-        # whole LBAs, small enough for the polled queue: reads from the client's own thread
-        aligned = Churn(f"{mnt}/n1", 4 << 20, POLLED_MAX_BYTES // 2, tmp_path)
+        # whole LBAs, read back small and large: the polled queues, from the client's thread
+        aligned = Churn(f"{mnt}/n1", 4 << 20, 5 * POLLED_MAX_BYTES // 2, tmp_path)
         assert churn.own_queues and aligned.own_queues
         churn.rounds(2)
         aligned.rounds(2)
