@@ -626,10 +626,12 @@ class File:
             size = nbytes
         elif type(size) is not int or not 0 < size <= nbytes:
             return None
-        if not direct.polling_queues(size):  # a large read: its array is resolved there once
+        polled = direct.polling_queues(size)
+        if not polled:  # a large read: its array is resolved there once
             return None
-        if (file_offset < 0 or file_offset + size > self.nbytes or file_offset % self.lba_size
-                or size % self.lba_size or buf.dtype.hasobject):
+        lba_size = self.lba_size
+        if (file_offset < 0 or file_offset + size > self.nbytes or file_offset % lba_size
+                or size % lba_size or buf.dtype.hasobject):
             return None
         try:  # refuses a read-only or non-contiguous array (ValueError, TypeError)
             addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
@@ -639,8 +641,9 @@ class File:
         if found is None:
             return None
         region, at = found
-        return direct.polled_read(self.nsid, region, at, size, file_offset, buf,
-                                  self._budget(size) + direct.renew_timeout, post)
+        return direct.polled_read_lbas(polled, self.nsid, region, at, size, file_offset,
+                                       file_offset // lba_size, size // lba_size, buf,
+                                       self._budget(size) + direct.renew_timeout, post)
 
     def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0,
                buf_offset: int = 0) -> IOFuture:

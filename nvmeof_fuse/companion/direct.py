@@ -628,9 +628,8 @@ class DirectQueues:
         queue), and then :meth:`start` serves it.  ``keep`` (the owner of the memory) is
         held until the read is done; ``limit`` bounds a ``get()`` given no timeout.
         With ``post=False`` the read waits for :meth:`post_reads` (a batch)."""
-        polled = self.polling_queues(size)
         shape = self._shapes.get(nsid)
-        if not polled or shape is None:
+        if shape is None:
             return None
         lba_size = shape.lba_size
         if file_offset % lba_size or size % lba_size:
@@ -638,14 +637,26 @@ class DirectQueues:
         slba, nlb = file_offset // lba_size, size // lba_size
         if slba + nlb > shape.nsze:
             return None  # the loop's path names the error
+        polled = self.polling_queues(size)
+        if not polled:
+            return None
+        return self.polled_read_lbas(polled, nsid, region, at, size, file_offset, slba, nlb,
+                                     keep, limit, post)
+
+    def polled_read_lbas(self, polled: list, nsid: int, region: Region, at: int, size: int,
+                         file_offset: int, slba: int, nlb: int, keep: Any, limit: float,
+                         post: bool) -> PolledRead | None:
+        """:meth:`polled_read` of whole LBAs the caller checked: ``nlb`` of them from
+        ``slba`` (at ``file_offset``, ``size`` bytes), all on namespace ``nsid``, on one of
+        ``polled`` (:meth:`polling_queues`)."""
         # A large read: the less loaded, ties to the first.
         queue = polled[0] if len(polled) == 1 else min(polled, key=lambda q: q.unanswered)
         per = self._per_command[nsid]
         if nlb <= per:  # one command: the common case
-            request = queue.submit_one(nvme_cmd.read(nsid, slba, nlb, NULL_SGL),
-                                       region.ref(at, size), keep, post=post)
+            request = queue.submit_read(nsid, slba, nlb, region.ref(at, size), keep, post=post)
             requests = None if request is None else [request]
         else:
+            lba_size = size // nlb
             requests = queue.submit(
                 [(nvme_cmd.read(nsid, slba + start, min(per, nlb - start), NULL_SGL),
                   region.ref(at + start * lba_size, min(per, nlb - start) * lba_size))
@@ -653,8 +664,13 @@ class DirectQueues:
         if requests is None:  # full, or failed: the loop's queues serve it
             return None
         return PolledRead(self, queue, requests, size, limit,
-                          lambda: self.start(self.read, nsid, region, at, size, file_offset,
-                                             functools.partial(_no_edges, keep), False))
+                          (nsid, region, at, size, file_offset, keep))
+
+    def read_on_loop(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
+                     keep: Any) -> concurrent.futures.Future:
+        """The loop's path for a polled read whose queue failed under it."""
+        return self.start(self.read, nsid, region, at, size, file_offset,
+                          functools.partial(_no_edges, keep), False)
 
     def post_reads(self) -> None:
         """Post the polled reads started with ``post=False``: one ``post_send`` per queue."""
@@ -701,7 +717,8 @@ class PolledRead(IOFuture):
     __slots__ = ("_direct", "_queue", "_requests", "_size", "_fallback", "_done")
 
     def __init__(self, direct: DirectQueues, queue: Any, requests: list, size: int,
-                 limit: float | None, fallback: Any) -> None:
+                 limit: float | None, fallback: tuple) -> None:
+        """``fallback``: the arguments of :meth:`DirectQueues.read_on_loop`."""
         super().__init__(None, None, limit)  # _future: the loop's, once the read went there
         self._direct = direct
         self._queue = queue
@@ -744,7 +761,7 @@ class PolledRead(IOFuture):
                     completion.raise_for_status("Read")
         except (TransportError, CommandTimeout) as exc:
             self._direct.polled_failed(queue, exc)
-            self._future = self._fallback()
+            self._future = self._direct.read_on_loop(*self._fallback)
             return self._future.result(None if timeout is None else max(0.0, limit - clock()))
         self._direct.polled_done(self._size)
         self._done = True

@@ -184,6 +184,14 @@ def read(nsid: int, slba: int, nlb: int, sgl: BytesLike) -> bytearray:
     return sqe
 
 
+def read_into(buf: bytearray | memoryview, at: int, nsid: int, slba: int, nlb: int) -> None:
+    """:func:`read` with a null SGL, written into ``buf`` at ``at`` (no SQE object built)."""
+    if _rw_fits(nsid, slba, nlb, NULL_SGL):
+        _RW.pack_into(buf, at, _READ, PSDT_SGL_METABUF, nsid, NULL_SGL, slba, nlb - 1)
+    else:
+        buf[at:at + SQE_SIZE] = read(nsid, slba, nlb, NULL_SGL)
+
+
 def write(nsid: int, slba: int, nlb: int, sgl: BytesLike, fua: bool = False) -> bytearray:
     """Write ``nlb`` blocks at ``slba``; ``fua`` sets Force Unit Access (CDW12 bit 30)."""
     if _rw_fits(nsid, slba, nlb, sgl):

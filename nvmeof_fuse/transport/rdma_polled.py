@@ -30,6 +30,7 @@ import trio
 
 from ..errors import CommandTimeout, TransportError
 from ..nvme import Completion
+from ..nvme import command as nvme_cmd
 from .parking import for_caller
 from .rdma import (
     _CID,
@@ -104,26 +105,32 @@ class PolledQueue:
                 return None  # the queue failed (so did these requests): nothing went out
         return requests
 
-    def submit_one(self, sqe: bytearray, ref: DataRef, keep: Any = None, *,
-                   post: bool = True) -> Request | None:
-        """:meth:`submit` of one command (a small read's hot path: no lists)."""
+    def submit_read(self, nsid: int, slba: int, nlb: int, ref: DataRef, keep: Any = None, *,
+                    post: bool = True) -> Request | None:
+        """:meth:`submit` of one Read (a small read's hot path: no lists, and the command
+        encoded straight into its capsule)."""
         with self._lock:
             if self.failed is not None or not self._slots.free:
                 return None
-            request = self._write(sqe, ref, keep)
+            request = self._write(None, ref, keep, (nsid, slba, nlb))
             request.deadline = time.perf_counter()
             if post and not self._post():
                 return None
         return request
 
-    def _write(self, sqe: bytearray, ref: DataRef, keep: Any) -> Request:
-        """Write one command into a free slot's capsule, to be posted (the lock is held)."""
+    def _write(self, sqe: bytearray | None, ref: DataRef, keep: Any,
+               read: tuple[int, int, int] | None = None) -> Request:
+        """Write one command into a free slot's capsule, to be posted (the lock is held):
+        ``sqe``, or a Read of ``read`` (``(nsid, slba, nlb)``)."""
         q = self.queue
         request = self._slots.allocate(ref)
         cid = request.cid
         offset = cid * SQE_BYTES
         capsule = q.capsules.view
-        capsule[offset:offset + SQE_BYTES] = sqe
+        if read is None:
+            capsule[offset:offset + SQE_BYTES] = sqe
+        else:
+            nvme_cmd.read_into(capsule, offset, *read)
         _CID.pack_into(capsule, offset + 2, cid)
         q._place_data(capsule, offset + 24, ref, False)
         self._unposted.extend(q._sends[cid])

@@ -33,6 +33,11 @@ class Direct:
     def polled_failed(self, queue, exc: BaseException) -> None:
         self.failed.append(exc)
 
+    def read_on_loop(self, result: int) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(result)
+        return future
+
 
 class Queue:
     def __init__(self, outcome) -> None:
@@ -51,10 +56,9 @@ def request(finished: bool = False) -> SimpleNamespace:
     return SimpleNamespace(deadline=time.perf_counter(), finished=finished)
 
 
-def loop_path(result: int):
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(result)
-    return lambda: future
+def loop_path(result: int) -> tuple:
+    """A PolledRead's fallback: what the fake loop's path answers."""
+    return (result,)
 
 
 def test_a_completed_read_counts_its_bytes():

@@ -66,6 +66,24 @@ def test_bad_nlb(nlb):
         c.read(1, 0, nlb, SGL)
 
 
+@pytest.mark.parametrize(("nsid", "slba", "nlb"), [(1, 0, 1), (7, (1 << 64) - 2, 2),
+                                                   (1, 5, 65536)])
+def test_read_into_writes_what_read_builds(nsid, slba, nlb):
+    buf = bytearray(b"\xee" * 192)
+    c.read_into(buf, 64, nsid, slba, nlb)
+    assert buf[64:128] == c.read(nsid, slba, nlb, NULL_SGL)
+    assert buf[:64] == buf[128:] == b"\xee" * 64  # nothing outside its 64 bytes
+
+
+@pytest.mark.parametrize(("nsid", "slba", "nlb", "error"), [
+    (1, 0, 0, "number of logical blocks"), (0, 0, 1, "nsid"), (1, 1 << 64, 1, "slba")])
+def test_read_into_refuses_what_read_refuses(nsid, slba, nlb, error):
+    buf = bytearray(64)
+    with pytest.raises(ValueError, match=error):
+        c.read_into(buf, 0, nsid, slba, nlb)
+    assert buf == bytearray(64)
+
+
 def test_max_nlb_encodes_ffff():
     assert le(c.read(1, 0, 65536, SGL), 48, 50) == 0xFFFF
 

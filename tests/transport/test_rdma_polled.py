@@ -72,6 +72,23 @@ def test_a_posted_read_is_reaped_by_its_waiter_and_frees_its_slot(queue, memory)
     assert polled.available == 7 and polled.pending == 0
 
 
+def test_a_read_submitted_alone_is_the_capsule_a_list_of_one_writes(queue, memory):
+    """submit_read encodes its command in place: the same bytes as submit's, its own CID."""
+    polled = PolledQueue(queue)
+    ((sqe, ref),) = reads(memory, 1)
+    listed = polled.submit([(sqe, ref)])[0]
+    capsule = queue.capsules.view
+    at = listed.cid * 64
+    expected = bytes(capsule[at:at + 64])
+    alone = polled.submit_read(1, 0, 1, ref)
+    at = alone.cid * 64
+    assert alone.cid != listed.cid and bytes(capsule[at + 4:at + 64]) == expected[4:]
+    assert int.from_bytes(capsule[at + 2:at + 4], "little") == alone.cid
+    for request in (listed, alone):
+        answer(queue.qp, request.cid)
+        assert polled.wait(request, time.perf_counter() + 30).ok
+
+
 def test_a_read_answered_before_its_send_completed_is_pending_but_not_unanswered(queue,
                                                                                 memory):
     polled = PolledQueue(queue)
