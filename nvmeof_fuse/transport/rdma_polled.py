@@ -130,7 +130,11 @@ class PolledQueue:
         if read is None:
             capsule[offset:offset + SQE_BYTES] = sqe
         else:
-            nvme_cmd.read_into(capsule, offset, *read)
+            try:
+                nvme_cmd.read_into(capsule, offset, *read)
+            except ValueError:  # a field out of range: the slot goes back unused
+                self._slots.release(request)
+                raise
         _CID.pack_into(capsule, offset + 2, cid)
         q._place_data(capsule, offset + 24, ref, False)
         self._unposted.extend(q._sends[cid])

@@ -87,6 +87,10 @@ def test_a_read_submitted_alone_is_the_capsule_a_list_of_one_writes(queue, memor
     for request in (listed, alone):
         answer(queue.qp, request.cid)
         assert polled.wait(request, time.perf_counter() + 30).ok
+    posts = list(queue.qp.posts)
+    with pytest.raises(ValueError, match="number of logical blocks"):
+        polled.submit_read(1, 0, 0, ref)
+    assert polled.available == 7 and queue.qp.posts == posts  # its slot back, nothing sent
 
 
 def test_a_read_answered_before_its_send_completed_is_pending_but_not_unanswered(queue,
