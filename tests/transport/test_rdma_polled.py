@@ -93,6 +93,20 @@ def test_a_read_submitted_alone_is_the_capsule_a_list_of_one_writes(queue, memor
     assert polled.available == 7 and queue.qp.posts == posts  # its slot back, nothing sent
 
 
+def test_a_read_reaped_before_its_wait_teaches_the_budget_nothing(queue, memory):
+    """Its caller came late (busy elsewhere): that delay is not the command's latency."""
+    polled = PolledQueue(queue)
+    first, second = polled.submit(reads(memory, 2))
+    answer(queue.qp, first.cid)
+    answer(queue.qp, second.cid)
+    assert polled.wait(first, time.perf_counter() + 30).ok  # reaps both
+    learned = polled.poll_budget.latency(4096)
+    assert second.finished
+    time.sleep(0.05)
+    assert polled.wait(second, time.perf_counter() + 30).ok
+    assert polled.poll_budget.latency(4096) == learned
+
+
 def test_a_read_answered_before_its_send_completed_is_pending_but_not_unanswered(queue,
                                                                                 memory):
     polled = PolledQueue(queue)
