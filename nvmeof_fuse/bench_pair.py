@@ -1,9 +1,10 @@
-"""Our core against a peer in alternating slices: the ``nvmeof`` library, or the
-companion API on a mounted namespace file.
+"""Our core against a peer in alternating slices: the ``nvmeof`` library, the companion
+API on a mounted namespace file, or the kernel initiator.
 
-  python -m nvmeof_fuse.bench_pair -a ADDR -n NQN [-s PORT] [--nsid 2] [--slices 8]
-                                   [--slice-seconds 1.5] [--jobs KEY,...] [--json]
-                                   [--peer nvmeof | self | companion --file MOUNT/nN]
+  python -m nvmeof_fuse.bench_pair -a ADDR -n NQN [-s PORT] [-t rdma|tcp] [--nsid 2]
+                                   [--slices 8] [--slice-seconds 1.5] [--jobs KEY,...] [--json]
+                                   [--peer nvmeof | self | companion --file MOUNT/nN
+                                    | kernel --device /dev/nvmeXnY]
 
 ``python -m nvmeof_fuse.bench core`` and ``nvmeof`` (or ``companion``) run one after the
 other, and a host under load moves a job's figure between them: in one VM boot under TCG
@@ -15,18 +16,24 @@ process while our trio loop stays free for its keep-alive.  The companion runs i
 process of its own, as a user's process would hold a ``File``: in this process it read
 at 0.65x of our core at 4 KiB QD1 where, run alone just before, it read at 1.03x.
 ``--peer self`` runs our core against itself in such a worker process: a null test of the
-method (in the VM, 4 KiB ratios of 1.00-1.10 from 6 slices, 1.30 once from 4).  Our
-core connects a controller of its own, as in ``bench core``; the companion uses the
-mount's.  Prints, per job, both medians, the ratio the issues set goals for (our core
-over the library, the companion over our core), each side's CPU per I/O (of the side's
-process; for the library, of this process, both sides' threads) and in how many slices
-the first of the ratio was ahead.  Nothing is asserted.
+method (in the VM, 4 KiB ratios of 1.00-1.10 from 6 slices, 1.30 once from 4).
+``--peer kernel`` runs fio on the kernel initiator's block device of the same namespace,
+connected beforehand over the same transport (``nvme connect``; scripts/bench-guest), one
+fio run per slice: over NVMe/TCP our core's 1 MiB read went 0.54x to 0.93x of the kernel's
+in six boots when the two ran minutes apart.  Only fio's measured runtime counts, not its
+start; the kernel's CPU is not shown (its work runs in kworkers and softirqs, which no
+process's CPU time holds).  Our core connects a controller of its own over ``-t``, as in
+``bench core``; the companion uses the mount's.  Prints, per job, both medians, the ratio
+the issues set goals for (our core over the library or the kernel, the companion over our
+core), each side's CPU per I/O (of the side's process; for the library, of this process,
+both sides' threads) and in how many slices the first of the ratio was ahead.  Nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -49,9 +56,11 @@ from .bench import (
 )
 
 PEERS = {"nvmeof": "the nvmeof library", "companion": "the companion API",
-         "self": "itself in a worker process (a null test: the ratio should be 1)"}
-LABELS = {"nvmeof": "nvmeof lib", "companion": "companion", "self": "core again"}
-SUBJECTS = {"nvmeof": "core", "companion": "companion", "self": "self"}
+         "self": "itself in a worker process (a null test: the ratio should be 1)",
+         "kernel": "the kernel initiator (fio on its block device, one run per slice)"}
+LABELS = {"nvmeof": "nvmeof lib", "companion": "companion", "self": "core again",
+          "kernel": "kernel"}
+SUBJECTS = {"nvmeof": "core", "companion": "companion", "self": "self", "kernel": "core"}
 """Whose figure the ratio and the slices ahead are about: the issues' goals put our core
 against the library, and the companion against our core."""
 JOB_BY_KEY = {job.key: job for job in JOBS}
@@ -109,6 +118,69 @@ class LibraryPeer:
         await trio.to_thread.run_sync(close)
 
 
+def fio_slice_command(job: Job, device: str, seconds: float) -> list[str]:
+    """fio running ``job`` on ``device`` for ``seconds``, as scripts/bench-fio runs it."""
+    rw = ("write" if job.write else "read") if job.sequential else "randread"
+    return ["fio", "--output-format=json", f"--filename={device}", "--ioengine=libaio",
+            "--direct=1", f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based",
+            "--name=slice", f"--rw={rw}", f"--bs={job.size}", f"--iodepth={job.qd}"]
+
+
+def fio_slice_result(job: Job, output: str) -> tuple[int, float]:
+    """The I/Os done and the seconds fio measured, from its JSON ``output``."""
+    try:
+        data = json.loads(output[output.index("{"):])  # fio may print notes before the JSON
+        side = data["jobs"][0]["write" if job.write else "read"]
+        count, elapsed = int(side["total_ios"]), side["runtime"] / 1000
+    except (ValueError, KeyError, IndexError, TypeError) as e:
+        raise RuntimeError(f"fio printed no result ({_reason(e)})") from None
+    if data["jobs"][0].get("error"):
+        raise RuntimeError(f"fio's job failed (error {data['jobs'][0]['error']})")
+    return count, elapsed
+
+
+class KernelPeer:
+    """The kernel initiator: fio on its block device of the namespace, one run per slice
+    (fio's start does not count: only the runtime it measured)."""
+
+    key = "kernel"
+
+    def __init__(self, device: str, timeout: float) -> None:
+        self.device = device
+        self._timeout = timeout
+
+    @classmethod
+    async def open(cls, args: argparse.Namespace) -> KernelPeer:
+        import stat
+
+        try:
+            is_block = stat.S_ISBLK(os.stat(args.device).st_mode)
+        except OSError as e:
+            raise RuntimeError(f"--device {args.device}: {e.strerror}") from None
+        if not is_block:
+            raise RuntimeError(f"--device {args.device} is not a block device")
+        return cls(args.device, args.connect_timeout)
+
+    async def run(self, job: Job, seconds: float) -> tuple[int, float, None]:
+        """One slice: I/Os done and seconds taken by fio; no CPU figure (module docstring)."""
+        import subprocess
+
+        import trio
+
+        with trio.fail_after(seconds + REPLY_GRACE):
+            done = await trio.run_process(fio_slice_command(job, self.device, seconds),
+                                          capture_stdout=True, capture_stderr=True,
+                                          check=False, stdin=subprocess.DEVNULL)
+        if done.returncode:
+            why = (done.stderr.decode(errors="replace").strip().splitlines() or ["no message"])
+            raise RuntimeError(f"fio on {self.device} failed (rc {done.returncode}): {why[-1]}")
+        count, elapsed = fio_slice_result(job, done.stdout.decode(errors="replace"))
+        return count, elapsed, None
+
+    async def aclose(self) -> None:
+        pass
+
+
 class WorkerPeer:
     """A side run by a worker process of its own (``--worker``): a companion ``File`` on
     the mount, as a user's process would hold it, with nothing of our core's controller,
@@ -131,7 +203,8 @@ class WorkerPeer:
         process = await trio.lowlevel.open_process(
             [sys.executable, "-m", "nvmeof_fuse.bench_pair", "-a", args.traddr,
              "-s", str(args.trsvcid), "-n", args.nqn, "--nsid", str(args.nsid),
-             "--connect-timeout", str(args.connect_timeout), "--peer", args.peer,
+             "-t", args.transport, "--connect-timeout", str(args.connect_timeout),
+             "--peer", args.peer,
              *(["--file", args.file] if args.file else []), "--worker"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         peer = cls(args.peer, process, args.connect_timeout)
@@ -228,7 +301,7 @@ async def core_worker(args: argparse.Namespace) -> int:
 
     say = _sayer(sys.stdout)
     try:
-        async with own_core(args, "bench_pair") as (_, ns, region):
+        async with own_core(args, "bench_pair", transport=args.transport) as (_, ns, region):
             cursors: dict[str, Cursor] = {}
             say(ready=True)
             while line := await trio.to_thread.run_sync(sys.stdin.readline, abandon_on_cancel=True):
@@ -251,11 +324,12 @@ async def _pair(args: argparse.Namespace) -> dict:
     import trio
 
     jobs = [job for job in JOBS if not args.jobs or job.key in args.jobs]
-    results: dict = {"peer": args.peer, "slices": args.slices,
+    results: dict = {"peer": args.peer, "transport": args.transport, "slices": args.slices,
                      "slice_seconds": args.slice_seconds, "jobs": {}, "errors": {}}
-    peer = await (LibraryPeer if args.peer == "nvmeof" else WorkerPeer).open(args)
+    peer_class = {"nvmeof": LibraryPeer, "kernel": KernelPeer}.get(args.peer, WorkerPeer)
+    peer = await peer_class.open(args)
     try:
-        async with own_core(args, "bench_pair") as (_, ns, region):
+        async with own_core(args, "bench_pair", transport=args.transport) as (_, ns, region):
             for job in jobs:
                 try:
                     with trio.fail_after(2 * args.slices * (args.slice_seconds + 30)):
@@ -282,7 +356,7 @@ async def _alternate(job: Job, ns, region, peer, args: argparse.Namespace) -> di
             else:
                 count, elapsed, cpu_seconds = await peer.run(job, args.slice_seconds)
             figures[side].append(figure(job, count, elapsed))
-            if count:
+            if count and cpu_seconds is not None:
                 cpu[side].append(cpu_seconds / count * 1e6)
     medians = {side: statistics.median(figures[side]) for side in sides}
     subject = SUBJECTS[peer.key]
@@ -301,13 +375,14 @@ def render(results: dict) -> str:
     label = LABELS[peer]
     subject = SUBJECTS[peer]
     ratio_name = f"{subject}/{peer if subject == 'core' else 'core'}"
-    head = (f"our core against {PEERS[peer]}, {results['slices']} alternating slices of "
+    over = f" over {results['transport']}" if results.get("transport", "rdma") != "rdma" else ""
+    head = (f"our core{over} against {PEERS[peer]}, {results['slices']} alternating slices of "
             f"{results['slice_seconds']:g} s each (medians; {subject} ahead in how many):")
     rows = [head, f"{'metric':42} {'our core':>10} {label:>10} {ratio_name:>14} "
                   f"{'ahead':>6}  CPU per I/O, us (core / {label})"]
     for key, r in results["jobs"].items():
         metric, unit = METRICS[key]
-        cpu = r["cpu_us_per_io"]
+        cpu = {side: "n/a" if us is None else us for side, us in r["cpu_us_per_io"].items()}
         ratio = f"{r['ratio']:.2f}" if r["ratio"] is not None else "n/a"
         rows.append(f"{metric + f' ({unit})':42} {_fmt(r['median']['core']):>10} "
                     f"{_fmt(r['median'][peer]):>10} {ratio:>14} "
@@ -323,6 +398,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("-a", "--traddr", required=True)
     ap.add_argument("-s", "--trsvcid", type=int, default=4420)
     ap.add_argument("-n", "--nqn", required=True)
+    ap.add_argument("-t", "--transport", choices=("rdma", "tcp"), default="rdma",
+                    help="our core's (default rdma)")
     ap.add_argument("--nsid", type=int, default=2)
     ap.add_argument("--slices", type=int, default=8, help="per side and job (default 8)")
     ap.add_argument("--slice-seconds", type=float, default=1.5, help="(default 1.5)")
@@ -332,6 +409,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--peer", choices=sorted(PEERS), default="nvmeof",
                     help="what our core runs against (default nvmeof; self: a null test)")
     ap.add_argument("--file", help="--peer companion: the mounted namespace file (MOUNT/nN)")
+    ap.add_argument("--device", help="--peer kernel: the kernel's block device of the "
+                                     "namespace (/dev/nvmeXnY)")
     ap.add_argument("--json", action="store_true", help="print JSON")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     return ap
@@ -353,6 +432,13 @@ def main(argv: list[str] | None = None) -> int:
     if (args.peer == "companion") != (args.file is not None):
         print("bench_pair: --file names the mounted namespace file, with --peer companion "
               "only", file=sys.stderr)
+        return 2
+    if (args.peer == "kernel") != (args.device is not None):
+        print("bench_pair: --device names the kernel's block device of the namespace, with "
+              "--peer kernel only", file=sys.stderr)
+        return 2
+    if args.peer == "nvmeof" and args.transport != "rdma":
+        print("bench_pair: the nvmeof library speaks RDMA only (-t rdma)", file=sys.stderr)
         return 2
     import trio
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -189,6 +190,9 @@ def test_a_companion_worker_on_another_namespace_says_so_in_one_line(monkeypatch
     (["--nsid", "0"], "must be positive"), (["-s", "70000"], "must be positive"),
     (["--peer", "companion"], "--file names the mounted namespace file"),
     (["--file", "/mnt/n2"], "with --peer companion only"),
+    (["--peer", "kernel"], "--device names the kernel's block device"),
+    (["--device", "/dev/nvme0n2"], "with --peer kernel only"),
+    (["-t", "tcp"], "the nvmeof library speaks RDMA only"),
 ])
 def test_bad_input_is_one_line(argv, says, capsys):
     assert bench_pair.main(["-a", "10.0.0.1", "-n", "nqn.x", *argv]) == 2
@@ -244,5 +248,97 @@ def test_the_core_worker_names_a_namespace_that_is_not_there(monkeypatch, capsys
         yield  # pragma: no cover
 
     monkeypatch.setattr(bench_pair, "own_core", own_core)
-    assert trio.run(bench_pair.core_worker, SimpleNamespace()) == 1
+    assert trio.run(bench_pair.core_worker, SimpleNamespace(transport="rdma")) == 1
     assert capsys.readouterr().out == '{"error": "namespace 9 not found (have [1, 2])"}\n'
+
+
+def fio_output(job: str, rw: str, total_ios: int, runtime_ms: int, error: int = 0) -> str:
+    side = {"total_ios": total_ios, "runtime": runtime_ms}
+    return "note: a notice fio printed first\n" + json.dumps(
+        {"jobs": [{"jobname": job, "error": error, rw: side}]})
+
+
+@pytest.mark.parametrize(("key", "rw", "bs", "qd"), [
+    ("seq_read", "read", 1 << 20, 16), ("seq_write", "write", 1 << 20, 16),
+    ("rand_read_qd1", "randread", 4096, 1), ("rand_read_qd16", "randread", 4096, 16)])
+def test_a_kernel_slice_runs_fio_with_the_jobs_own_size_depth_and_pattern(key, rw, bs, qd):
+    job = bench_pair.JOB_BY_KEY[key]
+    command = bench_pair.fio_slice_command(job, "/dev/nvme1n2", 1.5)
+    assert command[0] == "fio"
+    for option in ("--filename=/dev/nvme1n2", "--direct=1", "--ioengine=libaio",
+                   "--runtime=1500ms", "--time_based", f"--rw={rw}", f"--bs={bs}",
+                   f"--iodepth={qd}"):
+        assert option in command
+
+
+def test_a_kernel_slice_counts_the_ios_and_the_runtime_fio_measured():
+    job = bench_pair.JOB_BY_KEY["seq_write"]
+    assert bench_pair.fio_slice_result(job, fio_output("slice", "write", 300, 1500)) == (300, 1.5)
+
+
+@pytest.mark.parametrize(("output", "says"), [
+    ("fio: no JSON at all", r"^fio printed no result \(ValueError"),
+    ('{"jobs": []}', r"^fio printed no result \(IndexError"),
+    (fio_output("slice", "read", 0, 1500, error=5), r"^fio's job failed \(error 5\)$"),
+])
+def test_a_kernel_slice_without_a_result_says_so_in_one_line(output, says):
+    with pytest.raises(RuntimeError, match=says):
+        bench_pair.fio_slice_result(bench_pair.JOB_BY_KEY["seq_read"], output)
+
+
+def test_a_kernel_slice_runs_fio_once_and_shows_no_cpu_figure(monkeypatch):
+    ran = []
+
+    async def run_process(command, **kwargs):
+        ran.append(command)
+        return SimpleNamespace(returncode=0, stderr=b"",
+                               stdout=fio_output("slice", "read", 12, 1500).encode())
+
+    monkeypatch.setattr(trio, "run_process", run_process)
+    peer = bench_pair.KernelPeer("/dev/nvme1n2", timeout=5.0)
+    job = bench_pair.JOB_BY_KEY["rand_read_qd16"]
+    assert trio.run(peer.run, job, 1.5) == (12, 1.5, None)
+    assert len(ran) == 1 and "--filename=/dev/nvme1n2" in ran[0]
+
+
+def test_a_failed_fio_names_the_device_and_its_last_line(monkeypatch):
+    async def run_process(command, **kwargs):
+        return SimpleNamespace(returncode=1, stdout=b"",
+                               stderr=b"fio: pid=1, err=5/file:io_u.c, error=Input/output error\n")
+
+    monkeypatch.setattr(trio, "run_process", run_process)
+    peer = bench_pair.KernelPeer("/dev/nvme1n2", timeout=5.0)
+    with pytest.raises(RuntimeError, match=r"^fio on /dev/nvme1n2 failed \(rc 1\): fio: pid=1"):
+        trio.run(peer.run, bench_pair.JOB_BY_KEY["seq_read"], 1.5)
+
+
+@pytest.mark.parametrize(("device", "says"), [
+    ("/nonexistent/nvme9n1", r"^--device /nonexistent/nvme9n1: No such file or directory$"),
+    (__file__, r"is not a block device$")])
+def test_a_kernel_peer_on_no_block_device_says_so_in_one_line(device, says):
+    args = SimpleNamespace(device=device, connect_timeout=5.0)
+    with pytest.raises(RuntimeError, match=says):
+        trio.run(bench_pair.KernelPeer.open, args)
+
+
+def test_against_the_kernel_the_ratio_is_the_cores_and_the_kernel_cpu_is_not_shown():
+    region = SimpleNamespace(ref=lambda offset, length: (offset, length))
+    job = bench_pair.JOB_BY_KEY["rand_read_qd1"]
+
+    class NoCpuPeer(FakePeer):
+        async def run(self, job, seconds):
+            count, elapsed, _ = await super().run(job, seconds)
+            return count, elapsed, None
+
+    peer = NoCpuPeer(FakeNamespace(), [], key="kernel")
+    result = trio.run(bench_pair._alternate, job, FakeNamespace(), region, peer,
+                      SimpleNamespace(slices=2, slice_seconds=0.02))
+    assert result["ratio"] == result["median"]["core"] / result["median"]["kernel"]
+    assert result["cpu_us_per_io"]["kernel"] is None
+    results = results_of("seq_read", {"core": 180.0, "kernel": 200.0},
+                         {"core": 9000, "kernel": None}, ratio=0.9, ahead=2, peer="kernel")
+    results["transport"] = "tcp"
+    text = bench_pair.render(results)
+    assert text.startswith("our core over tcp against the kernel initiator (fio on its block")
+    row = next(line for line in text.splitlines() if line.startswith("1 MiB seq read QD16"))
+    assert "0.90" in row and "2 of 8" in row and "9000 / n/a" in row
