@@ -26,7 +26,8 @@ process's CPU time holds).  Our core connects a controller of its own over ``-t`
 ``bench core``; the companion uses the mount's.  Prints, per job, both medians, the ratio
 the issues set goals for (our core over the library or the kernel, the companion over our
 core), each side's CPU per I/O (of the side's process; for the library, of this process,
-both sides' threads) and in how many slices the first of the ratio was ahead.  Nothing is asserted.
+both sides' threads) and in how many slices the first of the ratio was ahead.  Nothing is
+asserted.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ LABELS = {"nvmeof": "nvmeof lib", "companion": "companion", "self": "core again"
           "kernel": "kernel"}
 SUBJECTS = {"nvmeof": "core", "companion": "companion", "self": "self", "kernel": "core"}
 """Whose figure the ratio and the slices ahead are about: the issues' goals put our core
-against the library, and the companion against our core."""
+against the library and the kernel, and the companion against our core."""
 JOB_BY_KEY = {job.key: job for job in JOBS}
 REPLY_GRACE = 60.0
 """Seconds past a slice's own that a worker process may take to answer (its commands in
@@ -145,9 +146,8 @@ class KernelPeer:
 
     key = "kernel"
 
-    def __init__(self, device: str, timeout: float) -> None:
+    def __init__(self, device: str) -> None:
         self.device = device
-        self._timeout = timeout
 
     @classmethod
     async def open(cls, args: argparse.Namespace) -> KernelPeer:
@@ -159,7 +159,7 @@ class KernelPeer:
             raise RuntimeError(f"--device {args.device}: {e.strerror}") from None
         if not is_block:
             raise RuntimeError(f"--device {args.device} is not a block device")
-        return cls(args.device, args.connect_timeout)
+        return cls(args.device)
 
     async def run(self, job: Job, seconds: float) -> tuple[int, float, None]:
         """One slice: I/Os done and seconds taken by fio; no CPU figure (module docstring)."""

@@ -295,7 +295,7 @@ def test_a_kernel_slice_runs_fio_once_and_shows_no_cpu_figure(monkeypatch):
                                stdout=fio_output("slice", "read", 12, 1500).encode())
 
     monkeypatch.setattr(trio, "run_process", run_process)
-    peer = bench_pair.KernelPeer("/dev/nvme1n2", timeout=5.0)
+    peer = bench_pair.KernelPeer("/dev/nvme1n2")
     job = bench_pair.JOB_BY_KEY["rand_read_qd16"]
     assert trio.run(peer.run, job, 1.5) == (12, 1.5, None)
     assert len(ran) == 1 and "--filename=/dev/nvme1n2" in ran[0]
@@ -307,7 +307,7 @@ def test_a_failed_fio_names_the_device_and_its_last_line(monkeypatch):
                                stderr=b"fio: pid=1, err=5/file:io_u.c, error=Input/output error\n")
 
     monkeypatch.setattr(trio, "run_process", run_process)
-    peer = bench_pair.KernelPeer("/dev/nvme1n2", timeout=5.0)
+    peer = bench_pair.KernelPeer("/dev/nvme1n2")
     with pytest.raises(RuntimeError, match=r"^fio on /dev/nvme1n2 failed \(rc 1\): fio: pid=1"):
         trio.run(peer.run, bench_pair.JOB_BY_KEY["seq_read"], 1.5)
 
