@@ -438,7 +438,7 @@ def load(path: str | None) -> tuple[dict[str, float], dict[str, str]]:
     try:
         with open(path) as f:
             text = f.read()
-        data = json.loads(text[text.index("{"):])  # fio may print notes before the JSON
+        data = fio_json(text)
     except (OSError, ValueError) as e:
         return {}, {"*": _reason(e)}
     if "jobs" not in data:
@@ -453,6 +453,19 @@ def load(path: str | None) -> tuple[dict[str, float], dict[str, str]]:
         metrics[key] = fio_job_figure(j, write=key == "seq_write",
                                       mb_per_s=METRICS[key][1] == "MB/s")
     return metrics, {}
+
+
+def fio_command(target: str, name: str, rw: str, bs: int | str, qd: int,
+                seconds: float) -> list[str]:
+    """fio running one O_DIRECT libaio job on ``target`` for ``seconds``, printing JSON."""
+    return ["fio", "--output-format=json", f"--filename={target}", "--ioengine=libaio",
+            "--direct=1", f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based",
+            f"--name={name}", f"--rw={rw}", f"--bs={bs}", f"--iodepth={qd}"]
+
+
+def fio_json(text: str) -> dict:
+    """fio's JSON output (it may print notes before the JSON); ValueError without one."""
+    return json.loads(text[text.index("{"):])
 
 
 def fio_job_figure(job: dict, *, write: bool, mb_per_s: bool) -> float:

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
-from nvmeof_fuse.bench import IDLE_SECONDS, MIB, fio_job_figure, name_list
+from nvmeof_fuse.bench import IDLE_SECONDS, MIB, fio_command, fio_job_figure, fio_json, name_list
 
 FUSECTL = "/sys/fs/fuse/connections"
 MAX_BACKGROUND = 32  # the same for both FUSE servers (ours raises it to this itself)
@@ -237,13 +237,11 @@ def _tail(path: str) -> str:
 # -- the run --------------------------------------------------------------------------------------
 
 def fio(target: str, job: FioJob, seconds: float) -> dict:
-    cmd = ["fio", "--output-format=json", f"--filename={target}", "--ioengine=libaio",
-           "--direct=1", f"--runtime={seconds:g}", "--time_based", f"--name={job.key}",
-           f"--rw={job.rw}", f"--bs={job.bs}", f"--iodepth={job.qd}"]
+    cmd = fio_command(target, job.key, job.rw, job.bs, job.qd, seconds)
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
     if out.returncode != 0:
         raise RuntimeError((out.stderr.strip().splitlines() or ["fio failed"])[-1][:150])
-    return json.loads(out.stdout[out.stdout.index("{"):])
+    return fio_json(out.stdout)
 
 
 def make_image(size: int, directory: str) -> str:

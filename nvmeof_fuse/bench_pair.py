@@ -52,6 +52,8 @@ from .bench import (
     companion_slice,
     core_slice,
     figure,
+    fio_command,
+    fio_json,
     library_slice,
     own_core,
 )
@@ -122,15 +124,13 @@ class LibraryPeer:
 def fio_slice_command(job: Job, device: str, seconds: float) -> list[str]:
     """fio running ``job`` on ``device`` for ``seconds``, as scripts/bench-fio runs it."""
     rw = ("write" if job.write else "read") if job.sequential else "randread"
-    return ["fio", "--output-format=json", f"--filename={device}", "--ioengine=libaio",
-            "--direct=1", f"--runtime={max(1, round(seconds * 1000))}ms", "--time_based",
-            "--name=slice", f"--rw={rw}", f"--bs={job.size}", f"--iodepth={job.qd}"]
+    return fio_command(device, "slice", rw, job.size, job.qd, seconds)
 
 
 def fio_slice_result(job: Job, output: str) -> tuple[int, float]:
     """The I/Os done and the seconds fio measured, from its JSON ``output``."""
     try:
-        data = json.loads(output[output.index("{"):])  # fio may print notes before the JSON
+        data = fio_json(output)
         side = data["jobs"][0]["write" if job.write else "read"]
         count, elapsed = int(side["total_ios"]), side["runtime"] / 1000
     except (ValueError, KeyError, IndexError, TypeError) as e:
