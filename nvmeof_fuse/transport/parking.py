@@ -27,10 +27,6 @@ def uncancellable(raise_cancel) -> trio.lowlevel.Abort:
     return trio.lowlevel.Abort.FAILED
 
 
-def cancellable(raise_cancel) -> trio.lowlevel.Abort:
-    return trio.lowlevel.Abort.SUCCEEDED
-
-
 class Watchdog:
     """The deadlines of one queue's parked callers."""
 

@@ -43,7 +43,6 @@ from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
 from .parking import (
     Watchdog,
-    cancellable,
     closed_for_timeout,
     for_caller,
     time_out,
@@ -724,7 +723,7 @@ class RdmaQueue:
             if not slots.pending:  # nothing can complete: wait, unarmed, for a command
                 self._idle_reaper = trio.lowlevel.current_task()
                 try:
-                    await trio.lowlevel.wait_task_rescheduled(cancellable)
+                    await trio.lowlevel.wait_task_rescheduled(self._reaper_cancelled)
                 finally:
                     self._idle_reaper = None
                 continue
@@ -808,13 +807,24 @@ class RdmaQueue:
         return TransportError(f"{self.name}: work request failed: {wc.status_str} "
                               f"(vendor error {wc.vendor_err:#x})")
 
+    def _poster_cancelled(self, _raise_cancel) -> trio.lowlevel.Abort:
+        """The parked poster is cancelled: it is already due to run (with Cancelled), so
+        nobody may reschedule it again; callers in the same batch post for themselves."""
+        self._poster = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
+    def _reaper_cancelled(self, _raise_cancel) -> trio.lowlevel.Abort:
+        """The idle reaper is cancelled: it is already due to run, so nobody may wake it."""
+        self._idle_reaper = None
+        return trio.lowlevel.Abort.SUCCEEDED
+
     async def _post_queued(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Post the capsules queued during one trio batch with a single ``post_send``."""
         self._poster = trio.lowlevel.current_task()
         task_status.started()
         try:
             while True:
-                await trio.lowlevel.wait_task_rescheduled(cancellable)
+                await trio.lowlevel.wait_task_rescheduled(self._poster_cancelled)
                 self._poster_woken = False
                 wrs, requests = self._queued, self._queued_requests
                 self._queued, self._queued_requests = [], []

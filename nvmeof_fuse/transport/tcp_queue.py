@@ -40,7 +40,7 @@ from ..nvme.command import CONNECT_DISABLE_SQFLOW
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp
 from .mailbox import Mailbox
-from .parking import Watchdog, cancellable, closed_for_timeout, for_caller, timeout_error
+from .parking import Watchdog, closed_for_timeout, for_caller, timeout_error
 from .region import DataRef
 from .splice import Splicer, open_splicer
 from .tcp_data import (
@@ -372,6 +372,13 @@ class TcpQueue:
                 if not request.unsent and request.completion is not None:
                     self._finish(request, request.completion)
 
+    def _sender_cancelled(self, _raise_cancel) -> trio.lowlevel.Abort:
+        """The idle sender is cancelled: it is already due to run (with Cancelled), so
+        nobody may wake it again; PDUs submitted meanwhile are sent by their callers."""
+        self._sender = None
+        self._sender_idle = False
+        return trio.lowlevel.Abort.SUCCEEDED
+
     async def _send_queued(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """The sender: hands queued PDUs to the kernel, waiting while the socket is full."""
         self._sender = trio.lowlevel.current_task()
@@ -380,7 +387,7 @@ class TcpQueue:
             while True:
                 if not self._outgoing or self._failed is not None:
                     self._sender_idle = True
-                    await trio.lowlevel.wait_task_rescheduled(cancellable)
+                    await trio.lowlevel.wait_task_rescheduled(self._sender_cancelled)
                     continue
                 try:
                     got = self._flush()
@@ -388,7 +395,7 @@ class TcpQueue:
                         await trio.lowlevel.wait_writable(self.sock)
                     elif got is _LOCKED:  # woken when the other thread is done (_deliver)
                         self._sender_idle = True
-                        await trio.lowlevel.wait_task_rescheduled(cancellable)
+                        await trio.lowlevel.wait_task_rescheduled(self._sender_cancelled)
                 except OSError as exc:
                     if self._failed is None:
                         self._fail(self._send_error(exc))

@@ -773,3 +773,33 @@ async def test_start_leaves_a_freed_slot_to_a_caller_waiting_for_one(queue):
         await trio.testing.wait_all_tasks_blocked()
         assert len(results) == 1 and results[0].ok
         nursery.cancel_scope.cancel()
+
+
+async def cancelled_with_a_command_issued_in_the_same_batch(queue, *, in_flight: int) -> list:
+    """Start the reaper under a scope, put ``in_flight`` reads in flight, cancel the scope
+    and, before the reaper's tasks ran their cancellation, issue a read and start one."""
+    scope = trio.CancelScope()
+
+    async def reap(task_status=trio.TASK_STATUS_IGNORED):
+        with scope:
+            await queue.reap(task_status=task_status)
+
+    results: list = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(reap)
+        for _ in range(in_flight):
+            nursery.start_soon(read_recording, queue, results)
+        await trio.testing.wait_all_tasks_blocked()  # the poster and the reaper are parked
+        scope.cancel()  # no checkpoint from here on: they are due to run, not run yet
+        assert not start_recording(queue, CommandEnds())  # the poster is gone: nothing sent
+        await read_recording(queue, results)  # posted directly, failed with the queue
+    return results
+
+
+@pytest.mark.parametrize("in_flight", [1, 0], ids=["poster", "idle reaper"])
+def test_a_command_issued_as_the_reaper_is_cancelled_fails_with_the_queue(in_flight, queue):
+    """The parked poster and the idle reaper, once cancelled, are already due to run: a
+    command issued in that same batch must not reschedule them a second time."""
+    results = trio.run(functools.partial(cancelled_with_a_command_issued_in_the_same_batch,
+                                         queue, in_flight=in_flight))
+    assert [str(r) for r in results] == ["I/O queue 1: stopped"] * (in_flight + 1)

@@ -768,6 +768,19 @@ def test_started_commands_end_through_their_callbacks_with_their_own_data():
     with_target(test)
 
 
+def test_a_command_issued_as_the_queue_is_cancelled_fails_with_it():
+    """The idle sender, once cancelled, is already due to run: a command issued in that same
+    trio batch must not reschedule it a second time."""
+    async def test(target, transport, queue):
+        await trio.testing.wait_all_tasks_blocked()  # the sender idles
+        queue._receiver.cancel()  # no checkpoint from here on: it is due to run, not run yet
+        assert not queue.start(cmd.flush(1), None, CommandEnds(), timeout=5)
+        with pytest.raises(TransportError, match=r"^I/O queue 1: stopped$"):
+            await queue.execute(cmd.flush(1), timeout=5)
+
+    with_target(test)
+
+
 def test_a_started_command_without_an_answer_times_out_through_its_callback():
     async def test(target, transport, queue):
         target.fault = "silent"
