@@ -721,11 +721,8 @@ class RdmaQueue:
         fd = self.channel.fd
         while True:
             if not slots.pending:  # nothing can complete: wait, unarmed, for a command
-                self._idle_reaper = trio.lowlevel.current_task()
-                try:
-                    await trio.lowlevel.wait_task_rescheduled(self._reaper_cancelled)
-                finally:
-                    self._idle_reaper = None
+                self._idle_reaper = trio.lowlevel.current_task()  # cleared by whoever ends
+                await trio.lowlevel.wait_task_rescheduled(self._reaper_cancelled)  # the wait
                 continue
             if self._drain():
                 if len(slots.pending) > 1:
