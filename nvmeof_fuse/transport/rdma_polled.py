@@ -14,6 +14,12 @@ request it finds done, as MPI or kvikio runtimes make progress while waiting.
   commands of its size (:mod:`.pollbudget`), then arms the CQs and sleeps on the
   completion channel's fd: nothing spins while nobody waits, and every wait is
   bounded by the caller's deadline.
+- Doorbells are coalesced while a caller collects what one poll reaped: a command
+  submitted then is written but posted with the others when that caller has collected
+  them all or is about to block (as the block layer's plug is flushed when its task
+  sleeps), or at its next call once they were held :data:`HOLD_SHARE` of the queue's
+  recent latency.  Holding needs no timer: it happens only while the caller is behind
+  (answers wait for it), and a wait for a held command posts it first.
 - :meth:`detach` (the owner's loop, before the queue is torn down) fails every
   request in flight with :class:`TransportError`; callers then retry elsewhere.
 """
@@ -44,6 +50,10 @@ from .region import DataRef
 BLOCK_SLICE = 0.05
 """Seconds a poller sleeps on the channel at most before it looks at the queue again (a
 detach closes the fd under it)."""
+HOLD_SHARE = 0.25
+"""A doorbell is held at most this share of the recent latency of commands of its size
+(posting to reaping, so a caller's own delays count) before the caller's next call posts
+it.  A prefetch loop that reaps answers late thus loses at most a quarter of its depth."""
 
 
 class PolledQueue:
@@ -60,6 +70,8 @@ class PolledQueue:
         self._recv_armed = self._send_armed = False
         self._held: dict[int, Any] = {}  # command ID -> what keeps its memory alive
         self._unposted: list = []  # work requests written but not posted yet (post=False)
+        self._harvest = 0  # responses a poll reaped that their callers have not collected
+        self._held_until = 0.0  # perf_counter past which held doorbells go at the next call
         self.failed: TransportError | None = None
         self.detached = False
         self.poll_budget = queue.poll_budget  # the queue's own: it has left trio for good
@@ -93,6 +105,7 @@ class PolledQueue:
         With ``post=False`` the commands are written but wait for :meth:`flush` (or for
         the next post, wait or progress on this queue), so that a batch of calls goes
         out in one ``post_send``: one doorbell, one trip through the kernel's rxe.
+        With ``post=True`` they may still be held back a little (coalesced: see the module).
         """
         with self._lock:
             if self.failed is not None or len(self._slots.free) < len(sqes):
@@ -101,7 +114,7 @@ class PolledQueue:
             now = time.perf_counter()
             for request in requests:
                 request.deadline = now  # when it was written (no watchdog reads it)
-            if post and not self._post():
+            if post and not self._hold_or_post(now, requests[0].data):
                 return None  # the queue failed (so did these requests): nothing went out
         return requests
 
@@ -113,8 +126,8 @@ class PolledQueue:
             if self.failed is not None or not self._slots.free:
                 return None
             request = self._write(None, ref, keep, (nsid, slba, nlb))
-            request.deadline = time.perf_counter()
-            if post and not self._post():
+            request.deadline = now = time.perf_counter()
+            if post and not self._hold_or_post(now, ref):
                 return None
         return request
 
@@ -147,11 +160,23 @@ class PolledQueue:
             with self._lock:
                 self._post()
 
+    def _hold_or_post(self, now: float, data: DataRef | None) -> bool:
+        """Post now, or hold the doorbell while a caller collects what a poll reaped and
+        not for long (the lock is held; ``data``: the command's); False if the post failed."""
+        if self._harvest:
+            if not self._held_until:
+                nbytes = data.length if data is not None else 0
+                self._held_until = now + HOLD_SHARE * self.poll_budget.latency(nbytes)
+            if now < self._held_until:
+                return True
+        return self._post()
+
     def _post(self) -> bool:
         """One ``post_send`` of every unposted work request (the lock is held); False if it
         failed: then the queue fails, and with it every request in flight (their callers
         retry elsewhere)."""
         wrs, self._unposted = self._unposted, []
+        self._held_until = 0.0
         if not wrs:
             return True
         try:
@@ -167,6 +192,10 @@ class PolledQueue:
         """Finish what has completed, if no other thread polls right now (never blocks)."""
         if self._unposted:
             self.flush()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Finish what has completed, if no other thread polls right now; post nothing."""
         if self._role.acquire(blocking=False):
             try:
                 self._drain()
@@ -178,12 +207,20 @@ class PolledQueue:
         """Poll until ``request`` finished; its completion.  ``until`` is a ``perf_counter``
         deadline: past it, :class:`CommandTimeout` (the request stays in flight)."""
         clock = time.perf_counter
-        if self._unposted:
-            self.flush()
+        if self._harvest and self._unposted and not request.finished:
+            self._reap()  # what came meanwhile extends the harvest: posts stay held
         if request.finished:  # reaped before anyone waited for it: how long ago it went
             if request.error is not None:  # out says nothing of its latency (its caller
                 raise for_caller(request.error)  # was busy), so no sample is taken
+            if self._harvest:
+                self._collected()
+            elif self._unposted:
+                self.flush()
             return request.completion  # type: ignore[return-value]
+        if self._unposted or self._harvest:  # about to block: what was held back goes now
+            with self._lock:
+                self._harvest = 0
+                self._post()
         data = request.data
         nbytes = data.length if data is not None else 0
         spin: float | None = None  # asked of the budget once per command, when it is polled
@@ -211,7 +248,27 @@ class PolledQueue:
         if request.error is not None:
             raise for_caller(request.error)
         self.poll_budget.record(nbytes, clock() - request.deadline, polled=polled)
+        if self._harvest:  # counted when reaped, with the others
+            self._collected()
         return request.completion  # type: ignore[return-value]
+
+    def _collected(self) -> None:
+        """A caller took one reaped response.  Once none is left, reap again: responses
+        that came meanwhile extend the harvest; with none, post what was held back (and
+        in any case once it was held long enough)."""
+        with self._lock:
+            if not self._harvest:
+                return
+            self._harvest -= 1
+            if self._harvest:
+                if self._held_until and time.perf_counter() >= self._held_until:
+                    self._post()  # held long enough
+                return
+        if self._unposted:
+            self._reap()
+        with self._lock:
+            if not self._harvest or time.perf_counter() >= self._held_until:
+                self._post()
 
     def _notify(self) -> None:
         if self._sleepers:
@@ -306,14 +363,18 @@ class PolledQueue:
                 return 1
 
     def _release(self, cid: int) -> None:
-        """Command ``cid`` was answered: its memory need not be kept alive for it any more."""
+        """Command ``cid`` was answered (its caller may collect it now): its memory need
+        not be kept alive for it any more."""
         self._held.pop(cid, None)
+        self._harvest += 1
 
     def _fail(self, error: TransportError) -> None:
         """Fail every request in flight (the lock is held)."""
         if self.failed is None:
             self.failed = error.with_traceback(None)  # the poller's frames hold requests
         self._unposted = []  # their requests fail below: nothing may post them later
+        self._harvest = 0
+        self._held_until = 0.0
         self._slots.fail_all(error)
 
     # -- the owner's loop ------------------------------------------------------------------

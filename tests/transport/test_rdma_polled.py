@@ -6,6 +6,7 @@ from another thread where a waiter must sleep on the completion channel.
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -157,6 +158,154 @@ def test_waiting_on_the_queue_posts_what_was_left_unposted(queue, memory, waitin
     else:
         polled.progress()
     assert queue.qp.posts == [1]
+
+
+@pytest.fixture
+def hold_long(monkeypatch):
+    """Held doorbells are posted by the caller's calls, never for their age."""
+    monkeypatch.setattr(rdma_polled, "HOLD_SHARE", 1e9)
+
+
+def harvesting(queue, memory) -> tuple[PolledQueue, list]:
+    """A polled queue whose caller reaped 3 answered reads and collected the first."""
+    polled = PolledQueue(queue)
+    requests = polled.submit(reads(memory, 3))
+    for request in requests:
+        answer(queue.qp, request.cid)
+    assert polled.wait(requests[0], time.perf_counter() + 30).ok  # reaps all three
+    assert all(r.finished for r in requests) and queue.qp.posts == [3]
+    return polled, requests
+
+
+def test_reads_submitted_while_their_caller_collects_reaped_ones_go_out_together(queue,
+                                                                                 memory, hold_long):
+    """One doorbell for a harvest's refills: held until the last reaped read is collected."""
+    polled, (_, second, third) = harvesting(queue, memory)
+    ((sqe, ref),) = reads(memory, 1)
+    refills = [polled.submit_read(1, 0, 1, ref)]
+    assert queue.qp.posts == [3]  # held
+    assert polled.wait(second, time.perf_counter() + 30).ok
+    refills += polled.submit([(sqe, ref)])
+    assert queue.qp.posts == [3]
+    assert polled.wait(third, time.perf_counter() + 30).ok  # the last one: they go
+    assert queue.qp.posts == [3, 2]
+    refills.append(polled.submit_read(1, 0, 1, ref))  # nothing left to collect: at once
+    assert queue.qp.posts == [3, 2, 1]
+    for request in refills:
+        answer(queue.qp, request.cid)
+        assert polled.wait(request, time.perf_counter() + 30).ok
+
+
+def test_answers_that_came_during_a_harvest_extend_it(queue, memory, hold_long):
+    """Its end reaps again: the refills of both bursts go out together."""
+    polled = PolledQueue(queue)
+    first, second, late = polled.submit(reads(memory, 3))
+    answer(queue.qp, first.cid)
+    answer(queue.qp, second.cid)
+    assert polled.wait(first, time.perf_counter() + 30).ok
+    ((_, ref),) = reads(memory, 1)
+    refill = polled.submit_read(1, 0, 1, ref)
+    answer(queue.qp, late.cid)  # not reaped yet
+    assert polled.wait(second, time.perf_counter() + 30).ok
+    assert late.finished and queue.qp.posts == [3]  # reaped at the harvest's end: held on
+    assert polled.wait(late, time.perf_counter() + 30).ok  # found waiting: no block either
+    assert queue.qp.posts == [3, 1]
+    answer(queue.qp, refill.cid)
+    assert polled.wait(refill, time.perf_counter() + 30).ok
+
+
+def test_a_caller_about_to_block_posts_what_was_held_back(queue, memory, hold_long):
+    polled, _ = harvesting(queue, memory)
+    ((_, ref),) = reads(memory, 1)
+    request = polled.submit_read(1, 0, 1, ref)
+    assert queue.qp.posts == [3]
+    target = later(0.05, answer, queue.qp, request.cid)
+    assert polled.wait(request, time.perf_counter() + 30).ok  # not answered yet: posts first
+    target.join()
+    assert queue.qp.posts == [3, 1]
+    polled.submit_read(1, 0, 1, ref)  # the harvest ended with that wait
+    assert queue.qp.posts == [3, 1, 1]
+
+
+def test_a_caller_polling_for_progress_posts_what_was_held_back(queue, memory, hold_long):
+    polled, _ = harvesting(queue, memory)
+    ((_, ref),) = reads(memory, 1)
+    polled.submit_read(1, 0, 1, ref)
+    polled.progress()  # a future's done()
+    assert queue.qp.posts == [3, 1]
+
+
+def test_a_doorbell_held_its_share_of_the_latency_goes_at_the_callers_next_call(
+        queue, memory, monkeypatch):
+    """The caller collects slowly (it works on each read): a refill is held no longer than
+    a share of what its reads take, not for the whole harvest."""
+    now = [100.0]
+    monkeypatch.setattr(rdma_polled.time, "perf_counter", lambda: now[0])
+    polled = PolledQueue(queue)
+    requests = polled.submit(reads(memory, 4))
+    for request in requests:
+        answer(queue.qp, request.cid)
+    assert polled.wait(requests[0], now[0] + 30).ok  # reaps all four: three to collect
+    window = rdma_polled.HOLD_SHARE * polled.poll_budget.latency(4096)
+    ((_, ref),) = reads(memory, 1)
+    polled.submit_read(1, 0, 1, ref)
+    now[0] += window * 0.6
+    polled.submit_read(1, 0, 1, ref)  # the first one's age counts
+    assert polled.wait(requests[1], now[0] + 30).ok
+    assert queue.qp.posts == [4]  # young enough: held on
+    now[0] += window * 0.6
+    assert polled.wait(requests[2], now[0] + 30).ok  # one still to collect, but held long
+    assert queue.qp.posts == [4, 2]
+    polled.submit_read(1, 0, 1, ref)  # a new hold, timed from now
+    assert queue.qp.posts == [4, 2]
+    now[0] += window
+    polled.submit_read(1, 0, 1, ref)  # held long: the submit itself posts both
+    assert queue.qp.posts == [4, 2, 2]
+
+
+@pytest.mark.parametrize("ahead", [1, 2, 4, 7])  # (7 slots)
+def test_a_prefetch_loop_has_its_reads_held_a_quarter_of_their_latency_at_most(
+        queue, memory, monkeypatch, ahead):
+    """``pread`` the block ``ahead``, ``get`` the last, compute on it for 10 ms; the target
+    answers all that went out meanwhile.  Reads are then held (answers wait for the
+    caller), but no more turns than a quarter of what a read takes, submission to
+    reaping (``ahead - 1`` turns here), and none is lost."""
+    now = [100.0]
+    monkeypatch.setattr(rdma_polled.time, "perf_counter", lambda: now[0])
+    polled = PolledQueue(queue)
+    ((_, ref),) = reads(memory, 1)
+    submitted = [polled.submit_read(1, block, 1, ref) for block in range(ahead - 1)]
+    answered = 0
+
+    def target_answers() -> None:
+        nonlocal answered
+        posted = sum(queue.qp.posts)  # (posts go out in submission order)
+        for request in submitted[answered:posted]:
+            answer(queue.qp, request.cid)
+        answered = posted
+
+    most = math.ceil(rdma_polled.HOLD_SHARE * (ahead - 1))
+    for block in range(ahead - 1, ahead + 40):
+        submitted.append(polled.submit_read(1, block, 1, ref))  # pread
+        target_answers()
+        assert polled.wait(submitted[block - ahead + 1], now[0] + 30).ok  # get
+        assert len(submitted) - sum(queue.qp.posts) <= most
+        now[0] += 0.01  # compute
+    for request in submitted[len(submitted) - ahead + 1:]:
+        target_answers()
+        assert polled.wait(request, now[0] + 30).ok
+
+
+def test_a_failed_queue_holds_nothing_back(queue, memory, hold_long):
+    """(A held read is posted by any wait for it, or fails with the queue: never lost.)"""
+    polled, _ = harvesting(queue, memory)
+    ((_, ref),) = reads(memory, 1)
+    held = polled.submit_read(1, 0, 1, ref)
+    polled.detach("the test is over")
+    with pytest.raises(TransportError, match="the test is over"):
+        polled.wait(held, time.perf_counter() + 30)
+    polled.flush()
+    assert queue.qp.posts == [3]  # a failed read is never posted later
 
 
 def test_a_failed_flush_fails_the_unposted_reads_and_the_queue(queue, memory):
