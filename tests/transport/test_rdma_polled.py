@@ -177,8 +177,8 @@ def harvesting(queue, memory) -> tuple[PolledQueue, list]:
     return polled, requests
 
 
-def test_reads_submitted_while_their_caller_collects_reaped_ones_go_out_together(queue,
-                                                                                 memory, hold_long):
+def test_reads_submitted_while_their_caller_collects_reaped_ones_go_out_together(
+        queue, memory, hold_long):
     """One doorbell for a harvest's refills: held until the last reaped read is collected."""
     polled, (_, second, third) = harvesting(queue, memory)
     ((sqe, ref),) = reads(memory, 1)
