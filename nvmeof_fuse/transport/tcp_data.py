@@ -3,8 +3,9 @@
 Memory over TCP needs no registration: a read's payload is received straight into the
 caller's bytes and a write's is sent from them.  The socket reaches host memory only, so
 GPU memory is refused by name (the companion API stages it through host memory, as
-kvikio's compat mode does).  Bulk write data leaves by the receiver thread, spliced
-(:mod:`.splice`) where it can be, in blocking calls bounded by the socket's send timeout.
+kvikio's compat mode does).  Bulk write data leaves by the receiver thread, copied into the
+socket (or spliced, :mod:`.splice`, where the transport asks for it), in blocking calls
+bounded by the socket's send timeout.
 """
 
 from __future__ import annotations

@@ -357,7 +357,11 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
                                                  r"failed: vmsplice: Input/output error$"):
             await write(queue, transport, 0, bytes(128 * 1024))
 
-    with_target(test, maxh2cdata=512 * 1024)
+    with_target(test, transport_kw={"splice": True}, maxh2cdata=512 * 1024)
+
+
+def test_large_write_data_is_copied_into_the_socket_unless_splicing_is_asked_for():
+    assert TcpTransport("192.0.2.1").splice is False
 
 
 def count_threads(monkeypatch) -> list[str]:
