@@ -303,10 +303,12 @@ def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
     with_target(test)
 
 
-@pytest.mark.parametrize("splice", [True, False], ids=["spliced", "copied"])
+@pytest.mark.parametrize("splice", [True, False, None], ids=["spliced", "copied", "default"])
 @pytest.mark.parametrize("digests", [{}, {"header_digest": True, "data_digest": True}],
                          ids=["plain", "digests"])
-def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, monkeypatch):
+def test_large_write_data_is_copied_or_spliced_into_the_socket_and_lands(splice, digests,
+                                                                         monkeypatch):
+    """Copied unless the transport is asked to splice."""
     from nvmeof_fuse.nvme import tcp_pdu as pdu
     from nvmeof_fuse.transport import splice as splicing
     from nvmeof_fuse.transport import tcp_queue
@@ -339,7 +341,8 @@ def test_large_write_data_is_spliced_into_the_socket_and_lands(splice, digests, 
         got, _ = await read(queue, transport, 8, len(data))
         assert got == data
 
-    with_target(test, transport_kw={"splice": splice, **digests}, maxh2cdata=512 * 1024)
+    spliced_kw = {} if splice is None else {"splice": splice}
+    with_target(test, transport_kw={**spliced_kw, **digests}, maxh2cdata=512 * 1024)
 
 
 def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
@@ -358,10 +361,6 @@ def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
             await write(queue, transport, 0, bytes(128 * 1024))
 
     with_target(test, transport_kw={"splice": True}, maxh2cdata=512 * 1024)
-
-
-def test_large_write_data_is_copied_into_the_socket_unless_splicing_is_asked_for():
-    assert TcpTransport("192.0.2.1").splice is False
 
 
 def count_threads(monkeypatch) -> list[str]:
