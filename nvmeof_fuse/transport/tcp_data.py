@@ -131,21 +131,6 @@ def send_pdus(sock: socket.socket, splicer: Splicer | None, pdus: list[list]) ->
         raise Stalled from None
 
 
-def send_buffers(sock: socket.socket, buffers: list) -> None:
-    """Receiver thread: send all of ``buffers`` into the (blocking) socket, gathered.  Raises
-    Stalled when the socket took nothing within the timeout, OSError on failure."""
-    try:
-        while buffers:
-            sent = sock.sendmsg(buffers)
-            while buffers and sent >= len(buffers[0]):
-                sent -= len(buffers[0])
-                del buffers[0]
-            if sent:
-                buffers[0] = memoryview(buffers[0])[sent:]
-    except BlockingIOError:
-        raise Stalled from None
-
-
 def h2c_pdus(request: Request, header: pdu.Header, *, maxh2cdata: int, cpda: int,
              header_digest: bool, data_digest: bool, splice: bool) -> list[list]:
     """The H2CData PDUs (each a list of buffers) answering ``header``, an R2T for

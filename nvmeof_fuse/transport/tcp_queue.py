@@ -3,9 +3,8 @@
 Capsules go out from the trio thread: a command alone at once, others in flight with it
 by a sender task, in one ``sendmsg`` per trio batch.  A write's data rides in the capsule
 up to the in-capsule limit; otherwise it answers the controller's R2Ts in H2CData PDUs
-(:mod:`.tcp_data`), sent by the receiver thread the moment it reads a bulk R2T, with the
-capsules queued meanwhile behind them.  A per-socket send lock keeps PDUs from
-interleaving; the trio thread never waits for it.
+(:mod:`.tcp_data`), sent by the receiver thread the moment it reads a bulk R2T.  A
+per-socket send lock keeps PDUs from interleaving; the trio thread never waits for it.
 
 What comes in is read by the queue's :class:`~.tcp_reader.PduReader`: small PDUs on the
 trio thread, large ones (and the stream after them) by the queue's receiver thread, whose
@@ -50,7 +49,6 @@ from .tcp_data import (
     Stalled,
     data_view,
     h2c_pdus,
-    send_buffers,
     send_pdus,
     transport_data_block,
 )
@@ -126,8 +124,7 @@ class TcpQueue:
     which times out commands past their deadline.
 
     Bulk H2CData (:data:`BULK_BYTES`) is sent by the receiver thread, in blocking
-    calls under the send lock, as it reads the R2T, and the capsules queued meanwhile
-    after it (:meth:`_send_capsules_in_thread`); the sender waits for it
+    calls under the send lock, as it reads the R2T; the sender waits for it meanwhile
     (:data:`_LOCKED`).  No caller of a failed queue is let go while a thread still
     uses the socket (:meth:`_release_held`).
     """
@@ -165,10 +162,7 @@ class TcpQueue:
         self._receiver: trio.CancelScope | None = None
         self._received = trio.Event()
         self._outgoing: deque[list] = deque()
-        """PDUs not yet (wholly) handed to the kernel: ``[buffers, request or None, reads]``,
-        ``reads``: the buffers read the request's (its caller's) memory.  The trio thread
-        appends; whichever thread holds the send lock takes from the head, the receiver
-        thread only PDUs that read no caller memory (:meth:`_send_capsules_in_thread`)."""
+        """PDUs not yet (wholly) handed to the kernel: ``[buffers, request or None]``."""
         self._sender = None  # the sender task
         self._sender_idle = False  # parked, waiting for PDUs to send
         self._watchdog = Watchdog(
@@ -278,29 +272,26 @@ class TcpQueue:
             buffers.append(payload)
             if self.data_digest:
                 buffers.append(pdu.digest(payload))
-        self._submit(buffers, request, batch=batch, reads=inline)
+        self._submit(buffers, request, batch=batch)
         return request
 
     # -- sending ------------------------------------------------------------------------------
 
-    def _submit(self, buffers: list, request: Request | None, *, batch: bool,
-                reads: bool = True) -> None:
-        """Queue one PDU (a list of buffers) of ``request`` for the socket; ``reads``: the
-        buffers read its caller's memory.  PDUs never interleave.
+    def _submit(self, buffers: list, request: Request | None, *, batch: bool) -> None:
+        """Queue one PDU (a list of buffers) for the socket; PDUs never interleave.
 
         Sent at once when nothing else is queued and ``batch`` is false; otherwise
-        by the sender task (or the receiver thread) with whatever else was queued meanwhile.
+        by the sender task, with whatever else was queued meanwhile.
         """
         if self._failed is not None:
             if request is not None and not request.finished:
                 request.error = self._failed
                 self._let_go(request)
             return
-        reads = reads and request is not None
-        if reads:
+        if request is not None:
             request.unsent += 1
         out = self._outgoing
-        out.append([buffers, request, reads])
+        out.append([buffers, request])
         if len(out) > 1 or (batch and self._sender is not None):
             self._wake_sender()
             return
@@ -376,7 +367,7 @@ class TcpQueue:
         if not buffers:
             out.popleft()
             request = entry[1]
-            if entry[2]:
+            if request is not None:
                 request.unsent -= 1
                 if not request.unsent and request.completion is not None:
                     self._finish(request, request.completion)
@@ -580,35 +571,13 @@ class TcpQueue:
             if self.closed:
                 raise OSError(errno.EPIPE, "the queue is closed")
             send_pdus(self.sock, splicer, pdus)
-            self._send_capsules_in_thread()
         finally:
             lock.release()
-            # The trio thread's sender waits for the lock, for PDUs this thread left: they
-            # were queued before it found the lock taken, so they are seen here.
-            if self._send_wanted and self._outgoing:
+            if self._send_wanted:  # the trio thread's sender waits for the lock
                 try:
                     self._mailbox.post([(None, None)])
                 except trio.RunFinishedError:
                     pass  # no one waits any more
-
-    def _send_capsules_in_thread(self) -> None:
-        """The receiver thread, holding the send lock: send the PDUs queued meanwhile that
-        read no caller memory (capsules of commands without in-capsule data), as Linux's
-        io_work sends what is queued between receives.  The trio thread would send them
-        only once woken by this thread; the target waits for them.  It stops at a PDU that
-        reads a caller's memory: that one's accounting (``Request.unsent``) is the trio
-        thread's.  Raises Stalled, OSError."""
-        out = self._outgoing
-        while True:
-            iov: list = []
-            try:
-                while len(iov) < MAX_IOV and not out[0][2]:
-                    iov.extend(out.popleft()[0])  # (only the trio thread appends, at the tail)
-            except IndexError:  # none left, or the queue failed and cleared them meanwhile
-                pass
-            if not iov:
-                return
-            send_buffers(self.sock, iov)
 
     # -- back on the trio thread ----------------------------------------------------------------
 
@@ -669,9 +638,9 @@ class TcpQueue:
         for request in list(self._pending.values()):
             if (request.task is None and request.done is None) or request.deadline > now:
                 continue
-            if request.unsent or any(entry[1] is request for entry in list(self._outgoing)):
-                # Its PDUs still wait for the socket (and may read the caller's memory):
-                # the connection is stuck, and only closing it lets the caller go safely.
+            if request.unsent:
+                # Its PDUs still wait for the socket and read the caller's memory: the
+                # connection is stuck, and only closing it lets the caller go safely.
                 self._fail(TransportError(f"{self.name}: command {request.cid} could not be "
                                           f"sent within {request.timeout:g} s"))
                 return

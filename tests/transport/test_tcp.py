@@ -16,7 +16,6 @@ from tcp_target import LBA, FakeTcpTarget
 from nvmeof_fuse.errors import CommandTimeout, ConnectError, TransportError
 from nvmeof_fuse.host.memory import host_buffer
 from nvmeof_fuse.nvme import command as cmd
-from nvmeof_fuse.nvme import tcp_pdu as pdu
 from nvmeof_fuse.nvme.sgl import NULL_SGL
 from nvmeof_fuse.transport.tcp import (
     ICResp,
@@ -310,6 +309,7 @@ def test_a_command_that_cannot_be_sent_fails_the_queue_by_name_at_its_timeout():
 def test_large_write_data_is_copied_or_spliced_into_the_socket_and_lands(splice, digests,
                                                                          monkeypatch):
     """Copied unless the transport is asked to splice."""
+    from nvmeof_fuse.nvme import tcp_pdu as pdu
     from nvmeof_fuse.transport import splice as splicing
     from nvmeof_fuse.transport import tcp_queue
 
@@ -1018,58 +1018,6 @@ def test_an_r2t_for_bulk_data_is_answered_by_the_receiver_thread_itself(monkeypa
         assert senders == [False] and answered_by_trio == [16 * 1024]
         assert (await read(queue, transport, 0, len(big)))[0] == big
         assert (await read(queue, transport, 1024, len(small)))[0] == small
-
-    with_target(test, maxh2cdata=1 << 20)
-
-
-def test_capsules_queued_while_the_receiver_thread_sends_h2cdata_go_out_after_it_by_it(
-        monkeypatch):
-    """As Linux's io_work: the receiver thread, done with an R2T's data, sends the capsules
-    queued meanwhile before it lets go of the send lock (no wake-up of the trio thread's
-    sender); it leaves one that reads a caller's memory (in-capsule data) to the trio thread."""
-    from nvmeof_fuse.transport import tcp_queue
-
-    entered, go = threading.Event(), threading.Event()
-    by_thread = []
-    send_pdus, send_buffers = tcp_queue.send_pdus, tcp_queue.send_buffers
-
-    def held(sock, splicer, pdus):  # the R2T's data waits, the send lock held, for `go`
-        entered.set()
-        assert go.wait(TIMEOUT)
-        return send_pdus(sock, splicer, pdus)
-
-    def sending(sock, buffers):
-        by_thread.append((threading.current_thread() is threading.main_thread(),
-                          [bytes(b[:1]) for b in buffers]))
-        return send_buffers(sock, buffers)
-
-    monkeypatch.setattr(tcp_queue, "send_pdus", held)
-    monkeypatch.setattr(tcp_queue, "send_buffers", sending)
-    rng = random.Random(12)
-    big, small = rng.randbytes(256 * 1024), rng.randbytes(2 * LBA)
-
-    async def test(target, transport, queue):
-        results = []
-
-        async def flush():
-            results.append((await queue.execute(cmd.flush(1), timeout=5)).ok)
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(write, queue, transport, 0, big)
-            await trio.to_thread.run_sync(entered.wait, TIMEOUT)
-            for _ in range(3):
-                nursery.start_soon(flush)
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(write, queue, transport, 1024, small)  # in-capsule data
-            nursery.start_soon(flush)
-            await trio.testing.wait_all_tasks_blocked()
-            go.set()
-        assert results == [True] * 4
-        capsule = bytes([pdu.CAPSULE_CMD])
-        assert by_thread == [(False, [capsule] * 3)]  # the trio thread sent the rest
-        assert (await read(queue, transport, 0, len(big)))[0] == big
-        assert (await read(queue, transport, 1024, len(small)))[0] == small
-        assert queue.available == 31
 
     with_target(test, maxh2cdata=1 << 20)
 
