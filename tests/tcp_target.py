@@ -28,8 +28,10 @@ FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown com
 
 class FakeTcpTarget:
     def __init__(self, *, size: int = 1 << 20, maxh2cdata: int = 8192, cpda: int = 0,
-                 success_flag: bool = False, c2h_pieces: int = 1, pad: int = 0) -> None:
+                 success_flag: bool = False, c2h_pieces: int = 1, pad: int = 0,
+                 mdts: int = 3) -> None:
         self.data = bytearray(size)
+        self.mdts = mdts  # Identify's MDTS: 2^mdts 4 KiB pages a command, 0 for no limit
         self.maxh2cdata = maxh2cdata
         self.cpda = cpda
         self.success_flag = success_flag
@@ -181,9 +183,9 @@ class FakeTcpTarget:
         if opcode == ADMIN_IDENTIFY:
             cns, nsid = sqe[40], struct.unpack_from("<I", sqe, 4)[0]
             page = bytearray(4096)
-            if cns == 1:  # controller: MDTS 2^3 pages, SGLs, IOCCSZ 4 KiB in-capsule, I/O
+            if cns == 1:  # controller: MDTS, SGLs, IOCCSZ 4 KiB in-capsule, I/O
                 page[24:32] = b"fake-tcp"
-                page[77] = 3
+                page[77] = self.mdts
                 page[111] = 1
                 struct.pack_into("<H", page, 514, 128)
                 struct.pack_into("<I", page, 536, 1 | 1 << 20)

@@ -30,7 +30,9 @@ from nvmeof_fuse.host.controller import ConnectOptions, connect  # noqa: E402
 
 def serve(port_queue) -> None:
     async def main():
-        target = FakeTcpTarget(size=64 << 20, maxh2cdata=1 << 22)
+        # No MDTS and MAXH2CDATA 4 MiB, as Linux nvmet-tcp: a 1 MiB write is one command
+        # answering one R2T, as in the testbed VM.
+        target = FakeTcpTarget(size=64 << 20, maxh2cdata=1 << 22, mdts=0)
         async with trio.open_nursery() as nursery:
             port_queue.put(await nursery.start(target.serve))
 
