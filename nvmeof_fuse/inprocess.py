@@ -150,12 +150,13 @@ class Mount:
         session = self.session
         cuda = gpu.ops()
         if cuda.is_cuda(obj):
-            addr, nbytes = cuda.span(obj)
+            device = cuda.memory(obj)
+            addr, nbytes = device.ptr, device.nbytes
             base, offset, length = gpu.page_span(addr, nbytes)
             try:
-                fd = cuda.export_dmabuf(base, length)
+                fd = cuda.export_dmabuf(device, base, length)
                 rid = self.run_sync(session.register_dmabuf, fd, offset, nbytes, addr)
-            except (NVMeoFError, RuntimeError, OSError, ValueError, ImportError) as dmabuf_error:
+            except (NVMeoFError, RuntimeError, OSError, ValueError) as dmabuf_error:
                 try:
                     rid = self.run_sync(session.register_address, addr, nbytes, obj)
                 except NVMeoFError as peer_error:

@@ -12,17 +12,14 @@ import contextlib
 import ctypes
 import json
 import mmap
-import os
 import random
 import threading
 import uuid
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
 import trio
 
-from nvmeof_fuse.companion import gpu, shm
 from nvmeof_fuse.companion.server import CompanionServer
 from nvmeof_fuse.errors import TransportError
 from nvmeof_fuse.host.controller import ConnectOptions
@@ -275,46 +272,3 @@ class FakeFabric:
 
     def close(self) -> None:
         pass
-
-
-# -- the CUDA seam over host memory -----------------------------------------------------------
-
-class FakeTensor:
-    is_cuda = True
-
-    def __init__(self, nbytes: int) -> None:
-        self.mem = shm.allocate(nbytes)
-        self.bytes = np.frombuffer(self.mem, dtype=np.uint8, count=nbytes)
-        self.nbytes = nbytes
-
-
-class FakeCuda:
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def is_cuda(self, obj) -> bool:
-        return isinstance(obj, FakeTensor)
-
-    def span(self, tensor):
-        return tensor.mem.addr, tensor.nbytes
-
-    def export_dmabuf(self, base: int, length: int) -> int:
-        self.calls.append("export")
-        assert base % gpu.PAGE == 0 and length % gpu.PAGE == 0
-        mem, offset = shm.find(base, length)
-        assert offset == 0
-        return os.dup(mem.fd)
-
-    def synchronize(self) -> None:
-        self.calls.append("synchronize")
-
-    def flush_gpudirect_writes(self) -> None:
-        self.calls.append("flush")
-
-    def to_device(self, tensor, byte_offset, data) -> None:
-        self.calls.append("to_device")
-        tensor.bytes[byte_offset:byte_offset + len(data)] = np.frombuffer(data, np.uint8)
-
-    def to_host(self, tensor, byte_offset, out) -> None:
-        self.calls.append("to_host")
-        out[:] = tensor.bytes[byte_offset:byte_offset + len(out)].tobytes()

@@ -71,6 +71,7 @@ class SocketChannel:
                     future = self._pending.pop(header.get("id"), None)
                 if future is not None:
                     future.set_result(header)
+                    del future  # while recv blocks, hold nothing its callbacks hold
                 elif not header.get("ok", True):  # unsolicited: a refusal
                     error = CompanionError(str(header.get("error")),
                                            int(header.get("errno") or errno.EIO))
@@ -120,6 +121,22 @@ class SocketChannel:
             raise NoAnswer(f"the mount daemon did not answer {op} within {limit:g} s") from None
         return protocol.raise_for_reply(header)
 
+    def request(self, op: str, *, payload: bytes = b"", **fields: Any
+                ) -> concurrent.futures.Future:
+        """Send one request without waiting: the future gets its reply's fields, or the
+        daemon's :class:`CompanionError` (waiting on it is the caller's, bounded)."""
+        reply = self.call_future(op, payload=payload, **fields)
+        result: concurrent.futures.Future = concurrent.futures.Future()
+
+        def answered(future: concurrent.futures.Future) -> None:
+            try:
+                result.set_result(protocol.raise_for_reply(future.result()))
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                result.set_exception(exc)
+
+        reply.add_done_callback(answered)
+        return result
+
     # -- the channel calls ---------------------------------------------------------------
 
     def hello(self) -> dict:
@@ -144,8 +161,30 @@ class SocketChannel:
     def unregister(self, rid: int) -> None:
         self.call("unregister", region=rid)
 
+    def forget(self, rid: int) -> None:
+        """:meth:`unregister` without waiting (safe on the reader thread)."""
+        try:
+            self.call_future("unregister", region=rid)
+        except NVMeoFError:  # the daemon is gone, and the region with it
+            pass
+
     def read(self, nsid: int, pieces: list[Piece], timeout: float) -> None:
         self.call("read", nsid=nsid, pieces=[p.to_list() for p in pieces], timeout=timeout)
+
+    def read_async(self, nsid: int, pieces: list[Piece], timeout: float
+                   ) -> concurrent.futures.Future:
+        """:meth:`read` without waiting (``timeout`` bounds the waiter, not the request)."""
+        return self.request("read", nsid=nsid, pieces=[p.to_list() for p in pieces])
+
+    def write_async(self, nsid: int, offset: int, length: int, rid: int, region_offset: int,
+                    head: bytes, tail: bytes, timeout: float) -> concurrent.futures.Future:
+        return self.request("write", payload=head + tail, nsid=nsid, offset=offset,
+                            length=length, region=rid, region_offset=region_offset,
+                            head=len(head), tail=len(tail))
+
+    def report(self, **fields: Any) -> None:
+        """Tell the daemon something (counts, placement) without waiting for the answer."""
+        self.call_future("report", **fields)
 
     def write(self, nsid: int, offset: int, length: int, rid: int, region_offset: int,
               head: bytes, tail: bytes, timeout: float) -> None:
@@ -167,6 +206,9 @@ class SocketChannel:
         self._sock.close()
 
 
+LOCAL_CALLS = 8  # requests of an in-process File under way at once
+
+
 class LocalChannel:
     """Calls into a mount served by this process (``nvmeof_fuse.mount``)."""
 
@@ -176,6 +218,8 @@ class LocalChannel:
         self.mount = mount
         self.timeout = timeout
         self._owned: set[int] = set()
+        self._calls = concurrent.futures.ThreadPoolExecutor(
+            LOCAL_CALLS, "nvmeof-fuse local channel")  # each waits on the mount's loop
 
     def _run(self, fn: Any, *args: Any, timeout: float | None = None) -> Any:
         limit = self.timeout if timeout is None else timeout
@@ -213,6 +257,12 @@ class LocalChannel:
         self._owned.discard(rid)
         self.mount.run_sync(self.mount.session.unregister, rid)
 
+    def forget(self, rid: int) -> None:
+        try:
+            self.unregister(rid)
+        except NVMeoFError:  # the mount is gone, and the region with it
+            pass
+
     def read(self, nsid: int, pieces: list[Piece], timeout: float) -> None:
         self._run(self.mount.session.read, nsid, pieces, timeout=timeout)
 
@@ -221,10 +271,24 @@ class LocalChannel:
         self._run(self.mount.server.write, self.mount.session, nsid, offset, length, rid,
                   region_offset, head, tail, timeout=timeout)
 
+    def read_async(self, nsid: int, pieces: list[Piece], timeout: float
+                   ) -> concurrent.futures.Future:
+        return self._calls.submit(self.read, nsid, pieces, timeout)
+
+    def write_async(self, nsid: int, offset: int, length: int, rid: int, region_offset: int,
+                    head: bytes, tail: bytes, timeout: float) -> concurrent.futures.Future:
+        return self._calls.submit(self.write, nsid, offset, length, rid, region_offset, head,
+                                  tail, timeout)
+
+    def report(self, **fields: Any) -> None:
+        session = self.mount.session
+        self.mount.run_sync(session.report, fields.get("moved") or {}, fields.get("placement"))
+
     def stats(self) -> dict:
         return self.mount.run_sync(self.mount.server.snapshot)
 
     def close(self) -> None:
+        self._calls.shutdown(wait=True)
         for rid in list(self._owned):
             try:
                 self.unregister(rid)

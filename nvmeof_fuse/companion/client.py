@@ -4,13 +4,15 @@
     with nvmeof_fuse.File("/mnt/nvme/n1") as f:
         f.read(arr, file_offset=12345)             # the target writes into arr by RDMA
         fut = f.pwrite(arr, 4096, file_offset=0)   # futures: fut.get()
+        f.read(tensor, stream=torch.cuda.current_stream())  # CUDA memory, from any thread
 
-Direct placement needs memory the daemon can register: an array from
-:func:`~nvmeof_fuse.empty` (or a view of one), a CUDA tensor whose memory
-exports as a dma-buf, or, in the process that mounted, any memory.  Anything
-else is staged through a shared bounce buffer and copied here, like kvikio's
-compat mode: it still works, it is logged once, and the daemon counts those
-bytes as staged.
+Direct placement needs memory the daemon (or this process's own queues) can
+register: an array from :func:`~nvmeof_fuse.empty` (or a view of one), a CUDA
+tensor whose memory exports as a dma-buf to an RDMA mount, or, in the process
+that mounted, any memory.  Anything else is staged through pinned bounce
+memory shared with the daemon and copied here, like kvikio's compat mode: it
+still works, :attr:`File.placement` says why, it is logged once, and the
+daemon counts those bytes as staged.
 """
 
 from __future__ import annotations
@@ -18,17 +20,15 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import errno
+import functools
 import json
 import logging
 import operator
 import os
-import queue
 import re
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InvalidArgument, NVMeoFError
@@ -37,9 +37,12 @@ from ..host.memory import buffer_address
 from ..host.options import QUEUES_PER_CLIENT
 from . import gpu, shm
 from .channel import LocalChannel, SocketChannel
+from .daemon_io import DaemonIO, Placed
+from .dmabuf import DmabufCache
 from .future import IOFuture
 from .local import served_here
-from .protocol import CompanionError, NoAnswer, Piece, chunks, plan_read, plan_write
+from .protocol import CompanionError, plan_write
+from .staging import CallerMemory, Staging
 
 if TYPE_CHECKING:
     from .direct import DirectQueues
@@ -48,8 +51,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 60.0  # s per request, plus time for its bytes at MIN_RATE
 MIN_RATE = 5e6  # bytes/s assumed when bounding a large request
-STAGING_SLOT = 1 << 20
-STAGING_SLOTS = 4
+TASK_SIZE = 4 << 20
+"""Bytes a staged request's task moves at most (kvikio's ``task_size``)."""
+STAGING_BYTES = 32 << 20
+"""Bounce memory per file: what staged transfers may have in flight together."""
 INFO_TIMEOUT = 10.0  # s for reading .nvmeof/companion.json (a hung mount blocks)
 _warned: set[str] = set()
 
@@ -114,134 +119,64 @@ def locate(path: str) -> tuple[str, int, dict]:
     return mountpoint, int(match.group(1)), info
 
 
-class _Staging:
-    """Shared bounce memory registered once per file: slots borrowed per transfer."""
-
-    def __init__(self, channel: Any, slot: int, count: int, timeout: float) -> None:
-        self.slot = slot
-        self.timeout = timeout
-        self.mem = shm.allocate(slot * count)
-        self.view = memoryview(self.mem)
-        self.rid = channel.register_shared(self.mem, staging=True)
-        self._free: queue.Queue[int] = queue.Queue()
-        for i in range(count):
-            self._free.put(i * slot)
-
-    @contextmanager
-    def borrow(self) -> Iterator[int]:
-        try:
-            at = self._free.get(timeout=self.timeout)
-        except queue.Empty:
-            raise CompanionError(f"no staging buffer came free within {self.timeout:g} s",
-                                 errno.ETIMEDOUT) from None
-        try:
-            yield at
-        except NoAnswer:  # the daemon may still use the slot: it is never lent again
-            raise
-        except BaseException:
-            self._free.put(at)
-            raise
-        else:
-            self._free.put(at)
-
-    def close(self) -> None:
-        self.view.release()
-
-
-class _Target:
-    """Caller memory for one transfer: a region (direct) or None (staged), plus copies."""
-
-    rid: int | None = None
-    offset = 0  # of the caller's first byte within region ``rid``
-    cleanup: Any = None
-
-    def put(self, at: int, data: memoryview) -> None: ...
-
-    def get(self, at: int, length: int) -> bytes: ...
-
-    def after_read(self) -> None: ...
-
-    def before_write(self) -> None: ...
-
-
-class _HostTarget(_Target):
-    def __init__(self, view: memoryview) -> None:
-        self.view = view
-
-    def put(self, at: int, data: memoryview) -> None:
-        self.view[at:at + len(data)] = data
-
-    def get(self, at: int, length: int) -> bytes:
-        return bytes(self.view[at:at + length])
-
-
-class _LazyHostTarget(_HostTarget):
-    """Host memory whose bytes are touched only for partial LBAs: its view is made then."""
-
-    def __init__(self, owner: Any, start: int, size: int) -> None:  # noqa: D107
-        self._owner, self._start, self._size = owner, start, size
-        self._view: memoryview | None = None
-
-    @property  # type: ignore[override]
-    def view(self) -> memoryview:
-        if self._view is None:
-            self._view = _host_view(self._owner)[self._start:self._start + self._size]
-        return self._view
-
-
-class _CudaTarget(_Target):
-    def __init__(self, cuda: gpu.CudaOps, tensor: Any, byte_offset: int) -> None:
-        self.cuda = cuda
-        self.tensor = tensor
-        self.base = byte_offset
-
-    def put(self, at: int, data: memoryview) -> None:
-        self.cuda.to_device(self.tensor, self.base + at, data)
-
-    def get(self, at: int, length: int) -> bytes:
-        out = bytearray(length)
-        self.cuda.to_host(self.tensor, self.base + at, memoryview(out))
-        return bytes(out)
-
-    def after_read(self) -> None:
-        if self.rid is not None:  # the target wrote GPU memory: make it visible to CUDA
-            self.cuda.flush_gpudirect_writes()
-
-    def before_write(self) -> None:
-        self.cuda.synchronize()  # work producing the tensor must be done before the NIC reads
-
-
 class _Memory(NamedTuple):
-    """Caller memory: ``cuda`` is the seam for a CUDA tensor, None for host memory."""
+    """Caller memory, resolved once per call: ``device`` for CUDA memory, else None."""
 
-    cuda: gpu.CudaOps | None
+    device: gpu.DeviceMemory | None
     addr: int
     total: int
     owner: Any
 
 
+class _NoDirect(Exception):
+    """Why CUDA memory cannot be placed directly (then it is staged)."""
+
+
+STAGED_HOST = "staged: only arrays from nvmeof_fuse.empty() are shared with the mount daemon"
+
+
 class File:
-    """A namespace file of a mounted controller, opened for direct placement."""
+    """A namespace file of a mounted controller, opened for direct placement.
+
+    ``workers`` threads copy between staging memory and the caller's; staged
+    transfers have at most ``staging_bytes`` in flight, cut into tasks of
+    ``task_size`` bytes.  ``stream=`` orders the copies into and out of a CUDA
+    buffer on the caller's CUDA stream (see :mod:`nvmeof_fuse.companion.gpu`).
+    """
 
     def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT,
                  compat_mode: bool | None = None, workers: int = 4,
-                 queues: int = QUEUES_PER_CLIENT) -> None:
+                 queues: int = QUEUES_PER_CLIENT, task_size: int = TASK_SIZE,
+                 staging_bytes: int = STAGING_BYTES) -> None:
         self.path = path
         self.timeout = timeout
         if compat_mode is None:
             compat_mode = os.environ.get("NVMEOF_FUSE_COMPAT_MODE", "").upper() in {"ON", "1"}
         self.compat_mode = compat_mode
+        for name, value in (("workers", workers), ("task_size", task_size),
+                            ("staging_bytes", staging_bytes)):
+            if _integer(value, name) <= 0:
+                raise InvalidArgument(f"{name} must be positive, got {value}")
+        if staging_bytes < task_size:
+            raise InvalidArgument(f"staging_bytes {staging_bytes} must hold a task of "
+                                  f"task_size {task_size} bytes")
         self.mountpoint, self.nsid, info = locate(path)
         local = served_here(info["socket"])
         address = "\0" + info["socket"][1:] if info["socket"].startswith("@") else info["socket"]
         self._channel: Any = (LocalChannel(local, timeout) if local is not None
                               else SocketChannel(address, timeout))
         self._mount = local
+        self._cuda = gpu.ops()
         self._regions: dict[int, int] = {}  # shared allocation key -> region
         self._stale: list[int] = []  # regions of freed allocations, unregistered on next use
-        self._lock = threading.Lock()  # guards _regions and _stale
+        self._lock = threading.Lock()  # guards _regions, _stale and _inflight
         self._register_lock = threading.Lock()  # one registration per allocation
+        self._inflight: set[concurrent.futures.Future] = set()  # transfers via the daemon
         self._closed = False
+        self._cuda_refusal = ""  # why CUDA memory is staged; empty: placed directly
+        self._cuda_peer = False  # in-process: CUDA memory registered by address instead
+        self._peer_error = ""  # why the in-process dma-buf failed
+        self._pin_failure = ""
         try:
             hello = self._channel.hello()
             ns = hello["namespaces"].get(str(self.nsid))
@@ -251,16 +186,24 @@ class File:
             self.nbytes: int = ns["size"]
             self.lba_size: int = ns["lba_size"]
             self.read_only: bool = hello.get("read_only", False)
-            slot = max(STAGING_SLOT, 2 * self.lba_size)
-            self._staging = _Staging(self._channel, slot, STAGING_SLOTS, timeout)
+            self._task_size = max(task_size, 2 * self.lba_size)
+            self._staging = Staging(self._channel, max(staging_bytes, self._task_size))
             self._direct = self._open_direct(hello, queues)
         except BaseException:
             self._channel.close()
             raise
+        self._placement = self._first_placement(hello)
+        self._report_placement()
         self._executor = concurrent.futures.ThreadPoolExecutor(workers, "nvmeof-fuse file")
+        # Nothing a transfer's callbacks hold refers back to this file (a dropped file is
+        # collected): the budget is a plain function of the timeout.
+        self._io = DaemonIO(self._channel, self.nsid, self.lba_size, self._staging,
+                            self._task_size, self._executor, functools.partial(_budget, timeout))
+        channel = self._channel
+        self._dmabufs = DmabufCache(self._cuda, channel.register_dmabuf, channel.forget)
         # A file dropped unclosed still lets go of its queues, registrations and connection.
         self._dropped = weakref.finalize(self, _release_dropped, self._executor, self._direct,
-                                         self._staging, self._channel)
+                                         self._staging, self._channel, self._dmabufs)
         self._dropped.atexit = False  # at exit the connection goes with the process
         shm.on_free(self._forget)
 
@@ -279,6 +222,57 @@ class File:
                    "daemon's queues instead (slower; counted as direct_* or staged_*)")
         return None
 
+    def _first_placement(self, hello: dict) -> dict[str, str]:
+        """How each kind of caller memory moves, as far as the hello tells."""
+        if self.compat_mode:
+            self._cuda_refusal = "compat mode is on"
+            return dict.fromkeys(("shared", "host", "cuda"), "staged: compat mode is on")
+        if self._mount is not None:
+            shared = host = "direct: registered by this process, which serves the mount"
+        elif self._direct is not None:
+            shared = host = "direct: registered with this process's own queues"
+        else:
+            shared, host = "direct: the mount daemon maps the array's pages", STAGED_HOST
+        refusal = (hello.get("placement") or {}).get("dmabuf", "on")
+        if refusal != "on":
+            self._cuda_refusal = refusal
+            cuda = f"staged: {refusal}"
+        else:
+            cuda = "direct (dma-buf) if the GPU and the RDMA device take it; not tried yet"
+        return {"shared": shared, "host": host, "cuda": cuda}
+
+    @property
+    def placement(self) -> dict[str, str]:
+        """For each kind of memory (``shared``: arrays from :func:`~nvmeof_fuse.empty`,
+        ``host``: other host memory, ``cuda``), whether data is placed directly, and if
+        not, why: one line each."""
+        return dict(self._placement)
+
+    def _place(self, kind: str, how: str, warning: str = "") -> None:
+        """Note how ``kind`` memory moves now; tell the daemon, and the log once."""
+        if self._placement.get(kind) == how:
+            return
+        self._placement[kind] = how
+        if warning:
+            _warn_once(f"{kind}:{how}", warning)
+        self._report_placement()
+
+    def _report_placement(self) -> None:
+        """Tell the daemon (its per-client stats show it), without waiting."""
+        try:
+            self._channel.report(moved={}, placement=self._placement)
+        except NVMeoFError as exc:  # the daemon is gone: transfers will say so
+            log.debug("reporting placement: %s", exc)
+
+    def _refuse_cuda(self, reason: str) -> None:
+        """CUDA memory of this file is staged from now on (never asked for again)."""
+        self._cuda_refusal = reason
+        advice = (" (mount over RDMA to place data in GPU memory directly)"
+                  if "NVMe/TCP" in reason else "")
+        self._place("cuda", f"staged: {reason}",
+                    f"nvmeof_fuse: {self.path}: CUDA memory is staged through pinned host "
+                    f"memory: {reason}{advice}")
+
     @property
     def own_queues(self) -> tuple[int, ...]:
         """The queue IDs this file uses on its own, or () when it uses the daemon's."""
@@ -294,14 +288,17 @@ class File:
         self.close()
 
     def close(self) -> None:
-        """Wait for pending futures, then release this file's registrations."""
+        """Wait (bounded) for pending transfers, then release this file's registrations."""
         if self._closed:
             return
-        self._executor.shutdown(wait=True)  # new pread/pwrite calls fail from here on
-        self._closed = True
+        self._closed = True  # new calls fail from here on
+        with self._lock:
+            pending = list(self._inflight)
+        concurrent.futures.wait(pending, timeout=self.timeout)
+        self._executor.shutdown(wait=True)
         self._dropped.detach()
         shm.remove_on_free(self._forget)
-        _release(self._executor, self._direct, self._staging, self._channel)
+        _release(self._executor, self._direct, self._staging, self._channel, self._dmabufs)
 
     def _forget(self, key: int) -> None:
         """A shared allocation was freed (a finalizer, any thread): unregister it later."""
@@ -320,16 +317,26 @@ class File:
                 log.debug("unregistering a freed array's region %d: %s", rid, exc)
 
     def stats(self) -> dict:
-        """The daemon's companion counters: bytes over clients' own queues, over the
-        daemon's queues (direct) and staged, in total and per client."""
+        """The daemon's companion counters (bytes over clients' own queues, over the daemon's
+        queues directly and staged, in total and per client), and under ``file`` this
+        file's own: its placement, staging slots and dma-buf registrations."""
         if self._direct is not None:
-            return self._channel.call("stats", moved=self._direct.moved())["stats"]
-        return self._channel.stats()
+            daemon = self._channel.call("stats", moved=self._direct.moved())["stats"]
+        else:
+            daemon = self._channel.stats()
+        counts = dict(self._dmabufs.counts)
+        live = self._dmabufs.live()
+        if self._direct is not None:
+            for name, value in self._direct.dmabuf_counts().items():
+                counts[name] = counts.get(name, 0) + value
+            live += self._direct.dmabuf_live()
+        return {**daemon, "file": {"placement": self.placement, **self._staging.snapshot(),
+                                   **counts, "dmabuf_live": live,
+                                   "staging_pin_failure": self._pin_failure}}
 
     # -- caller memory ---------------------------------------------------------------------
 
-    @staticmethod
-    def _memory(buf: Any, write: bool = False) -> _Memory:
+    def _memory(self, buf: Any, write: bool = False) -> _Memory:
         """Where ``buf`` lives, resolved once per call; a read-only source of a write
         (``bytes``, a read-only array) is copied first (registered memory is writable)."""
         np = sys.modules.get("numpy")
@@ -342,10 +349,9 @@ class File:
                 # a third of what __array_interface__ costs (it builds a dict)
                 return _Memory(None, ctypes.addressof(ctypes.c_char.from_buffer(buf)),
                                buf.nbytes, buf)
-        cuda = gpu.ops()
-        if cuda.is_cuda(buf):
-            addr, total = cuda.span(buf)
-            return _Memory(cuda, addr, total, buf)
+        if self._cuda.is_cuda(buf):
+            device = self._cuda.memory(buf)
+            return _Memory(device, device.ptr, device.nbytes, buf)
         return _Memory(None, *buffer_address(_writable(buf) if write else buf))
 
     @staticmethod
@@ -366,85 +372,99 @@ class File:
             raise InvalidArgument(f"file_offset {file_offset} is negative")
         return size, file_offset, buf_offset
 
-    @contextmanager
-    def _target(self, mem: _Memory, buf_offset: int, size: int) -> Iterator[_Target]:
-        if mem.cuda is not None:
-            target: _Target = _CudaTarget(mem.cuda, mem.owner, buf_offset)
-            if not self.compat_mode:
-                self._place_cuda(target, mem.owner, mem.addr + buf_offset, size, mem.cuda)
-        else:
-            target = _HostTarget(_host_view(mem.owner)[buf_offset:buf_offset + size])
-            if not self.compat_mode:
-                self._place_host(target, mem.addr + buf_offset, size, mem.owner)
-        if target.rid is None and (self.compat_mode or isinstance(target, _HostTarget)):
-            what = "compat mode is on" if self.compat_mode else (
-                "the buffer is not shared memory (use nvmeof_fuse.empty())")
-            _warn_once(f"staged:{what}", f"nvmeof_fuse: {what}; staging data through a "
-                       "bounce buffer (slower; the daemon counts it as staged)")
-        try:
-            yield target
-        finally:
-            if target.cleanup is not None:
-                target.cleanup()
+    def _caller(self, mem: _Memory, buf_offset: int, stream: int | None) -> CallerMemory:
+        cuda = self._cuda if mem.device is not None else None
+        return CallerMemory(cuda, mem.device, mem.addr, buf_offset, stream, mem.owner)
 
-    def _place_host(self, target: _Target, addr: int, size: int, owner: Any) -> None:
+    def _placed(self, mem: _Memory, buf_offset: int, size: int) -> Placed | None:
+        """The caller's memory registered with the daemon, or None: staged (and why, once)."""
+        if self.compat_mode:
+            _warn_once("staged:compat", "nvmeof_fuse: compat mode is on; staging data "
+                       "through a bounce buffer (slower; the daemon counts it as staged)")
+            return None
+        if mem.device is not None:
+            return self._placed_cuda(mem, buf_offset, size)
+        addr = mem.addr + buf_offset
         if self._mount is not None:
             found = self._mount.registered(addr, size)
             if found is not None:
-                target.rid, target.offset = found
-                return
-            if size:
-                rid = self._channel.register_local(addr, size, owner)
-                target.rid, target.offset = rid, 0
-                target.cleanup = lambda: self._channel.unregister(rid)
-            return
+                return Placed(found[0], found[1], None)
+            rid = self._channel.register_local(addr, size, mem.owner)
+            return Placed(rid, 0, functools.partial(self._channel.forget, rid))
         found = shm.find(addr, size)
         if found is None:
-            return
-        mem, offset = found
+            _warn_once("staged:host", "nvmeof_fuse: the buffer is not shared memory (use "
+                       "nvmeof_fuse.empty()); staging data through a bounce buffer (slower; "
+                       "the daemon counts it as staged)")
+            return None
+        shared, offset = found
         with self._register_lock:
             with self._lock:
-                rid = self._regions.get(mem.key)
+                rid = self._regions.get(shared.key)
             if rid is None:
-                rid = self._channel.register_shared(mem)
+                rid = self._channel.register_shared(shared)
                 with self._lock:
-                    self._regions[mem.key] = rid
-        target.rid, target.offset = rid, offset
+                    self._regions[shared.key] = rid
+        return Placed(rid, offset, None)
 
-    def _place_cuda(self, target: _Target, tensor: Any, addr: int, size: int,
-                    cuda: gpu.CudaOps) -> None:
+    def _placed_cuda(self, mem: _Memory, buf_offset: int, size: int) -> Placed | None:
+        if self._cuda_refusal:
+            return None
+        device = mem.device
+        assert device is not None
+        addr = device.ptr + buf_offset
         if self._mount is not None:
             found = self._mount.registered(addr, size)
             if found is not None:
-                target.rid, target.offset = found
+                return Placed(found[0], found[1], None)
+        if not self._cuda_peer:
+            try:
+                entry, offset = self._dmabuf(self._dmabufs, device)
+            except (_NoDirect, gpu.CudaError, NVMeoFError) as exc:
+                if self._mount is None:
+                    self._refuse_cuda(str(exc))
+                    return None
+                self._cuda_peer = True  # nvidia_peermem registers device addresses
+                self._peer_error = str(exc)
+            else:
+                self._place("cuda", "direct: dma-buf registered with the mount daemon")
+                return Placed(entry.handle, offset + buf_offset,
+                              functools.partial(self._dmabufs.done, entry))
+        try:  # in-process only: the peer-memory path (nvidia_peermem)
+            rid = self._channel.register_local(addr, size, mem.owner)
+        except NVMeoFError as exc:
+            self._refuse_cuda(f"dma-buf: {self._peer_error}; peer memory: {exc}")
+            return None
+        self._place("cuda", "direct: registered by address (peer memory)")
+        return Placed(rid, 0, functools.partial(self._channel.forget, rid))
+
+    def _dmabuf(self, cache: DmabufCache, device: gpu.DeviceMemory) -> tuple[Any, int]:
+        """``cache``'s registration of ``device``'s allocation, if the GPU exports dma-bufs."""
+        if not self._cuda.dmabuf_supported(device.device):
+            raise _NoDirect(f"GPU {device.device} has no dma-buf support")
+        return cache.acquire(device)
+
+    def _pin_staging(self, device: gpu.DeviceMemory) -> None:
+        """Page-lock the staging memory once, so copies to and from the GPU run at full
+        speed; if the driver refuses, copies still work, slower, and the log says why."""
+        staging = self._staging
+        if staging.pinned is not None or self._pin_failure:
+            return
+        with self._register_lock:
+            if staging.pinned is not None or self._pin_failure:
                 return
-        if not size:
-            return
-        base, offset, length = gpu.page_span(addr, size)
-        errors = []
-        try:
-            fd = cuda.export_dmabuf(base, length)
-            rid = self._channel.register_dmabuf(fd, offset, size, addr)
-        except (NVMeoFError, RuntimeError, OSError, ValueError, ImportError) as exc:
-            errors.append(f"dma-buf: {exc}")
-            try:  # the peer-memory path (nvidia_peermem) works only in this process
-                rid = self._channel.register_local(addr, size, tensor)
-            except NVMeoFError as exc2:
-                errors.append(f"peer memory: {exc2}")
-                rid = None
-        if rid is None:
-            why = "; ".join(errors)
-            _warn_once("cuda:" + why,
-                       f"nvmeof_fuse: cannot place data in GPU memory directly ({why}); "
-                       "staging it through host memory")
-            return
-        target.rid, target.offset = rid, 0
-        target.cleanup = lambda: self._channel.unregister(rid)
+            try:
+                self._cuda.pin(device, staging.addr, len(staging.mem))
+                staging.pinned = (self._cuda, device.context)
+            except gpu.CudaError as exc:
+                self._pin_failure = str(exc)
+                _warn_once(f"pin:{exc}", f"nvmeof_fuse: cannot page-lock the staging "
+                           f"memory ({exc}); copies to and from the GPU run slower")
 
     # -- transfers ---------------------------------------------------------------------------
 
     def _budget(self, nbytes: int) -> float:
-        return self.timeout + nbytes / MIN_RATE
+        return _budget(self.timeout, nbytes)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -453,76 +473,35 @@ class File:
             self._unregister_stale()
 
     def read(self, buf: Any, size: int | None = None, file_offset: int = 0,
-             buf_offset: int = 0) -> int:
+             buf_offset: int = 0, *, stream: Any = None) -> int:
         """Read into ``buf``; returns the bytes read (short at the end of the namespace)."""
         direct = self._direct
-        if direct is not None and not buf_offset:
+        if direct is not None and not buf_offset and stream is None:
             polled = self._pread_array(direct, buf, size, file_offset, True)
             if polled is not None:
                 return polled.get()
-        self._check_open()
-        mem = self._memory(buf)
-        size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
-        size = max(0, min(size, self.nbytes - file_offset))
-        if not size:
-            return 0
-        if self._direct is not None:
-            future = self._own_queues(mem, buf_offset, size, file_offset, write=False)
-            if future is not None:
-                return future.get()
-        with self._target(mem, buf_offset, size) as target:
-            if target.rid is not None:
-                self._read_direct(target, file_offset, size)
-                target.after_read()
-            else:
-                self._read_staged(target, file_offset, size)
-        return size
-
-    def _read_direct(self, target: _Target, file_offset: int, size: int) -> None:
-        staging = self._staging
-        with staging.borrow() as at:
-            plan = plan_read(file_offset, size, self.lba_size, target.rid, target.offset,
-                             staging.rid, at)
-            self._channel.read(self.nsid, plan.pieces, self._budget(size))
-            for edge in plan.edges:
-                target.put(edge.dest, staging.view[edge.staging:edge.staging + edge.length])
-
-    def _read_staged(self, target: _Target, file_offset: int, size: int) -> None:
-        staging, lba = self._staging, self.lba_size
-        for offset, length in chunks(file_offset, size, lba, staging.slot):
-            first = offset // lba
-            nlb = -(-(offset + length) // lba) - first
-            with staging.borrow() as at:
-                self._channel.read(self.nsid, [Piece(first, nlb, staging.rid, at)],
-                                   self._budget(nlb * lba))
-                skip = at + offset - first * lba
-                target.put(offset - file_offset, staging.view[skip:skip + length])
+        return self._start(False, buf, size, file_offset, buf_offset, stream).get()
 
     def write(self, buf: Any, size: int | None = None, file_offset: int = 0,
-              buf_offset: int = 0) -> int:
+              buf_offset: int = 0, *, stream: Any = None) -> int:
         """Write ``buf`` at ``file_offset``; returns the bytes written.  ``buf`` may be
         read-only (``bytes``): then it is copied first."""
-        self._check_open()
-        mem = self._memory(buf, write=True)
-        size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
-        self._check_write(file_offset, size)
-        if not size:
-            return 0
-        if self._direct is not None:
-            future = self._own_queues(mem, buf_offset, size, file_offset, write=True)
+        return self._start(True, buf, size, file_offset, buf_offset, stream).get()
+
+    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
+              buf_offset: int = 0, *, stream: Any = None) -> IOFuture:
+        """Start :meth:`read`; the future's ``get()`` gives the bytes read."""
+        direct = self._direct
+        if direct is not None and not buf_offset and stream is None:
+            future = self._pread_array(direct, buf, size, file_offset, True)
             if future is not None:
-                return future.get()
-        with self._target(mem, buf_offset, size) as target:
-            target.before_write()
-            if target.rid is not None:
-                plan = plan_write(file_offset, size, self.lba_size)
-                head = target.get(plan.head.start, plan.head.stop - plan.head.start)
-                tail = target.get(plan.tail.start, plan.tail.stop - plan.tail.start)
-                self._channel.write(self.nsid, file_offset, size, target.rid, target.offset,
-                                    head, tail, self._budget(size))
-            else:
-                self._write_staged(target, file_offset, size)
-        return size
+                return future
+        return self._start(False, buf, size, file_offset, buf_offset, stream)
+
+    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0,
+               buf_offset: int = 0, *, stream: Any = None) -> IOFuture:
+        """Start :meth:`write`; the future's ``get()`` gives the bytes written."""
+        return self._start(True, buf, size, file_offset, buf_offset, stream)
 
     def _check_write(self, file_offset: int, size: int) -> None:
         if self.read_only:
@@ -531,85 +510,135 @@ class File:
             raise NoSpace(f"write of {size} bytes at offset {file_offset} extends past the "
                           f"end of {self.path} ({self.nbytes} bytes)")
 
-    def _write_staged(self, target: _Target, file_offset: int, size: int) -> None:
-        staging = self._staging
-        for offset, length in chunks(file_offset, size, self.lba_size, staging.slot):
-            with staging.borrow() as at:
-                chunk = staging.view[at:at + length]
-                chunk[:] = target.get(offset - file_offset, length)
-                plan = plan_write(offset, length, self.lba_size)
-                self._channel.write(self.nsid, offset, length, staging.rid, at,
-                                    bytes(chunk[plan.head]), bytes(chunk[plan.tail]),
-                                    self._budget(length))
+    def _start(self, write: bool, buf: Any, size: int | None, file_offset: int,
+               buf_offset: int, stream: Any, post: bool = True) -> IOFuture:
+        self._check_open()
+        mem = self._memory(buf, write)
+        size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
+        if write:
+            self._check_write(file_offset, size)
+        else:
+            size = max(0, min(size, self.nbytes - file_offset))
+        handle = gpu.stream_handle(stream)
+        if not size:
+            return IOFuture(_finished(0))
+        if self._direct is not None:
+            future = self._own_queues(mem, buf_offset, size, file_offset, write, post, handle)
+            if future is not None:
+                return future
+        return self._via_daemon(write, mem, buf_offset, size, file_offset, handle)
 
-    def _own_queues(self, mem: _Memory, buf_offset: int, size: int, file_offset: int, *,
-                    write: bool, post: bool = True) -> IOFuture | None:
+    def _via_daemon(self, write: bool, mem: _Memory, buf_offset: int, size: int,
+                    file_offset: int, stream: int | None) -> IOFuture:
+        """A transfer over the mount daemon's queues: placed in registered memory, or staged."""
+        caller = self._caller(mem, buf_offset, stream)
+        placed = self._placed(mem, buf_offset, size)
+        device, io = mem.device, self._io
+        try:
+            if device is not None:
+                if placed is None:
+                    self._pin_staging(device)
+                if write and (placed is not None or stream is None):
+                    self._cuda.synchronize(device, stream)  # what produces it is done
+        except BaseException:
+            if placed is not None and placed.release is not None:
+                placed.release()
+            raise
+        if write:
+            transfer = (io.write_placed(caller, placed, file_offset, size) if placed else
+                        io.write_staged(caller, file_offset, size))
+        elif placed is not None:
+            after = None  # the target wrote GPU memory: made visible to CUDA after
+            if device is not None:
+                after = functools.partial(self._cuda.flush_gpudirect_writes, device)
+            transfer = io.read_placed(caller, placed, file_offset, size, after)
+        else:
+            transfer = io.read_staged(caller, file_offset, size)
+        future = transfer.future
+        if placed is not None and placed.release is not None:
+            release = placed.release
+            future.add_done_callback(lambda _: release())
+        with self._lock:
+            self._inflight.add(future)
+        future.add_done_callback(functools.partial(_discard, self._inflight, self._lock))
+        return IOFuture(future, None, self._budget(size))
+
+    def _own_queues(self, mem: _Memory, buf_offset: int, size: int, file_offset: int,
+                    write: bool, post: bool, stream: int | None) -> IOFuture | None:
         """Start a transfer on this file's own queues; None when the memory cannot be
         registered here (then the daemon's path serves it)."""
         direct = self._direct
         assert direct is not None
-        addr = mem.addr + buf_offset
-        if mem.cuda is not None:
-            try:
-                region, at, temporary = direct.dmabuf_region(mem.cuda, addr, size, mem.owner)
-            except (NVMeoFError, RuntimeError, OSError, ValueError, ImportError) as exc:
-                _warn_once(f"own-dmabuf:{exc}", f"nvmeof_fuse: cannot register the tensor's "
-                           f"dma-buf for our own queues ({exc}); using the mount daemon")
+        caller = self._caller(mem, buf_offset, stream)
+        device = mem.device
+        if device is not None:
+            if self._cuda_refusal:
                 return None
-            target: _Target = _CudaTarget(mem.cuda, mem.owner, buf_offset)
-            target.rid = 0  # placed directly: flush after a read
+            try:
+                region, at, release = self._dmabuf_own(direct, device)
+            except (_NoDirect, gpu.CudaError, NVMeoFError) as exc:
+                self._refuse_cuda(str(exc))
+                return None
+            at += buf_offset
+            self._place("cuda", "direct: dma-buf registered with this process's own queues")
         else:
+            addr = mem.addr + buf_offset
             try:
                 region, at, temporary = direct.host_region(addr, size, mem.owner)
             except NVMeoFError as exc:
                 _warn_once(f"own-reg:{exc}", f"nvmeof_fuse: cannot register the buffer for "
                            f"our own queues ({exc}); using the mount daemon")
                 return None
-            if not write and not temporary:  # the common case first: no target needed
+            if not write and not temporary:  # the common case first: nothing to do after
                 polled = direct.polled_read(self.nsid, region, at, size, file_offset,
                                             mem.owner, self._budget(size) + direct.renew_timeout,
                                             post)
                 if polled is not None:
                     return polled
-            target = _LazyHostTarget(mem.owner, buf_offset, size)
+            release = region.close if temporary else None
+        finish = None
+        try:
+            if write:
+                if device is not None:  # the NIC reads it: what produces it is done
+                    self._cuda.synchronize(device, stream)
+                plan = plan_write(file_offset, size, self.lba_size)
+                head = caller.get_bytes(plan.head.start, plan.head.stop - plan.head.start)
+                tail = caller.get_bytes(plan.tail.start, plan.tail.stop - plan.tail.start)
+        except BaseException:
+            if release is not None:
+                release()
+            raise
         if write:
-            target.before_write()
-            plan = plan_write(file_offset, size, self.lba_size)
-            head = target.get(plan.head.start, plan.head.stop - plan.head.start)
-            tail = target.get(plan.tail.start, plan.tail.stop - plan.tail.start)
-
-            def get(start: int, length: int, _buffer: Any = mem.owner) -> bytes:
+            def get(start: int, length: int, _caller: CallerMemory = caller) -> bytes:
                 """Edge bytes; holds the caller's buffer (the NIC reads it) until done."""
                 return head if start == 0 else tail
 
             future = direct.start(direct.write, self.nsid, region, at, size, file_offset, get,
-                                  temporary)
-            finish = None
-        elif isinstance(target, _LazyHostTarget):  # host memory: nothing to do afterwards
+                                  release)
+        elif device is None:  # host memory: edges land from the loop, nothing after
             future = direct.start(direct.read, self.nsid, region, at, size, file_offset,
-                                  target.put, temporary)
-            finish = None
-        else:  # device copies belong to the caller's thread: collected, put in finish
+                                  caller.put_bytes, release)
+        else:  # edges collected on the loop, copied to the GPU by whoever gets the result
             edges: list[tuple[int, bytes]] = []
             future = direct.start(direct.read, self.nsid, region, at, size, file_offset,
-                                  lambda at, data: edges.append((at, bytes(data))), temporary)
+                                  lambda at, data: edges.append((at, bytes(data))), release)
+
+            cuda = self._cuda
 
             def finish() -> None:
                 for dest, data in edges:
-                    target.put(dest, memoryview(data))
-                target.after_read()
+                    caller.put_bytes(dest, data)
+                cuda.flush_gpudirect_writes(device)
 
         return IOFuture(future, finish, self._budget(size) + direct.renew_timeout)
 
-    def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
-              buf_offset: int = 0) -> IOFuture:
-        """Start :meth:`read`; the future's ``get()`` gives the bytes read."""
-        direct = self._direct
-        if direct is not None and not buf_offset:
-            future = self._pread_array(direct, buf, size, file_offset, True)
-            if future is not None:
-                return future
-        return self._start(False, buf, size, file_offset, buf_offset)
+    def _dmabuf_own(self, direct: DirectQueues, device: gpu.DeviceMemory
+                    ) -> tuple[Any, int, Any]:
+        """``(region, offset, release)`` of ``device``'s allocation in our own queues' PD."""
+        cache = direct.dmabufs(self._cuda)
+        entry, offset = self._dmabuf(cache, device)
+        region, _cleanup = entry.handle
+        return region, offset, functools.partial(cache.done, entry)
 
     def _pread_array(self, direct: DirectQueues, buf: Any, size: int | None,
                      file_offset: int, post: bool) -> IOFuture | None:
@@ -645,11 +674,6 @@ class File:
                                        file_offset // lba_size, size // lba_size, buf,
                                        self._budget(size) + direct.renew_timeout, post)
 
-    def pwrite(self, buf: Any, size: int | None = None, file_offset: int = 0,
-               buf_offset: int = 0) -> IOFuture:
-        """Start :meth:`write`; the future's ``get()`` gives the bytes written."""
-        return self._start(True, buf, size, file_offset, buf_offset)
-
     def pread_batch(self, requests: list[tuple[Any, int, int]]) -> list[IOFuture]:
         """Start many reads at once: ``[(buf, size, file_offset), ...]``; one future each.
 
@@ -659,7 +683,7 @@ class File:
             return [self.pread(buf, size, file_offset) for buf, size, file_offset in requests]
         try:
             return [self._pread_array(direct, buf, size, file_offset, False)
-                    or self._start(False, buf, size, file_offset, 0, post=False)
+                    or self._start(False, buf, size, file_offset, 0, None, post=False)
                     for buf, size, file_offset in requests]
         finally:  # those already written go out even if a later request was refused
             direct.post_reads()
@@ -668,37 +692,12 @@ class File:
         """:meth:`pread_batch` and wait: the bytes read by each request."""
         return [future.get() for future in self.pread_batch(requests)]
 
-    def _start(self, write: bool, buf: Any, size: int | None, file_offset: int,
-               buf_offset: int, post: bool = True) -> IOFuture:
-        if self._direct is None:
-            return self._submit(self.write if write else self.read, buf, size, file_offset,
-                                buf_offset)
-        self._check_open()
-        mem = self._memory(buf, write)
-        size, file_offset, buf_offset = self._span(mem, size, file_offset, buf_offset)
-        if write:
-            self._check_write(file_offset, size)
-        else:
-            size = max(0, min(size, self.nbytes - file_offset))
-        future = (self._own_queues(mem, buf_offset, size, file_offset, write=write, post=post)
-                  if size else None)
-        if future is None:  # nothing to move, or memory only the daemon's path can serve
-            return self._submit(self.write if write else self.read, buf, size, file_offset,
-                                buf_offset)
-        return future
-
-    def _submit(self, fn: Any, *args: Any) -> IOFuture:
-        self._check_open()
-        try:
-            return IOFuture(self._executor.submit(fn, *args))
-        except RuntimeError:  # the executor is shutting down: close() was called
-            raise CompanionError(f"{self.path} is closed", errno.EBADF) from None
-
 
 def _release(executor: concurrent.futures.ThreadPoolExecutor, direct: DirectQueues | None,
-             staging: _Staging, channel: Any) -> None:
+             staging: Staging, channel: Any, dmabufs: DmabufCache) -> None:
     """Let go of a file's threads, queues, registrations and connection."""
-    executor.shutdown(wait=False)  # close() waited for its futures; a dropped file has none
+    executor.shutdown(wait=False)  # close() waited for its transfers; a dropped file has none
+    dmabufs.close()
     try:
         if direct is not None:
             direct.close()  # waits (bounded) for its requests in flight
@@ -736,10 +735,17 @@ def _integer(value: Any, name: str) -> int:
         raise InvalidArgument(f"{name} must be an integer, got {value!r}") from None
 
 
-def _host_view(obj: Any) -> memoryview:
-    """The bytes of a numpy array, CPU tensor or buffer (shares memory)."""
-    if hasattr(obj, "data_ptr"):  # a CPU tensor: its bytes through numpy
-        import torch
+def _budget(timeout: float, nbytes: int) -> float:
+    """How long a transfer of ``nbytes`` may take."""
+    return timeout + nbytes / MIN_RATE
 
-        obj = obj.reshape(-1).view(torch.uint8).numpy()
-    return memoryview(obj).cast("B")
+
+def _discard(inflight: set, lock: threading.Lock, future: concurrent.futures.Future) -> None:
+    with lock:
+        inflight.discard(future)
+
+
+def _finished(result: int) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result(result)
+    return future

@@ -41,6 +41,7 @@ from ..host.sync import SyncController
 from ..nvme import command as nvme_cmd
 from ..nvme.sgl import NULL_SGL
 from . import gpu, protocol, shm
+from .dmabuf import DmabufCache, register_dmabuf
 from .future import IOFuture
 
 log = logging.getLogger(__name__)
@@ -281,6 +282,8 @@ class DirectQueues:
         self.renew_timeout = (RENEW_FOREVER if options.ctrl_loss_tmo < 0 else
                                options.ctrl_loss_tmo + 2 * options.timeout)
         self._registrations: _Registrations
+        self._dmabufs: DmabufCache | None = None  # made on the first CUDA transfer
+        self._dmabufs_lock = threading.Lock()
         self._ctrl: Any = None  # the AttachedController, once connected (loop-owned)
         self._bridge = SyncController(options, connect=self._attach)
         try:
@@ -300,7 +303,6 @@ class DirectQueues:
                           polled=POLLED_QUEUES) as ctrl:
             self._ctrl = ctrl
             self._registrations = _Registrations(ctrl.transport.register)
-            self._register_dmabuf = ctrl.transport.register_dmabuf
             token = trio.lowlevel.current_trio_token()
             self._channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)
             try:
@@ -313,6 +315,10 @@ class DirectQueues:
                 self._nursery = None
                 self._channel.on_event = None
                 self._registrations.close()
+                with self._dmabufs_lock:
+                    dmabufs, self._dmabufs = self._dmabufs, None
+                if dmabufs is not None:
+                    dmabufs.close()
 
     def _on_event(self, event: dict) -> None:
         """News from the daemon (on the loop): a delegation recalled, or our queues revoked
@@ -408,36 +414,48 @@ class DirectQueues:
         """A numpy array's registered region and offset, None if only a temporary one would do."""
         return self._registrations.find_array(addr, size, array)
 
-    def dmabuf_region(self, cuda: gpu.CudaOps, addr: int, size: int, tensor: Any
-                      ) -> tuple[Region, int, bool]:
-        """A CUDA tensor's range, registered as a dma-buf in our PD (temporary)."""
-        base, offset, length = gpu.page_span(addr, size)
-        fd = cuda.export_dmabuf(base, length)
+    def dmabufs(self, cuda: gpu.Cuda) -> DmabufCache:
+        """CUDA allocations registered as dma-bufs in our PD, one per allocation (kept until
+        this file closes, or evicted)."""
+        with self._dmabufs_lock:
+            if self._dmabufs is None:
+                if self._ctrl is None:
+                    raise TransportError("our own queues are not connected")
+                self._dmabufs = DmabufCache(cuda, self._register_dmabuf_fd, _close_region)
+            return self._dmabufs
+
+    def _register_dmabuf_fd(self, fd: int, offset: int, length: int, iova: int
+                            ) -> tuple[Region, Any]:
         try:
-            registration = self._register_dmabuf(fd, offset, size, addr)
+            return register_dmabuf(self._ctrl.transport, fd, offset, length, iova)
         finally:
-            os.close(fd)  # the registration holds the dma-buf
-        return Region(addr, size, registration, tensor), 0, True
+            os.close(fd)  # the registration holds the dma-buf (or its mapping)
+
+    def dmabuf_counts(self) -> dict[str, int]:
+        return dict(self._dmabufs.counts) if self._dmabufs is not None else {}
+
+    def dmabuf_live(self) -> int:
+        return self._dmabufs.live() if self._dmabufs is not None else 0
 
     # -- transfers (run on the loop) ------------------------------------------------------
 
     def start(self, job: Any, nsid: int, region: Region, at: int, size: int,
-              file_offset: int, edge: Any, temporary: bool) -> Any:
+              file_offset: int, edge: Any, release: Any = None) -> Any:
         """Start ``job`` (:meth:`read` or :meth:`write`) on the loop: its future.
 
-        A ``temporary`` region is closed once the job ended.
+        ``release`` (the region's, when only this job uses it) runs once the job ended.
         """
-        if temporary:
-            return self._bridge.submit(self._then_close, job, nsid, region, at, size,
-                                       file_offset, edge)
+        if release is not None:
+            return self._bridge.submit(self._then_release, release, job, nsid, region, at,
+                                       size, file_offset, edge)
         return self._bridge.submit(job, nsid, region, at, size, file_offset, edge)
 
     @staticmethod
-    async def _then_close(job: Any, nsid: int, region: Region, *args: Any) -> int:
+    async def _then_release(release: Any, job: Any, *args: Any) -> int:
         try:
-            return await job(nsid, region, *args)
+            return await job(*args)
         finally:
-            region.close()
+            release()
 
     async def read(self, nsid: int, region: Region, at: int, size: int, file_offset: int,
                    put: Any) -> int:
@@ -670,7 +688,7 @@ class DirectQueues:
                      keep: Any) -> concurrent.futures.Future:
         """The loop's path for a polled read whose queue failed under it."""
         return self.start(self.read, nsid, region, at, size, file_offset,
-                          functools.partial(_no_edges, keep), False)
+                          functools.partial(_no_edges, keep))
 
     def post_reads(self) -> None:
         """Post the polled reads started with ``post=False``: one ``post_send`` per queue."""
@@ -699,6 +717,12 @@ class DirectQueues:
             for queue in list(ctrl.polled_queues):
                 queue.drain(until)
         self._bridge.close()
+
+
+def _close_region(handle: tuple[Region, Any]) -> None:
+    region, cleanup = handle
+    region.close()
+    cleanup()
 
 
 def _no_edges(keep: Any, at: int, data: Any) -> None:

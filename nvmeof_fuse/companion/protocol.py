@@ -41,6 +41,14 @@ class CompanionError(NVMeoFError):
         self.errno = errno
 
 
+class PlacementRefused(CompanionError):
+    """The daemon cannot place data in this memory (a dma-buf its transport refused): an
+    expected answer, counted apart from errors; the client stages instead."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, _errno.EOPNOTSUPP)
+
+
 class NoAnswer(CompanionError):
     """The mount daemon did not answer in time (ETIMEDOUT): it may still act on the request,
     with memory the request named."""

@@ -92,7 +92,7 @@ class CompanionServer:
                 "delegations_granted": self.delegations.granted,
                 "delegations_recalled": self.delegations.recalled,
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
-                              **s.counts} for s in self.sessions]}
+                              **s.counts, "placement": s.placement} for s in self.sessions]}
 
     def new_session(self, peer: str) -> Session:
         session = Session(self.controller, self.stats, peer, read_only=self.read_only,
@@ -206,6 +206,8 @@ class CompanionServer:
             result = await self.dispatch(session, header, payload, fds)
             fds = []  # dispatch took them
             reply = protocol.reply_ok(request_id, **result)
+        except protocol.PlacementRefused as exc:  # expected: counted as such, not an error
+            reply = protocol.reply_error(request_id, exc)
         except NVMeoFError as exc:
             self.stats.errors += 1
             reply = protocol.reply_error(request_id, exc)
@@ -273,10 +275,10 @@ class CompanionServer:
             await self.unlock(session, f(header, "token"), f(header, "nsid"))
             return {}
         if op == "report":  # also renews the client's delegations: those still its own
-            session.report(header.get("moved") or {})
+            session.report(header.get("moved") or {}, header.get("placement"))
             return {"delegated": self.delegations.live_tokens(session)}
         if op == "stats":
-            session.report(header.get("moved") or {})
+            session.report(header.get("moved") or {}, header.get("placement"))
             return {"stats": self.snapshot()}
         raise ProtocolError(f"unknown companion request {op!r}")
 
@@ -437,6 +439,11 @@ class CompanionServer:
         await session.write(nsid, offset, length, *args)
         await self._written(nsid, offset, length)
 
+    def placement(self) -> dict[str, str]:
+        """What this daemon can place a client's data in directly: ``"on"``, or why not."""
+        refusal = getattr(self.controller.transport, "dmabuf_refusal", "")
+        return {"memfd": "on", "dmabuf": refusal or "on"}
+
     def hello(self) -> dict[str, Any]:
         ctrl = self.controller
         return {
@@ -444,6 +451,7 @@ class CompanionServer:
             "read_only": self.read_only,
             "max_transfer": ctrl.max_transfer,
             "leasing": self.leasing() or "on",
+            "placement": self.placement(),
             "namespaces": {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
                            for n, ns in sorted(ctrl.namespaces.items())},
         }

@@ -28,6 +28,7 @@ from ..errors import CommandTimeout, InvalidArgument, NVMeoFError, TransportErro
 from ..host.byterange import NoSpace
 from ..host.memory import Region
 from . import protocol
+from .dmabuf import register_dmabuf
 from .protocol import Piece
 
 log = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class CompanionStats:
     regions: int = 0
     requests: int = 0
     errors: int = 0
+    dmabuf_refused: int = 0  # dma-bufs the transport could not take: the client stages
     leases: int = 0  # clients holding queue IDs of their own
     lease_refusals: int = 0
     client_queue_read_bytes: int = 0  # moved over the clients' own queues (daemon not involved)
@@ -62,8 +64,12 @@ class CompanionStats:
 
 
 PATH_COUNTERS = ("client_queue_read_bytes", "client_queue_write_bytes", "direct_read_bytes",
-                 "direct_write_bytes", "staged_read_bytes", "staged_write_bytes")
-"""Bytes by path, counted per client as well as in total."""
+                 "direct_write_bytes", "staged_read_bytes", "staged_write_bytes",
+                 "dmabuf_refused")
+"""Bytes by path (and refused dma-bufs), counted per client as well as in total."""
+PLACEMENT_KINDS = ("shared", "host", "cuda")
+"""The kinds of caller memory a client reports where it places: ``nvmeof_fuse.empty``
+arrays, other host memory, CUDA memory."""
 
 
 @dataclass(eq=False)
@@ -101,6 +107,7 @@ class Session:
         self._next = 1
         self._quarantine = quarantine if quarantine is not None else []
         self.counts = dict.fromkeys(PATH_COUNTERS, 0)
+        self.placement: dict[str, str] = {}  # kind of memory -> how the client moves it
         self.qids: list[int] = []  # leased queue IDs
         self.write_locks: dict[int, trio.Event] = {}  # token -> set to release the lock
         self.next_token = 0
@@ -144,23 +151,25 @@ class Session:
                                     [mem.close, _close_fd(fd)]))
 
     def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> int:
-        """Register a dma-buf (a GPU allocation) at ``iova``, taking ownership of ``fd``."""
+        """Register a dma-buf (a GPU allocation) at ``iova``, taking ownership of ``fd``.
+
+        A dma-buf the transport cannot take raises :class:`PlacementRefused`, which
+        is counted as ``dmabuf_refused``, not as an error: the client stages instead.
+        """
         try:
             if length <= 0 or offset < 0 or iova < 0:
                 raise InvalidArgument(f"register: bad dma-buf range offset {offset} "
                                       f"length {length} iova {iova:#x}")
             try:
-                registration = self.controller.transport.register_dmabuf(fd, offset, length,
-                                                                         iova)
-            except NVMeoFError:
-                raise
-            except Exception as exc:  # the bindings' own errors: unsupported, bad fd
-                raise TransportError(f"cannot register the dma-buf: {exc}") from None
+                region, cleanup = register_dmabuf(self.controller.transport, fd, offset,
+                                                  length, iova)
+            except TransportError as exc:
+                self.add("dmabuf_refused", 1)
+                raise protocol.PlacementRefused(str(exc)) from None
         except BaseException:
             os.close(fd)
             raise
-        return self._add(Registered(Region(iova, length, registration), False,
-                                    [_close_fd(fd)]))
+        return self._add(Registered(region, False, [cleanup, _close_fd(fd)]))
 
     def register_address(self, addr: int, length: int, owner: object,
                          staging: bool = False) -> int:
@@ -229,11 +238,18 @@ class Session:
         self.counts[counter] += nbytes
         setattr(self.stats, counter, getattr(self.stats, counter) + nbytes)
 
-    def report(self, moved: dict[str, int]) -> None:
-        """The client's own running totals of bytes over its own queues."""
+    def report(self, moved: dict[str, int], placement: object = None) -> None:
+        """The client's own running totals of bytes over its own queues, and where it
+        places each kind of memory (``placement``, when it changed)."""
         if not isinstance(moved, dict):
             raise protocol.ProtocolError(f"companion field 'moved' must be an object, "
                                          f"got {moved!r}")
+        if placement is not None:
+            if not isinstance(placement, dict):
+                raise protocol.ProtocolError(f"companion field 'placement' must be an "
+                                             f"object, got {placement!r}")
+            self.placement = {kind: str(placement[kind])[:300] for kind in PLACEMENT_KINDS
+                              if kind in placement}
         for counter in ("client_queue_read_bytes", "client_queue_write_bytes"):
             total = moved.get(counter)
             if isinstance(total, int) and total > self.counts[counter]:

@@ -294,6 +294,8 @@ class RdmaTransport:
     registrations that are valid on all of them."""
 
     name = "rdma"
+    dmabuf_refusal = ""
+    """Empty: dma-bufs may be registered (the device or its driver may still refuse one)."""
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0) -> None:

@@ -32,6 +32,8 @@ class TcpTransport:
     """The TCP side of one controller: a connection per queue, nothing shared but options."""
 
     name = "tcp"
+    dmabuf_refusal = HOST_MEMORY_ONLY
+    """Why dma-bufs (GPU memory) are not registered here."""
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0, *, header_digest: bool = False,

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
-from companion_fakes import FakeCuda
+from fake_cuda import FakeDriver, install
 
 from nvmeof_fuse.companion import gpu
 
 
 @pytest.fixture
 def cuda():
-    fake = FakeCuda()
-    gpu.use(fake)
-    yield fake
+    """A fake CUDA driver behind the CUDA seam (strict about contexts): the driver."""
+    driver, _ = install(FakeDriver())
+    yield driver
     gpu.use(None)

@@ -14,7 +14,7 @@ from companion_fakes import AddressController, serving, wait_for
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import protocol, shm
-from nvmeof_fuse.companion.client import STAGING_SLOTS, File, locate
+from nvmeof_fuse.companion.client import File, locate
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import CommandTimeout, InvalidArgument, NVMeoFError
 
@@ -117,9 +117,10 @@ def test_end_of_namespace(served):
             f.read(arr, 5000)
 
 
-def test_a_staging_slot_whose_request_timed_out_is_never_lent_again(served):
-    """The daemon may still use a slot whose request the client gave up on: lent again,
-    another request's bytes would reach the disk at the first one's offset."""
+def test_a_staging_slot_whose_request_timed_out_is_not_lent_again_until_answered(served):
+    """The daemon may still use a slot whose request the client gave up on: lent again
+    before the answer, another request's bytes would reach the disk at the first one's
+    offset."""
     ctrl, server, mnt = served
     plain_command = ctrl.io_command
     delayed = []
@@ -132,13 +133,15 @@ def test_a_staging_slot_whose_request_timed_out_is_never_lent_again(served):
 
     ctrl.io_command = slow_first_write
     before = bytes(ctrl.disks[1][:512])
-    with File(str(mnt / "n1"), timeout=2.0) as f:
-        with pytest.raises(CompanionError, match="did not answer write") as exc:
+    with File(str(mnt / "n1"), timeout=2.0, staging_bytes=4 * 4096, task_size=4096) as f:
+        with pytest.raises(CompanionError, match="did not finish within") as exc:
             f.write(np.full(512, 1, dtype=np.uint8), file_offset=0)  # staged: a plain array
         assert exc.value.errno == errno.ETIMEDOUT
-        for i in range(2, 2 + STAGING_SLOTS):  # round every slot once
+        for i in range(2, 8):  # the other three pages, each more than once
             f.write(np.full(512, i, dtype=np.uint8), file_offset=i * 512)
-        assert wait_for(lambda: ctrl.commands == 1 + STAGING_SLOTS, 30)  # the first one too
+        assert f._staging.snapshot()["staging_free_bytes"] == 3 * 4096  # held until answered
+        assert wait_for(lambda: ctrl.commands == 1 + 6, 30)  # the first one too
+        assert wait_for(lambda: f._staging.snapshot()["staging_free_bytes"] == 4 * 4096, 30)
     assert bytes(ctrl.disks[1][:512]) in (before, bytes([1]) * 512)
 
 
@@ -146,7 +149,7 @@ def test_a_staging_slot_whose_command_timed_out_in_the_daemon_is_lent_again(serv
     """A daemon that answered (its command timed out: ETIMEDOUT) is done with the slot."""
     ctrl, server, mnt = served
     plain_command = ctrl.io_command
-    failing = [True] * STAGING_SLOTS
+    failing = [True] * 4
 
     async def timing_out(sqe, data=None, *, to_controller=False):
         if sqe[0] == 0x01 and failing:
@@ -155,8 +158,8 @@ def test_a_staging_slot_whose_command_timed_out_in_the_daemon_is_lent_again(serv
         await plain_command(sqe, data, to_controller=to_controller)
 
     ctrl.io_command = timing_out
-    with File(str(mnt / "n1"), timeout=5.0) as f:
-        for _ in range(STAGING_SLOTS):
+    with File(str(mnt / "n1"), timeout=5.0, staging_bytes=4096, task_size=4096) as f:
+        for _ in range(4):  # the one page of staging memory, each time
             with pytest.raises(CompanionError) as exc:
                 f.write(np.full(512, 1, dtype=np.uint8), file_offset=0)
             assert exc.value.errno == errno.ETIMEDOUT

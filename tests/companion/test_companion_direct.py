@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import gc
 import logging
@@ -12,7 +13,7 @@ import weakref
 import numpy as np
 import pytest
 import trio
-from companion_fakes import FakeFabric, FakeTensor, LeasingController, serving, wait_for
+from companion_fakes import FakeFabric, LeasingController, serving, wait_for
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import direct
@@ -128,22 +129,30 @@ def test_bad_input_is_one_line(served):
 
 
 def test_a_cuda_tensor_is_registered_as_a_dmabuf_in_the_clients_own_pd(served, cuda):
+    """Once per allocation, in the tensor's own context, from threads that never touched
+    CUDA; released when the file closes."""
     ctrl, fabric, server, mnt = served
-    tensor = FakeTensor(3 * 4096)
+    tensor = cuda.tensor(3 * 4096, device=1)
     tensor.bytes[:] = 7
-    with File(str(mnt / "n2")) as f:
-        assert f.write(tensor, file_offset=1000) == tensor.nbytes
-        assert cuda.calls[:2] == ["export", "synchronize"]  # ready before the NIC reads
+    device1 = cuda.contexts[1]
+    with File(str(mnt / "n2")) as f, concurrent.futures.ThreadPoolExecutor(1) as fresh:
+        assert fresh.submit(f.write, tensor, file_offset=1000).result(30) == tensor.nbytes
+        assert cuda.calls[:2] == [("export", device1), ("synchronize", device1)]
         tensor.bytes[:] = 0
-        assert f.read(tensor, file_offset=1000) == tensor.nbytes
-        assert cuda.calls[-1] == "flush"  # target writes visible to CUDA before return
-        assert "to_device" in cuda.calls  # the partial LBAs, put from the caller's thread
+        for _ in range(20):
+            assert fresh.submit(f.read, tensor, file_offset=1000).result(30) == tensor.nbytes
+        assert cuda.calls[-1] == ("flush", device1)  # target writes visible before return
+        assert "to_device" in cuda.names()  # the partial LBAs, put from the caller's thread
+        assert len(ctrl.transport.dmabufs) == 1
         stats = f.stats()
+    assert cuda.names().count("export") == 1
+    assert stats["file"]["dmabuf_registered"] == 1 and stats["file"]["dmabuf_hits"] == 20
     assert bytes(tensor.bytes) == bytes([7]) * tensor.nbytes
     assert bytes(ctrl.disks[2][1000:1000 + tensor.nbytes]) == bytes([7]) * tensor.nbytes
-    assert stats["client_queue_read_bytes"] == tensor.nbytes
+    assert stats["client_queue_read_bytes"] == 20 * tensor.nbytes
     assert stats["staged_read_bytes"] == stats["direct_read_bytes"] == 0
-    assert wait_for(lambda: not ctrl.transport.dmabufs)  # each registration let go
+    assert stats["errors"] == 0
+    assert wait_for(lambda: not ctrl.transport.dmabufs)  # let go with the file
 
 
 def test_memory_is_registered_once_per_owning_array_and_let_go_with_it(served):
