@@ -291,3 +291,16 @@ class Reader:
         out = bytes(self.buf[:n])
         del self.buf[:n]
         return out
+
+
+async def _serve_forever(target: FakeTcpTarget) -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(target.serve)
+        print(port, flush=True)
+
+
+if __name__ == "__main__":  # python tests/tcp_target.py MIB: serve until killed, print the port
+    import sys
+
+    trio.run(_serve_forever, FakeTcpTarget(size=int(sys.argv[1]) << 20, mdts=0,
+                                           maxh2cdata=1 << 17))
