@@ -100,11 +100,21 @@ class Mounted:
     def stats(self) -> dict:
         return json.loads((self.mnt / ".nvmeof" / "stats.json").read_text())
 
+    def daemon_pid(self) -> int:
+        return json.loads((self.mnt / ".nvmeof" / "companion.json").read_text())["pid"]
+
     def close(self) -> None:
         subprocess.run(["fusermount3", "-u", str(self.mnt)], timeout=30, check=False)
         self.target.terminate()
         self.target.wait(10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds of process ``pid`` (all its threads) so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def aligned(nbytes: int) -> mmap.mmap:
@@ -335,10 +345,18 @@ def run_bench(mounted: Mounted, args: argparse.Namespace) -> None:
     depth, gpu_buf = 16, torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
     f = nvmeof_fuse.File(path)
 
-    def timed(run: Callable[[float], int]) -> float:
+    pids = {"target": mounted.target.pid, "daemon": mounted.daemon_pid(), "client": os.getpid()}
+    busy: dict[str, dict[str, list[float]]] = {}
+
+    def timed(name: str, run: Callable[[float], int]) -> float:
+        cpu = {who: cpu_seconds(pid) for who, pid in pids.items()}
         started = time.perf_counter()
         moved = run(started + args.seconds)
-        return moved / (time.perf_counter() - started) / 1e9
+        took = time.perf_counter() - started
+        for who, pid in pids.items():  # share of one core each process kept busy
+            busy.setdefault(name, {}).setdefault(who, []).append(
+                (cpu_seconds(pid) - cpu[who]) / took)
+        return moved / took / 1e9
 
     def offsets(chunk: int) -> Callable[[], int]:
         """Successive offsets of ``chunk`` bytes over the namespace; any thread may call."""
@@ -417,15 +435,18 @@ def run_bench(mounted: Mounted, args: argparse.Namespace) -> None:
             run(time.perf_counter() + 0.3)
         for _ in range(args.rounds):
             for name, run in jobs.items():
-                figures[name].append(timed(run))
+                figures[name].append(timed(name, run))
     finally:
         f.close()
     print(f"\nGB/s into memory from the same fake NVMe/TCP target, {args.rounds} slices of "
-          f"{args.seconds:g} s each in turns (median; min-max):")
+          f"{args.seconds:g} s each in turns (median; min-max), and the cores the target, "
+          f"the daemon and this process kept busy:")
     width = max(len(name) for name in figures)
     for name, values in figures.items():
+        cores = "  ".join(f"{who} {statistics.median(shares):4.2f}"
+                          for who, shares in busy[name].items())
         print(f"  {name.ljust(width)}  {statistics.median(values):6.2f}  "
-              f"({min(values):.2f}-{max(values):.2f})")
+              f"({min(values):.2f}-{max(values):.2f})  {cores}")
     med = {name: statistics.median(values) for name, values in figures.items()}
     names = list(figures)
     fuse, loop1, loop16, qd16 = med[names[0]], med[names[1]], med[names[2]], med[names[3]]

@@ -149,8 +149,15 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
         parts.append(_section("connection", connection()))
     if companion is not None:
         fields = companion.snapshot()
-        fields.pop("sessions", None)
+        sessions = fields.pop("sessions", [])
         parts.append(_section("companion", fields))
+        for session in sessions:  # each client: where it places each kind of memory
+            client = dict(session)
+            placement = client.pop("placement", None) or {}
+            client = {k: v for k, v in client.items() if v and k != "peer"}
+            client.update({f"placement {kind}": how for kind, how in placement.items()})
+            if client:
+                parts.append(_section(f"companion client {session.get('peer', '?')}", client))
     return "\n".join(parts).encode()
 
 

@@ -25,7 +25,9 @@ class _Companion:
         return {"socket": "@nvmeof-fuse-1", "uid": 1000}
 
     def snapshot(self) -> dict:
-        return {"clients": 1, "daemon_copied_bytes": 0, "sessions": [{"pid": 9}]}
+        return {"clients": 1, "daemon_copied_bytes": 0, "sessions": [
+            {"peer": "pid 9 uid 1000", "regions": 2, "staged_read_bytes": 4096,
+             "direct_read_bytes": 0, "placement": {"cuda": "staged: NVMe/TCP receives data"}}]}
 
 
 def test_the_companion_handed_down_by_the_daemon_is_reported():
@@ -34,6 +36,9 @@ def test_the_companion_handed_down_by_the_daemon_is_reported():
     assert "companion" not in info.stats_dict(ctrl)
     companion = _Companion()
     assert info.companion_dict(companion)["socket"] == "@nvmeof-fuse-1"
-    assert info.stats_dict(ctrl, companion)["companion"]["sessions"] == [{"pid": 9}]
+    assert info.stats_dict(ctrl, companion)["companion"]["sessions"][0]["regions"] == 2
     text = info.stats_text(ctrl, companion).decode()
     assert "companion:\n  clients" in text and "sessions" not in text
+    assert ("companion client pid 9 uid 1000:\n  regions           : 2\n"
+            "  staged_read_bytes : 4096\n"
+            "  placement cuda    : staged: NVMe/TCP receives data\n") in text
