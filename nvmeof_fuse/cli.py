@@ -325,6 +325,8 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 
 SECRET_OPTIONS = ("dhchap_secret", "dhchap_ctrl_secret")
+"""Options that may hold a secret: inline, it goes to the daemon over a pipe, never in its
+argv (a TLS PSK, once added, belongs here too; tests/test_cli.py checks the names)."""
 NOT_FORWARDED = ("daemon", "ready_fd", "secrets_fd")
 
 

@@ -322,6 +322,17 @@ def test_a_secret_in_o_options_starts_no_daemon(capsys, monkeypatch, argv):
     assert SECRET.split(":")[2] not in err
 
 
+def test_every_option_that_may_hold_a_secret_is_kept_out_of_the_daemons_argv():
+    """A secret option added later (a TLS PSK) must join SECRET_OPTIONS, or it would be
+    copied into the daemon's command line."""
+    import re
+
+    actions = cli._add_mount_arguments(cli.argparse.ArgumentParser(add_help=False))
+    named = {a.dest for a in actions
+             if a.nargs != 0 and re.search(r"secret|psk|(^|_)key($|_)|password", a.dest)}
+    assert named - {"secrets_fd"} == set(cli.SECRET_OPTIONS)  # secrets_fd: a number
+
+
 def test_secrets_reach_a_real_child_over_a_pipe_only(tmp_path):
     out = tmp_path / "child.json"
     code = f"""
