@@ -265,7 +265,7 @@ def test_a_secret_changed_on_the_target_stops_reconnecting_by_name(testbed, tmp_
             # the kernel's nvmf_should_reconnect stops on a rejected key: so do we when nvmet's
             # AUTH_Failure1 arrives; when nvmet closes the connection first (over rxe unseen),
             # each reconnect fails with a line that names the likely rejected secret
-            named = ("stopped reconnecting", "it rejected the secret (is --dhchap-secret right?)")
+            named = ("stopped reconnecting", "it rejected the secret (is --dhchap-secret file")
             assert wait_for(lambda: any(n in open(log).read() for n in named), 120), \
                 open(log).read()
             text = open(log).read()
