@@ -63,15 +63,16 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
             common += [flag, value]
     probe = cli.build_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
                                            "nqn.2014-08.org.example:probe", "/"])
-    cli.connect_options(probe, nqn=probe.nqn, default_port=4420)
+    cli.connect_options(probe, nqn=probe.nqn, default_port=4420)  # secret files read
     cli.mount_options(probe)
-    return common + cli.absolute_secret_files(probe), probe.log_file
+    return common, probe.log_file
 
 
 def _mount_one(o: Outcome, log_file: str | None) -> None:
     try:
         os.makedirs(o.mountpoint, exist_ok=True)
-        cli.spawn_daemon([sys.executable, "-m", "nvmeof_fuse.cli", *o.argv], log_file)
+        cmd, secrets = cli.daemon_command(o.argv)  # secret files made absolute
+        cli.spawn_daemon(cmd, log_file, secrets=secrets)
         o.status = "mounted"
     except (NVMeoFError, cli.UsageError, OSError) as exc:
         o.status, o.reason = "failed", cli._one_line(exc)

@@ -92,8 +92,12 @@ def _hostid(value: str | None) -> str | None:
 
 
 def _mount_flags(values: list[str]) -> set[str]:
+    from nvmeof_fuse.mounthelper import refuse_secret_option
+
     flags = {f.strip() for v in values for f in v.split(",") if f.strip()}
-    unknown = flags - {"allow_other"}
+    for flag in flags:
+        refuse_secret_option(flag, on_command_line=True)
+    unknown = {f.partition("=")[0] for f in flags} - {"allow_other"}  # values unsaid
     if unknown:
         raise UsageError(
             f"unsupported -o option(s): {', '.join(sorted(unknown))} (known: allow_other)"
@@ -115,6 +119,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "hostid": _hostid(args.hostid),
         "dhchap_secret": getattr(args, "dhchap_secret", None),  # discovery.conf has none
         "dhchap_ctrl_secret": getattr(args, "dhchap_ctrl_secret", None),
+        "allow_insecure_secret_file": getattr(args, "allow_insecure_secret_file", False),
         "hdr_digest": args.hdr_digest,
         "data_digest": args.data_digest,
     }
@@ -159,60 +164,79 @@ def mount_options(args: argparse.Namespace) -> Any:
 
 
 def _add_connection(p: argparse.ArgumentParser, *, port_help: str,
-                    addr_required: bool = True) -> None:
-    p.add_argument("-t", "--transport", choices=["rdma", "tcp"], help="rdma (default) or tcp")
-    p.add_argument("-a", "--traddr", required=addr_required, help="target address")
-    p.add_argument("-s", "--trsvcid", help=port_help)
-    p.add_argument("-w", "--host-traddr", help="local address to connect from")
-    p.add_argument("-g", "--hdr-digest", action="store_true",
-                   help="NVMe/TCP header digests (CRC32C)")
-    p.add_argument("-G", "--data-digest", action="store_true",
-                   help="NVMe/TCP data digests (CRC32C)")
-    p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)")
-    p.add_argument("-I", "--hostid", help="host UUID (default: /etc/nvme/hostid)")
-    p.add_argument("-S", "--dhchap-secret", metavar="SECRET|FILE",
-                   help="DH-HMAC-CHAP host secret (DHHC-1:0N:...:), or a file holding it")
-    p.add_argument("-C", "--dhchap-ctrl-secret", metavar="SECRET|FILE",
-                   help="DH-HMAC-CHAP controller secret, or its file: authenticate the target too")
-    p.add_argument("--debug", action="store_true", help="verbose logs and tracebacks")
+                    addr_required: bool = True) -> list[argparse.Action]:
+    return [
+        p.add_argument("-t", "--transport", choices=["rdma", "tcp"],
+                       help="rdma (default) or tcp"),
+        p.add_argument("-a", "--traddr", required=addr_required, help="target address"),
+        p.add_argument("-s", "--trsvcid", help=port_help),
+        p.add_argument("-w", "--host-traddr", help="local address to connect from"),
+        p.add_argument("-g", "--hdr-digest", action="store_true",
+                       help="NVMe/TCP header digests (CRC32C)"),
+        p.add_argument("-G", "--data-digest", action="store_true",
+                       help="NVMe/TCP data digests (CRC32C)"),
+        p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)"),
+        p.add_argument("-I", "--hostid", help="host UUID (default: /etc/nvme/hostid)"),
+        p.add_argument("-S", "--dhchap-secret", metavar="SECRET|FILE",
+                       help="DH-HMAC-CHAP host secret (DHHC-1:0N:...:), or better the path "
+                            "of a file (mode 0600) holding it"),
+        p.add_argument("-C", "--dhchap-ctrl-secret", metavar="SECRET|FILE",
+                       help="DH-HMAC-CHAP controller secret, or its file: authenticate the "
+                            "target too"),
+        p.add_argument("--allow-insecure-secret-file", action="store_true",
+                       help="read secret files that group or others may access (refused "
+                            "otherwise, as ssh refuses such keys)"),
+        p.add_argument("--debug", action="store_true", help="verbose logs and tracebacks"),
+    ]
+
+
+def _add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
+    """``mount``'s arguments; the actions, from which :func:`daemon_command` rebuilds a line."""
+    from nvmeof_fuse.host.options import DEFAULT_COMPANION_QUEUES, QUEUES_PER_CLIENT
+
+    actions = _add_connection(m, port_help="transport service id (default 4420)",
+                              addr_required=False)
+    add = m.add_argument
+    actions += [
+        add("-n", "--nqn", help="subsystem NQN"),
+        add("--nsid", "--namespace-id", help="mount only this namespace"),
+        add("-i", "--nr-io-queues", help="number of I/O queues"),
+        add("--companion-queues",
+            help="more I/O queue IDs to lease to companion clients, which connect them "
+                 f"themselves (default {DEFAULT_COMPANION_QUEUES}, "
+                 f"{QUEUES_PER_CLIENT} per client; 0: off)"),
+        add("-Q", "--queue-size", help="I/O queue size (default 128)"),
+        add("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)"),
+        add("-c", "--reconnect-delay", default="10",
+            help="after losing the connection, reconnect every this many s (10)"),
+        add("-l", "--ctrl-loss-tmo", default="600",
+            help="keep reconnecting this many s before I/O fails; -1: for ever (600)"),
+        add("-f", "--fast-io-fail-tmo", "--fast_io_fail_tmo", default="-1",
+            help="fail I/O this many s after a loss while reconnecting goes on (-1: off)"),
+        add("--read-only", action="store_true", help="refuse writes (EROFS)"),
+        add("-o", dest="options", action="append", default=[], metavar="allow_other"),
+        add("--uid", help="owner of the namespace files (default: you)"),
+        add("--gid", help="group of the namespace files (default: yours)"),
+        add("--mode", help="octal mode of the namespace files (default 0660)"),
+        add("--daemon", action="store_true", help="detach once mounted"),
+        add("--log-file", help="with --daemon: where its logs go (default: none)"),
+        add("--ready-fd", type=int, help=argparse.SUPPRESS),
+        add("--secrets-fd", type=int, help=argparse.SUPPRESS),  # inline secrets, from the parent
+        add("source", nargs="?",
+            help="nvme+rdma://HOST[:PORT]/SUBNQN[/NSID] (or nvme+tcp://), instead of -a/-n"),
+        add("mountpoint"),
+    ]
+    return actions
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from nvmeof_fuse.host.options import DEFAULT_COMPANION_QUEUES, QUEUES_PER_CLIENT
-
     parser = argparse.ArgumentParser(
         prog=PROG, description="Mount NVMe-oF namespaces as files; discover; list mounts."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     m = sub.add_parser("mount", help="connect and mount the namespaces as files")
-    _add_connection(m, port_help="transport service id (default 4420)", addr_required=False)
-    m.add_argument("-n", "--nqn", help="subsystem NQN")
-    m.add_argument("--nsid", "--namespace-id", help="mount only this namespace")
-    m.add_argument("-i", "--nr-io-queues", help="number of I/O queues")
-    m.add_argument("--companion-queues",
-                   help="more I/O queue IDs to lease to companion clients, which connect them "
-                        f"themselves (default {DEFAULT_COMPANION_QUEUES}, "
-                        f"{QUEUES_PER_CLIENT} per client; 0: off)")
-    m.add_argument("-Q", "--queue-size", help="I/O queue size (default 128)")
-    m.add_argument("-k", "--keep-alive-tmo", default="5", help="keep-alive timeout, s (5)")
-    m.add_argument("-c", "--reconnect-delay", default="10",
-                   help="after losing the connection, reconnect every this many s (10)")
-    m.add_argument("-l", "--ctrl-loss-tmo", default="600",
-                   help="keep reconnecting this many s before I/O fails; -1: for ever (600)")
-    m.add_argument("-f", "--fast-io-fail-tmo", "--fast_io_fail_tmo", default="-1",
-                   help="fail I/O this many s after a loss while reconnecting goes on (-1: off)")
-    m.add_argument("--read-only", action="store_true", help="refuse writes (EROFS)")
-    m.add_argument("-o", dest="options", action="append", default=[], metavar="allow_other")
-    m.add_argument("--uid", help="owner of the namespace files (default: you)")
-    m.add_argument("--gid", help="group of the namespace files (default: yours)")
-    m.add_argument("--mode", help="octal mode of the namespace files (default 0660)")
-    m.add_argument("--daemon", action="store_true", help="detach once mounted")
-    m.add_argument("--log-file", help="with --daemon: where its logs go (default: none)")
-    m.add_argument("--ready-fd", type=int, help=argparse.SUPPRESS)
-    m.add_argument("source", nargs="?",
-                   help="nvme+rdma://HOST[:PORT]/SUBNQN[/NSID] (or nvme+tcp://), instead of -a/-n")
-    m.add_argument("mountpoint")
+    _add_mount_arguments(m)
 
     d = sub.add_parser("discover", help="print a discovery controller's log page")
     _add_connection(d, port_help="transport service id (default 8009 tcp, 4420 rdma)")
@@ -281,15 +305,18 @@ def _report(fd: int | None, message: str) -> None:
 def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from nvmeof_fuse.mounthelper import apply_source
 
-    apply_source(args)
-    conn = connect_options(args, nqn=args.nqn, default_port=4420)
-    mopts = mount_options(args)
-    if args.daemon:
-        return spawn_daemon(daemon_command(args, argv), args.log_file)
-    import trio
-
-    fd = args.ready_fd
+    fd = args.ready_fd  # set in the daemon: its parent waits for the outcome there
     try:
+        if args.secrets_fd is not None:
+            receive_secrets(args, args.secrets_fd)
+        apply_source(args)
+        conn = connect_options(args, nqn=args.nqn, default_port=4420)
+        mopts = mount_options(args)
+        if args.daemon:
+            cmd, secrets = daemon_command(argv)
+            return spawn_daemon(cmd, args.log_file, secrets=secrets)
+        import trio
+
         trio.run(run_mount, conn, mopts, args.mountpoint, lambda: _report(fd, "ready"))
     except BaseException as exc:
         _report(fd, "error: " + _one_line(exc))
@@ -297,47 +324,132 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     return 0
 
 
-def daemon_command(args: argparse.Namespace, argv: Sequence[str]) -> list[str]:
-    """This command line in foreground form, with an absolute mountpoint and secret files
-    (it runs in /)."""
-    # argparse also takes a unique prefix (--dae): left in, the child would detach again.
-    rest = [a for a in argv if not (len(a) > 4 and "--daemon".startswith(a))]
-    i = len(rest) - 1 - rest[::-1].index(args.mountpoint)
-    rest[i] = os.path.abspath(args.mountpoint)
-    return [sys.executable, "-m", "nvmeof_fuse.cli", *rest, *absolute_secret_files(args)]
+SECRET_OPTIONS = ("dhchap_secret", "dhchap_ctrl_secret")
+"""Options that may hold a secret: inline, it goes to the daemon over a pipe, never in its
+argv (a TLS PSK, once added, belongs here too; tests/test_cli.py checks the names)."""
+NOT_FORWARDED = ("daemon", "ready_fd", "secrets_fd")
 
 
-def absolute_secret_files(args: argparse.Namespace) -> list[str]:
-    """Options that name the secret files given relative by absolute path (the last of an
-    option wins), for a daemon that runs in / and reads them again at each (re)connect."""
-    extra = []
-    for option, value in (("--dhchap-secret", args.dhchap_secret),
-                          ("--dhchap-ctrl-secret", args.dhchap_ctrl_secret)):
-        if value and ":" not in value and not os.path.isabs(value):  # a file (see auth)
-            extra += [option, os.path.abspath(value)]
-    return extra
+def daemon_command(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
+    """The daemon's command line (this mount in foreground form) and the inline secrets to
+    hand it over a pipe (:func:`spawn_daemon`).
+
+    The line is rebuilt from the parsed options, whatever form they took (``-SVALUE``,
+    ``--opt=value``, a prefix of an option's name, ``-gS``): it names a secret only by its
+    file, made absolute as the daemon runs in / and reads it again at each reconnect.
+    """
+    from nvmeof_fuse.host.auth import is_inline
+
+    args = parse_args(argv)  # as given: before apply_source filled it in
+    line, secrets = ["mount"], {}
+    for action in _add_mount_arguments(argparse.ArgumentParser(add_help=False)):
+        dest, value = action.dest, getattr(args, action.dest)
+        if not action.option_strings or dest in NOT_FORWARDED or value is None:
+            continue
+        flag = next((o for o in action.option_strings if o.startswith("--")),
+                    action.option_strings[0])
+        if dest in SECRET_OPTIONS:
+            if is_inline(value):
+                secrets[dest] = value
+            else:
+                line.append(f"{flag}={os.path.abspath(value)}")
+        elif dest == "options":
+            line += [a for f in sorted(_mount_flags(value)) for a in ("-o", f)]
+        elif action.nargs == 0:  # a flag
+            if value:
+                line.append(flag)
+        elif dest == "log_file":
+            line.append(f"{flag}={os.path.abspath(value)}")
+        elif value != action.default:
+            line.append(f"{flag}={value}")
+    if args.source is not None:
+        line.append(args.source)
+    line.append(os.path.abspath(args.mountpoint))
+    return [sys.executable, "-m", "nvmeof_fuse.cli", *line], secrets
+
+
+SECRETS_TIMEOUT = 10.0  # s the daemon waits for its secrets (written before it started)
+SECRETS_MAX = 16384  # bytes: far below a pipe's capacity, so the parent never blocks
+
+
+def secrets_pipe(secrets: dict[str, str]) -> int:
+    """A pipe's read end that holds ``secrets`` (as JSON) and then EOF, for a child."""
+    payload = json.dumps(secrets).encode()
+    if len(payload) > SECRETS_MAX:
+        raise UsageError(f"the secrets are too long ({len(payload)} bytes)")
+    rfd, wfd = os.pipe()
+    try:
+        view = memoryview(payload)
+        while view:
+            view = view[os.write(wfd, view):]
+    except BaseException:
+        os.close(rfd)
+        raise
+    finally:
+        os.close(wfd)
+    return rfd
+
+
+def receive_secrets(args: argparse.Namespace, fd: int) -> None:
+    """Take the inline secrets a --daemon parent handed over descriptor ``fd`` into ``args``."""
+    try:
+        data = b""
+        deadline = time.monotonic() + SECRETS_TIMEOUT
+        while len(data) <= SECRETS_MAX:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise UsageError(f"--secrets-fd {fd}: no secrets within {SECRETS_TIMEOUT:g} s")
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+        os.close(fd)
+    except OSError as exc:
+        raise UsageError(f"--secrets-fd {fd}: {exc.strerror}") from None
+    try:
+        secrets = json.loads(data)
+        assert isinstance(secrets, dict)
+    except (ValueError, AssertionError):
+        raise UsageError(f"--secrets-fd {fd} does not hold the secrets of a --daemon "
+                         "parent") from None
+    for name in SECRET_OPTIONS:
+        if isinstance(secrets.get(name), str):
+            setattr(args, name, secrets[name])
 
 
 def spawn_daemon(
-    cmd: list[str], log_file: str | None, timeout: float = DAEMON_READY_TIMEOUT
+    cmd: list[str], log_file: str | None, timeout: float = DAEMON_READY_TIMEOUT,
+    secrets: dict[str, str] | None = None,
 ) -> int:
-    """Run ``cmd --ready-fd N`` detached; 0 once it reports ready, else raise its error."""
+    """Run ``cmd --ready-fd N`` detached; 0 once it reports ready, else raise its error.
+
+    ``secrets`` (inline ones) go over a pipe of their own (``--secrets-fd``), never in
+    the daemon's arguments or environment.
+    """
     from nvmeof_fuse.mounthelper import daemon_output
 
     rfd, wfd = os.pipe()
+    fds, extra = [wfd], []  # the child's ends: closed here once it has them
     try:
+        if secrets:
+            fds.append(secrets_pipe(secrets))
+            extra = ["--secrets-fd", str(fds[-1])]
         with daemon_output(log_file) as out:
             proc = subprocess.Popen(
-                [*cmd, "--ready-fd", str(wfd)],
-                pass_fds=(wfd,),
+                [*cmd, *extra, "--ready-fd", str(wfd)],
+                pass_fds=fds,
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,
                 start_new_session=True,
                 cwd="/",
             )
+    except BaseException:
+        os.close(rfd)
+        raise
     finally:
-        os.close(wfd)
+        for fd in fds:
+            os.close(fd)
     try:
         status = _read_line(rfd, timeout)
     finally:

@@ -36,8 +36,9 @@ KEYS: dict[str, tuple[str, bool]] = {
     "host_traddr": ("--host-traddr", True),
     "hostnqn": ("--hostnqn", True),
     "hostid": ("--hostid", True),
-    "dhchap_secret": ("--dhchap-secret", True),  # in fstab: the path of the secret's file
-    "dhchap_ctrl_secret": ("--dhchap-ctrl-secret", True),
+    "dhchap_secret_file": ("--dhchap-secret", True),  # the path of a file: see SECRET_KEYS
+    "dhchap_ctrl_secret_file": ("--dhchap-ctrl-secret", True),
+    "allow_insecure_secret_file": ("--allow-insecure-secret-file", False),
     "nqn": ("--nqn", True),
     "nsid": ("--nsid", True),
     "namespace_id": ("--nsid", True),
@@ -67,7 +68,34 @@ IGNORED = frozenset(
     "noiversion mand nomand default_permissions".split()
 )
 IGNORED_PREFIXES = ("x-", "comment=")
+# Secrets are accepted only as files: mount options show in /etc/fstab and in the process
+# list while mounting, both readable by every user.  Inline key -> the file key to write.
+SECRET_KEYS = {"dhchap_secret": "dhchap_secret_file",
+               "dhchap_ctrl_secret": "dhchap_ctrl_secret_file"}
+FILE_OPTIONS = {"dhchap_secret": "--dhchap-secret", "dhchap_ctrl_secret": "--dhchap-ctrl-secret"}
 SILENT_FLAGS = ("-n", "-v", "-s")  # no-mtab, verbose, sloppy: what mount(8) may add
+
+
+def refuse_secret_option(item: str, on_command_line: bool = False) -> None:
+    """Refuse an ``-o`` item that holds a secret, saying why and what to write instead.
+
+    ``on_command_line``: ``nvmeof-fuse mount -o`` rather than fstab or ``mount -o``.
+    The message never holds the value.
+    """
+    key, _, value = item.partition("=")
+    key = key.strip().replace("-", "_")
+    if key in SECRET_KEYS:
+        what, file_key = "is refused", SECRET_KEYS[key]
+    elif key in SECRET_KEYS.values() and ":" in value:  # DHHC-1:...: the secret itself
+        what, file_key = "names a file, not the secret itself", key
+    else:
+        return
+    instead = (f"{FILE_OPTIONS[file_key.removesuffix('_file')]} FILE" if on_command_line
+               else f"{file_key}=FILE")
+    raise InvalidArgument(
+        f"mount option {key}= {what}: mount options are readable by every user (in "
+        "/etc/fstab and the process list); put the secret in a file only its owner can read "
+        f"(chmod 600) and write {instead} instead")
 
 
 def key_to_args(item: str) -> list[str]:
@@ -76,6 +104,7 @@ def key_to_args(item: str) -> list[str]:
     key = key.strip().replace("-", "_")
     if not key or key in IGNORED or item.startswith(IGNORED_PREFIXES):
         return []
+    refuse_secret_option(item)
     if key not in KEYS:
         raise InvalidArgument(f"unknown mount option {key!r} (known: {', '.join(sorted(KEYS))};"
                               " mount(8) and x-systemd.* options are ignored)")

@@ -147,6 +147,7 @@ SECRET = "DHHC-1:00:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:"
 def test_dhchap_options_follow_nvme_cli(tmp_path):
     key = tmp_path / "key"
     key.write_text(SECRET + "\n")
+    key.chmod(0o600)
     args = cli.build_parser().parse_args([*MOUNT, "-S", str(key), "--dhchap-ctrl-secret",
                                           SECRET, str(tmp_path)])
     opts = cli.connect_options(args, nqn=args.nqn, default_port=4420)
@@ -154,9 +155,14 @@ def test_dhchap_options_follow_nvme_cli(tmp_path):
 
 
 @pytest.mark.parametrize("extra, match", [
-    (["-S", SECRET[:-5] + "AAAA:"], "--dhchap-secret fails its CRC-32 check"),
+    (["-S", SECRET[:-5] + "AAAA:"], "--dhchap-secret (inline) fails its CRC-32 check"),
     (["-S", "/nonexistent/key"], "--dhchap-secret file /nonexistent/key: No such file"),
     (["-C", SECRET], "--dhchap-ctrl-secret needs --dhchap-secret"),
+    (["-o", f"dhchap_secret={SECRET}"], "mount option dhchap_secret= is refused: mount "
+     "options are readable by every user (in /etc/fstab and the process list); "
+     "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
+     "FILE instead"),
+    (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other)"),
 ])
 def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
     err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
@@ -220,35 +226,152 @@ def test_daemon_timeout_stops_the_child(tmp_path):
 
 def test_daemon_command_is_foreground_with_absolute_mountpoint(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
-    argv = [*MOUNT, "--daemon", "mnt"]
-    args = cli.build_parser().parse_args(argv)
-    cmd = cli.daemon_command(args, argv)
-    assert cmd[:3] == [sys.executable, "-m", "nvmeof_fuse.cli"]
-    assert cmd[3:] == [*MOUNT, str(tmp_path / "mnt")]
+    cmd, secrets = cli.daemon_command([*MOUNT, "--daemon", "-k", "7", "-o", "allow_other",
+                                       "--log-file", "log", "mnt"])
+    assert cmd[:3] == [sys.executable, "-m", "nvmeof_fuse.cli"] and not secrets
+    assert cmd[3:] == ["mount", "--transport=rdma", "--traddr=192.0.2.1",
+                       "--nqn=nqn.2014-08.org.example:s1", "--keep-alive-tmo=7", "-o",
+                       "allow_other", f"--log-file={tmp_path / 'log'}", str(tmp_path / "mnt")]
+
+
+def test_daemon_command_keeps_every_option():
+    """The line is rebuilt from the parsed options: none may be lost on the way."""
+    argv = ["mount", "nvme+tcp://192.0.2.1/nqn.2014-08.org.example:s1", "-w", "192.0.2.9",
+            "-g", "-G", "-q", "nqn.2014-08.org.example:h", "-I",
+            "00000000-0000-4000-8000-000000000001", "--allow-insecure-secret-file", "--debug",
+            "--namespace-id", "2", "-i", "3", "--companion-queues", "0", "-Q", "64", "-k", "0",
+            "-c", "3", "-l", "-1", "--fast_io_fail_tmo", "5", "--read-only", "-o", "allow_other",
+            "--uid", "1", "--gid", "2", "--mode", "0600", "--log-file", "/l", "/m"]
+    cmd, _ = cli.daemon_command(argv)
+    given, child = vars(cli.parse_args(argv)), vars(cli.parse_args(cmd[3:]))
+    assert child == given, cmd
 
 
 @pytest.mark.parametrize("flag", ["--dae", "--daem", "--daemo"])
 def test_daemon_command_drops_an_abbreviated_daemon_flag(flag):
     """argparse takes ``--dae`` for ``--daemon``: left in, the child would detach again,
     and its child too, without end."""
-    argv = [*MOUNT, flag, "/mnt"]
-    cmd = cli.daemon_command(cli.parse_args(argv), argv)
+    cmd, _ = cli.daemon_command([*MOUNT, flag, "/mnt"])
     assert not cli.parse_args(cmd[3:]).daemon
 
 
 def test_daemon_command_makes_secret_files_absolute(monkeypatch, tmp_path):
     """The daemon runs in /, and reads the secret files again (at connect and reconnect)."""
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "host.key").write_text(SECRET + "\n")
-    (tmp_path / "ctrl.key").write_text(SECRET + "\n")
-    argv = [*MOUNT, "--daemon", "-S", "host.key", "--dhchap-ctrl-secret=ctrl.key", "mnt"]
-    cmd = cli.daemon_command(cli.parse_args(argv), argv)
+    for name in ("host.key", "ctrl.key"):
+        (tmp_path / name).write_text(SECRET + "\n")
+        (tmp_path / name).chmod(0o600)
+    cmd, secrets = cli.daemon_command([*MOUNT, "--daemon", "-S", "host.key",
+                                       "--dhchap-ctrl-secret=ctrl.key", "mnt"])
     monkeypatch.chdir("/")
     child = cli.parse_args(cmd[3:])
     opts = cli.connect_options(child, nqn=child.nqn, default_port=4420)
     assert (opts.dhchap_secret, opts.dhchap_ctrl_secret) == (
         str(tmp_path / "host.key"), str(tmp_path / "ctrl.key"))
-    assert child.mountpoint == str(tmp_path / "mnt")
+    assert child.mountpoint == str(tmp_path / "mnt") and not secrets
+
+
+CTRL_SECRET = "DHHC-1:00:yMnKy8zNzs/Q0dLT1NXW19jZ2tvc3d7f4OHi4+Tl5ufLkDyH:"
+TCP_MOUNT = ["mount", "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.2014-08.org.example:s1"]
+
+
+@pytest.mark.parametrize("argv", [
+    [*MOUNT, "-S", SECRET, "-C", CTRL_SECRET, "--daemon", "/mnt"],
+    [*MOUNT, f"-S{SECRET}", f"-C{CTRL_SECRET}", "--daemon", "/mnt"],
+    [*TCP_MOUNT, "-gGS", SECRET, "-gC", CTRL_SECRET, "--daemon", "/mnt"],  # short flags joined
+    [*MOUNT, f"--dhchap-secret={SECRET}", f"--dhchap-ctrl-secret={CTRL_SECRET}", "--daemon",
+     "/mnt"],
+    [*MOUNT, "--dhchap-secret", SECRET, "--dhchap-ctrl-secret", CTRL_SECRET, "--daemon", "/mnt"],
+    [*MOUNT, "--dhchap-s", SECRET, f"--dhchap-c={CTRL_SECRET}", "--dae", "/mnt"],  # prefixes
+    ["mount", f"nvme+rdma://192.0.2.1/{MOUNT[-1]}", "-S", SECRET, "-C", CTRL_SECRET, "--daemon",
+     "/mnt"],
+])
+def test_the_daemons_argv_holds_no_secret_whatever_the_form(monkeypatch, argv):
+    """Issue #43, acceptance 3: inline secrets reach the daemon over a pipe, never in its
+    arguments or environment."""
+    started = []
+
+    class Popen:  # the daemon, as spawn_daemon starts it
+        def __init__(self, cmd, **kwargs):
+            started.append((cmd, kwargs))
+            fd = int(cmd[cmd.index("--secrets-fd") + 1])
+            args = cli.parse_args(cmd[3:])
+            cli.receive_secrets(args, os.dup(fd))
+            started.append(args)
+            os.write(int(cmd[cmd.index("--ready-fd") + 1]), b"ready\n")
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Popen)
+    assert cli.main(argv) == 0
+    (cmd, kwargs), child = started
+    bodies = (SECRET.split(":")[2], CTRL_SECRET.split(":")[2])
+    assert not any(b in a for b in bodies for a in cmd), cmd
+    assert kwargs.get("env") is None and not any(b in v for b in bodies
+                                                 for v in os.environ.values())
+    assert (child.dhchap_secret, child.dhchap_ctrl_secret) == (SECRET, CTRL_SECRET)
+    assert not child.daemon and child.mountpoint == "/mnt"
+
+
+@pytest.mark.parametrize("argv", [
+    [*MOUNT, "-o", f"dhchap_secret={SECRET}", "--daemon", "/mnt"],
+    [f"nvme+rdma://192.0.2.1/{MOUNT[-1]}", "/mnt", "-o", f"dhchap_secret={SECRET}"],  # fstab
+    [f"nvme+rdma://192.0.2.1/{MOUNT[-1]}", "/mnt", "-o", f"dhchap_ctrl_secret_file={SECRET}"],
+])
+def test_a_secret_in_o_options_starts_no_daemon(capsys, monkeypatch, argv):
+    monkeypatch.setattr(cli.subprocess, "Popen", None)  # any start fails the test
+    err = one_line_error(capsys, argv, ": mount options are readable by every user")
+    assert SECRET.split(":")[2] not in err
+
+
+def test_every_option_that_may_hold_a_secret_is_kept_out_of_the_daemons_argv():
+    """A secret option added later (a TLS PSK) must join SECRET_OPTIONS, or it would be
+    copied into the daemon's command line."""
+    import re
+
+    actions = cli._add_mount_arguments(cli.argparse.ArgumentParser(add_help=False))
+    named = {a.dest for a in actions
+             if a.nargs != 0 and re.search(r"secret|psk|(^|_)key($|_)|password", a.dest)}
+    assert named - {"secrets_fd"} == set(cli.SECRET_OPTIONS)  # secrets_fd: a number
+
+
+def test_secrets_reach_a_real_child_over_a_pipe_only(tmp_path):
+    out = tmp_path / "child.json"
+    code = f"""
+import argparse, json
+from nvmeof_fuse import cli
+args = argparse.Namespace(dhchap_secret=None, dhchap_ctrl_secret=None)
+cli.receive_secrets(args, int(sys.argv[sys.argv.index("--secrets-fd") + 1]))
+with open("/proc/self/cmdline", "rb") as c, open("/proc/self/environ", "rb") as e:
+    seen = [vars(args), c.read().decode(), e.read().decode()]
+open({str(out)!r}, "w").write(json.dumps(seen))
+os.write(fd, b"ready\\n")
+"""
+    secrets = {"dhchap_secret": SECRET, "dhchap_ctrl_secret": CTRL_SECRET}
+    assert cli.spawn_daemon(child(code), None, timeout=STEP, secrets=secrets) == 0
+    received, cmdline, environ = json.loads(out.read_text())
+    assert received == secrets
+    assert not any(s.split(":")[2] in cmdline + environ for s in secrets.values())
+
+
+def test_bad_secrets_descriptor_is_one_line(monkeypatch):
+    args = types.SimpleNamespace(dhchap_secret=None)
+    rfd, wfd = os.pipe()
+    os.write(wfd, b"not json")
+    os.close(wfd)
+    with pytest.raises(cli.UsageError, match=f"^--secrets-fd {rfd} does not hold the secrets"):
+        cli.receive_secrets(args, rfd)
+    with pytest.raises(cli.UsageError, match=f"^--secrets-fd {rfd}: Bad file descriptor$"):
+        cli.receive_secrets(args, rfd)  # closed above
+    rfd, wfd = os.pipe()
+    monkeypatch.setattr(cli, "SECRETS_TIMEOUT", 0.05)
+    try:
+        with pytest.raises(cli.UsageError, match=f"^--secrets-fd {rfd}: no secrets within"):
+            cli.receive_secrets(args, rfd)
+    finally:
+        os.close(rfd)
+        os.close(wfd)
+    with pytest.raises(cli.UsageError, match=r"^the secrets are too long \(\d+ bytes\)$"):
+        cli.secrets_pipe({"dhchap_secret": "x" * cli.SECRETS_MAX})
+    assert args.dhchap_secret is None
 
 
 # --- discover and list ------------------------------------------------------------------

@@ -68,9 +68,10 @@ class Page:
 def spawned(monkeypatch):
     calls = []
 
-    def spawn(cmd, log_file):
+    def spawn(cmd, log_file, secrets=None):
+        assert not secrets  # mount-all takes secrets only as files (-O dhchap_secret_file=)
         calls.append(cmd)
-        if "nqn.2014-08.org.example:bad" in cmd:
+        if "--nqn=nqn.2014-08.org.example:bad" in cmd:
             raise cli.UsageError("cannot connect to 192.0.2.1:4420: refused")
         return 0
 
@@ -86,10 +87,10 @@ def test_mount_all(capsys, host, spawned, tmp_path, monkeypatch):  # noqa: F811
     out = capsys.readouterr().out
     assert re.search(rf"{S1}\s+rdma\s+192.0.2.1:4420\s+{root}/{S1}\s+mounted", out), out
     assert host.connects[0].nqn == cli.DISCOVERY_NQN and host.connects[0].trsvcid == 4420
-    assert sorted(c[c.index("-n") + 1] for c in spawned) == [S1, S2]
-    [first] = [c for c in spawned if S1 in c]  # mounted in parallel: any order
-    assert first[3:] == ["mount", "-t", "rdma", "-a", "192.0.2.1", "-s", "4420", "-n", S1,
-                          "--ctrl-loss-tmo", "-1", "--read-only", f"{root}/{S1}"]
+    assert sorted(cli.parse_args(c[3:]).nqn for c in spawned) == [S1, S2]
+    [first] = [c for c in spawned if f"--nqn={S1}" in c]  # mounted in parallel: any order
+    assert first[3:] == ["mount", "--transport=rdma", "--traddr=192.0.2.1", "--trsvcid=4420",
+                         f"--nqn={S1}", "--ctrl-loss-tmo=-1", "--read-only", f"{root}/{S1}"]
     assert (root / S1).is_dir() and (root / S2).is_dir()
     # the second run finds them mounted
     mounted = [MountInfo(str(root / S1), "fuse.nvmeof-fuse", "x"),
@@ -102,17 +103,26 @@ def test_mount_all(capsys, host, spawned, tmp_path, monkeypatch):  # noqa: F811
 
 def test_mount_all_makes_secret_files_absolute(host, spawned, tmp_path,  # noqa: F811
                                                monkeypatch):
-    """Each mount runs in /, where a relative dhchap_secret names another file or none."""
+    """Each mount runs in /, where a relative dhchap_secret_file names another file or none."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "host.key").write_text(SECRET + "\n")
+    (tmp_path / "host.key").chmod(0o600)
     host.page = Page(rec(S1))
-    assert cli.main(["mount-all", "-a", "192.0.2.1", "-O", "dhchap_secret=host.key",
+    assert cli.main(["mount-all", "-a", "192.0.2.1", "-O", "dhchap_secret_file=host.key",
                      str(tmp_path / "root")]) == 0
     [argv] = spawned
     monkeypatch.chdir("/")
     args = cli.parse_args(argv[3:])
     assert args.dhchap_secret == str(tmp_path / "host.key")
     cli.connect_options(args, nqn=args.nqn, default_port=4420)
+
+
+def test_mount_all_refuses_an_inline_secret_in_its_mount_options(capsys, host, spawned,  # noqa: F811
+                                                                 tmp_path):
+    err = one_line_error(capsys, ["mount-all", "-a", "192.0.2.1", "-O",
+                                  f"dhchap_secret={SECRET}", str(tmp_path)],
+                         "mount option dhchap_secret= is refused: mount options are readable")
+    assert SECRET[10:-1] not in err and not spawned
 
 
 def test_mount_all_failures_are_rows(capsys, host, spawned, tmp_path):  # noqa: F811

@@ -58,10 +58,32 @@ def test_every_mount_option_is_an_o_key(capsys):
         assert key_to_args(f"{key}=1" if takes_value else key)[:len(flag.split())] == flag.split()
 
 
+SECRET = "DHHC-1:00:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:"
+
+
 def test_dhchap_secret_files_as_o_keys():
-    assert key_to_args("dhchap_secret=/etc/nvme/key") == ["--dhchap-secret", "/etc/nvme/key"]
-    assert key_to_args("dhchap_ctrl_secret=/etc/nvme/ck") == ["--dhchap-ctrl-secret",
-                                                              "/etc/nvme/ck"]
+    assert key_to_args("dhchap_secret_file=/etc/nvme/key") == ["--dhchap-secret",
+                                                               "/etc/nvme/key"]
+    assert key_to_args("dhchap_ctrl_secret_file=/etc/nvme/ck") == ["--dhchap-ctrl-secret",
+                                                                   "/etc/nvme/ck"]
+    assert key_to_args("allow_insecure_secret_file") == ["--allow-insecure-secret-file"]
+
+
+@pytest.mark.parametrize("item, message", [
+    (f"dhchap_secret={SECRET}", "mount option dhchap_secret= is refused"),
+    ("dhchap_secret=/etc/nvme/key", "mount option dhchap_secret= is refused"),  # old spelling
+    (f"dhchap-ctrl-secret={SECRET}", "mount option dhchap_ctrl_secret= is refused"),
+    (f"dhchap_ctrl_secret_file={SECRET}",
+     "mount option dhchap_ctrl_secret_file= names a file, not the secret itself"),
+])
+def test_secrets_in_mount_options_are_refused_saying_why_and_what_to_write(item, message):
+    with pytest.raises(InvalidArgument) as info:
+        key_to_args(item)
+    file_key = "dhchap_ctrl_secret_file" if "ctrl" in item else "dhchap_secret_file"
+    assert str(info.value) == (
+        f"{message}: mount options are readable by every user (in /etc/fstab and the process "
+        "list); put the secret in a file only its owner can read (chmod 600) and write "
+        f"{file_key}=FILE instead")
 
 
 def test_ignored_keys():
@@ -124,13 +146,21 @@ def test_helper_form_errors_are_one_line(capsys, host, argv, match):  # noqa: F8
     assert host.connects == []
 
 
+def test_helper_form_refuses_an_inline_secret_in_one_line(capsys, host, tmp_path):  # noqa: F811
+    """What mount(8) runs for an fstab line with dhchap_secret=: refused before any daemon."""
+    err = one_line_error(capsys, [URI, str(tmp_path), "-o", f"_netdev,dhchap_secret={SECRET}"],
+                         "mount option dhchap_secret= is refused: mount options are readable")
+    assert SECRET[10:-1] not in err and not host.connects
+
+
 def test_helper_form_spawns_the_daemon(host, tmp_path, monkeypatch):  # noqa: F811
     spawned = []
-    monkeypatch.setattr(cli, "spawn_daemon", lambda cmd, log_file: spawned.append(cmd) or 0)
+    monkeypatch.setattr(cli, "spawn_daemon",
+                        lambda cmd, log_file, secrets: spawned.append(cmd) or 0)
     assert cli.main([URI, str(tmp_path), "-o", "dev,suid,_netdev,keep_alive_tmo=7"]) == 0
     cmd = spawned[0]
     assert cmd[:3] == [sys.executable, "-m", "nvmeof_fuse.cli"] and "--daemon" not in cmd
-    assert cmd[3:] == ["mount", "--keep-alive-tmo", "7", URI, str(tmp_path)]
+    assert cmd[3:] == ["mount", "--keep-alive-tmo=7", URI, str(tmp_path)]
 
 
 def test_daemon_logs_to_the_journal_under_systemd(monkeypatch, tmp_path):

@@ -360,18 +360,21 @@ class CompanionServer:
 
     @staticmethod
     def _secrets(opts: Any) -> dict[str, str]:
-        """The DH-HMAC-CHAP secrets the client's queues authenticate with, as the mount does.
+        """The DH-HMAC-CHAP secrets the client's queues authenticate with, as the mount does
+        (its secret files read, and checked, now).
 
         Only a client of the mount's uid or root gets here: one that could read them anyway.
+        They travel in the reply alone, never in a log line or an error.
         """
-        from ..host.auth import secret_text
+        from ..host.auth import secret_sources
 
         found = {}
-        for name, option in (("dhchap_secret", "--dhchap-secret"),
-                             ("dhchap_ctrl_secret", "--dhchap-ctrl-secret")):
-            value = getattr(opts, name, None)
-            if value:
-                found[name] = secret_text(value, option)[0]
+        sources = secret_sources(getattr(opts, "dhchap_secret", None),
+                                 getattr(opts, "dhchap_ctrl_secret", None))
+        allow = getattr(opts, "allow_insecure_secret_file", False)
+        for name, source in zip(("dhchap_secret", "dhchap_ctrl_secret"), sources, strict=True):
+            if source is not None:
+                found[name] = source.text(allow)
         return found
 
     async def lock(self, session: Session, nsid: int, offset: int, length: int,

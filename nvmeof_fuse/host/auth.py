@@ -5,7 +5,8 @@ runs Negotiate, Challenge, Reply, Success1 and, when a controller secret is
 given, checks the controller's response and sends Success2.  The messages and
 the maths are in :mod:`nvmeof_fuse.nvme.auth`; this module moves them through
 Authentication Send and Receive and turns failures into one-line errors that
-name the AUTH_Failure reason, never a secret.
+name the AUTH_Failure reason and where the secret came from (a :class:`SecretSource`:
+inline, or a file), never the secret.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import itertools
 import logging
 import os
 import secrets
+import stat
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 
 from ..errors import (
     CommandTimeout,
@@ -53,46 +56,116 @@ class AuthenticationError(ConnectError):
         self.final = final
 
 
-REFUSED_AFTER_REPLY = ("the target closed the connection after the host's DH-HMAC-CHAP_Reply, "
-                       "so it likely rejected the secret (is --dhchap-secret the host key the "
-                       "target has for this host NQN?)")
+INSECURE_MODE_BITS = 0o077
+"""A secret file with any of these permission bits is refused, as ssh refuses such a key."""
+SECRET_FILE_MAX = 4096  # bytes read of a secret file (a secret is about 100)
 
 
-def secret_text(value: str, option: str) -> tuple[str, str]:
-    """``(secret, where)``: ``value`` itself, or the file it names read; ``where`` names
-    the option (and file) for messages, never the secret."""
-    text, where = value, option
-    if ":" not in value:  # a path (a mistyped secret has colons: it is never echoed)
-        where = f"{option} file {value}"
-        try:
-            with open(value, encoding="ascii", errors="replace") as f:
-                text = f.read(4096)
-        except OSError as exc:
-            if "/" in value or os.path.exists(value):
-                raise InvalidArgument(f"{where}: {exc.strerror}") from None
-            raise InvalidArgument(f"{option} is neither a DHHC-1:0N:<base64>: secret nor the "
-                                  "path of a file holding one") from None
-    return text.strip(), where
+def is_inline(value: str) -> bool:
+    """Whether an option's value is the secret itself (``DHHC-1:...:``) rather than a path.
 
-
-def load_secret(value: str, option: str) -> auth.Secret:
-    """``value`` is a ``DHHC-1:...`` secret or the path of a file holding one.
-
-    Errors name ``option`` (and the file), never the secret.
+    Any colon counts: a mistyped secret is then never read as a path and echoed.
     """
-    text, where = secret_text(value, option)
-    try:
-        return auth.parse_secret(text)
-    except ValueError as exc:
-        raise InvalidArgument(f"{where} {exc}") from None
+    return ":" in value
+
+
+@dataclass(frozen=True)
+class SecretSource:
+    """Where a DH-HMAC-CHAP secret comes from: given inline, or a file read at each use.
+
+    ``str()`` names it for messages and :attr:`shown` for ``.nvmeof``; neither holds the secret.
+    """
+
+    option: str
+    """The option that gave it, as messages name it (``--dhchap-secret``)."""
+    path: str | None = None
+    inline: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def of(cls, value: str, option: str) -> SecretSource:
+        """``value`` is the secret itself or the path of a file holding it (nvme-cli's form)."""
+        return cls(option, inline=value) if is_inline(value) else cls(option, path=value)
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return f"{self.option} (inline)"
+        return f"{self.option} file {self.path}"
+
+    @property
+    def shown(self) -> str:
+        """``inline``, or the file's absolute path."""
+        return "inline" if self.path is None else os.path.abspath(self.path)
+
+    def text(self, allow_insecure: bool = False) -> str:
+        """The secret's text: the inline value, or the file read now (:func:`read_secret_file`)."""
+        if self.path is None:
+            return (self.inline or "").strip()
+        return read_secret_file(self.path, self.option, allow_insecure)
+
+    def load(self, allow_insecure: bool = False) -> auth.Secret:
+        """The parsed secret; errors name the source, never the secret."""
+        text = self.text(allow_insecure)
+        try:
+            return auth.parse_secret(text)
+        except ValueError as exc:
+            raise InvalidArgument(f"{self} {exc}") from None
+
+
+def read_secret_file(path: str, option: str, allow_insecure: bool = False) -> str:
+    """The secret in the file at ``path`` (a symlink is followed: its target is checked).
+
+    As ssh does for a private key, a file that group or others may access is refused,
+    unless ``allow_insecure``; so is anything but a regular file (a FIFO would block).
+    """
+    where = f"{option} file {path}"
+    real = os.path.realpath(path)
+    if real != os.path.abspath(path):
+        where += f" (-> {real})"
+    try:  # O_NONBLOCK: opening a FIFO must not wait for a writer
+        fd = os.open(path, os.O_RDONLY | os.O_NOCTTY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        if "/" in path or os.path.lexists(path):
+            raise InvalidArgument(f"{where}: {exc.strerror}") from None
+        raise InvalidArgument(f"{option} is neither a DHHC-1:0N:<base64>: secret nor the "
+                              "path of a file holding one") from None
+    with open(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidArgument(f"{where} is not a regular file")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & INSECURE_MODE_BITS and not allow_insecure:
+            raise InvalidArgument(f"{where}: permissions {mode:04o} are too open (group or "
+                                  f"others may read the secret): chmod 600 {real}, or give "
+                                  "--allow-insecure-secret-file")
+        data = f.read(SECRET_FILE_MAX)
+    return data.decode("ascii", errors="replace").strip()
+
+
+def secret_sources(secret: str | None, ctrl_secret: str | None
+                   ) -> tuple[SecretSource | None, SecretSource | None]:
+    """ConnectOptions' ``dhchap_secret`` and ``dhchap_ctrl_secret`` as sources (nothing read)."""
+    if ctrl_secret and not secret:
+        raise InvalidArgument("--dhchap-ctrl-secret needs --dhchap-secret (the host "
+                              "authenticates first)")
+    return (SecretSource.of(secret, "--dhchap-secret") if secret else None,
+            SecretSource.of(ctrl_secret, "--dhchap-ctrl-secret") if ctrl_secret else None)
+
+
+def refused_after_reply(host_source: str) -> str:
+    return ("the target closed the connection after the host's DH-HMAC-CHAP_Reply, so it "
+            f"likely rejected the secret (is {host_source} the host key the target has for "
+            "this host NQN?)")
 
 
 class DhChap:
     """The host's secrets for one controller; :meth:`authenticate` runs one queue's exchange."""
 
     def __init__(self, secret: auth.Secret, ctrl_secret: auth.Secret | None,
-                 hostnqn: str, subnqn: str) -> None:
+                 hostnqn: str, subnqn: str, *, host_source: str = "--dhchap-secret",
+                 ctrl_source: str = "--dhchap-ctrl-secret") -> None:
         self.hostnqn, self.subnqn = hostnqn, subnqn
+        self.host_source, self.ctrl_source = host_source, ctrl_source
+        """Where the secrets came from, for messages (:class:`SecretSource`'s ``str``)."""
         self._host_key = auth.transform_key(secret, hostnqn)
         self._ctrl_key = (auth.transform_key(ctrl_secret, subnqn)
                           if ctrl_secret is not None else None)
@@ -136,12 +209,12 @@ class DhChap:
                 # Not final (the kernel retries a lost connection too): only the target's own
                 # AUTH_Failure1 proves the secret wrong, and a reconnect says it again if so.
                 log.debug("connection lost after the DH-HMAC-CHAP_Reply: %s", exc)
-                raise AuthenticationError(REFUSED_AFTER_REPLY) from None
+                raise AuthenticationError(refused_after_reply(self.host_source)) from None
             except CommandTimeout as exc:
                 raise AuthenticationError(f"no answer to the host's DH-HMAC-CHAP_Reply ({exc}): "
                                           "the target likely closed the connection as it "
-                                          "rejected the secret (is --dhchap-secret right?)"
-                                          ) from None
+                                          f"rejected the secret (is {self.host_source} "
+                                          "right?)") from None
             success = auth.parse_success1(answer, tid, hash_id)
             if self._ctrl_key is not None:
                 assert c2 is not None
@@ -155,7 +228,7 @@ class DhChap:
                 if not hmac.compare_digest(expected, success.response):
                     raise auth.AuthFailure(auth.FailureReason.FAILED,
                                            "the controller's response does not match "
-                                           "--dhchap-ctrl-secret")
+                                           f"{self.ctrl_source}")
                 await send(auth.success2(tid))
         except auth.AuthFailure as failure:
             if not failure.by_controller:
@@ -167,21 +240,17 @@ class DhChap:
         return f"{auth.hash_name(hash_id)}, {auth.DhGroup(group).name.lower()}"
 
 
-def load_secrets(secret: str | None,
-                 ctrl_secret: str | None) -> tuple[auth.Secret | None, auth.Secret | None]:
-    """ConnectOptions' ``dhchap_secret`` and ``dhchap_ctrl_secret``, parsed (files read)."""
-    if ctrl_secret and not secret:
-        raise InvalidArgument("--dhchap-ctrl-secret needs --dhchap-secret (the host "
-                              "authenticates first)")
-    return (load_secret(secret, "--dhchap-secret") if secret else None,
-            load_secret(ctrl_secret, "--dhchap-ctrl-secret") if ctrl_secret else None)
-
-
-def host_dhchap(secret: str | None, ctrl_secret: str | None, hostnqn: str,
-                subnqn: str) -> DhChap | None:
-    """The DhChap for ConnectOptions' secrets; None when no secret is given."""
-    host, ctrl = load_secrets(secret, ctrl_secret)
-    return DhChap(host, ctrl, hostnqn, subnqn) if host is not None else None
+def host_dhchap(host: SecretSource | None, ctrl: SecretSource | None, hostnqn: str,
+                subnqn: str, *, allow_insecure: bool = False) -> DhChap | None:
+    """The DhChap for these secrets (files read now); None when no secret is given."""
+    if host is None:
+        if ctrl is not None:
+            raise InvalidArgument("--dhchap-ctrl-secret needs --dhchap-secret (the host "
+                                  "authenticates first)")
+        return None
+    return DhChap(host.load(allow_insecure),
+                  ctrl.load(allow_insecure) if ctrl is not None else None, hostnqn, subnqn,
+                  host_source=str(host), ctrl_source=str(ctrl) if ctrl is not None else "")
 
 
 def dhchap_mode(dhchap: DhChap | None) -> str:
@@ -202,7 +271,8 @@ async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
     except auth.AuthFailure as failure:
         hint = ""
         if failure.by_controller and failure.code == auth.FailureReason.FAILED:
-            hint = " (is --dhchap-secret the host key the target has for this host NQN?)"
+            hint = (f" (is {dhchap.host_source} the host key the target has for this host "
+                    "NQN?)")
         raise AuthenticationError(f"{where}: authentication of queue {qid} failed: "
                                   f"{failure}{hint}", final=True) from None
     except NVMeoFError as exc:
@@ -211,7 +281,8 @@ async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
                                   f"{exc}", final=final) from None
     if qid == 0:
         mode = "bidirectional" if dhchap.bidirectional else "host only"
-        log.info("authenticated to %s with DH-HMAC-CHAP (%s, %s)", where, how, mode)
+        log.info("authenticated to %s with DH-HMAC-CHAP (%s, %s) from %s", where, how, mode,
+                 dhchap.host_source)
 
 
 def queue_messages(ctrl, queue) -> tuple[Send, Receive]:

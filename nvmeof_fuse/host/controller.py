@@ -91,8 +91,7 @@ class Controller:
         self.transport = transport
         self._nursery = nursery
         self.identity = host_identity(options.hostnqn, options.hostid)
-        self.dhchap = auth.host_dhchap(options.dhchap_secret, options.dhchap_ctrl_secret,
-                                       self.identity.hostnqn, options.nqn)
+        self.dhchap = self._load_dhchap()
         self.admin: Queue | None = None
         self.io_queues: list[Queue] = []
         self.cntlid = 0
@@ -466,8 +465,19 @@ class Controller:
                                                   max(2, os.cpu_count() or 1))
         return max(1, min(wanted, granted))
 
+    def _load_dhchap(self) -> auth.DhChap | None:
+        """The DH-HMAC-CHAP secrets, secret files read (and checked) now."""
+        host, ctrl = self.options.dhchap_sources()
+        return auth.host_dhchap(host, ctrl, self.identity.hostnqn, self.options.nqn,
+                                allow_insecure=self.options.allow_insecure_secret_file)
+
     async def _connect_admin(self) -> None:
-        """The admin queue: transport connect, fabrics Connect, CC.EN (also on reconnects)."""
+        """The admin queue: transport connect, fabrics Connect, CC.EN (also on reconnects).
+
+        Secret files are read again first: a key rotated in its file is used from the next
+        reconnect on.
+        """
+        self.dhchap = self._load_dhchap()
         kato_ms = int(self.options.keep_alive_tmo * 1000)
         admin = await self.transport.connect_queue(self._nursery, 0, ADMIN_QUEUE_SIZE)
         if self._scratch is None:
@@ -590,6 +600,12 @@ class Controller:
             self._scratch.close()
         self.transport.close()
 
+    def _secret_sources(self) -> dict[str, str | None]:
+        """Where the secrets come from, for ``.nvmeof``: ``inline`` or a file's path."""
+        host, ctrl = self.options.dhchap_sources()
+        return {"dhchap_secret_source": host.shown if host else None,
+                "dhchap_ctrl_secret_source": ctrl.shown if ctrl else None}
+
     def describe(self) -> dict:
         ident = self.identify
         return {
@@ -612,6 +628,7 @@ class Controller:
             "ctrl_loss_tmo": self.options.ctrl_loss_tmo,
             "fast_io_fail_tmo": self.options.fast_io_fail_tmo,
             "dhchap": auth.dhchap_mode(self.dhchap),
+            **self._secret_sources(),
             "state": self.state,
             "namespaces": sorted(self.namespaces),
         }

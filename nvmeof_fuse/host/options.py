@@ -43,9 +43,12 @@ class ConnectOptions:
     """Per-command timeout in seconds."""
     connect_timeout: float = 10.0
     dhchap_secret: str | None = field(default=None, repr=False)
-    """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it."""
+    """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it (read
+    again at each connect and reconnect)."""
     dhchap_ctrl_secret: str | None = field(default=None, repr=False)
     """Controller secret (or its file): the host also authenticates the controller."""
+    allow_insecure_secret_file: bool = False
+    """Read secret files that group or others may access (refused otherwise, as ssh does)."""
     hdr_digest: bool = False
     """NVMe/TCP: CRC32C header digests (nvme-cli's --hdr-digest)."""
     data_digest: bool = False
@@ -77,4 +80,10 @@ class ConnectOptions:
                                   "or 0 or more seconds")
         if not self.nqn:
             raise InvalidArgument("--nqn is required")
-        auth.load_secrets(self.dhchap_secret, self.dhchap_ctrl_secret)
+        for source in self.dhchap_sources():
+            if source is not None:
+                source.load(self.allow_insecure_secret_file)
+
+    def dhchap_sources(self) -> tuple[auth.SecretSource | None, auth.SecretSource | None]:
+        """Where the host's and the controller's DH-HMAC-CHAP secrets come from (not read)."""
+        return auth.secret_sources(self.dhchap_secret, self.dhchap_ctrl_secret)

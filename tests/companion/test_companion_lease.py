@@ -155,6 +155,7 @@ def test_a_lease_carries_the_mounts_dhchap_secrets_so_the_clients_queues_authent
     secret = "DHHC-1:00:" + "A" * 48 + ":"  # the form is all that matters here
     key_file = tmp_path / "key"
     key_file.write_text(secret + "\n")
+    key_file.chmod(0o600)
     ctrl = LeasingController()
     ctrl.options.dhchap_secret = str(key_file)  # a file, as the README advises
     with serving(ctrl, tmp_path) as (server, _):
@@ -165,3 +166,21 @@ def test_a_lease_carries_the_mounts_dhchap_secrets_so_the_clients_queues_authent
             ch.close()
     assert reply["dhchap_secret"] == secret and "dhchap_ctrl_secret" not in reply
     assert options_from(reply, 60).dhchap_secret == secret
+
+
+def test_a_lease_refuses_an_insecure_secret_file_by_name_without_the_secret(tmp_path, caplog):
+    """The daemon reads the file again for each lease, with the mount's checks."""
+    secret = "DHHC-1:00:" + "A" * 48 + ":"
+    key_file = tmp_path / "key"
+    key_file.write_text(secret + "\n")
+    key_file.chmod(0o644)
+    ctrl = LeasingController()
+    ctrl.options.dhchap_secret = str(key_file)
+    with serving(ctrl, tmp_path) as (server, _):
+        ch = channel(server)
+        try:
+            with pytest.raises(CompanionError, match="permissions 0644 are too open") as info:
+                ch.call("lease", want=1)
+        finally:
+            ch.close()
+    assert secret[10:] not in str(info.value) and secret[10:] not in caplog.text

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hmac
+import os
 
 import pytest
 import trio
@@ -83,7 +84,11 @@ def run(dhchap, target, qid=0):
 
 
 def dhchap(secret=HOST_SECRET, ctrl_secret=None):
-    return host_auth.host_dhchap(secret, ctrl_secret, HOSTNQN, SUBNQN)
+    return host_auth.host_dhchap(*host_auth.secret_sources(secret, ctrl_secret), HOSTNQN, SUBNQN)
+
+
+def load(value, option="--dhchap-secret", allow_insecure=False):
+    return host_auth.SecretSource.of(value, option).load(allow_insecure)
 
 
 @pytest.mark.parametrize("hash_id, group", [
@@ -110,7 +115,7 @@ def test_wrong_controller_secret_fails_and_tells_the_controller():
         run(dhchap(ctrl_secret=OTHER_SECRET), target, qid=3)
     assert str(info.value) == (
         "rdma 192.0.2.1:4420 (sub): authentication of queue 3 failed: Authentication failed "
-        "(0x01): the controller's response does not match --dhchap-ctrl-secret")
+        "(0x01): the controller's response does not match --dhchap-ctrl-secret (inline)")
     assert target.sent[-1] == auth.MessageId.FAILURE2 and not target.authenticated
 
 
@@ -118,7 +123,8 @@ def test_wrong_secret_names_the_targets_failure_reason():
     target = FakeController(OTHER_SECRET)
     with pytest.raises(host_auth.AuthenticationError,
                        match=r"queue 0 failed: Authentication failed \(0x01\): the controller "
-                             r"refused \(AUTH_Failure1 for SUCCESS1\) \(is --dhchap-secret") as e:
+                             r"refused \(AUTH_Failure1 for SUCCESS1\) \(is --dhchap-secret "
+                             r"\(inline\) the host key") as e:
         run(dhchap(), target)
     assert HOST_SECRET not in str(e.value) and target.sent[-1] == auth.MessageId.REPLY
     assert e.value.final  # a reconnect would be refused the same way: it stops
@@ -131,41 +137,100 @@ def test_missing_secret_is_one_line():
     assert e.value.final
 
 
+def key_file(tmp_path, text=HOST_SECRET, mode=0o600, name="key"):
+    path = tmp_path / name
+    path.write_text(text + "\n")
+    path.chmod(mode)
+    return path
+
+
 def test_secrets_from_files(tmp_path):
-    path = tmp_path / "key"
-    path.write_text(HOST_SECRET + "\n")
-    assert host_auth.load_secret(str(path), "--dhchap-secret") == auth.parse_secret(HOST_SECRET)
+    path = key_file(tmp_path)
+    assert load(str(path)) == auth.parse_secret(HOST_SECRET)
     target = FakeController(HOST_SECRET)
     run(dhchap(str(path)), target)
     assert target.authenticated
 
 
+def test_failures_name_the_secrets_file(tmp_path):
+    """A rejected reply names where the secret came from: here its file."""
+    path = key_file(tmp_path, OTHER_SECRET)
+    with pytest.raises(host_auth.AuthenticationError) as e:
+        run(dhchap(str(path)), FakeController(HOST_SECRET))
+    assert f"(is --dhchap-secret file {path} the host key" in str(e.value)
+    assert OTHER_SECRET[10:-6] not in str(e.value)
+
+
 @pytest.mark.parametrize("value, message", [
     ("/nonexistent/key", "--dhchap-secret file /nonexistent/key: No such file or directory"),
     ("not-a-secret", "--dhchap-secret is neither a DHHC-1:0N:<base64>: secret nor the path"),
-    (HOST_SECRET[:-5] + "AAAA:", "--dhchap-secret fails its CRC-32 check"),
-    ("DHHC-l:01:a/b" + HOST_SECRET[10:], "--dhchap-secret is not a DH-HMAC-CHAP secret"),
+    (HOST_SECRET[:-5] + "AAAA:", "--dhchap-secret (inline) fails its CRC-32 check"),
+    ("DHHC-l:01:a/b" + HOST_SECRET[10:], "--dhchap-secret (inline) is not a DH-HMAC-CHAP secret"),
 ])
 def test_bad_secrets_are_one_line_without_the_secret(value, message):
     with pytest.raises(InvalidArgument) as info:
-        host_auth.load_secret(value, "--dhchap-secret")
+        load(value)
     assert str(info.value).startswith(message) and HOST_SECRET[10:-6] not in str(info.value)
 
 
 def test_bad_secret_file_names_the_file(tmp_path):
-    path = tmp_path / "key"
-    path.write_text("DHHC-1:00:garbage:")
+    path = key_file(tmp_path, "DHHC-1:00:garbage:")
     with pytest.raises(InvalidArgument, match=f"--dhchap-ctrl-secret file {path} is not valid"):
-        host_auth.load_secret(str(path), "--dhchap-ctrl-secret")
+        load(str(path), "--dhchap-ctrl-secret")
 
 
-def test_connect_options_check_and_hide_secrets():
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_secret_file_others_may_access_is_refused_by_its_mode(tmp_path, mode):
+    path = key_file(tmp_path, mode=mode).resolve()
+    with pytest.raises(InvalidArgument) as info:
+        load(str(path))
+    assert str(info.value) == (
+        f"--dhchap-secret file {path}: permissions {mode:04o} are too open (group or others "
+        f"may read the secret): chmod 600 {path}, or give --allow-insecure-secret-file")
+    assert load(str(path), allow_insecure=True) == auth.parse_secret(HOST_SECRET)
+    path.chmod(0o400)
+    assert load(str(path)) == auth.parse_secret(HOST_SECRET)
+
+
+def test_a_symlinked_secret_file_is_checked_at_its_target(tmp_path):
+    target = key_file(tmp_path, mode=0o644, name="real")
+    link = tmp_path / "link"
+    link.symlink_to(target)
+    with pytest.raises(InvalidArgument) as info:
+        load(str(link))
+    assert str(info.value).startswith(f"--dhchap-secret file {link} (-> {target.resolve()}): "
+                                      "permissions 0644 are too open")
+    target.chmod(0o600)  # the link itself is 0777, as every symlink
+    assert load(str(link)) == auth.parse_secret(HOST_SECRET)
+
+
+def test_a_secret_path_that_is_no_regular_file_is_refused_without_blocking(tmp_path):
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(InvalidArgument, match=f"^--dhchap-secret file {fifo} is not a regular"):
+        load(str(fifo))
+
+
+def test_connect_options_check_and_hide_secrets(tmp_path):
     opts = ConnectOptions(traddr="192.0.2.1", nqn=SUBNQN, dhchap_secret=HOST_SECRET,
                           dhchap_ctrl_secret=CTRL_SECRET)
     opts.validate()
     assert HOST_SECRET not in repr(opts) and CTRL_SECRET not in repr(opts)
     with pytest.raises(InvalidArgument, match="--dhchap-ctrl-secret needs --dhchap-secret"):
         ConnectOptions(traddr="192.0.2.1", nqn=SUBNQN, dhchap_ctrl_secret=CTRL_SECRET).validate()
+    path = key_file(tmp_path, mode=0o644)
+    opts = ConnectOptions(traddr="192.0.2.1", nqn=SUBNQN, dhchap_secret=str(path))
+    with pytest.raises(InvalidArgument, match="permissions 0644 are too open"):
+        opts.validate()
+    opts.allow_insecure_secret_file = True
+    opts.validate()
+
+
+def test_sources_name_inline_secrets_and_files_never_the_secret(tmp_path):
+    host, ctrl = host_auth.secret_sources(HOST_SECRET, "key")
+    assert (str(host), host.shown) == ("--dhchap-secret (inline)", "inline")
+    assert (str(ctrl), ctrl.shown) == ("--dhchap-ctrl-secret file key", os.path.abspath("key"))
+    assert HOST_SECRET not in repr(host)
 
 
 def test_mode_for_the_info_files():
@@ -261,8 +326,8 @@ def test_a_target_that_hangs_up_after_the_reply_is_named():
                  *host_auth.queue_messages(ScratchController(), queue))
     assert str(info.value) == (
         "sub: authentication of queue 0 failed: the target closed the connection after the "
-        "host's DH-HMAC-CHAP_Reply, so it likely rejected the secret (is --dhchap-secret the "
-        "host key the target has for this host NQN?)")
+        "host's DH-HMAC-CHAP_Reply, so it likely rejected the secret (is --dhchap-secret "
+        "(inline) the host key the target has for this host NQN?)")
     assert not info.value.final  # a lost connection may be a blip: reconnecting goes on
 
 
@@ -275,5 +340,5 @@ def test_no_answer_after_the_reply_suggests_the_secret():
     assert str(info.value) == (
         "sub: authentication of queue 0 failed: no answer to the host's DH-HMAC-CHAP_Reply "
         "(admin queue: command 30 got no completion within 5 s): the target likely closed the "
-        "connection as it rejected the secret (is --dhchap-secret right?)")
+        "connection as it rejected the secret (is --dhchap-secret (inline) right?)")
     assert not info.value.final  # silence may pass: reconnecting goes on

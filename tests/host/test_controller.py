@@ -330,3 +330,35 @@ def test_small_commands_share_the_first_queue_with_room_and_large_ones_spread():
     assert [ctrl.pick_queue(SPREAD_BYTES).qid for _ in range(3)] == [2, 3, 1]  # round-robin
     ctrl.io_queues[2].available = 40
     assert ctrl.pick_queue(1 << 20).qid == 3  # the most free slots
+
+
+def test_secret_files_are_read_again_at_each_connect(tmp_path):
+    """A key rotated in its file is used from the next (re)connect on; a file made readable
+    by others since is refused then, by name, and reconnecting goes on (not final)."""
+    from nvmeof_fuse.errors import InvalidArgument
+    from nvmeof_fuse.host.reconnect_policy import final_failure
+    from nvmeof_fuse.nvme import auth
+
+    key = tmp_path / "key"
+    key.write_text(auth.format_secret(bytes(32), 1))
+    key.chmod(0o600)
+
+    class Unreachable(FakeTransport):
+        async def connect_queue(self, nursery, qid, size):
+            raise TransportError("connect refused")
+
+    async def main() -> None:
+        opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", dhchap_secret=str(key))
+        async with trio.open_nursery() as nursery:
+            ctrl = Controller(opts, Unreachable(), nursery)
+            first = ctrl.dhchap._host_key
+            key.write_text(auth.format_secret(bytes(range(32)), 1))
+            with pytest.raises(TransportError):
+                await ctrl._connect_admin()
+            assert ctrl.dhchap._host_key != first
+            key.chmod(0o644)
+            with pytest.raises(InvalidArgument, match=f"file {key}: permissions 0644") as info:
+                await ctrl._connect_admin()
+            assert not final_failure(info.value)
+
+    trio.run(main)
