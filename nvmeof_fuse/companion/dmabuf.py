@@ -12,8 +12,9 @@ Where an allocation cannot be exported whole (VMM memory mapped in pieces),
 the page-aligned span of the transfer is exported and kept for that span.
 
 Also here: registering a dma-buf with a transport, or, where the transport
-refuses dma-bufs but the CPU can map this one (udmabuf and other host-memory
-exporters), registering its mapping.
+refuses dma-bufs, registering the descriptor's CPU mapping when that can be
+pinned (shared memory passed as the buffer, as the tests' fake CUDA driver
+does; a GPU's dma-buf cannot be mapped, and udmabuf's mapping cannot be pinned).
 """
 
 from __future__ import annotations
@@ -165,8 +166,8 @@ class DmabufCache:
 def register_dmabuf(transport: Any, fd: int, offset: int, length: int, iova: int
                     ) -> tuple[Region, Callable[[], None]]:
     """``(region, cleanup)`` of a dma-buf registered with ``transport``; ``fd`` stays the
-    caller's.  A transport that refuses dma-bufs gets the buffer's mapping instead, when
-    the CPU can map it; else the refusal is raised (``TransportError``)."""
+    caller's.  A transport that refuses dma-bufs gets the buffer's CPU mapping instead,
+    when there is one it can register; else the refusal is raised (``TransportError``)."""
     try:
         registration = transport.register_dmabuf(fd, offset, length, iova)
         return Region(iova, length, registration), lambda: None
@@ -184,6 +185,10 @@ def register_dmabuf(transport: Any, fd: int, offset: int, length: int, iova: int
         addr = ctypes.addressof(anchor)
         del anchor
         registration = transport.register(addr, length, mapping)
+    except NVMeoFError as exc:
+        mapping.close()
+        raise TransportError(f"{refusal}; nor can its CPU mapping be registered ({exc})") \
+            from None
     except BaseException:
         mapping.close()
         raise

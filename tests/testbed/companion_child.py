@@ -5,8 +5,8 @@
     python companion_child.py churn PATH OFFSET SIZE STOP  write, read, compare until STOP exists
     python companion_child.py overwrite PATH OFFSET SIZE N  write bytes of value 1..N, print N
     python companion_child.py loop PATH SIZE               read forever (to be killed)
-    python companion_child.py dmabuf PATH OFFSET SIZE      read into a "device" buffer that is
-                                                           exported as a real dma-buf (udmabuf)
+    python companion_child.py cuda PATH OFFSET N QUEUES EXPORT  N reads into a fake CUDA
+                                    allocation exported as its memfd or a real dma-buf (udmabuf)
 
 ``roundtrip`` prints one JSON line: the SHA-256 of what it wrote (and of a few windows of
 it: :func:`windows`), whether the read matched, the queue IDs the file used on its own,
@@ -23,7 +23,9 @@ import json
 import logging
 import os
 import struct
+import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -123,68 +125,63 @@ def loop(path: str, size: int) -> None:
             f.read(out, file_offset=511)
 
 
-class UdmabufDevice:
-    """The CUDA seam over host memory whose dma-buf comes from /dev/udmabuf.
-
-    No GPU here: this proves that a dma-buf fd crosses to the daemon and what the
-    daemon's verbs make of it (rxe has no dma-buf MRs, so the client must stage).
-    """
-
-    UDMABUF_CREATE = (1 << 30) | (24 << 16) | (ord("u") << 8) | 0x42  # _IOW('u', 0x42, 24)
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def is_cuda(self, obj) -> bool:
-        return isinstance(obj, np.ndarray) and obj.dtype == np.uint8 and obj.ndim == 1 \
-            and getattr(obj, "_device", False) is not False
-
-    def span(self, tensor):
-        return tensor.ctypes.data, tensor.nbytes
-
-    def export_dmabuf(self, base: int, length: int) -> int:
-        from nvmeof_fuse.companion import shm
-
-        self.calls.append("export")
-        mem, offset = shm.find(base, length)
-        request = bytearray(struct.pack("IIQQ", mem.fd, 1, offset, length))  # CLOEXEC
-        with open("/dev/udmabuf", "rb") as dev:  # a mutable request: ioctl returns the new fd
-            return fcntl.ioctl(dev.fileno(), self.UDMABUF_CREATE, request, True)
-
-    def synchronize(self) -> None:
-        self.calls.append("synchronize")
-
-    def flush_gpudirect_writes(self) -> None:
-        self.calls.append("flush")
-
-    def to_device(self, tensor, byte_offset, data) -> None:
-        self.calls.append("to_device")
-        tensor[byte_offset:byte_offset + len(data)] = np.frombuffer(data, np.uint8)
-
-    def to_host(self, tensor, byte_offset, out) -> None:
-        out[:] = tensor[byte_offset:byte_offset + len(out)].tobytes()
+UDMABUF_CREATE = (1 << 30) | (24 << 16) | (ord("u") << 8) | 0x42  # _IOW('u', 0x42, 24)
 
 
-class DeviceArray(np.ndarray):
-    _device = True
+def udmabuf_export(base: int, length: int) -> int:
+    """A real dma-buf of shared memory (/dev/udmabuf), as the fake driver's export."""
+    from nvmeof_fuse.companion import shm
+
+    mem, offset = shm.find(base, length)
+    request = bytearray(struct.pack("IIQQ", mem.fd, 1, offset, length))  # CLOEXEC
+    with open("/dev/udmabuf", "rb") as dev:  # a mutable request: ioctl returns the new fd
+        return fcntl.ioctl(dev.fileno(), UDMABUF_CREATE, request, True)
 
 
-def dmabuf(path: str, offset: int, size: int) -> None:
-    from nvmeof_fuse.companion import gpu
+def mrs(pid: int) -> int:
+    """Memory regions process ``pid`` holds (``rdma resource show mr``)."""
+    out = subprocess.run(["rdma", "resource", "show", "mr"], capture_output=True, text=True,
+                         timeout=60).stdout
+    return sum(1 for line in out.splitlines() if f" pid {pid} " in f"{line} ")
 
-    device = UdmabufDevice()
-    gpu.use(device)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())
-    logging.getLogger("nvmeof_fuse").addHandler(handler)
-    tensor = nvmeof_fuse.empty(size).view(DeviceArray)
-    with nvmeof_fuse.File(path) as f:
-        before = f.stats()
-        assert f.read(tensor, file_offset=offset) == size
-        after = f.stats()
-    print(json.dumps({"sha256": hashlib.sha256(tensor).hexdigest(), "calls": device.calls,
-                      "log": records, "before": before, "after": after}))
+
+def cuda(path: str, offset: int, transfers: int, queues: int, export: str) -> None:
+    """``transfers`` reads into views of one fake CUDA allocation, whose export is its
+    shared memory (``memfd``) or a real dma-buf of it (``udmabuf``), from a thread that
+    never pushed a context; the counts around them."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from fake_cuda import FakeDriver, install
+
+    driver, _ = install(FakeDriver(devices=1))
+    if export == "udmabuf":
+        driver.export = udmabuf_export
+    _capture_log()
+    with open(os.path.join(os.path.dirname(path), ".nvmeof", "companion.json")) as f:
+        daemon = json.load(f)["pid"]
+    chunk = 16 << 10
+    allocation = driver.tensor(1 << 20)
+    views = [allocation.view(i * chunk, chunk) for i in range(4)]
+    source = driver.tensor(4 * chunk)
+    source.bytes[:] = np.frombuffer(os.urandom(4 * chunk), np.uint8)
+    with nvmeof_fuse.File(path, queues=queues) as f:
+        counts = {"start": (mrs(os.getpid()), mrs(daemon))}
+        refused = f.stats()["dmabuf_refused"]
+        assert f.write(source, file_offset=offset) == 4 * chunk
+        for i in range(transfers):
+            assert f.read(views[i % 4], file_offset=offset + i % 4 * chunk) == chunk
+        counts["after"] = (mrs(os.getpid()), mrs(daemon))
+        stats = f.stats()
+        placement = f.placement
+    deadline = time.monotonic() + 60  # the daemon lets go of them as the client goes
+    while mrs(daemon) > counts["start"][1] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    counts["closed"] = (mrs(os.getpid()), mrs(daemon))
+    print(json.dumps({"exports": driver.names().count("export"), "file": stats["file"],
+                      "errors": stats["errors"], "refused": stats["dmabuf_refused"] - refused,
+                      "direct": stats["direct_read_bytes"] + stats["client_queue_read_bytes"],
+                      "mrs": counts, "placement": placement, "own": f.own_queues,
+                      "same": bytes(allocation.bytes[:4 * chunk]) == bytes(source.bytes),
+                      "log": LOGGED}))
 
 
 if __name__ == "__main__":
@@ -196,8 +193,8 @@ if __name__ == "__main__":
     elif mode == "both":  # PATH is the mountpoint: n1, then n2
         for nsid in (1, 2):
             roundtrip(f"{path}/n{nsid}", int(numbers[0]), int(numbers[1]), sys.argv[5])
-    elif mode == "dmabuf":
-        dmabuf(path, int(numbers[0]), int(numbers[1]))
+    elif mode == "cuda":
+        cuda(path, int(numbers[0]), int(numbers[1]), int(numbers[2]), sys.argv[6])
     elif mode == "overwrite":
         overwrite(path, int(numbers[0]), int(numbers[1]), int(numbers[2]))
     elif mode == "churn":

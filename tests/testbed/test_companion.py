@@ -249,34 +249,62 @@ def test_a_delegated_writer_hands_the_namespace_back_to_a_file_that_opens(cmnt, 
     _check_against_file_and_kernel(fabric, cmnt, expected)
 
 
-@pytest.mark.slow
-def test_a_dmabuf_crosses_to_the_daemon_and_a_refusal_falls_back_to_staging(fmnt):
-    """A real dma-buf (udmabuf over a memfd) stands in for a CUDA tensor's.
+@pytest.mark.parametrize("queues, export", [
+    (4, "memfd"), (0, "udmabuf"), pytest.param(0, "memfd", marks=pytest.mark.slow)],
+    ids=["own-queues", "real-dmabuf", "daemon-queues"])
+def test_a_cuda_allocation_is_registered_once_and_released_on_close(fmnt, queues, export,
+                                                                     testbed):
+    """Issue #40's acceptance 3, with a fake CUDA driver whose "device memory" is shared
+    host memory.
 
-    Over TCP the daemon refuses it by name (data arrives in host memory) and the
-    client stages: received into host memory, then copied to the "device".
+    Over RDMA, a thousand reads into views of one allocation export and register it
+    once (its memfd, which Soft-RoCE registers through its mapping) in the client's own
+    protection domains or the daemon's, the target places the data, and closing the file
+    releases the memory regions.  Exported as a real dma-buf (udmabuf), which Soft-RoCE cannot
+    take, it is asked for once, counted as refused (not an error), and staged.  Over TCP
+    the hello says GPU memory is staged: nothing is exported or asked for.
     """
     fabric, cmnt = fmnt
-    size, offset = 8 << 20, (1 << 20) + 333
-    child = subprocess.run([sys.executable, CHILD, "dmabuf", f"{cmnt}/n2", str(offset),
-                            str(size)], capture_output=True, text=True, timeout=TIMEOUT)
+    if fabric.transport == "tcp" and (queues or export != "memfd"):
+        pytest.skip("over TCP nothing is asked of the daemon, whatever the memory")
+    transfers = 1000 if queues else 200  # TCG: the daemon's path costs more per transfer
+    child = subprocess.run([sys.executable, CHILD, "cuda", f"{cmnt}/n2",
+                            str(OFFSET - OFFSET % 4096), str(transfers), str(queues), export],
+                           capture_output=True, text=True, timeout=TIMEOUT)
     assert child.returncode == 0, child.stderr
     result = json.loads(child.stdout.splitlines()[-1])
-    with open(f"{cmnt}/n2", "rb") as f:
-        f.seek(offset)
-        assert hashlib.sha256(f.read(size)).hexdigest() == result["sha256"]
-    before, after = result["before"], result["after"]
-    assert result["calls"][0] == "export"
-    direct = after["direct_read_bytes"] - before["direct_read_bytes"]
-    assert not (direct and fabric.transport == "tcp"), "no direct placement over TCP"
-    if direct:  # the verbs provider registered the dma-buf: placed directly, then flushed
-        assert direct >= size - 8192 and result["calls"][-1] == "flush"
-    else:  # Soft-RoCE has no dma-buf MRs, TCP none at all: the daemon says so, the client stages
-        assert any("cannot register" in line and "dma-buf" in line for line in result["log"])
-        if fabric.transport == "tcp":
-            assert any("NVMe/TCP" in line for line in result["log"]), result["log"]
-        assert after["staged_read_bytes"] - before["staged_read_bytes"] >= size
-        assert "to_device" in result["calls"] and "flush" not in result["calls"]
+    name = f"cuda-{fabric.transport}-{queues}-{export}.json"
+    with open(os.path.join(testbed.out, name), "w") as f:
+        json.dump(result, f, indent=1)  # the whole of it, for a failure's reader
+    assert result["same"] and result["errors"] == 0, result
+    counts, file_stats, cuda = result["mrs"], result["file"], result["placement"]["cuda"]
+    if fabric.transport == "tcp":
+        assert result["exports"] == 0 and file_stats["dmabuf_registered"] == 0, result
+        assert result["refused"] == 0, result
+        assert cuda.startswith("staged: NVMe/TCP receives data"), result
+        return
+    if export == "udmabuf":  # a dma-buf Soft-RoCE refuses: asked once, then staged
+        assert result["exports"] == 1, result  # the write's source, refused: never again
+        assert file_stats["dmabuf_registered"] == 0 and result["refused"] == 1, result
+        assert cuda.startswith("staged: cannot register"), result
+        assert counts["closed"][1] <= counts["start"][1], counts
+        return
+    assert result["refused"] == 0, result
+    # Two allocations (the write's source, and the one read into), each exported and
+    # registered once: every read after the first reuses the registration.
+    assert result["exports"] == 2 and file_stats["dmabuf_registered"] == 2, result
+    assert file_stats["dmabuf_hits"] == transfers - 1, result
+    assert result["direct"] >= transfers * (16 << 10), result  # placed, not staged
+    owner = 0 if queues else 1  # whose protection domains hold the registration
+    if queues:
+        assert result["own"], "the client got no queues of its own"
+        assert cuda.endswith("this process's own queues"), result
+    else:
+        assert cuda.endswith("with the mount daemon"), result
+    grown = counts["after"][owner] - counts["start"][owner]
+    assert 2 <= grown <= 16, counts  # an MR per allocation and PD, not per transfer
+    assert counts["closed"][1] <= counts["start"][1], counts  # released on close
+    assert counts["closed"][0] == 0, counts  # the client holds none once closed
 
 
 def _as_nobody(fn) -> str:
