@@ -13,14 +13,10 @@ from __future__ import annotations
 import ctypes
 import socket
 import struct
-from typing import TYPE_CHECKING
 
 from ..nvme import tcp_pdu as pdu
 from .region import DataRef
 from .splice import Spliced, Splicer
-
-if TYPE_CHECKING:
-    from .tcp_queue import Request
 
 BULK_BYTES = 64 * 1024
 """Data from this size on is moved by the queue's receiver thread, not the trio thread: a PDU
@@ -131,11 +127,10 @@ def send_pdus(sock: socket.socket, splicer: Splicer | None, pdus: list[list]) ->
         raise Stalled from None
 
 
-def h2c_pdus(request: Request, header: pdu.Header, *, maxh2cdata: int, cpda: int,
+def h2c_pdus(payload: memoryview, header: pdu.Header, *, maxh2cdata: int, cpda: int,
              header_digest: bool, data_digest: bool, splice: bool) -> list[list]:
-    """The H2CData PDUs (each a list of buffers) answering ``header``, an R2T for
-    ``request``: pieces of at most MAXH2CDATA, bulk ones marked for a thread to send."""
-    payload = request.buffer()
+    """The H2CData PDUs (each a list of buffers) answering ``header``, an R2T for a write of
+    ``payload``: pieces of at most MAXH2CDATA, bulk ones marked for a thread to send."""
     splice = splice and not payload.readonly  # vmsplice needs writable memory
     pieces = pdu.h2c_pieces(header.offset, header.length, maxh2cdata)
     pdus = []

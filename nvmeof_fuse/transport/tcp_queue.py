@@ -23,13 +23,12 @@ while a late PDU could land in it or read it.
 from __future__ import annotations
 
 import errno
-import math
 import socket
 import struct
 import threading
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import trio
 
@@ -47,15 +46,20 @@ from .tcp_data import (
     BULK_BYTES,
     Bulk,
     Stalled,
-    data_view,
     h2c_pdus,
     send_pdus,
     transport_data_block,
 )
 from .tcp_reader import PduReader, ReceiverStopped
+from .tcp_request import Request
 
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
+
+class Peer(Protocol):
+    """What a queue needs of its transport (:class:`~.tcp.TcpTransport`)."""
+
+    traddr: str
+    trsvcid: int
+    splice: bool
 
 _SENT, _BLOCKED, _LOCKED = range(3)  # what TcpQueue._flush got to
 
@@ -76,44 +80,6 @@ def _timeval(seconds: float) -> bytes:
     return struct.pack("ll", whole, int((seconds - whole) * 1e6))
 
 
-class Request:
-    """One command in flight on a TCP queue.
-
-    Its caller is parked on it (``task``), without a cancel scope, until the
-    receive task finishes it or the queue's watchdog times it out.  ``unsent``
-    counts its PDUs still queued for the socket: they read the caller's memory,
-    so the caller is not let go while any is left.  Only the
-    trio thread changes it; the receiver thread reads ``cid``, ``data``, ``view``
-    and ``to_controller``, which never change while the command is in flight.
-    """
-
-    __slots__ = ("cid", "serial", "data", "view", "to_controller", "completion", "error",
-                 "finished", "unsent", "task", "done", "deadline", "timeout")
-
-    def __init__(self, cid: int, data: DataRef | None, to_controller: bool,
-                 serial: int = 0) -> None:
-        self.cid = cid
-        self.serial = serial
-        """Which use of ``cid`` this is (per queue): the reader remembers answered commands
-        by it, so that it holds no request, and with it no caller memory, once answered."""
-        self.data = data
-        self.view = data_view(data) if data is not None else None  # the caller's bytes
-        self.to_controller = to_controller
-        self.completion: Completion | None = None
-        self.error: Exception | None = None
-        self.finished = False
-        """The caller may go on: answered with nothing left to send, or failed."""
-        self.unsent = 0
-        self.task = None  # the trio task parked on this request, if any
-        self.done: Callable[[Request], None] | None = None  # or the callback told its end
-        self.deadline = math.inf
-        self.timeout = 0.0
-
-    def buffer(self) -> memoryview:
-        assert self.view is not None
-        return self.view
-
-
 class TcpQueue:
     """One NVMe queue over one TCP connection.
 
@@ -129,7 +95,7 @@ class TcpQueue:
     uses the socket (:meth:`_release_held`).
     """
 
-    def __init__(self, transport: TcpTransport, sock, qid: int, size: int,
+    def __init__(self, transport: Peer, sock, qid: int, size: int,
                  in_capsule_bytes: int, resp: ICResp) -> None:
         self.transport = transport
         # A plain socket in blocking mode, for the receiver thread (a whole payload in one
@@ -619,7 +585,7 @@ class TcpQueue:
             done(request)
 
     def _h2c_pdus(self, request: Request, header: pdu.Header) -> list[list]:
-        return h2c_pdus(request, header, maxh2cdata=self.maxh2cdata, cpda=self.cpda,
+        return h2c_pdus(request.buffer(), header, maxh2cdata=self.maxh2cdata, cpda=self.cpda,
                         header_digest=self.header_digest, data_digest=self.data_digest,
                         splice=self._splice)
 

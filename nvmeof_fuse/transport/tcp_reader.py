@@ -21,15 +21,13 @@ from __future__ import annotations
 
 import select
 import socket
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..errors import TransportError
 from ..nvme import Completion
 from ..nvme import tcp_pdu as pdu
 from .tcp_data import BULK_BYTES
-
-if TYPE_CHECKING:
-    from .tcp_queue import Request
+from .tcp_request import Request
 
 RECV_BUFFER_BYTES = 256 * 1024
 RECV_BYTES = 64 * 1024
