@@ -39,9 +39,9 @@ from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.idlepoll import IdlePoll
 from nvmeof_fuse.fs.wire import (
     IN_HEADER,
-    OUT_HEADER,
-    OUT_HEADER_SIZE,
+    READ,
     READ_IN,
+    WRITE,
     WRITE_HEADERS,
     WRITE_IN,
     FUSEError,
@@ -399,14 +399,14 @@ class FuseSession:
             log.warning("ignored a FUSE request of %d bytes", n)
             return None
         _, opcode, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(head)
-        if opcode == 15:  # READ
+        if opcode == READ:
             fh, offset, size, _ = READ_IN.unpack_from(head, 40)
             self._in_flight += 1
             if (self._in_flight > 1 and self._start_read_op is not None
                     and self._start_read(unique, fh, offset, size)):
                 return None
             return self._read, (unique, fh, offset, size)
-        if opcode == 16:  # WRITE: its data is at the start of the data buffer, now the write's
+        if opcode == WRITE:  # its data is at the start of the data buffer, now the write's
             fh, offset, size, _ = WRITE_IN.unpack_from(head, 40)
             data = bufs[1]
             bufs[1] = None
@@ -490,16 +490,11 @@ class FuseSession:
             return
         finally:
             self._in_flight -= 1
-        # Lent data: sent before this task yields again (as _send_data, inline: every read).
-        try:
-            os.writev(self.fd, (OUT_HEADER.pack(OUT_HEADER_SIZE + len(data), 0, unique), data))
-        except OSError as exc:
-            if exc.errno not in (errno.ENOENT, errno.ENODEV):
-                log.warning("cannot answer a FUSE read: %s", exc)
+        self._send_data(unique, data)  # lent data: sent before this task yields again
 
     def _send_data(self, unique: int, data: bytes | memoryview) -> None:
         try:
-            os.writev(self.fd, (OUT_HEADER.pack(OUT_HEADER_SIZE + len(data), 0, unique), data))
+            os.writev(self.fd, (wire.out_header(unique, len(data)), data))
         except OSError as exc:
             if exc.errno not in (errno.ENOENT, errno.ENODEV):
                 log.warning("cannot answer a FUSE read: %s", exc)
