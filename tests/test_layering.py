@@ -5,9 +5,11 @@ nvme, transport < host < fs, companion < daemon, inprocess (nvmeof_fuse.mount), 
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -49,3 +51,88 @@ def test_the_filesystem_and_the_companion_load_nothing_above_them(module):
     assert [m for m in TOP if m in loaded] == []
     if module.startswith("nvmeof_fuse.fs"):
         assert within(loaded, "nvmeof_fuse.companion") == []
+
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nvmeof_fuse"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Every nvmeof_fuse module's imports of others, all of them: at the top, inside
+    functions and under ``TYPE_CHECKING`` (read from the source, not run)."""
+    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")
+                    anchor = anchor[:len(anchor) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules
+                           else base for alias in node.names]
+            for target in targets:
+                while target and target not in modules:  # a name inside a module
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in on_stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                on_stack.discard(member)
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_module_above_the_transports_names_one():
+    """The host looks transports up by name (transport/registry.py); only the transport
+    layer imports a fabric's module."""
+    named = {(module, target) for module, targets in import_graph().items()
+             for target in targets
+             if not module.startswith("nvmeof_fuse.transport")
+             and target.rpartition(".")[2].startswith(("rdma", "tcp"))
+             and target.startswith("nvmeof_fuse.transport.")}
+    assert named == set()
+
+
+def test_the_circle_finder_finds_one():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]

@@ -295,7 +295,7 @@ class CompanionServer:
         options = getattr(ctrl, "options", None)
         if options is None or not options.companion_queues:
             return "queue leasing is off on this mount (--companion-queues 0)"
-        if getattr(ctrl.transport, "name", "") != "rdma":
+        if not getattr(ctrl.transport, "places_in_other_processes", False):
             return (f"the mount's {ctrl.transport.name} transport gives no direct placement "
                     "into another process's memory")
         return ""

@@ -143,17 +143,14 @@ class AttachedController(Controller):
     async def _hand_over(self) -> None:
         """Give the last ``polled`` RDMA queues to callers' threads (see :func:`polled_share`)."""
         count = polled_share(self._polled, len(self.io_queues))
-        if count <= 0:
+        take_over = getattr(self.transport, "take_over", None)  # a transport's option
+        if count <= 0 or take_over is None:
             return
-        from ..transport.rdma import RdmaQueue
-        from ..transport.rdma_polled import take_over
-
         polled = []
         for queue in self.io_queues[-count:]:
-            if isinstance(queue, RdmaQueue):
-                taken = await take_over(queue, self.options.timeout)
-                if taken is not None:
-                    polled.append(taken)
+            taken = await take_over(queue, self.options.timeout)
+            if taken is not None:
+                polled.append(taken)
         if polled:
             given = {p.queue for p in polled}
             self.io_queues = [q for q in self.io_queues if q not in given]

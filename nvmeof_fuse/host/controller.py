@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
+from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from . import auth
 from .events import AsyncEvents
@@ -65,18 +66,10 @@ def reconnect_attempts(ctrl_loss_tmo: float, reconnect_delay: float) -> float:
 
 
 def make_transport(options: ConnectOptions) -> Transport:
-    if options.transport == "rdma":
-        from ..transport.rdma import RdmaTransport
-
-        return RdmaTransport(options.traddr, options.trsvcid, options.host_traddr,
-                             connect_timeout=options.connect_timeout)
-    if options.transport == "tcp":
-        from ..transport.tcp import TcpTransport
-
-        return TcpTransport(options.traddr, options.trsvcid, options.host_traddr,
-                            connect_timeout=options.connect_timeout,
-                            header_digest=options.hdr_digest, data_digest=options.data_digest)
-    raise InvalidArgument(f"--transport {options.transport!r} is not supported")
+    """The transport ``options`` name, looked up by name (the host names none itself)."""
+    return registry.create(options.transport, options.traddr, options.trsvcid,
+                           options.host_traddr, connect_timeout=options.connect_timeout,
+                           hdr_digest=options.hdr_digest, data_digest=options.data_digest)
 
 
 class Controller:
@@ -530,7 +523,8 @@ class Controller:
         if self.identify.cntrltype == 2:  # discovery controller: admin queue only
             self._change_state(LIVE)
             return
-        if self.transport.name == "rdma" and not self.identify.keyed_sgl_supported:
+        if (getattr(self.transport, "needs_keyed_sgls", False)
+                and not self.identify.keyed_sgl_supported):
             raise ConnectError(f"{self.transport.address}: the controller does not support "
                                "keyed SGL data blocks, which NVMe/RDMA requires")
         page = self.cap.min_page_size

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
+from ..transport import registry
 from . import auth
 
 DEFAULT_COMPANION_QUEUES = 16
@@ -55,9 +56,9 @@ class ConnectOptions:
     """NVMe/TCP: CRC32C data digests (nvme-cli's --data-digest)."""
 
     def validate(self) -> None:
-        if self.transport not in ("rdma", "tcp"):
+        if self.transport not in registry.NAMES:
             raise InvalidArgument(f"--transport {self.transport!r} is not supported "
-                                  "(supported: rdma, tcp)")
+                                  f"(supported: {', '.join(registry.NAMES)})")
         if (self.hdr_digest or self.data_digest) and self.transport != "tcp":
             raise InvalidArgument("--hdr-digest and --data-digest apply only to -t tcp")
         if not 0 < self.trsvcid < 65536:

@@ -56,9 +56,20 @@ class Finished(Protocol):
 
 
 class Transport(Protocol):
-    """Connects a controller's queues; owns the fabric resources they share."""
+    """Connects a controller's queues; owns the fabric resources they share.
+
+    Optional, where a transport has it: ``take_over(queue, timeout)``, which hands a
+    connected queue to callers' threads to drive themselves (polled; None if it cannot).
+    """
 
     name: str
+
+    needs_keyed_sgls: bool
+    """Whether the controller must support keyed SGL data blocks (NVMe/RDMA does)."""
+
+    places_in_other_processes: bool
+    """Whether a process other than the mount's can connect queues of the controller and
+    have data placed in its own memory (companion clients' leased queues)."""
 
     address: str
     """Where the controller is, for messages: ``rdma 10.0.0.1:4420``."""

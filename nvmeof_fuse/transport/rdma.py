@@ -294,6 +294,8 @@ class RdmaTransport:
     registrations that are valid on all of them."""
 
     name = "rdma"
+    needs_keyed_sgls = True
+    places_in_other_processes = True
     dmabuf_refusal = ""
     """Empty: dma-bufs may be registered (the device or its driver may still refuse one)."""
 

@@ -37,12 +37,14 @@ import trio
 from ..errors import CommandTimeout, TransportError
 from ..nvme import Completion
 from ..nvme import command as nvme_cmd
+from . import registry
 from .parking import for_caller
 from .rdma import (
     _CID,
     SQE_BYTES,
     CommandSlots,
     RdmaQueue,
+    RdmaTransport,
     Request,
 )
 from .region import DataRef
@@ -407,3 +409,18 @@ async def take_over(queue: RdmaQueue, timeout: float) -> PolledQueue | None:
         return None
     await queue.stop()
     return PolledQueue(queue)
+
+
+class PolledRdmaTransport(RdmaTransport):
+    """The RDMA transport whose queues callers' threads may drive (:meth:`take_over`)."""
+
+    async def take_over(self, queue: RdmaQueue, timeout: float) -> PolledQueue | None:
+        return await take_over(queue, timeout)
+
+
+def _create(traddr: str, trsvcid: int, host_traddr: str | None = None, *,
+            connect_timeout: float, **_digests: bool) -> PolledRdmaTransport:
+    return PolledRdmaTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout)
+
+
+registry.register("rdma", _create)

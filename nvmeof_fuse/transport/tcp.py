@@ -22,6 +22,7 @@ import trio
 from ..errors import ConnectError, TransportError
 from ..nvme import tcp_pdu as pdu
 from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
+from . import registry
 from .tcp_data import HOST_MEMORY_ONLY, TcpRegistration, is_device_memory
 from .tcp_queue import TcpQueue
 
@@ -32,6 +33,8 @@ class TcpTransport:
     """The TCP side of one controller: a connection per queue, nothing shared but options."""
 
     name = "tcp"
+    needs_keyed_sgls = False
+    places_in_other_processes = False  # a client's own queues would gain it nothing
     dmabuf_refusal = HOST_MEMORY_ONLY
     """Why dma-bufs (GPU memory) are not registered here."""
 
@@ -155,6 +158,16 @@ class TcpTransport:
         for queue in reversed(self._queues):
             queue.close()
         self._queues.clear()
+
+
+def _create(traddr: str, trsvcid: int, host_traddr: str | None = None, *,
+            connect_timeout: float, hdr_digest: bool = False,
+            data_digest: bool = False) -> TcpTransport:
+    return TcpTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
+                        header_digest=hdr_digest, data_digest=data_digest)
+
+
+registry.register("tcp", _create)
 
 
 def probe(host: str, port: int, timeout: float = 10.0) -> ICResp:
