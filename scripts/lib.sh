@@ -104,12 +104,22 @@ ensure_nvmeof() {
     || die "pip install nvmeof==$NVMEOF_VERSION failed"
 }
 
-# The two sides of a same-boot A/B (scripts/bench-ab-*): $2 gets the package as of git REF $1,
-# $3 a copy of the working tree's, both compiled, so the tree may change while the VM runs.
+# What a side of an A/B runs: the package, the benches and the RAM namespace they mount.
+AB_PATHS=(nvmeof_fuse scripts/benches tests/ramdisk.py)
+
+# The two sides of a same-boot A/B (scripts/bench-ab-*): $2 gets AB_PATHS as of git REF $1 (those
+# it has: the benches were in the package before), $3 a copy of the working tree's, both
+# compiled, so the tree may change while the VM runs.
 ab_snapshots() {
-  local ref=$1 old=$2 new=$3
+  local ref=$1 old=$2 new=$3 p paths=()
   rm -rf "$old" "$new"; mkdir -p "$old" "$new"
-  git -C "$REPO" archive "$ref" nvmeof_fuse | tar -x -C "$old"
-  cp -r "$REPO/nvmeof_fuse" "$new/"
+  for p in "${AB_PATHS[@]}"; do
+    git -C "$REPO" cat-file -e "$ref:$p" 2>/dev/null && paths+=("$p")
+  done
+  git -C "$REPO" archive "$ref" "${paths[@]}" | tar -x -C "$old"
+  for p in "${AB_PATHS[@]}"; do
+    mkdir -p "$new/$(dirname "$p")"
+    cp -r "$REPO/$p" "$new/$(dirname "$p")/"
+  done
   "$VENV/bin/python" -m compileall -q "$old" "$new" >/dev/null 2>&1 || true
 }

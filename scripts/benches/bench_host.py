@@ -1,11 +1,12 @@
 """The FUSE layer on the host, with no VM: one RAM image served three ways, fio on each.
 
-  python -m nvmeof_fuse.bench_host [--seconds 5] [--size-mib 256] [--out DIR] [--only ours,...]
-  python -m nvmeof_fuse.bench_host table FILE.json
+  python scripts/benches/bench_host.py [--seconds 5] [--size-mib 256] [--out DIR]
+                                      [--only ours,...]
+  python scripts/benches/bench_host.py table FILE.json
 
 One image on tmpfs (``/dev/shm``) is served by the kernel loop device (``losetup``), by
 qemu-storage-daemon's FUSE export (C, libfuse) and by our FUSE layer over RAM
-(``python -m nvmeof_fuse.bench fuse-ram --image``, the image mapped shared).  Each fio job
+(``bench.py fuse-ram --image``, the image mapped shared).  Each fio job
 (O_DIRECT, libaio) runs on the three in turn, so a busy host skews them alike.  The table shows
 every figure, the server's CPU time per request (user+system of the serving process; the loop
 device has none), and ours against qemu's.  Figures are printed, never asserted.  Needs root
@@ -26,9 +27,11 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
-from nvmeof_fuse.bench import IDLE_SECONDS, MIB, fio_command, fio_job_figure, fio_json, name_list
+from bench import IDLE_SECONDS, MIB, fio_command, fio_job_figure, fio_json, name_list
 
+HERE = Path(__file__).resolve().parent
 FUSECTL = "/sys/fs/fuse/connections"
 MAX_BACKGROUND = 32  # the same for both FUSE servers (ours raises it to this itself)
 READY_TIMEOUT = 60.0  # s for a server to show its mount
@@ -200,7 +203,7 @@ def our_export(image: str, workdir: str, notes: list[str]) -> Iterator[tuple[str
     mnt = os.path.join(workdir, "ours")
     os.mkdir(mnt)
     log = open(os.path.join(workdir, "ours.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "nvmeof_fuse.bench", "fuse-ram", mnt,
+    proc = subprocess.Popen([sys.executable, str(HERE / "bench.py"), "fuse-ram", mnt,
                              "--image", image], stdout=subprocess.PIPE, stderr=log)
     try:
         assert proc.stdout is not None
@@ -308,7 +311,7 @@ def run(seconds: float, size_mib: int, only: list[str], log=print) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["table"]:
-        t = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench_host table")
+        t = argparse.ArgumentParser(prog="bench_host.py table")
         t.add_argument("file")
         t.add_argument("--markdown", action="store_true")
         args = t.parse_args(argv[1:])
@@ -316,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             results = json.load(f)
         print((markdown if args.markdown else table)(results), end="")
         return 0
-    ap = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench_host", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python scripts/benches/bench_host.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0, help="per job and server (default 5)")
     ap.add_argument("--size-mib", type=int, default=256, help="image size (default 256)")

@@ -1,10 +1,13 @@
 """Read/write throughput of one namespace: our core, the ``nvmeof`` library; a side-by-side table.
 
-  python -m nvmeof_fuse.bench core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
-  python -m nvmeof_fuse.bench nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
-  python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
-  python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096] [--image F]
-  python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
+  python scripts/benches/bench.py core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5]
+                                         [--json]
+  python scripts/benches/bench.py nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5]
+                                         [--json]
+  python scripts/benches/bench.py companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
+  python scripts/benches/bench.py fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
+                                         [--image F]
+  python scripts/benches/bench.py table --kernel F --core F --nvmeof F --fuse F --companion F \
       --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F]
       [--core-tcp-host F --fuse-tcp-host F] [--out DIR]
 
@@ -31,7 +34,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parents[1] / "tests"
+"""Where the RAM namespace (``ramdisk.py``, which the tests' fakes build on) lives."""
 MIB = 1 << 20
 SMALL = 4096
 IDLE_SECONDS = 2.0
@@ -351,7 +358,7 @@ def _companion_processes(args: argparse.Namespace) -> dict:
     import subprocess
 
     start_at = time.time() + 20 + 5 * args.processes  # after every child's imports and connect
-    cmd = [sys.executable, "-m", "nvmeof_fuse.bench", "companion", "--file", args.file,
+    cmd = [sys.executable, str(HERE / "bench.py"), "companion", "--file", args.file,
            "--seconds", str(args.seconds), "--json", "--start-at", str(start_at)]
     if args.jobs:
         cmd += ["--jobs", ",".join(args.jobs)]
@@ -382,7 +389,10 @@ def serve_ram(args: argparse.Namespace) -> int:
 
     from nvmeof_fuse.concurrency import unwrap_groups
     from nvmeof_fuse.fs.mount import MountError, MountOptions, serve
-    from nvmeof_fuse.host.ramdisk import RamDevice, RamNamespace, ram_controller
+
+    if str(TESTS) not in sys.path:
+        sys.path.append(str(TESTS))
+    from ramdisk import RamDevice, RamNamespace, ram_controller
 
     ctrl = ram_controller()
     if args.image:  # the image's bytes, shared with whoever else serves that file
@@ -592,7 +602,7 @@ _job_keys = name_list(METRICS, "job")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python scripts/benches/bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     for name in ("core", "nvmeof"):
