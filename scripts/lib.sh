@@ -8,8 +8,8 @@ STATE=${NVMEOF_FUSE_STATE:-$REPO/.testbed}
 APT_PACKAGES=(
   qemu-system-x86 busybox-static kmod udev iproute2 rdma-core ibverbs-utils
   ibverbs-providers libibverbs1 librdmacm1 rdmacm-utils perftest nvme-cli
-  fuse3 pkg-config fio e2fsprogs jq bsdextrautils procps dmsetup
-)
+  fuse3 libfuse3-dev pkg-config fio e2fsprogs jq bsdextrautils procps dmsetup
+)  # libfuse3-dev and pkg-config: to build pyfuse3 (the pyfuse3 extra, which the tests run too)
 BACKPORTS_SUITE=bookworm-backports
 
 log() { printf '%s\n' "$*" >&2; }
@@ -72,7 +72,7 @@ ensure_apt() {
   fi
 }
 
-# The venv holds the project (editable), its test extra and virtme-ng.
+# The venv holds the project (editable), its test and pyfuse3 extras and virtme-ng.
 ensure_venv() {
   local stamp=$VENV/.nvmeof-fuse-stamp want
   want=$(cat "$REPO/pyproject.toml" | sha1sum | cut -c1-12)
@@ -81,7 +81,7 @@ ensure_venv() {
   [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
   local piplog=$VENV/pip.log
   if ! { "$VENV/bin/pip" install -q --upgrade pip && \
-         "$VENV/bin/pip" install -q -e "$REPO[test]" virtme-ng; } >"$piplog" 2>&1; then
+         "$VENV/bin/pip" install -q -e "$REPO[test,pyfuse3]" virtme-ng; } >"$piplog" 2>&1; then
     tail -n 30 "$piplog" >&2
     die "pip install failed (full log: $piplog)"
   fi
