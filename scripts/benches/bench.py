@@ -6,7 +6,7 @@
                                          [--json]
   python scripts/benches/bench.py companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
   python scripts/benches/bench.py fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
-                                         [--image F]
+                                         [--image F] [--fuse builtin|pyfuse3]
   python scripts/benches/bench.py table --kernel F --core F --nvmeof F --fuse F --companion F \
       --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F]
       [--core-tcp-host F --fuse-tcp-host F] [--out DIR]
@@ -18,8 +18,9 @@ figures (MB = 10^6 bytes);
 ``table`` reads their ``--json`` output and fio ``--output-format=json`` files (jobs named as
 in :data:`FIO_JOBS`).  ``fuse-ram`` mounts a namespace kept in RAM (``MOUNTPOINT/n1``) through
 the same FUSE layer until it is unmounted: fio on it shows the best the FUSE file can do with
-no NVMe behind it.  A missing input file, or one with a ``.err`` file beside it, shows as
-``n/a`` with the reason.  Nothing is asserted.
+no NVMe behind it (``--fuse pyfuse3``: with pyfuse3 as the FUSE server, as the host bench
+sets the two servers side by side).  A missing input file, or one with a ``.err`` file beside
+it, shows as ``n/a`` with the reason.  Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -417,7 +418,7 @@ def serve_ram(args: argparse.Namespace) -> int:
     async def main() -> None:
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
-                await nursery.start(serve, ctrl, args.mountpoint, MountOptions())
+                await nursery.start(serve, ctrl, args.mountpoint, MountOptions(fuse=args.fuse))
                 print(f"READY {args.mountpoint}/n1", flush=True)
 
     try:
@@ -635,6 +636,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--lba-size", type=int, choices=(512, 4096), default=4096)
     r.add_argument("--image", metavar="FILE",
                    help="serve this file's bytes (mapped shared) instead of fresh RAM")
+    r.add_argument("--fuse", default="builtin", metavar="SERVER",
+                   help="the FUSE server: builtin (ours, the default) or pyfuse3")
     t = sub.add_parser("table", help="side-by-side table of saved results")
     for c in ALL_COLUMNS:
         t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")

@@ -66,11 +66,13 @@ def test_table_shows_fuse_over_ram_against_the_kernel(tmp_path):
 
 @pytest.mark.skipif(not os.access("/dev/fuse", os.W_OK) or not shutil.which("fusermount3"),
                     reason="needs /dev/fuse and fusermount3")
-def test_fuse_ram_mounts_a_ram_namespace_until_unmounted(tmp_path):
+@pytest.mark.parametrize("fuse", ["builtin", "pyfuse3"])  # the host bench's two columns
+def test_fuse_ram_mounts_a_ram_namespace_until_unmounted(tmp_path, fuse):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     proc = subprocess.Popen([sys.executable, str(BENCH), "fuse-ram", str(mnt),
-                             "--size-mib", "2"], stdout=subprocess.PIPE, text=True)
+                             "--size-mib", "2", "--fuse", fuse], stdout=subprocess.PIPE,
+                            text=True)
     try:
         ready = selectors.DefaultSelector()
         ready.register(proc.stdout, selectors.EVENT_READ)
@@ -95,6 +97,8 @@ def test_fuse_ram_bad_input_is_one_line(tmp_path, capsys):
     assert err.startswith("bench fuse-ram: ") and "does not exist" in err and err.count("\n") == 1
     assert bench.main(["fuse-ram", str(tmp_path), "--size-mib", "0"]) == 2
     assert capsys.readouterr().err == "bench: --size-mib must be positive\n"
+    assert bench.main(["fuse-ram", str(tmp_path), "--fuse", "fusepy"]) == 1
+    assert capsys.readouterr().err.startswith("bench fuse-ram: unknown FUSE server 'fusepy'")
 
 
 def test_table_shows_the_tcp_columns_in_a_table_of_their_own(tmp_path):

@@ -8,8 +8,10 @@ import pytest
 CANNED = {
     "figures": {"loop": {"randread16": 200000.0, "read1m": 5000.0},
                 "qemu": {"randread16": 40000.0, "read1m": 1400.0, "write1m": 900.0},
-                "ours": {"randread16": 20000.0, "read1m": 4200.0}},
-    "cpu_us": {"qemu": {"randread16": 25.0}, "ours": {"randread16": 61.4}},
+                "ours": {"randread16": 20000.0, "read1m": 4200.0},
+                "pyfuse3": {"randread16": 8000.0, "read1m": 2100.0}},
+    "cpu_us": {"qemu": {"randread16": 25.0}, "ours": {"randread16": 61.4},
+               "pyfuse3": {"randread16": 150.2}},
     "errors": {"ours": {"write1m": "fio error 5"}},
     "notes": ["load average 1.00 before, 1.50 after (2 CPUs)"],
 }
@@ -19,14 +21,15 @@ def test_host_table_shows_every_server_its_cpu_and_the_ratios():
     text = bench_host.table(CANNED)
     head, rule, *rows = text.splitlines()
     assert all(title in head for title in bench_host.COLUMNS.values())
-    assert "ours/qemu" in head and "ours/loop" in head
+    assert "ours/qemu" in head and "ours/loop" in head and "ours/pyfuse3" in head
     row = next(r for r in rows if r.startswith("4 KiB randread QD16, IOPS"))
     assert "200,000" in row and "40,000 (25 us)" in row and "20,000 (61 us)" in row
-    assert row.split()[-2:] == ["0.50x", "0.10x"]
+    assert "8,000 (150 us)" in row  # pyfuse3 beside ours: the reason ours is the default
+    assert row.split()[-3:] == ["0.50x", "0.10x", "2.50x"]
     big = next(r for r in rows if r.startswith("1 MiB read QD16, MB/s"))
-    assert big.split()[-2:] == ["3.00x", "0.84x"]
+    assert big.split()[-3:] == ["3.00x", "0.84x", "2.00x"]
     write = next(r for r in rows if r.startswith("1 MiB write QD16"))
-    assert write.split()[-2:] == ["n/a", "n/a"] and "900" in write
+    assert write.split()[-3:] == ["n/a", "n/a", "n/a"] and "900" in write
     assert "n/a our FUSE over RAM, write1m: fio error 5" in text
     assert "note: load average 1.00 before" in text
     assert len([r for r in rows if "QD" in r]) == len(bench_host.JOBS)
@@ -35,8 +38,9 @@ def test_host_table_shows_every_server_its_cpu_and_the_ratios():
 def test_host_table_as_markdown():
     md = bench_host.markdown(CANNED).splitlines()
     assert md[0].startswith("| job | kernel loop device |") and md[1].startswith("|---|")
+    assert md[0].endswith("| the same on pyfuse3 | ours/qemu | ours/loop | ours/pyfuse3 |")
     assert md[2] == ("| 4 KiB randread QD16, IOPS | 200,000 | 40,000 (25 us) | 20,000 (61 us) "
-                     "| 0.50x | 0.10x |")
+                     "| 8,000 (150 us) | 0.50x | 0.10x | 2.50x |")
 
 
 def test_host_bench_reads_fio_json():
@@ -54,4 +58,4 @@ def test_host_bench_bad_input_is_one_line(capsys):
     assert capsys.readouterr().err == "bench host: --seconds and --size-mib must be positive\n"
     with pytest.raises(SystemExit):
         bench_host.main(["--only", "loop,nfs"])
-    assert "unknown server nfs (have loop, qemu, ours)" in capsys.readouterr().err
+    assert "unknown server nfs (have loop, qemu, ours, pyfuse3)" in capsys.readouterr().err
