@@ -174,3 +174,17 @@ def test_fuse_ram_refuses_an_image_of_a_partial_lba(tmp_path, capsys):
     assert bench.main(["fuse-ram", str(tmp_path), "--image", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("bench fuse-ram: cannot map ") and err.count("\n") == 1
+
+
+def test_no_bench_is_in_the_installed_package():
+    """The benches and the RAM namespace live under scripts/ and tests/, out of the wheel."""
+    import importlib.util
+    import pkgutil
+
+    import nvmeof_fuse
+
+    modules = [m.name for m in pkgutil.walk_packages(nvmeof_fuse.__path__, "nvmeof_fuse.")]
+    assert "nvmeof_fuse.fs.mount" in modules
+    assert [m for m in modules if "bench" in m or "ramdisk" in m] == []
+    assert importlib.util.find_spec("nvmeof_fuse.bench") is None
+    assert BENCH.parent.name == "benches" and BENCH.parent.parent.name == "scripts"
