@@ -97,12 +97,27 @@ def _mount_flags(values: list[str]) -> set[str]:
     flags = {f.strip() for v in values for f in v.split(",") if f.strip()}
     for flag in flags:
         refuse_secret_option(flag, on_command_line=True)
-    unknown = {f.partition("=")[0] for f in flags} - {"allow_other"}  # values unsaid
+    unknown = {f.partition("=")[0] for f in flags} - {"allow_other", "fuse"}  # values unsaid
     if unknown:
-        raise UsageError(
-            f"unsupported -o option(s): {', '.join(sorted(unknown))} (known: allow_other)"
-        )
+        raise UsageError(f"unsupported -o option(s): {', '.join(sorted(unknown))} "
+                         "(known: allow_other, fuse=SERVER)")
     return flags
+
+
+def _fuse_server(args: argparse.Namespace) -> str:
+    """The FUSE server named by ``--fuse`` or ``-o fuse=`` (default: builtin, ours)."""
+    from nvmeof_fuse.fs.options import FUSE_SERVERS
+
+    items = (flag.partition("=") for flag in _mount_flags(args.options))
+    named = {value for key, _, value in items if key == "fuse"}
+    if args.fuse is not None:
+        named.add(args.fuse)
+    if len(named) > 1:
+        raise UsageError(f"conflicting FUSE servers: {', '.join(sorted(named))}")
+    server = named.pop() if named else FUSE_SERVERS[0]
+    if server not in FUSE_SERVERS:
+        raise UsageError(f"unknown FUSE server {server!r} (known: {', '.join(FUSE_SERVERS)})")
+    return server
 
 
 def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) -> Any:
@@ -157,6 +172,7 @@ def mount_options(args: argparse.Namespace) -> Any:
         gid=_int("--gid", args.gid, 0, 2**32 - 2),
         mode=DEFAULT_MODE if mode is None else mode,
         debug=args.debug,
+        fuse=_fuse_server(args),
     )
 
 
@@ -214,7 +230,11 @@ def _add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
         add("-f", "--fast-io-fail-tmo", "--fast_io_fail_tmo", default="-1",
             help="fail I/O this many s after a loss while reconnecting goes on (-1: off)"),
         add("--read-only", action="store_true", help="refuse writes (EROFS)"),
-        add("-o", dest="options", action="append", default=[], metavar="allow_other"),
+        add("-o", dest="options", action="append", default=[],
+            metavar="allow_other,fuse=SERVER"),
+        add("--fuse", metavar="SERVER",
+            help="what serves FUSE: builtin (default; our own /dev/fuse session) or pyfuse3 "
+                 "(pip install 'nvmeof-fuse[pyfuse3]')"),
         add("--uid", help="owner of the namespace files (default: you)"),
         add("--gid", help="group of the namespace files (default: yours)"),
         add("--mode", help="octal mode of the namespace files (default 0660)"),

@@ -53,11 +53,12 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     once (the controller's queues too), so use it only to abandon a mount.
     """
     from nvmeof_fuse.companion.server import CompanionServer
-    from nvmeof_fuse.fs.mount import check_mountpoint_async, serve
+    from nvmeof_fuse.fs.mount import check_fuse_server, check_mountpoint_async, serve
 
     if connect is None:
         from nvmeof_fuse.host.controller import connect
     path = await check_mountpoint_async(mountpoint)  # fail before connecting
+    check_fuse_server(mopts.fuse)
     async with connect(conn) as ctrl:
         try:
             async with trio.open_nursery() as inner:

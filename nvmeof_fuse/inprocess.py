@@ -207,12 +207,14 @@ class Mount:
 def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
           trsvcid: int = 4420, read_only: bool = False, allow_other: bool = False,
           uid: int | None = None, gid: int | None = None, mode: int | None = None,
-          connect: Any = None, ready_timeout: float = READY_TIMEOUT, **options: Any) -> Mount:
+          fuse: str = "builtin", connect: Any = None, ready_timeout: float = READY_TIMEOUT,
+          **options: Any) -> Mount:
     """Mount ``nqn`` at ``traddr`` on ``mountpoint``; use as a context manager.
 
     ``options`` are :class:`~nvmeof_fuse.host.controller.ConnectOptions` fields with
     nvme-cli's names (``host_traddr``, ``hostnqn``, ``hostid``, ``nr_io_queues``,
     ``queue_size``, ``keep_alive_tmo``, ``reconnect_delay``, ``ctrl_loss_tmo``, ``timeout``).
+    ``fuse`` picks the FUSE server: ``"builtin"`` (ours) or ``"pyfuse3"`` (an extra).
     """
     from .fs.options import DEFAULT_MODE, MountOptions
     from .host.controller import ConnectOptions
@@ -224,5 +226,5 @@ def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
         raise InvalidArgument(f"mount: {exc}") from None
     conn.validate()
     mopts = MountOptions(read_only=read_only, allow_other=allow_other, uid=uid, gid=gid,
-                         mode=DEFAULT_MODE if mode is None else mode)
+                         mode=DEFAULT_MODE if mode is None else mode, fuse=fuse)
     return Mount(mountpoint, conn, mopts, ready_timeout=ready_timeout, connect=connect)

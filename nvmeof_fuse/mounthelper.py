@@ -54,6 +54,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "read_only": ("--read-only", False),
     "ro": ("--read-only", False),
     "allow_other": ("-o allow_other", False),
+    "fuse": ("--fuse", True),
     "uid": ("--uid", True),
     "gid": ("--gid", True),
     "mode": ("--mode", True),

@@ -8,8 +8,8 @@ STATE=${NVMEOF_FUSE_STATE:-$REPO/.testbed}
 APT_PACKAGES=(
   qemu-system-x86 busybox-static kmod udev iproute2 rdma-core ibverbs-utils
   ibverbs-providers libibverbs1 librdmacm1 rdmacm-utils perftest nvme-cli
-  fuse3 pkg-config fio e2fsprogs jq bsdextrautils procps dmsetup
-)
+  fuse3 libfuse3-dev pkg-config fio e2fsprogs jq bsdextrautils procps dmsetup
+)  # libfuse3-dev and pkg-config: to build pyfuse3 (the pyfuse3 extra, which the tests run too)
 BACKPORTS_SUITE=bookworm-backports
 
 log() { printf '%s\n' "$*" >&2; }
@@ -72,7 +72,7 @@ ensure_apt() {
   fi
 }
 
-# The venv holds the project (editable), its test extra and virtme-ng.
+# The venv holds the project (editable), its test and pyfuse3 extras and virtme-ng.
 ensure_venv() {
   local stamp=$VENV/.nvmeof-fuse-stamp want
   want=$(cat "$REPO/pyproject.toml" | sha1sum | cut -c1-12)
@@ -81,7 +81,7 @@ ensure_venv() {
   [[ -x $VENV/bin/python ]] || python3 -m venv "$VENV"
   local piplog=$VENV/pip.log
   if ! { "$VENV/bin/pip" install -q --upgrade pip && \
-         "$VENV/bin/pip" install -q -e "$REPO[test]" virtme-ng; } >"$piplog" 2>&1; then
+         "$VENV/bin/pip" install -q -e "$REPO[test,pyfuse3]" virtme-ng; } >"$piplog" 2>&1; then
     tail -n 30 "$piplog" >&2
     die "pip install failed (full log: $piplog)"
   fi
@@ -104,12 +104,22 @@ ensure_nvmeof() {
     || die "pip install nvmeof==$NVMEOF_VERSION failed"
 }
 
-# The two sides of a same-boot A/B (scripts/bench-ab-*): $2 gets the package as of git REF $1,
-# $3 a copy of the working tree's, both compiled, so the tree may change while the VM runs.
+# What a side of an A/B runs: the package, the benches and the RAM namespace they mount.
+AB_PATHS=(nvmeof_fuse scripts/benches tests/ramdisk.py)
+
+# The two sides of a same-boot A/B (scripts/bench-ab-*): $2 gets AB_PATHS as of git REF $1 (those
+# it has: the benches were in the package before), $3 a copy of the working tree's, both
+# compiled, so the tree may change while the VM runs.
 ab_snapshots() {
-  local ref=$1 old=$2 new=$3
+  local ref=$1 old=$2 new=$3 p paths=()
   rm -rf "$old" "$new"; mkdir -p "$old" "$new"
-  git -C "$REPO" archive "$ref" nvmeof_fuse | tar -x -C "$old"
-  cp -r "$REPO/nvmeof_fuse" "$new/"
+  for p in "${AB_PATHS[@]}"; do
+    git -C "$REPO" cat-file -e "$ref:$p" 2>/dev/null && paths+=("$p")
+  done
+  git -C "$REPO" archive "$ref" "${paths[@]}" | tar -x -C "$old"
+  for p in "${AB_PATHS[@]}"; do
+    mkdir -p "$new/$(dirname "$p")"
+    cp -r "$REPO/$p" "$new/$(dirname "$p")/"
+  done
   "$VENV/bin/python" -m compileall -q "$old" "$new" >/dev/null 2>&1 || true
 }

@@ -1,4 +1,4 @@
-"""In-memory stand-ins for an LBA device, a namespace and a controller (over host.ramdisk)."""
+"""In-memory stand-ins for an LBA device, a namespace and a controller (over ramdisk.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ import random
 from dataclasses import dataclass, field
 
 import trio
-
-from nvmeof_fuse.errors import NVMeoFError
-from nvmeof_fuse.host.ramdisk import (
+from ramdisk import (
     RamController,
     RamDevice,
     RamIdentify,
     RamNamespace,
     RamOptions,
 )
+
+from nvmeof_fuse.errors import NVMeoFError
 
 FakeIdentify = RamIdentify
 

@@ -100,10 +100,35 @@ def test_mount_without_a_target(capsys, host, tmp_path):
         (["-l", "-5"], "--ctrl-loss-tmo -5 is out of range (0-2147483648 s, or -1 for ever)"),
         (["-l", "later"], "--ctrl-loss-tmo 'later' is not a number"),
         (["-f", "-2"], "--fast-io-fail-tmo -2 is out of range (0-2147483648 s, or -1 for off)"),
+        (["--fuse", "fusepy"], "unknown FUSE server 'fusepy' (known: builtin, pyfuse3)"),
+        (["-o", "fuse=pyfuse3", "--fuse", "builtin"], "conflicting FUSE servers: builtin, pyfuse3"),
     ],
 )
 def test_bad_option_values_are_one_line(capsys, host, tmp_path, extra, match):
     one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
+    assert host.connects == []
+
+
+@pytest.mark.parametrize("extra, server", [
+    ([], "builtin"),
+    (["--fuse", "pyfuse3"], "pyfuse3"),
+    (["-o", "allow_other,fuse=pyfuse3"], "pyfuse3"),
+    (["-o", "fuse=builtin"], "builtin"),
+    (["--fuse", "pyfuse3", "-o", "fuse=pyfuse3"], "pyfuse3"),
+])
+def test_the_fuse_server_is_an_option(extra, server, tmp_path):
+    assert cli.mount_options(cli.parse_args([*MOUNT, *extra, str(tmp_path)])).fuse == server
+
+
+def test_pyfuse3_missing_is_one_line_before_connecting(capsys, host, tmp_path, monkeypatch):
+    import nvmeof_fuse.fs
+
+    monkeypatch.setitem(sys.modules, "pyfuse3", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "nvmeof_fuse.fs.pyfuse3_server", raising=False)
+    monkeypatch.delattr(nvmeof_fuse.fs, "pyfuse3_server", raising=False)
+    host.error = ConnectError("connected before the FUSE server was checked")  # never serves
+    one_line_error(capsys, [*MOUNT, "-o", "fuse=pyfuse3", str(tmp_path)],
+                   "fuse=pyfuse3 needs pyfuse3, which cannot be imported")
     assert host.connects == []
 
 
@@ -162,7 +187,8 @@ def test_dhchap_options_follow_nvme_cli(tmp_path):
      "options are readable by every user (in /etc/fstab and the process list); "
      "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
      "FILE instead"),
-    (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other)"),
+    (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other, "
+     "fuse=SERVER)"),
 ])
 def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
     err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
@@ -241,7 +267,8 @@ def test_daemon_command_keeps_every_option():
             "00000000-0000-4000-8000-000000000001", "--allow-insecure-secret-file", "--debug",
             "--namespace-id", "2", "-i", "3", "--companion-queues", "0", "-Q", "64", "-k", "0",
             "-c", "3", "-l", "-1", "--fast_io_fail_tmo", "5", "--read-only", "-o", "allow_other",
-            "--uid", "1", "--gid", "2", "--mode", "0600", "--log-file", "/l", "/m"]
+            "-o", "fuse=pyfuse3", "--fuse", "pyfuse3", "--uid", "1", "--gid", "2", "--mode",
+            "0600", "--log-file", "/l", "/m"]
     cmd, _ = cli.daemon_command(argv)
     given, child = vars(cli.parse_args(argv)), vars(cli.parse_args(cmd[3:]))
     assert child == given, cmd

@@ -1,5 +1,9 @@
-"""Mount a controller (our FUSE session, fs/session.py) and serve it until unmounted or
-cancelled."""
+"""Mount a controller and serve it until unmounted or cancelled.
+
+One of two FUSE servers answers the requests with the same operations (fs/operations.py):
+our own session on /dev/fuse (fs/session.py, the default) or pyfuse3 (fs/pyfuse3_server.py,
+``MountOptions.fuse == "pyfuse3"``, an optional extra).  Both are a :class:`FuseServer`.
+"""
 
 from __future__ import annotations
 
@@ -9,20 +13,24 @@ import os
 import re
 import stat
 from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
 
 import trio
 
 from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.info import CompanionLike, ControllerLike
-from nvmeof_fuse.fs.operations import NamespaceFS
-from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.operations import Kernel, NamespaceFS
+from nvmeof_fuse.fs.options import FUSE_SERVERS, MountOptions
 from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd
 from nvmeof_fuse.fs.wire import InitParams
 
 __all__ = [
+    "FuseServer",
     "MountError",
     "MountOptions",
+    "check_fuse_server",
     "check_mountpoint",
     "check_mountpoint_async",
     "serve",
@@ -47,6 +55,37 @@ class MountError(NVMeoFError):
     """The mountpoint is unusable or the kernel refused the mount."""
 
     errno = errno.EBUSY
+
+
+class FuseServer(Kernel, Protocol):
+    """What answers a mount's FUSE requests with :class:`NamespaceFS`, and asks the kernel to
+    forget what it caches (:class:`Kernel`).  :meth:`run` serves until the kernel ends the
+    session (unmounted: then ``gone``) or until :meth:`stop_reading`, after which the requests
+    in flight are answered before it returns; :meth:`close` lets go of /dev/fuse."""
+
+    gone: bool
+
+    async def run(self) -> None: ...
+
+    def stop_reading(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def check_fuse_server(name: str) -> ModuleType | None:
+    """Raise MountError, in one line, unless the FUSE server ``name`` can run here; pyfuse3's
+    module when that is the one (None for ours)."""
+    if name not in FUSE_SERVERS:
+        raise MountError(f"unknown FUSE server {name!r} (known: {', '.join(FUSE_SERVERS)})")
+    if name != "pyfuse3":
+        return None
+    try:
+        from nvmeof_fuse.fs import pyfuse3_server
+    except ImportError as exc:
+        raise MountError(f"fuse=pyfuse3 needs pyfuse3, which cannot be imported ({exc}): "
+                         "pip install 'nvmeof-fuse[pyfuse3]' (builds with libfuse3-dev and "
+                         "pkg-config)") from None
+    return pyfuse3_server
 
 
 @dataclass(frozen=True)
@@ -161,15 +200,37 @@ async def check_mountpoint_async(path: str) -> str:
         f"mountpoint {path} does not respond (a hung FUSE daemon?)"))
 
 
+def _mount_error(path: str, options: MountOptions, exc: Exception) -> MountError:
+    hint = ""
+    if options.allow_other and os.geteuid() != 0 and "allow_other" not in str(exc):
+        hint = " (allow_other needs user_allow_other in /etc/fuse.conf)"
+    return MountError(f"cannot mount at {path}: {exc}{hint}")
+
+
 def _mount(path: str, options: MountOptions) -> int:
     """The /dev/fuse descriptor of a new mount at ``path``, or MountError saying why not."""
     try:
         return mount_fd(path, sorted(fuse_options(options)))
     except FuseMountError as exc:
-        hint = ""
-        if options.allow_other and os.geteuid() != 0 and "allow_other" not in str(exc):
-            hint = " (allow_other needs user_allow_other in /etc/fuse.conf)"
-        raise MountError(f"cannot mount at {path}: {exc}{hint}") from None
+        raise _mount_error(path, options, exc) from None
+
+
+async def start_server(ops: NamespaceFS, path: str, options: MountOptions) -> FuseServer:
+    """Mount ``path`` and the FUSE server ``options.fuse`` that will serve ``ops`` on it."""
+    pyfuse3_server = check_fuse_server(options.fuse)
+    if pyfuse3_server is None:  # ours
+        fd = await trio.to_thread.run_sync(_mount, path, options)
+        return FuseSession(ops, fd,
+                           InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
+                           debug=options.debug)
+    libfuse_options = sorted(fuse_options(options)) + (["debug"] if options.debug else [])
+    try:
+        server = await trio.to_thread.run_sync(pyfuse3_server.Pyfuse3Server, ops, path,
+                                               libfuse_options, MAX_BACKGROUND)
+    except pyfuse3_server.Pyfuse3MountError as exc:
+        raise _mount_error(path, options, exc) from None
+    raise_max_background(path)  # libfuse leaves it to the kernel's default at INIT
+    return server
 
 
 async def serve(
@@ -193,12 +254,11 @@ async def serve(
     path = await check_mountpoint_async(mountpoint)
     check_nsid(controller, options.nsid)
     ops = NamespaceFS(controller, options, companion)
-    fd = await trio.to_thread.run_sync(_mount, path, options)
-    fuse = FuseSession(ops, fd, InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
-                       debug=options.debug)
+    fuse = await start_server(ops, path, options)
     ops.kernel = fuse
     session = _Session(ops, fuse, path, drain_timeout)
-    log.info("mounted at %s", path)
+    log.info("mounted at %s%s", path, "" if options.fuse == "builtin" else
+             f" (FUSE server: {options.fuse})")
     listeners = getattr(getattr(controller, "events", None), "listeners", [])
     listeners.append(ops.apply_changes)  # namespaces added, removed, resized on the target
     try:
@@ -217,7 +277,7 @@ async def serve(
 class _Session:
     """The FUSE session in a shielded task, so that cancelling us drains instead of aborting."""
 
-    def __init__(self, ops: NamespaceFS, fuse: FuseSession, path: str,
+    def __init__(self, ops: NamespaceFS, fuse: FuseServer, path: str,
                  drain_timeout: float) -> None:
         self.ops = ops
         self.fuse = fuse

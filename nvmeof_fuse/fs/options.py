@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MODE = 0o660
+FUSE_SERVERS = ("builtin", "pyfuse3")
+"""What can serve the FUSE requests: our own session on /dev/fuse (the default), or pyfuse3
+(an optional extra)."""
 
 
 @dataclass(frozen=True)
@@ -19,3 +22,4 @@ class MountOptions:
     debug: bool = False  # also pass libfuse's ``debug`` (a trace of every request on stderr)
     nsid: int | None = None  # show only this namespace (a URI's ``/NSID``); None: all
     source: str | None = None  # what /proc/self/mountinfo shows as the source (fsname)
+    fuse: str = "builtin"  # the FUSE server, one of FUSE_SERVERS

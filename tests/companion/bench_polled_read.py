@@ -3,7 +3,7 @@
   .venv/bin/python tests/companion/bench_polled_read.py [--seconds 1] [--qd 16,1] [--profile]
 
 Runs ``File.pread(...).get()`` into ``nvmeof_fuse.empty`` rows (4 KiB, ``qd`` futures
-outstanding from one thread, the loop of ``python -m nvmeof_fuse.bench companion``)
+outstanding from one thread, the loop of ``scripts/benches/bench.py companion``)
 through the real ``File``, ``DirectQueues``, ``PolledRead`` and ``PolledQueue``, over the
 instant fake verbs of tests/transport/bench_rdma_queue.py (the target has answered each
 capsule when ``post_send`` returns).  Prints CPU microseconds per read, best of 5, beside
@@ -23,14 +23,15 @@ import time
 from types import SimpleNamespace
 
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..", "transport"),
-                os.path.join(os.path.dirname(__file__), "..", "..")]
+                os.path.join(os.path.dirname(__file__), "..", ".."),
+                os.path.join(os.path.dirname(__file__), "..", "..", "scripts", "benches")]
 
+import bench  # noqa: E402
 import trio  # noqa: E402
 from bench_rdma_queue import fake_register, make_queue  # noqa: E402
 from bench_rdma_queue import run as core_run  # noqa: E402
 
 import nvmeof_fuse  # noqa: E402
-from nvmeof_fuse import bench  # noqa: E402
 from nvmeof_fuse.companion import client, direct  # noqa: E402
 from nvmeof_fuse.transport.rdma_polled import PolledQueue  # noqa: E402
 

@@ -206,10 +206,10 @@ def test_large_reads_take_the_loop_when_one_queue_is_polled(polled_direct):
 
 def test_the_polled_read_micro_benchmark_still_runs(monkeypatch):
     """tests/companion/bench_polled_read.py builds a File around the daemon: keep it working."""
+    import bench
     from companion.bench_polled_read import LBA, NLB_TOTAL, polled_file
 
     import nvmeof_fuse
-    from nvmeof_fuse import bench
     from nvmeof_fuse.transport import rdma
 
     monkeypatch.setattr(rdma, "_ibverbs", rdma._ibverbs)  # the fake verbs it installs go after

@@ -6,8 +6,8 @@ Issue #14 asks the FUSE file for 0.8x of FUSE over RAM at 4 KiB QD16; in the VM 
 with the host.  Here, natively, one server runs our FUSE layer over a ``Controller`` whose
 ``RdmaQueue``s sit on the instant fake verbs of tests/transport/bench_rdma_queue.py (the
 target has answered each capsule when ``post_send`` returns, and moves no data: what is
-measured is our Python on both sides of the NVMe queue), the other ``python -m
-nvmeof_fuse.bench fuse-ram``.  Each fio job (O_DIRECT, libaio) runs on the two in turn,
+measured is our Python on both sides of the NVMe queue), the other
+``scripts/benches/bench.py fuse-ram``.  Each fio job (O_DIRECT, libaio) runs on the two in turn,
 ``--rounds`` times; printed are the medians, each server's CPU time per request, and core
 over RAM.  Figures are printed, never asserted.
 """
@@ -27,7 +27,8 @@ import tempfile
 from types import SimpleNamespace
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.join(HERE, "..", "transport"), os.path.join(HERE, "..", "..")]
+BENCHES = os.path.join(HERE, "..", "..", "scripts", "benches")  # bench.py, bench_host.py
+sys.path[:0] = [os.path.join(HERE, "..", "transport"), os.path.join(HERE, "..", ".."), BENCHES]
 
 NLB = 1 << 16  # 256 MiB of 4 KiB LBAs
 READY_TIMEOUT = 60.0  # s for a server to mount (imports included)
@@ -117,13 +118,14 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.queues)
         return
-    from nvmeof_fuse.bench_host import _cpu_seconds
+    from bench_host import _cpu_seconds
+
     work = tempfile.mkdtemp(prefix="bench-fuse-core-")
     servers = {}
     try:
         for name, cmd in (("core", [sys.executable, os.path.abspath(__file__), "--queues",
                                     str(args.queues), "--serve"]),
-                          ("ram", [sys.executable, "-m", "nvmeof_fuse.bench", "fuse-ram"])):
+                          ("ram", [sys.executable, os.path.join(BENCHES, "bench.py"), "fuse-ram"])):
             mnt = os.path.join(work, name)
             os.mkdir(mnt)
             servers[name] = (*_start(cmd + [mnt], os.path.join(work, f"{name}.log")), mnt)

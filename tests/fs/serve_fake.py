@@ -1,4 +1,5 @@
-"""Mount a fake controller: ``serve_fake.py MOUNTPOINT [--read-only] [--hold-reads]``.
+"""Mount a fake controller: ``serve_fake.py MOUNTPOINT [--read-only] [--hold-reads]
+[--fuse=SERVER]`` (builtin, the default, or pyfuse3).
 
 Prints ``READY`` once mounted and, after unmount or SIGTERM/SIGINT, a JSON line
 with the namespaces' flush counts. SIGUSR1 changes n2's first 4 KiB behind FUSE
@@ -22,7 +23,7 @@ from fakes import make_controller  # noqa: E402
 from nvmeof_fuse.fs.mount import MountOptions, serve  # noqa: E402
 
 
-async def main(mountpoint: str, read_only: bool, hold_reads: bool) -> None:
+async def main(mountpoint: str, read_only: bool, hold_reads: bool, fuse: str) -> None:
     ctrl = make_controller((1, 512, 8192), (2, 4096, 64))
     ctrl.namespaces[2].device.data[:] = bytes(range(256)) * (4096 * 64 // 256)
     release = trio.Event()
@@ -36,7 +37,7 @@ async def main(mountpoint: str, read_only: bool, hold_reads: bool) -> None:
             return await plain_read(offset, length)
 
         n2.read_lent = held_read
-    opts = MountOptions(read_only=read_only, mode=0o640)
+    opts = MountOptions(read_only=read_only, mode=0o640, fuse=fuse)
     stops = (signal.SIGTERM, signal.SIGINT)
     with trio.open_signal_receiver(*stops, signal.SIGUSR1, signal.SIGUSR2) as signals:
         async with trio.open_nursery() as nursery:
@@ -65,4 +66,5 @@ async def main(mountpoint: str, read_only: bool, hold_reads: bool) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="serve_fake: %(levelname)s: %(message)s")
-    trio.run(main, sys.argv[1], "--read-only" in sys.argv[2:], "--hold-reads" in sys.argv[2:])
+    fuse = next((a.partition("=")[2] for a in sys.argv[2:] if a.startswith("--fuse=")), "builtin")
+    trio.run(main, sys.argv[1], "--read-only" in sys.argv[2:], "--hold-reads" in sys.argv[2:], fuse)

@@ -1,6 +1,7 @@
 """Host-side tests: mount a fake controller through the kernel and use real tools on it.
 
-Each mount runs ``serve_fake.py`` in a child process; every wait is bounded.
+Each mount runs ``serve_fake.py`` in a child process; every wait is bounded.  Each test runs on
+both FUSE servers: ours (builtin) and pyfuse3 (the extra, which scripts/test installs).
 """
 
 from __future__ import annotations
@@ -86,11 +87,25 @@ def mountpoint(tmp_path):
     return path
 
 
+@pytest.fixture(params=["builtin", "pyfuse3"])
+def fuse(request) -> str:
+    """``--fuse=SERVER`` for serve_fake.py."""
+    return f"--fuse={request.param}"
+
+
 @pytest.fixture
-def mount(mountpoint):
-    m = Mount(mountpoint)
+def mount(mountpoint, fuse):
+    m = Mount(mountpoint, fuse)
     yield m
     m.stop()
+
+
+def test_the_server_asked_for_serves(mount, fuse):
+    """pyfuse3 runs libfuse in the serving process; our own session needs no libfuse."""
+    with open(f"/proc/{mount.proc.pid}/maps") as f:
+        libfuse = "libfuse3.so" in f.read()
+    assert libfuse == (fuse == "--fuse=pyfuse3")
+    assert sh("ls", mount.path).stdout.split() == ["n1", "n2"]
 
 
 def test_listing_and_stat(mount):
@@ -194,8 +209,8 @@ def test_sigterm_unmounts_cleanly(mount):
     assert rc == 0 and not is_mounted(mount.path)
 
 
-def test_stop_drains_in_flight_requests(mountpoint, tmp_path):
-    m = Mount(mountpoint, "--hold-reads")
+def test_stop_drains_in_flight_requests(mountpoint, tmp_path, fuse):
+    m = Mount(mountpoint, "--hold-reads", fuse)
     try:
         out = tmp_path / "out.bin"
         reader = subprocess.Popen(
@@ -212,8 +227,8 @@ def test_stop_drains_in_flight_requests(mountpoint, tmp_path):
         m.stop()
 
 
-def test_read_only_mount(mountpoint):
-    m = Mount(mountpoint, "--read-only")
+def test_read_only_mount(mountpoint, fuse):
+    m = Mount(mountpoint, "--read-only", fuse)
     try:
         assert sh("stat -c %a n1", mountpoint).stdout.strip() == "440"
         w = sh("dd if=/dev/zero of=n1 bs=512 count=1 conv=notrunc", mountpoint, False)
@@ -223,8 +238,8 @@ def test_read_only_mount(mountpoint):
         m.stop()
 
 
-def test_stale_mount_is_reported_with_the_fix(mountpoint):
-    m = Mount(mountpoint)
+def test_stale_mount_is_reported_with_the_fix(mountpoint, fuse):
+    m = Mount(mountpoint, fuse)
     m.proc.kill()  # a dead daemon leaves the mount behind
     m.proc.wait(timeout=STEP)
     try:

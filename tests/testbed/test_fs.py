@@ -1,5 +1,10 @@
 """The FUSE mount over RDMA and NVMe/TCP against the real target, cross-checked by the kernel
-initiator over the same transport."""
+initiator over the same transport.
+
+The core of it (the mount, the standard tools, fio verify and the kernel cross-check) runs on
+both FUSE servers (``served``): our own session, and pyfuse3 (``-o fuse=pyfuse3``, a second
+mount of the same target beside the first).  The rest runs on our session only.
+"""
 
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from nvmeof_fuse.fs.mount import read_mountinfo
 
 MNT = "/tmp/nvmeof-test"
 TIMEOUT = 120
+FUSE_SERVERS = ("builtin", "pyfuse3")
 
 
 def sh(*cmd: str, check: bool = True, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
@@ -31,16 +37,43 @@ def mount_args(fabric, *extra: str, nqn: str | None = None, addr: str | None = N
             "-s", str(port or fabric.port), "-n", nqn or fabric.nqn, *fabric.digest_flags(), *extra]
 
 
+def mounted(fabric, testbed, fuse: str):
+    """A daemon mount of the target, served by FUSE server ``fuse``; unmounted after."""
+    ours = fuse == "builtin"  # the default: no option
+    point = MNT if ours else f"{MNT}-{fuse}"
+    os.makedirs(point, exist_ok=True)
+    name = fabric.transport if ours else f"{fabric.transport}-{fuse}"
+    log = os.path.join(testbed.out, f"test_fs-{name}.log")  # kept for post-mortems
+    sh(*mount_args(fabric, "--daemon", "--log-file", log, *([] if ours else ["-o", f"fuse={fuse}"]),
+                   point))
+    if not ours:  # really served by it
+        with open(log) as f:
+            assert f"(FUSE server: {fuse})" in f.read()
+    yield point
+    sh("fusermount3", "-u", point, check=False)
+
+
 @pytest.fixture(scope="module")
 def mnt(fabric, testbed):
-    os.makedirs(MNT, exist_ok=True)
-    log = os.path.join(testbed.out, f"test_fs-{fabric.transport}.log")  # kept for post-mortems
-    sh(*mount_args(fabric, "--daemon", "--log-file", log, MNT))
-    yield MNT
-    sh("fusermount3", "-u", MNT, check=False)
+    """The mount with our own FUSE session (the default)."""
+    yield from mounted(fabric, testbed, "builtin")
 
 
-def test_ls_and_stat_show_the_namespaces(mnt):
+@pytest.fixture(scope="module")
+def mnt_pyfuse3(fabric, testbed):
+    yield from mounted(fabric, testbed, "pyfuse3")
+
+
+@pytest.fixture(params=FUSE_SERVERS)
+def served(request, fabric) -> str:
+    """The mount on each FUSE server in turn (one mount per server and transport; ``fabric``
+    named here so that pytest parametrizes the tests that take this over it)."""
+    return request.getfixturevalue("mnt" if request.param == "builtin" else
+                                   f"mnt_{request.param}")
+
+
+def test_ls_and_stat_show_the_namespaces(served):
+    mnt = served
     listing = sh("ls", "-l", mnt).stdout
     assert " n1" in listing and " n2" in listing
     for name, blksize in (("n1", 512), ("n2", 4096)):
@@ -58,7 +91,28 @@ def test_discover_and_list_name_the_transport(fabric, mnt):
     assert f"{fabric.transport} {fabric.addr}:{fabric.port} {fabric.nqn}" in listing, listing
 
 
-def test_unaligned_writes_agree_with_the_kernel_initiator(fabric, mnt):
+def test_standard_tools_round_trip(served, tmp_path):
+    """dd in and out (buffered and O_DIRECT), cmp and hexdump, as a user would."""
+    data = tmp_path / "data.bin"
+    data.write_bytes(random.Random(5).randbytes(1 << 20))
+    n2, skip = f"{served}/n2", 150  # MiB into n2, away from the other tests' ranges
+    sh("dd", f"if={data}", f"of={n2}", "bs=64k", f"seek={skip * 16}", "conv=notrunc,fsync",
+       "status=none")
+    back = tmp_path / "back.bin"
+    sh("dd", f"if={n2}", f"of={back}", "bs=1M", f"skip={skip}", "count=1", "iflag=direct",
+       "status=none")
+    sh("cmp", str(data), str(back))
+    sh("cmp", "-i", f"0:{skip << 20}", "-n", str(1 << 20), str(data), n2)
+    pattern = tmp_path / "pattern.bin"
+    pattern.write_bytes(bytes(range(256)) * 16)
+    sh("dd", f"if={pattern}", f"of={n2}", "bs=4096", f"seek={(skip + 1) * 256}", "conv=notrunc",
+       "oflag=direct", "status=none")
+    dump = sh("hexdump", "-C", "-s", str((skip + 1) << 20), "-n", "32", n2).stdout
+    assert "00 01 02 03 04 05 06 07  08 09 0a 0b 0c 0d 0e 0f" in dump.splitlines()[0], dump
+
+
+def test_unaligned_writes_agree_with_the_kernel_initiator(fabric, served):
+    mnt = served
     rng = random.Random(3)
     with connected(fabric.transport, fabric.addr, fabric.port, fabric.nqn) as kernel:
         for nsid, lba in ((1, 512), (2, 4096)):
@@ -86,8 +140,8 @@ def test_unaligned_writes_agree_with_the_kernel_initiator(fabric, mnt):
 
 
 @pytest.mark.parametrize("name", ["n1", "n2"])
-def test_fio_verify_random_writes_mixed_sizes(mnt, name):
-    out = sh("fio", "--name=verify", f"--filename={mnt}/{name}", "--rw=randwrite",
+def test_fio_verify_random_writes_mixed_sizes(served, name):
+    out = sh("fio", "--name=verify", f"--filename={served}/{name}", "--rw=randwrite",
              "--bssplit=4k/50:16k/30:128k/20", "--iodepth=16", "--ioengine=libaio",
              "--direct=1", "--size=16M", "--verify=crc32c", "--do_verify=1",
              "--verify_fatal=1", "--output-format=terse", timeout=600, check=False)

@@ -9,7 +9,7 @@ import subprocess
 import time
 
 NVMET = "/sys/kernel/config/nvmet"
-RDMA_PORT = 1  # scripts/testbed-guest: port 1 is rdma, port 2 tcp
+RDMA_PORT = 1  # scripts/vm/testbed-guest: port 1 is rdma, port 2 tcp
 TCP_PORT = 2
 NVMET_PORTS = {"rdma": RDMA_PORT, "tcp": TCP_PORT}  # by transport
 

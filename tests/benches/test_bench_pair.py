@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
+import bench
+import bench_pair
 import pytest
 import trio
-
-from nvmeof_fuse import bench, bench_pair
 
 
 class FakeNamespace:

@@ -1,8 +1,9 @@
 """A controller whose namespaces live in RAM: the FUSE layer with no NVMe behind it.
 
-``python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT`` mounts one, so that ``scripts/bench`` can
+``scripts/benches/bench.py fuse-ram MOUNTPOINT`` mounts one, so that ``scripts/bench`` can
 show, in the same run as the real target, how fast the FUSE file can be at best: the cost of
 the kernel's FUSE, our FUSE session and our file layer alone.  The tests' fakes build on it.
+It serves only the benches and the tests, so it lives here, out of the installed package.
 """
 
 from __future__ import annotations

@@ -1,15 +1,18 @@
-"""The FUSE layer on the host, with no VM: one RAM image served three ways, fio on each.
+"""The FUSE layer on the host, with no VM: one RAM image served four ways, fio on each.
 
-  python -m nvmeof_fuse.bench_host [--seconds 5] [--size-mib 256] [--out DIR] [--only ours,...]
-  python -m nvmeof_fuse.bench_host table FILE.json
+  python scripts/benches/bench_host.py [--seconds 5] [--size-mib 256] [--out DIR]
+                                      [--only ours,...]
+  python scripts/benches/bench_host.py table FILE.json
 
 One image on tmpfs (``/dev/shm``) is served by the kernel loop device (``losetup``), by
-qemu-storage-daemon's FUSE export (C, libfuse) and by our FUSE layer over RAM
-(``python -m nvmeof_fuse.bench fuse-ram --image``, the image mapped shared).  Each fio job
-(O_DIRECT, libaio) runs on the three in turn, so a busy host skews them alike.  The table shows
-every figure, the server's CPU time per request (user+system of the serving process; the loop
-device has none), and ours against qemu's.  Figures are printed, never asserted.  Needs root
-(losetup, fusectl), fio and qemu-storage-daemon (Debian ``qemu-system-common``).
+qemu-storage-daemon's FUSE export (C, libfuse), by our FUSE layer over RAM (``bench.py fuse-ram
+--image``, the image mapped shared) and by the same operations with pyfuse3 as the FUSE server
+(``--fuse pyfuse3``, the extra), the reason our own session is the default measured in every
+run.  Each fio job (O_DIRECT, libaio) runs on the four in turn, so a busy host skews them
+alike.  The table shows every figure, the server's CPU time per request (user+system of the
+serving process; the loop device has none), and ours against qemu's, the loop device's and
+pyfuse3's.  Figures are printed, never asserted.  Needs root (losetup, fusectl), fio and
+qemu-storage-daemon (Debian ``qemu-system-common``); a server that cannot run shows as n/a.
 """
 
 from __future__ import annotations
@@ -26,11 +29,13 @@ import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
-from nvmeof_fuse.bench import IDLE_SECONDS, MIB, fio_command, fio_job_figure, fio_json, name_list
+from bench import IDLE_SECONDS, MIB, fio_command, fio_job_figure, fio_json, name_list
 
+HERE = Path(__file__).resolve().parent
 FUSECTL = "/sys/fs/fuse/connections"
-MAX_BACKGROUND = 32  # the same for both FUSE servers (ours raises it to this itself)
+MAX_BACKGROUND = 32  # the same for every FUSE server (ours sets it itself, at INIT)
 READY_TIMEOUT = 60.0  # s for a server to show its mount
 
 
@@ -52,8 +57,8 @@ JOBS = (
     FioJob("write1m", "1 MiB write QD16", "MB/s", "write", "1M", 16),
 )
 COLUMNS = {"loop": "kernel loop device", "qemu": "qemu-storage-daemon FUSE (C)",
-           "ours": "our FUSE over RAM"}
-RATIOS = (("ours", "qemu"), ("ours", "loop"))
+           "ours": "our FUSE over RAM", "pyfuse3": "the same on pyfuse3"}
+RATIOS = (("ours", "qemu"), ("ours", "loop"), ("ours", "pyfuse3"))
 
 
 # -- the table (pure: tests feed it canned figures) ------------------------------------------------
@@ -196,18 +201,22 @@ def qemu_export(image: str, workdir: str, notes: list[str]) -> Iterator[tuple[st
 
 
 @contextmanager
-def our_export(image: str, workdir: str, notes: list[str]) -> Iterator[tuple[str, int]]:
-    mnt = os.path.join(workdir, "ours")
+def our_export(image: str, workdir: str, notes: list[str],
+               fuse: str = "builtin") -> Iterator[tuple[str, int]]:
+    """Our FUSE layer over RAM, served by FUSE server ``fuse`` (ours, or pyfuse3)."""
+    mnt = os.path.join(workdir, fuse)
     os.mkdir(mnt)
-    log = open(os.path.join(workdir, "ours.log"), "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "nvmeof_fuse.bench", "fuse-ram", mnt,
-                             "--image", image], stdout=subprocess.PIPE, stderr=log)
+    log = open(os.path.join(workdir, f"{fuse}.log"), "wb")
+    proc = subprocess.Popen([sys.executable, str(HERE / "bench.py"), "fuse-ram", mnt,
+                             "--image", image, "--fuse", fuse],
+                            stdout=subprocess.PIPE, stderr=log)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().decode().strip()  # READY, or EOF when it failed
         if not line.startswith("READY"):
             raise RuntimeError(f"fuse-ram did not mount: {_tail(log.name)}")
-        notes.append(f"our max_background: {_set_max_background(mnt)}")
+        who = "our" if fuse == "builtin" else fuse
+        notes.append(f"{who} max_background: {_set_max_background(mnt)}")
         yield os.path.join(mnt, "n1"), proc.pid
     finally:
         if _is_mounted(mnt):
@@ -266,7 +275,8 @@ def run(seconds: float, size_mib: int, only: list[str], log=print) -> dict:
         st.enter_context(_fusectl(notes))
         makers = {"loop": lambda: loop_device(image),
                   "qemu": lambda: qemu_export(image, workdir, notes),
-                  "ours": lambda: our_export(image, workdir, notes)}
+                  "ours": lambda: our_export(image, workdir, notes),
+                  "pyfuse3": lambda: our_export(image, workdir, notes, "pyfuse3")}
         targets = {}
         for c in only:
             try:
@@ -308,7 +318,7 @@ def run(seconds: float, size_mib: int, only: list[str], log=print) -> dict:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["table"]:
-        t = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench_host table")
+        t = argparse.ArgumentParser(prog="bench_host.py table")
         t.add_argument("file")
         t.add_argument("--markdown", action="store_true")
         args = t.parse_args(argv[1:])
@@ -316,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
             results = json.load(f)
         print((markdown if args.markdown else table)(results), end="")
         return 0
-    ap = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench_host", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python scripts/benches/bench_host.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seconds", type=float, default=5.0, help="per job and server (default 5)")
     ap.add_argument("--size-mib", type=int, default=256, help="image size (default 256)")

@@ -33,7 +33,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"  # tests/tcp_target.py's
 MIB = 1 << 20
 RESULTS: list[tuple[str, str, str]] = []  # (check, PASS/FAIL/SKIP, detail)

@@ -1,12 +1,12 @@
 """Our core against a peer in alternating slices: the ``nvmeof`` library, the companion
 API on a mounted namespace file, or the kernel initiator.
 
-  python -m nvmeof_fuse.bench_pair -a ADDR -n NQN [-s PORT] [-t rdma|tcp] [--nsid 2]
+  python scripts/benches/bench_pair.py -a ADDR -n NQN [-s PORT] [-t rdma|tcp] [--nsid 2]
                                    [--slices 8] [--slice-seconds 1.5] [--jobs KEY,...] [--json]
                                    [--peer nvmeof | self | companion --file MOUNT/nN
                                     | kernel --device /dev/nvmeXnY]
 
-``python -m nvmeof_fuse.bench core`` and ``nvmeof`` (or ``companion``) run one after the
+``bench.py core`` and ``nvmeof`` (or ``companion``) run one after the
 other, and a host under load moves a job's figure between them: in one VM boot under TCG
 the library's 4 KiB QD1 went 656, 248 and 407 IOPS in three rounds, and the companion's
 CPU per 4 KiB read 1,267 to 2,427 us in four.  Here both sides are connected at once, and
@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 
-from .bench import (
+from bench import (
     JOBS,
     METRICS,
     MIB,
@@ -201,7 +201,7 @@ class WorkerPeer:
         import trio
 
         process = await trio.lowlevel.open_process(
-            [sys.executable, "-m", "nvmeof_fuse.bench_pair", "-a", args.traddr,
+            [sys.executable, os.path.abspath(__file__), "-a", args.traddr,
              "-s", str(args.trsvcid), "-n", args.nqn, "--nsid", str(args.nsid),
              "-t", args.transport, "--connect-timeout", str(args.connect_timeout),
              "--peer", args.peer,
@@ -393,7 +393,7 @@ def render(results: dict) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench_pair", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python scripts/benches/bench_pair.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-a", "--traddr", required=True)
     ap.add_argument("-s", "--trsvcid", type=int, default=4420)

@@ -1,10 +1,13 @@
 """Read/write throughput of one namespace: our core, the ``nvmeof`` library; a side-by-side table.
 
-  python -m nvmeof_fuse.bench core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
-  python -m nvmeof_fuse.bench nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5] [--json]
-  python -m nvmeof_fuse.bench companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
-  python -m nvmeof_fuse.bench fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096] [--image F]
-  python -m nvmeof_fuse.bench table --kernel F --core F --nvmeof F --fuse F --companion F \
+  python scripts/benches/bench.py core   -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5]
+                                         [--json]
+  python scripts/benches/bench.py nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5]
+                                         [--json]
+  python scripts/benches/bench.py companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
+  python scripts/benches/bench.py fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
+                                         [--image F] [--fuse builtin|pyfuse3]
+  python scripts/benches/bench.py table --kernel F --core F --nvmeof F --fuse F --companion F \
       --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F]
       [--core-tcp-host F --fuse-tcp-host F] [--out DIR]
 
@@ -15,8 +18,9 @@ figures (MB = 10^6 bytes);
 ``table`` reads their ``--json`` output and fio ``--output-format=json`` files (jobs named as
 in :data:`FIO_JOBS`).  ``fuse-ram`` mounts a namespace kept in RAM (``MOUNTPOINT/n1``) through
 the same FUSE layer until it is unmounted: fio on it shows the best the FUSE file can do with
-no NVMe behind it.  A missing input file, or one with a ``.err`` file beside it, shows as
-``n/a`` with the reason.  Nothing is asserted.
+no NVMe behind it (``--fuse pyfuse3``: with pyfuse3 as the FUSE server, as the host bench
+sets the two servers side by side).  A missing input file, or one with a ``.err`` file beside
+it, shows as ``n/a`` with the reason.  Nothing is asserted.
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parents[1] / "tests"
+"""Where the RAM namespace (``ramdisk.py``, which the tests' fakes build on) lives."""
 MIB = 1 << 20
 SMALL = 4096
 IDLE_SECONDS = 2.0
@@ -351,7 +359,7 @@ def _companion_processes(args: argparse.Namespace) -> dict:
     import subprocess
 
     start_at = time.time() + 20 + 5 * args.processes  # after every child's imports and connect
-    cmd = [sys.executable, "-m", "nvmeof_fuse.bench", "companion", "--file", args.file,
+    cmd = [sys.executable, str(HERE / "bench.py"), "companion", "--file", args.file,
            "--seconds", str(args.seconds), "--json", "--start-at", str(start_at)]
     if args.jobs:
         cmd += ["--jobs", ",".join(args.jobs)]
@@ -382,7 +390,10 @@ def serve_ram(args: argparse.Namespace) -> int:
 
     from nvmeof_fuse.concurrency import unwrap_groups
     from nvmeof_fuse.fs.mount import MountError, MountOptions, serve
-    from nvmeof_fuse.host.ramdisk import RamDevice, RamNamespace, ram_controller
+
+    if str(TESTS) not in sys.path:
+        sys.path.append(str(TESTS))
+    from ramdisk import RamDevice, RamNamespace, ram_controller
 
     ctrl = ram_controller()
     if args.image:  # the image's bytes, shared with whoever else serves that file
@@ -407,7 +418,7 @@ def serve_ram(args: argparse.Namespace) -> int:
     async def main() -> None:
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
-                await nursery.start(serve, ctrl, args.mountpoint, MountOptions())
+                await nursery.start(serve, ctrl, args.mountpoint, MountOptions(fuse=args.fuse))
                 print(f"READY {args.mountpoint}/n1", flush=True)
 
     try:
@@ -592,7 +603,7 @@ _job_keys = name_list(METRICS, "job")
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m nvmeof_fuse.bench", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python scripts/benches/bench.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="what", required=True)
     for name in ("core", "nvmeof"):
@@ -625,6 +636,8 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--lba-size", type=int, choices=(512, 4096), default=4096)
     r.add_argument("--image", metavar="FILE",
                    help="serve this file's bytes (mapped shared) instead of fresh RAM")
+    r.add_argument("--fuse", default="builtin", metavar="SERVER",
+                   help="the FUSE server: builtin (ours, the default) or pyfuse3")
     t = sub.add_parser("table", help="side-by-side table of saved results")
     for c in ALL_COLUMNS:
         t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")

@@ -1,4 +1,5 @@
-"""The bench's companion runner (against the fake daemon) and its side-by-side table."""
+"""scripts/benches/bench.py: the companion runner (against the fake daemon), the side-by-side
+table and the RAM namespace it mounts."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ import selectors
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
+import bench
 import pytest
 from companion_fakes import AddressController, serving
 
-from nvmeof_fuse import bench
+BENCH = Path(bench.__file__)
 
 
 def test_companion_runner_measures_every_job(tmp_path):
@@ -63,11 +66,13 @@ def test_table_shows_fuse_over_ram_against_the_kernel(tmp_path):
 
 @pytest.mark.skipif(not os.access("/dev/fuse", os.W_OK) or not shutil.which("fusermount3"),
                     reason="needs /dev/fuse and fusermount3")
-def test_fuse_ram_mounts_a_ram_namespace_until_unmounted(tmp_path):
+@pytest.mark.parametrize("fuse", ["builtin", "pyfuse3"])  # the host bench's two columns
+def test_fuse_ram_mounts_a_ram_namespace_until_unmounted(tmp_path, fuse):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "nvmeof_fuse.bench", "fuse-ram", str(mnt),
-                             "--size-mib", "2"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, str(BENCH), "fuse-ram", str(mnt),
+                             "--size-mib", "2", "--fuse", fuse], stdout=subprocess.PIPE,
+                            text=True)
     try:
         ready = selectors.DefaultSelector()
         ready.register(proc.stdout, selectors.EVENT_READ)
@@ -92,6 +97,8 @@ def test_fuse_ram_bad_input_is_one_line(tmp_path, capsys):
     assert err.startswith("bench fuse-ram: ") and "does not exist" in err and err.count("\n") == 1
     assert bench.main(["fuse-ram", str(tmp_path), "--size-mib", "0"]) == 2
     assert capsys.readouterr().err == "bench: --size-mib must be positive\n"
+    assert bench.main(["fuse-ram", str(tmp_path), "--fuse", "fusepy"]) == 1
+    assert capsys.readouterr().err.startswith("bench fuse-ram: unknown FUSE server 'fusepy'")
 
 
 def test_table_shows_the_tcp_columns_in_a_table_of_their_own(tmp_path):
@@ -133,62 +140,6 @@ def test_table_sets_the_host_figures_against_the_kernel_in_the_vm_with_the_cavea
     assert (args.core_tcp_host, args.fuse_tcp_host) == ("A", "B")
 
 
-# -- the host bench (nvmeof_fuse.bench_host): its table from canned figures ---------------------
-
-from nvmeof_fuse import bench_host  # noqa: E402
-
-CANNED = {
-    "figures": {"loop": {"randread16": 200000.0, "read1m": 5000.0},
-                "qemu": {"randread16": 40000.0, "read1m": 1400.0, "write1m": 900.0},
-                "ours": {"randread16": 20000.0, "read1m": 4200.0}},
-    "cpu_us": {"qemu": {"randread16": 25.0}, "ours": {"randread16": 61.4}},
-    "errors": {"ours": {"write1m": "fio error 5"}},
-    "notes": ["load average 1.00 before, 1.50 after (2 CPUs)"],
-}
-
-
-def test_host_table_shows_every_server_its_cpu_and_the_ratios():
-    text = bench_host.table(CANNED)
-    head, rule, *rows = text.splitlines()
-    assert all(title in head for title in bench_host.COLUMNS.values())
-    assert "ours/qemu" in head and "ours/loop" in head
-    row = next(r for r in rows if r.startswith("4 KiB randread QD16, IOPS"))
-    assert "200,000" in row and "40,000 (25 us)" in row and "20,000 (61 us)" in row
-    assert row.split()[-2:] == ["0.50x", "0.10x"]
-    big = next(r for r in rows if r.startswith("1 MiB read QD16, MB/s"))
-    assert big.split()[-2:] == ["3.00x", "0.84x"]
-    write = next(r for r in rows if r.startswith("1 MiB write QD16"))
-    assert write.split()[-2:] == ["n/a", "n/a"] and "900" in write
-    assert "n/a our FUSE over RAM, write1m: fio error 5" in text
-    assert "note: load average 1.00 before" in text
-    assert len([r for r in rows if "QD" in r]) == len(bench_host.JOBS)
-
-
-def test_host_table_as_markdown():
-    md = bench_host.markdown(CANNED).splitlines()
-    assert md[0].startswith("| job | kernel loop device |") and md[1].startswith("|---|")
-    assert md[2] == ("| 4 KiB randread QD16, IOPS | 200,000 | 40,000 (25 us) | 20,000 (61 us) "
-                     "| 0.50x | 0.10x |")
-
-
-def test_host_bench_reads_fio_json():
-    job = next(j for j in bench_host.JOBS if j.key == "write1m")
-    data = {"jobs": [{"jobname": "write1m", "error": 0, "read": {"iops": 0, "bw_bytes": 0},
-                      "write": {"iops": 900.0, "bw_bytes": 943718400}}]}
-    assert bench_host.fio_figure(job, data) == pytest.approx(943.7184)
-    data["jobs"][0]["error"] = 5
-    with pytest.raises(RuntimeError, match="fio error 5"):
-        bench_host.fio_figure(job, data)
-
-
-def test_host_bench_bad_input_is_one_line(capsys):
-    assert bench_host.main(["--seconds", "0"]) == 2
-    assert capsys.readouterr().err == "bench host: --seconds and --size-mib must be positive\n"
-    with pytest.raises(SystemExit):
-        bench_host.main(["--only", "loop,nfs"])
-    assert "unknown server nfs (have loop, qemu, ours)" in capsys.readouterr().err
-
-
 @pytest.mark.skipif(not os.access("/dev/fuse", os.W_OK) or not shutil.which("fusermount3"),
                     reason="needs /dev/fuse and fusermount3")
 def test_fuse_ram_serves_an_image_file(tmp_path):
@@ -196,7 +147,7 @@ def test_fuse_ram_serves_an_image_file(tmp_path):
     image.write_bytes(bytes(range(256)) * (4 << 10))  # 1 MiB
     mnt = tmp_path / "mnt"
     mnt.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "nvmeof_fuse.bench", "fuse-ram", str(mnt),
+    proc = subprocess.Popen([sys.executable, str(BENCH), "fuse-ram", str(mnt),
                              "--image", str(image)], stdout=subprocess.PIPE, text=True)
     try:
         ready = selectors.DefaultSelector()
@@ -223,3 +174,17 @@ def test_fuse_ram_refuses_an_image_of_a_partial_lba(tmp_path, capsys):
     assert bench.main(["fuse-ram", str(tmp_path), "--image", str(tmp_path / "nope")]) == 1
     err = capsys.readouterr().err
     assert err.startswith("bench fuse-ram: cannot map ") and err.count("\n") == 1
+
+
+def test_no_bench_is_in_the_installed_package():
+    """The benches and the RAM namespace live under scripts/ and tests/, out of the wheel."""
+    import importlib.util
+    import pkgutil
+
+    import nvmeof_fuse
+
+    modules = [m.name for m in pkgutil.walk_packages(nvmeof_fuse.__path__, "nvmeof_fuse.")]
+    assert "nvmeof_fuse.fs.mount" in modules
+    assert [m for m in modules if "bench" in m or "ramdisk" in m] == []
+    assert importlib.util.find_spec("nvmeof_fuse.bench") is None
+    assert BENCH.parent.name == "benches" and BENCH.parent.parent.name == "scripts"
