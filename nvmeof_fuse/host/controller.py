@@ -335,9 +335,12 @@ class Controller:
         self.close_state(reason)
 
     def connection_snapshot(self) -> dict[str, Any]:
-        """What ``.nvmeof/stats`` shows of the connection."""
-        return {"state": self.state, "cntlid": self.cntlid, "losses": self.losses,
-                "reconnects": self.reconnects}
+        """What ``.nvmeof/stats`` shows of the connection (and of its bounce buffers)."""
+        snapshot = {"state": self.state, "cntlid": self.cntlid, "losses": self.losses,
+                    "reconnects": self.reconnects}
+        if self.bounce is not None:
+            snapshot.update({f"bounce_{k}": v for k, v in self.bounce.counts().items()})
+        return snapshot
 
     def close_state(self, why: str) -> None:
         """No more commands: waiters and new callers get ControllerLost(why)."""

@@ -80,11 +80,17 @@ class BouncePool:
         self._free = [host_buffer(register, chunk) for _ in range(count)]
         self._all = list(self._free)
         self._available = trio.Semaphore(count)
+        self.waiters = 0
 
     @property
     def available(self) -> int:
         """Buffers free right now."""
         return self._available.value
+
+    def counts(self) -> dict[str, int]:
+        """What ``.nvmeof/stats`` shows: buffers free, lent, and callers waiting for one."""
+        free = self._available.value
+        return {"free": free, "lent": len(self._all) - free, "waiters": self.waiters}
 
     async def take(self) -> Region:
         """A free buffer, waiting up to ``timeout`` for one; pair with :meth:`give`.
@@ -94,8 +100,12 @@ class BouncePool:
         try:
             self._available.acquire_nowait()
         except trio.WouldBlock:
-            with trio.move_on_after(self.timeout) as waited:
-                await self._available.acquire()
+            self.waiters += 1
+            try:
+                with trio.move_on_after(self.timeout) as waited:
+                    await self._available.acquire()
+            finally:
+                self.waiters -= 1
             if waited.cancelled_caught:
                 raise CommandTimeout(
                     f"no bounce buffer came free within {self.timeout:g} s") from None

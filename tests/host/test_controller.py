@@ -12,6 +12,7 @@ import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, ConnectError, ControllerLost, TransportError
 from nvmeof_fuse.host.controller import ConnectOptions, Controller
+from nvmeof_fuse.host.memory import BouncePool
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion
 from nvmeof_fuse.nvme import command as cmd
@@ -99,6 +100,18 @@ def test_io_waits_for_the_reconnect_and_runs_on_the_new_queues():
         assert sum(q.ran for q in ctrl.io_queues) == 1 and ctrl.transport.drops == 3
         assert ctrl.connection_snapshot() == {"state": "live", "cntlid": 0, "losses": 1,
                                               "reconnects": 1}
+
+    run(test)
+
+
+def test_the_snapshot_shows_the_bounce_pool():
+    async def test(ctrl: Controller) -> None:
+        ctrl.bounce = BouncePool(lambda addr, length, owner: None, 4096, 3)
+        region = await ctrl.bounce.take()
+        snapshot = ctrl.connection_snapshot()
+        assert {k: v for k, v in snapshot.items() if k.startswith("bounce_")} == \
+            {"bounce_free": 2, "bounce_lent": 1, "bounce_waiters": 0}
+        ctrl.bounce.give(region)
 
     run(test)
 

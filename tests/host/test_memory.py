@@ -297,3 +297,21 @@ def test_take_times_out_when_no_buffer_comes_free():
             await pool.take()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_counts_show_free_lent_and_waiters():
+    pool = BouncePool(FakeRegister(), 4096, 2)
+
+    async def main():
+        assert pool.counts() == {"free": 2, "lent": 0, "waiters": 0}
+        first, second = await pool.take(), await pool.take()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pool.take)
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.counts() == {"free": 0, "lent": 2, "waiters": 1}
+            pool.give(first)
+        assert pool.counts() == {"free": 0, "lent": 2, "waiters": 0}
+        pool.give(second)
+        assert pool.counts() == {"free": 1, "lent": 1, "waiters": 0}
+
+    trio.run(main)
