@@ -148,6 +148,7 @@ def main() -> int:
         "daemon": {"losses": conn["losses"], "reconnects": conn["reconnects"],
                    "bounce": {k: v for k, v in conn.items() if k.startswith("bounce_")},
                    "rss_kib_mounted": rss_mounted, "rss_kib_before": rss_before,
+                   "rss_kib_peak": max(row["rss_kib"] for row in timeline),
                    "rss_kib_after": rss_after,
                    "rss_change": round(rss_after / rss_before - 1, 3),
                    "log_tracebacks": count(log, "Traceback")},
@@ -172,7 +173,8 @@ def main() -> int:
     print(f"  daemon: {d['losses']} losses, {d['reconnects']} reconnects, bounce {d['bounce']}, "
           f"RSS {d['rss_kib_before'] / 1024:.1f} MiB before, {d['rss_kib_after'] / 1024:.1f} "
           f"MiB after ({d['rss_change']:+.1%}; {d['rss_kib_mounted'] / 1024:.1f} MiB "
-          f"once mounted), {d['log_tracebacks']} tracebacks in its log")
+          f"once mounted, {d['rss_kib_peak'] / 1024:.1f} MiB at most during), "
+          f"{d['log_tracebacks']} tracebacks in its log")
     ok = (fio_result["exit"] == 0 and fio_result["error"] == 0
           and fio_result.get("total_err", 0) == 0 and not c["errors"] and not c["mismatches"]
           and d["losses"] == d["reconnects"] == len(outages)
