@@ -97,8 +97,13 @@ class AddressController:
         self.identify = SimpleNamespace(mn="fake", sn="1", fr="1", subnqn="nqn.x:fake",
                                         to_dict=lambda: {"mn": "fake"})
 
+    live = True  # commands run now (Namespace asks before it takes a bounce buffer)
+
     def describe(self) -> dict:
         return {"transport": "fake"}
+
+    async def wait_live(self) -> None:
+        pass
 
     async def io_command(self, sqe: bytearray, data: DataRef | None = None, *,
                          to_controller: bool = False) -> None:

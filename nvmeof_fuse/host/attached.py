@@ -34,7 +34,7 @@ from .controller import (
     make_transport,
     reconnect_attempts,
 )
-from .memory import BouncePool, host_buffer
+from .memory import host_buffer
 from .namespace import Namespace
 from .state import CONNECTING, LIVE
 
@@ -105,8 +105,7 @@ class AttachedController(Controller):
         self.max_transfer = lease.max_transfer
         await self._connect_leased(lease)
         largest = max((ns.lba_size for ns in lease.namespaces), default=4096)
-        self.bounce = BouncePool(self.transport.register, largest, EDGE_BUFFERS,
-                                 timeout=self.options.timeout)
+        self.bounce = self.new_bounce_pool(largest, EDGE_BUFFERS)
         for shape in lease.namespaces:
             self.namespaces[shape.nsid] = Namespace(self, shape.nsid, shape)
         await self._nursery.start(self.supervise)  # runs _reconnect after each loss

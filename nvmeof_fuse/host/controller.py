@@ -35,6 +35,7 @@ from ..errors import (
 )
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
+from ..nvme.status import SCT_PATH
 from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from . import auth
@@ -54,7 +55,10 @@ SPREAD_BYTES = 64 * 1024
 BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
-IO_RETRIES = 5  # nvme_max_retries: tries of one command across reconnects
+IO_RETRIES = 5  # nvme_max_retries: tries of a command that fails with a status or times out
+BOUNCE_WAIT_FACTOR = 2
+"""A wait for a bounce buffer ends in an error after this many command timeouts of the
+controller being live (the buffers' commands end within one)."""
 __all__ = ["CONNECTING", "DEAD", "LIVE", "ConnectOptions", "Controller", "connect"]
 
 
@@ -110,6 +114,10 @@ class Controller:
         self.events = AsyncEvents(self)  # AERs and namespace rescans, once live
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
+        self.teardowns = 0
+        """Times the queues were torn down: a command sent before the n-th teardown, that
+        is while this was below n, can no longer be reached by the target after it."""
+        self._live_since = 0.0  # trio time of the last change to live
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -156,47 +164,132 @@ class Controller:
                          to_controller: bool = False) -> Completion:
         """Run an NVM command on the least busy I/O queue (waits when all are full).
 
-        If the connection is lost, it waits for the reconnect and runs again there.
+        A command that fails runs again as the kernel decides (:meth:`_run_again`): after
+        the reconnect, if its connection was lost.  It returns or raises only once the
+        target can no longer move its data: ``data`` is the caller's again.
         """
         if self._states.current is not LIVE:  # not the property: this is the hot path
             await self.wait_live()
         queue = self.pick_queue(data.length if data is not None else 0)
+        sent_in = self.teardowns
         try:
             completion = await queue.execute(sqe, data, to_controller=to_controller,
                                              timeout=self.options.timeout)
         except (TransportError, CommandTimeout) as exc:
-            completion = await self._retry(queue, exc, sqe, data, to_controller)
+            completion = await self._run_again(queue, sent_in, exc, sqe, data, to_controller)
+        else:
+            if not completion.ok:
+                completion = await self._run_again(queue, sent_in, completion, sqe, data,
+                                                   to_controller)
         if not completion.ok:  # name the command only when it failed: this is the hot path
             completion.raise_for_status(nvme.command.command_name(sqe, admin=False))
         return completion
 
     def start_io(self, sqe: bytearray, data: DataRef | None,
-                 done: Callable[[Finished], None], *, to_controller: bool = False) -> bool:
+                 done: Callable[[Finished], None], *, to_controller: bool = False
+                 ) -> Queue | None:
         """:meth:`io_command` without a task waiting, where the queue it picks takes the
-        command at once (:meth:`Queue.start`): ``done`` is told its end, and must not raise.
-        False, with nothing sent, otherwise (or while not live).  A command that fails here
-        is not retried: its caller runs it again with :meth:`io_command`, which also
-        reports the lost connection (the failed queue, all of its slots free, is the
-        one a small command picks first)."""
+        command at once (:meth:`Queue.start`): ``done`` is told its end, and must not raise;
+        returns that queue.  None, with nothing sent, otherwise (or while not live).  A
+        command that fails here is not retried: its caller tells :meth:`io_failed` and runs
+        it again with :meth:`io_command`."""
         if self._states.current is not LIVE:
-            return False
-        return self.pick_queue(data.length if data is not None else 0).start(
-            sqe, data, done, to_controller=to_controller, timeout=self.options.timeout)
+            return None
+        queue = self.pick_queue(data.length if data is not None else 0)
+        if queue.start(sqe, data, done, to_controller=to_controller,
+                       timeout=self.options.timeout):
+            return queue
+        return None
 
-    async def _retry(self, queue: Queue, exc: NVMeoFError, sqe: bytearray,
-                     data: DataRef | None, to_controller: bool) -> Completion:
-        """Run a command that failed with its connection again once reconnected."""
-        for _ in range(IO_RETRIES - 1):
-            self.connection_lost(queue, exc)
-            await self.wait_live()
-            queue = self.pick_queue(data.length if data is not None else 0)
-            try:
-                return await queue.execute(sqe, data, to_controller=to_controller,
-                                           timeout=self.options.timeout)
-            except (TransportError, CommandTimeout) as again:
-                exc = again
+    def io_failed(self, queue: Queue, exc: BaseException) -> None:
+        """A command :meth:`start_io` sent on ``queue`` failed with it: reconnect now, so
+        that running it again waits for the new connection."""
         self.connection_lost(queue, exc)
-        raise exc
+
+    @property
+    def live(self) -> bool:
+        """Whether commands run now (else :meth:`wait_live` waits, or says why not)."""
+        return self._states.current is LIVE
+
+    async def _run_again(self, queue: Queue, sent_in: int,
+                         failure: Completion | TransportError | CommandTimeout,
+                         sqe: bytearray, data: DataRef | None, to_controller: bool
+                         ) -> Completion:
+        """Run a failed command again until it succeeds or may not, as the kernel's
+        ``nvme_decide_disposition``; its last completion, or the error that ended it.
+
+        ``failure`` is its completion with an error status, or the error its queue failed
+        with; ``sent_in`` is :attr:`teardowns` when it was sent.
+
+        - Its connection was lost under it (TransportError): once reconnected, as the
+          kernel's multipath fails such a command over to the path that comes back.  Only
+          ``--ctrl-loss-tmo`` or ``--fast-io-fail-tmo`` end that (ControllerLost).
+        - It timed out (CommandTimeout), which also costs the connection: once
+          reconnected, up to ``IO_RETRIES`` tries (``nvme_max_retries``).
+        - A status with Do Not Retry is final.  Any other is tried again, up to
+          ``IO_RETRIES`` tries: once reconnected if the controller is no longer live (its
+          connection is going away), after ``reconnect_delay`` (or a change of state) for
+          a Path Related Status, else after the Command Retry Delay it asks for.
+
+        Before it gives up after a lost connection, that connection is torn down: the
+        target can no longer move the command's data.
+        """
+        tries = 1
+        nbytes = data.length if data is not None else 0
+        while True:
+            if isinstance(failure, Completion):
+                if failure.dnr or tries >= IO_RETRIES:
+                    return failure
+                await self._before_status_retry(failure)
+                tries += 1
+            else:
+                self.connection_lost(queue, failure)
+                await self._torn_down(sent_in)
+                if isinstance(failure, CommandTimeout):
+                    if tries >= IO_RETRIES:
+                        raise failure
+                    tries += 1
+            await self.wait_live()
+            queue = self.pick_queue(nbytes)
+            sent_in = self.teardowns
+            try:
+                completion = await queue.execute(sqe, data, to_controller=to_controller,
+                                                 timeout=self.options.timeout)
+            except (TransportError, CommandTimeout) as exc:
+                failure = exc
+                continue
+            if completion.ok:
+                return completion
+            failure = completion
+
+    async def _before_status_retry(self, completion: Completion) -> None:
+        """Wait before a command that failed with ``completion``'s status runs again."""
+        if self._states.current is not LIVE:
+            return  # going away: it runs again once reconnected (wait_live)
+        if completion.sct == SCT_PATH:  # the path may be going away: give that time to show
+            with trio.move_on_after(self.options.reconnect_delay):
+                await self._states.wait_changed()
+            return
+        delay = self.retry_delay(completion.crd)
+        if delay:
+            await trio.sleep(delay)
+
+    def retry_delay(self, crd: int) -> float:
+        """Seconds of Command Retry Delay ``crd`` (1-3: Identify's CRDT1-3; 0: none)."""
+        if not crd or self.identify is None:
+            return 0.0
+        return self.identify.crdt[crd - 1] / 10
+
+    async def _torn_down(self, sent_in: int) -> None:
+        """Wait until the queues of :attr:`teardowns` ``sent_in`` are torn down (the reconnect
+        that follows a loss does that first), or the controller is closed; shielded, since
+        the caller must not reuse the command's memory before, and bounded."""
+        with trio.CancelScope(shield=True), trio.move_on_after(self.options.timeout) as scope:
+            while self.teardowns <= sent_in and self.state not in (DELETING, DEAD):
+                await self._states.wait_changed()
+        if scope.cancelled_caught:
+            log.warning("the queues of a lost connection were not torn down within %g s",
+                        self.options.timeout)
 
     # -- losing and regaining the connection ---------------------------------------------------
 
@@ -210,7 +303,22 @@ class Controller:
         if not self._states.change(new):
             log.debug("controller %s: no change from %s to %s", self.options.nqn, old, new)
             return False
+        if new is LIVE:
+            self._live_since = trio.current_time()
         return True
+
+    def bounce_wait_expected(self) -> bool:
+        """Whether a wait for a bounce buffer may go on (:class:`BouncePool`'s ``patient``):
+        while reconnecting, and until live for a command timeout; then every buffer's
+        command has ended or failed, and a caller still waiting is a bug."""
+        return (self._states.current is not LIVE
+                or trio.current_time() - self._live_since < self.options.timeout)
+
+    def new_bounce_pool(self, chunk: int, count: int) -> BouncePool:
+        """The bounce buffers of this controller's namespaces (see :class:`BouncePool`)."""
+        return BouncePool(self.transport.register, chunk, count,
+                          timeout=BOUNCE_WAIT_FACTOR * self.options.timeout,
+                          patient=self.bounce_wait_expected)
 
     async def next_state(self) -> str:
         """Wait for the next change of state; the new state."""
@@ -287,8 +395,14 @@ class Controller:
             self._states.wake()
 
     async def _drop_queues(self) -> None:
+        """Tear every queue down; then the target can reach none of the memory their
+        commands used, so the bounce buffers held for those commands come back."""
         self.admin, self.io_queues = None, []
         await self.transport.drop_queues()
+        self.teardowns += 1
+        if self.bounce is not None:
+            self.bounce.reclaim()
+        self._states.wake()  # (commands wait for this in _torn_down)
 
     async def _reconnect(self, reason: str) -> None:
         """Tear the queues down, then rebuild them every reconnect_delay until ctrl_loss_tmo."""
@@ -335,9 +449,12 @@ class Controller:
         self.close_state(reason)
 
     def connection_snapshot(self) -> dict[str, Any]:
-        """What ``.nvmeof/stats`` shows of the connection."""
-        return {"state": self.state, "cntlid": self.cntlid, "losses": self.losses,
-                "reconnects": self.reconnects}
+        """What ``.nvmeof/stats`` shows of the connection (and of its bounce buffers)."""
+        snapshot = {"state": self.state, "cntlid": self.cntlid, "losses": self.losses,
+                    "reconnects": self.reconnects}
+        if self.bounce is not None:
+            snapshot.update({f"bounce_{k}": v for k, v in self.bounce.counts().items()})
+        return snapshot
 
     def close_state(self, why: str) -> None:
         """No more commands: waiters and new callers get ControllerLost(why)."""
@@ -533,8 +650,7 @@ class Controller:
         await self._connect_io_queues()
         if opts.keep_alive_tmo:
             self._nursery.start_soon(self._keep_alive, opts.keep_alive_tmo)
-        self.bounce = BouncePool(self.transport.register, self.max_transfer, BOUNCE_BUFFERS,
-                                 timeout=opts.timeout)
+        self.bounce = self.new_bounce_pool(self.max_transfer, BOUNCE_BUFFERS)
         await self._identify_namespaces()
         await self._nursery.start(self.supervise)
         self._change_state(LIVE)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import trio
 
-from ..errors import CommandTimeout, InvalidArgument, TransportError
+from ..errors import InvalidArgument, NVMeoFError
 from ..transport.region import DataRef, Keys, Region, Register, Registration, host_buffer
 
 __all__ = ["BouncePool", "DataRef", "Keys", "Region", "Register", "Registration",
@@ -64,42 +64,76 @@ def _array_address(arr: Any, owner: object = None) -> tuple[int, int, object]:
 
 
 class BouncePool:
-    """A fixed set of registered host buffers of ``chunk`` bytes, borrowed per transfer.
+    """A fixed set of registered host buffers of ``chunk`` bytes, lent one per command.
 
-    Buffers are registered once and reused.  A buffer whose command timed out or
-    whose transport failed may still be written by the target, so it is never
-    handed out again.  ``borrow()`` is the usual way; ``take()``/``give()`` are
-    the same two halves for callers that hand the data on after giving the
-    buffer back (see :meth:`Namespace.lend_lbas`).
+    Buffers are registered once and reused.  ``take()``/``give()`` lend and return one
+    (``borrow()`` is the two as a context manager, for commands the controller runs:
+    they end only once the target can no longer reach their memory).  A buffer whose
+    command was started with a callback and failed with its connection (a lost queue, a
+    command timeout) may still be moved by the target until that connection is torn down:
+    :meth:`hold` keeps it until the controller, having torn the queues down, calls
+    :meth:`reclaim`, which gives every such buffer back; so a reconnect leaves the pool
+    whole, whatever became of the commands of the connection it replaced.
+
+    A wait for a buffer ends with an error once ``timeout`` passed while ``patient()``
+    (the controller's) said no: while the controller reconnects the buffers' commands
+    wait for it too, and otherwise they end within their own timeout.  Such an error
+    means buffers went missing, a bug, and says so with the pool's counts.
     """
 
     def __init__(self, register: Register, chunk: int, count: int,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, patient: Callable[[], bool] | None = None) -> None:
         self.chunk = chunk
         self.timeout = timeout
+        self.patient = patient
         self._free = [host_buffer(register, chunk) for _ in range(count)]
         self._all = list(self._free)
         self._available = trio.Semaphore(count)
+        self._held: list[Region] = []
+        self.generation = 0
+        """Teardowns so far (:meth:`reclaim`): a command sent in an earlier one is gone."""
+        self.waiters = 0
 
     @property
     def available(self) -> int:
         """Buffers free right now."""
         return self._available.value
 
+    def counts(self) -> dict[str, int]:
+        """What ``.nvmeof/stats`` shows: buffers free, lent to commands, held for a lost
+        connection until its teardown, and callers waiting for one."""
+        free, held = self._available.value, len(self._held)
+        return {"free": free, "lent": len(self._all) - free - held, "held": held,
+                "waiters": self.waiters}
+
     async def take(self) -> Region:
-        """A free buffer, waiting up to ``timeout`` for one; pair with :meth:`give`.
+        """A free buffer, waiting for one if need be; pair with :meth:`give`.
 
         Does not yield when a buffer is free: this is on every bounced I/O.
         """
         try:
             self._available.acquire_nowait()
         except trio.WouldBlock:
-            with trio.move_on_after(self.timeout) as waited:
-                await self._available.acquire()
-            if waited.cancelled_caught:
-                raise CommandTimeout(
-                    f"no bounce buffer came free within {self.timeout:g} s") from None
+            await self._wait()
         return self._free.pop()
+
+    async def _wait(self) -> None:
+        self.waiters += 1
+        try:
+            while True:
+                with trio.move_on_after(self.timeout) as waited:
+                    await self._available.acquire()
+                if not waited.cancelled_caught:
+                    return
+                if self.patient is not None and self.patient():
+                    continue  # reconnecting: the buffers' commands wait for it too
+                counts = self.counts()
+                raise NVMeoFError(
+                    f"internal error: no bounce buffer came back within {self.timeout:g} s "
+                    f"while connected ({counts['lent']} lent, {counts['held']} held, "
+                    f"{counts['waiters']} waiting): buffers went missing") from None
+        finally:
+            self.waiters -= 1
 
     def take_nowait(self) -> Region | None:
         """A free buffer, or None when there is none; pair with :meth:`give`."""
@@ -110,21 +144,32 @@ class BouncePool:
         return self._free.pop()
 
     def give(self, region: Region) -> None:
-        """Return a buffer from :meth:`take` (never one the target may still write)."""
+        """Return a buffer from :meth:`take` (never one the target may still reach)."""
         self._free.append(region)
         self._available.release()
+
+    def hold(self, region: Region, sent: int) -> None:
+        """``region``'s command, sent in :attr:`generation` ``sent``, failed with its
+        connection: the buffer comes back once that connection is torn down (at once if
+        it already is)."""
+        if sent < self.generation:
+            self.give(region)
+        else:
+            self._held.append(region)
+
+    def reclaim(self) -> None:
+        """Every queue is torn down: nothing can reach a held buffer, so each comes back."""
+        self.generation += 1
+        held, self._held = self._held, []
+        for region in held:
+            self.give(region)
 
     @contextlib.asynccontextmanager
     async def borrow(self) -> AsyncIterator[Region]:
         region = await self.take()
         try:
             yield region
-        except (CommandTimeout, TransportError):
-            raise  # the target may still write it: it stays taken
-        except BaseException:
-            self.give(region)
-            raise
-        else:
+        finally:
             self.give(region)
 
     def close(self) -> None:
@@ -132,3 +177,4 @@ class BouncePool:
             region.close()
         self._all.clear()
         self._free.clear()
+        self._held.clear()

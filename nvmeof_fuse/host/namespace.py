@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import CommandTimeout, InvalidArgument, NamespaceRemoved, TransportError
+from ..errors import InvalidArgument, NamespaceRemoved
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO, LbaRangeLock
 from .memory import DataRef
@@ -168,11 +168,17 @@ class Namespace:
                           write: bool) -> memoryview:
         """One command through one bounce buffer, copying to or from ``host``.
 
-        Returns the buffer's view of the data: lent, as in :meth:`lend_lbas`.
+        Returns the buffer's view of the data: lent, as in :meth:`lend_lbas`.  While the
+        controller reconnects it waits before it takes a buffer: a command run again after
+        its started form failed (:meth:`start_read_lent`) gets one only once the buffer it
+        had is back.
         """
         length = nlb * self.lba_size
-        pool = self.controller.bounce
+        ctrl = self.controller
+        pool = ctrl.bounce
         assert pool is not None
+        if not ctrl.live:
+            await ctrl.wait_live()
         region = await pool.take()
         view = region.view
         assert view is not None
@@ -182,16 +188,12 @@ class Namespace:
                 sqe = cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL)
             else:
                 sqe = cmd.read(self.nsid, slba, nlb, nvme.NULL_SGL)
-            await self.controller.io_command(sqe, DataRef(region, 0, length),
-                                             to_controller=write)
+            # returns or raises only once the target can no longer reach the buffer
+            await ctrl.io_command(sqe, DataRef(region, 0, length), to_controller=write)
             if host is not None and not write:
                 host[:] = view[:length]
-        except (CommandTimeout, TransportError):
-            raise  # the target may still move data into it: the buffer stays taken
-        except BaseException:
+        finally:
             pool.give(region)
-            raise
-        pool.give(region)
         return view[:length]
 
     # -- byte-addressed I/O ----------------------------------------------------------------------
@@ -230,10 +232,14 @@ class Namespace:
         skip = offset - first * ls
         stats = self.stats
         started = time.perf_counter()
+        ctrl = self.controller
+        sent_in = pool.generation
 
         def finished(request: Finished) -> None:
-            if request.error is not None:  # the target may still write into the buffer,
-                done(None)  # so it stays taken
+            if request.error is not None:  # the target may still write into the buffer
+                ctrl.io_failed(queue, request.error)  # until the queue is torn down
+                pool.hold(region, sent_in)
+                done(None)
             else:
                 pool.give(region)  # nothing takes it before done() returns: no task runs
                 if request.completion.ok:  # type: ignore[union-attr]
@@ -243,8 +249,9 @@ class Namespace:
                 else:
                     done(None)
 
-        if not self.controller.start_io(cmd.read(self.nsid, first, nlb, nvme.NULL_SGL),
-                                        DataRef(region, 0, nlb * ls), finished):
+        queue = ctrl.start_io(cmd.read(self.nsid, first, nlb, nvme.NULL_SGL),
+                              DataRef(region, 0, nlb * ls), finished)
+        if queue is None:
             pool.give(region)
             return False
         return True
@@ -279,11 +286,15 @@ class Namespace:
         region.view[:length] = data  # type: ignore[index]
         stats = self.stats
         started = time.perf_counter()
+        ctrl = self.controller
+        sent_in = pool.generation
 
         def finished(request: Finished) -> None:
             lock.release(held)
-            if request.error is not None:  # the target may still read the buffer,
-                done(False)  # so it stays taken
+            if request.error is not None:  # the target may still read the buffer
+                ctrl.io_failed(queue, request.error)  # until the queue is torn down
+                pool.hold(region, sent_in)
+                done(False)
             else:
                 pool.give(region)
                 ok = request.completion.ok  # type: ignore[union-attr]
@@ -292,9 +303,9 @@ class Namespace:
                     stats.add("callback_writes")
                 done(ok)
 
-        if not self.controller.start_io(cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL),
-                                        DataRef(region, 0, length), finished,
-                                        to_controller=True):
+        queue = ctrl.start_io(cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL),
+                              DataRef(region, 0, length), finished, to_controller=True)
+        if queue is None:
             pool.give(region)
             lock.release(held)
             return False

@@ -68,6 +68,8 @@ class IdentifyController:
     fcatt: int
     msdbd: int
     ofcs: int
+    crdt: tuple[int, int, int] = (0, 0, 0)
+    """Command Retry Delay Times 1-3, in 100 ms units (a status's CRD picks one)."""
 
     @classmethod
     def from_bytes(cls, data: BytesLike) -> IdentifyController:
@@ -123,6 +125,7 @@ class IdentifyController:
             fcatt=u8(1802),
             msdbd=u8(1803),
             ofcs=u16(1804),
+            crdt=(u16(128), u16(130), u16(132)),
         )
 
     def max_transfer_bytes(self, page_size: int) -> int | None:

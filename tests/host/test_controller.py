@@ -6,14 +6,17 @@ admin and I/O queue connects are stand-ins, and trio's clock jumps over the dela
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import trio
 import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, ConnectError, ControllerLost, TransportError
-from nvmeof_fuse.host.controller import ConnectOptions, Controller
+from nvmeof_fuse.host.controller import IO_RETRIES, ConnectOptions, Controller
+from nvmeof_fuse.host.memory import BouncePool
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
-from nvmeof_fuse.nvme import Completion
+from nvmeof_fuse.nvme import Completion, NVMeStatusError
 from nvmeof_fuse.nvme import command as cmd
 
 OK = Completion(0, 0, 1, 0, 0, True)
@@ -103,6 +106,18 @@ def test_io_waits_for_the_reconnect_and_runs_on_the_new_queues():
     run(test)
 
 
+def test_the_snapshot_shows_the_bounce_pool():
+    async def test(ctrl: Controller) -> None:
+        ctrl.bounce = BouncePool(lambda addr, length, owner: None, 4096, 3)
+        region = await ctrl.bounce.take()
+        snapshot = ctrl.connection_snapshot()
+        assert {k: v for k, v in snapshot.items() if k.startswith("bounce_")} == \
+            {"bounce_free": 2, "bounce_lent": 1, "bounce_held": 0, "bounce_waiters": 0}
+        ctrl.bounce.give(region)
+
+    run(test)
+
+
 def test_a_timeout_reconnects_too_and_new_io_waits_meanwhile():
     async def test(ctrl: Controller) -> None:
         ctrl.io_queues = [FakeQueue(1, CommandTimeout("I/O queue 1: command 3 got no "
@@ -115,6 +130,146 @@ def test_a_timeout_reconnects_too_and_new_io_waits_meanwhile():
             assert ctrl.state is not LIVE
             await ctrl.io_command(cmd.flush(1))  # a new command waits too
         assert ctrl.state is LIVE and ctrl.transport.drops == 1  # one reconnect for all
+
+    run(test)
+
+
+# -- commands that fail with a status: run again as the kernel's nvme_decide_disposition ----------
+
+INTERNAL_ERROR = 0x06  # generic status, no DNR
+DNR = 1 << 14
+
+
+class AnswerThenFail(FakeQueue):
+    """Answers its first command with ``status``; then its connection is gone (every
+    command fails).  With ``noticed``, the loss is known before the answer is read (a
+    keep-alive or another queue reported it meanwhile)."""
+
+    def __init__(self, qid: int, status: int, ctrl: Controller | None = None) -> None:
+        super().__init__(qid)
+        self.status = status
+        self.ctrl = ctrl
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        await trio.sleep(0.01)
+        self.ran += 1
+        if self.ran > 1:
+            raise TransportError("I/O queue 1: work request failed: retry counter exceeded")
+        if self.ctrl is not None:
+            self.ctrl.connection_lost(self, TransportError("keep-alive: no answer"))
+        return Completion(0, 0, 1, 0, self.status, True)
+
+
+@pytest.mark.parametrize("noticed", [False, True], ids=["loss-after", "loss-known"])
+def test_an_error_status_on_a_failing_connection_runs_again_after_the_reconnect(noticed):
+    async def test(ctrl: Controller) -> None:
+        failing = AnswerThenFail(1, INTERNAL_ERROR, ctrl if noticed else None)
+        ctrl.io_queues = [failing]
+        Target().attach(ctrl)
+        completion = await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert completion.ok and ctrl.state is LIVE
+        assert ctrl.reconnects == 1 and sum(q.ran for q in ctrl.io_queues) == 1
+        assert failing.ran == (1 if noticed else 2)  # not run there again once known lost
+
+    run(test)
+
+
+def test_a_dnr_status_reaches_the_caller_at_once():
+    async def test(ctrl: Controller) -> None:
+        failing = AnswerThenFail(1, DNR | INTERNAL_ERROR, ctrl)
+        ctrl.io_queues = [failing]
+        Target().attach(ctrl)
+        start = trio.current_time()
+        with pytest.raises(NVMeStatusError, match=r"Internal Error \(sct 0x0, sc 0x06, dnr\)"):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert failing.ran == 1 and trio.current_time() - start < 1  # no retry, no wait
+
+    run(test)
+
+
+class Statuses(FakeQueue):
+    """Answers with these statuses in turn, then successfully."""
+
+    def __init__(self, qid: int, *statuses: int) -> None:
+        super().__init__(qid)
+        self.statuses = list(statuses)
+        self.times: list[float] = []
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        self.times.append(trio.current_time())
+        self.ran += 1
+        status = self.statuses.pop(0) if self.statuses else 0
+        return Completion(0, 0, 1, 0, status, True)
+
+
+def test_an_error_status_on_a_live_connection_runs_again_after_its_retry_delay():
+    async def test(ctrl: Controller) -> None:
+        ctrl.identify = SimpleNamespace(crdt=(3, 0, 0))  # CRDT1: 300 ms
+        queue = Statuses(1, 1 << 11 | INTERNAL_ERROR, INTERNAL_ERROR)  # CRD 1, then CRD 0
+        ctrl.io_queues = [queue]
+        assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
+        assert queue.ran == 3 and ctrl.state is LIVE and ctrl.losses == 0
+        t = queue.times
+        assert [round(t[1] - t[0], 3), round(t[2] - t[1], 3)] == [0.3, 0]
+
+    run(test)
+
+
+def test_an_error_status_gives_up_after_nvme_max_retries():
+    async def test(ctrl: Controller) -> None:
+        queue = Statuses(1, *[INTERNAL_ERROR] * 10)
+        ctrl.io_queues = [queue]
+        with pytest.raises(NVMeStatusError, match="Internal Error"):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert queue.ran == IO_RETRIES
+
+    run(test)
+
+
+def test_a_path_related_status_waits_for_the_path_before_it_runs_again():
+    async def test(ctrl: Controller) -> None:
+        queue = Statuses(1, 3 << 8 | 0x02)  # Asymmetric Access Inaccessible
+        ctrl.io_queues = [queue]
+        assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
+        assert queue.times[1] - queue.times[0] == pytest.approx(10)  # --reconnect-delay
+
+    run(test)
+
+
+def test_a_command_whose_connection_keeps_failing_waits_for_each_reconnect():
+    """Lost connections are not counted against the retries (the kernel fails such a
+    command over): only --ctrl-loss-tmo or --fast-io-fail-tmo end its wait."""
+    async def test(ctrl: Controller) -> None:
+        lost = TransportError("work request failed: retry counter exceeded")
+        rounds = []
+
+        async def connect_io_queues() -> None:
+            rounds.append(len(rounds))
+            ctrl.io_queues = [FakeQueue(1, lost if len(rounds) <= IO_RETRIES + 1 else None)]
+
+        Target().attach(ctrl)
+        ctrl._connect_io_queues = connect_io_queues
+        assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
+        assert ctrl.reconnects == IO_RETRIES + 2
+
+    run(test)
+
+
+def test_a_command_that_keeps_timing_out_gives_up_after_nvme_max_retries():
+    async def test(ctrl: Controller) -> None:
+        late = CommandTimeout("I/O queue 1: command 3 got no completion within 30 s")
+        ran = []
+
+        async def connect_io_queues() -> None:
+            ctrl.io_queues = [FakeQueue(1, late)]
+            ran.append(ctrl.io_queues[0])
+
+        ctrl.io_queues = [FakeQueue(1, late)]
+        Target().attach(ctrl)
+        ctrl._connect_io_queues = connect_io_queues
+        with pytest.raises(CommandTimeout):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert sum(q.ran for q in ran) == IO_RETRIES - 1  # and once on the first queue
 
     run(test)
 
@@ -253,8 +408,6 @@ def test_a_connect_refused_with_dnr_fails_at_once_by_name(monkeypatch):
 
 
 # -- when reconnecting stops early (host/reconnect_policy.py decides; see its tests) -----------
-
-DNR = 1 << 14
 
 
 def connect_failed(status: int) -> ConnectError:

@@ -229,20 +229,27 @@ async def _can_borrow(pool: BouncePool) -> bool:
     return bool(got)
 
 
-@pytest.mark.parametrize("error", [CommandTimeout("late"), TransportError("gone")])
-def test_buffer_the_target_may_still_write_is_not_reused(error):
-    pool = BouncePool(FakeRegister(), 4096, 1)
+def test_a_held_buffer_comes_back_when_the_queues_are_torn_down():
+    pool = BouncePool(FakeRegister(), 4096, 2)
 
     async def main():
-        await _lose_or_keep(pool, error)
-        assert not await _can_borrow(pool)
+        sent_in = pool.generation
+        region = await pool.take()
+        pool.hold(region, sent_in)  # its command failed with its connection
+        assert pool.counts() == {"free": 1, "lent": 0, "held": 1, "waiters": 0}
+        pool.reclaim()  # that connection's queues are torn down
+        assert pool.counts() == {"free": 2, "lent": 0, "held": 0, "waiters": 0}
+        late = await pool.take()
+        pool.hold(late, sent_in)  # failed after that teardown: back at once
+        assert pool.counts() == {"free": 2, "lent": 0, "held": 0, "waiters": 0}
 
     trio.run(main)
 
 
-@pytest.mark.parametrize("error", [NVMeoFError("status"), InvalidArgument("bad"), ValueError("x"),
+@pytest.mark.parametrize("error", [CommandTimeout("late"), TransportError("gone"),
+                                   NVMeoFError("status"), InvalidArgument("bad"), ValueError("x"),
                                    KeyboardInterrupt()])
-def test_buffer_is_returned_after_other_errors(error):
+def test_a_borrowed_buffer_is_returned_after_any_error(error):
     pool = BouncePool(FakeRegister(), 4096, 1)
 
     async def main():
@@ -288,12 +295,36 @@ def test_take_does_not_yield_while_a_buffer_is_free_then_waits_for_give():
     trio.run(main)
 
 
-def test_take_times_out_when_no_buffer_comes_free():
-    pool = BouncePool(FakeRegister(), 4096, 1, timeout=5.0)
+def test_a_wait_goes_on_while_patient_then_fails_as_the_bug_it_is():
+    patient = [True]
+    pool = BouncePool(FakeRegister(), 4096, 1, timeout=5.0, patient=lambda: patient[0])
 
     async def main():
         await pool.take()
-        with pytest.raises(CommandTimeout, match="no bounce buffer came free within 5 s"):
+        with trio.move_on_after(60):  # reconnecting: the buffer's command waits for it too
+            await pool.take()
+        assert pool.waiters == 0
+        patient[0] = False
+        with pytest.raises(NVMeoFError, match=r"^internal error: no bounce buffer came back "
+                           r"within 5 s while connected \(1 lent, 0 held, 1 waiting\)"):
             await pool.take()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_counts_show_free_lent_held_and_waiters():
+    pool = BouncePool(FakeRegister(), 4096, 2)
+
+    async def main():
+        assert pool.counts() == {"free": 2, "lent": 0, "held": 0, "waiters": 0}
+        first, second = await pool.take(), await pool.take()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pool.take)
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.counts() == {"free": 0, "lent": 2, "held": 0, "waiters": 1}
+            pool.give(first)
+        assert pool.counts() == {"free": 0, "lent": 2, "held": 0, "waiters": 0}
+        pool.give(second)
+        assert pool.counts() == {"free": 1, "lent": 1, "held": 0, "waiters": 0}
+
+    trio.run(main)

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, InvalidArgument, TransportError
 from nvmeof_fuse.host.memory import BouncePool, DataRef, host_buffer
@@ -42,13 +43,24 @@ class FakeController:
         self.fail: Exception | None = None
         self.started: list = []  # (sqe, data, done) of commands start_io took
         self.take_started = True  # what start_io answers
+        self.failed_on: list = []  # (queue, error) of each io_failed
+
+    live = True  # commands run now (Namespace asks before it takes a bounce buffer)
+
+    async def wait_live(self) -> None:
+        pass
 
     def start_io(self, sqe: bytearray, data: DataRef | None, done, *,
-                 to_controller: bool = False) -> bool:
+                 to_controller: bool = False) -> object | None:
+        """The queue that took the command (``"queue"``), or None."""
         assert to_controller == (sqe[0] == OPC_WRITE)
-        if self.take_started:
-            self.started.append((sqe, data, done))
-        return self.take_started
+        if not self.take_started:
+            return None
+        self.started.append((sqe, data, done))
+        return "queue"
+
+    def io_failed(self, queue: object, exc: BaseException) -> None:
+        self.failed_on.append((queue, exc))
 
     def end_started(self, status: int = 0, error: Exception | None = None) -> None:
         """The target answers the commands start_io took (from and to ``disk``)."""
@@ -187,16 +199,37 @@ def test_lend_lbas_hands_out_the_bounce_buffer_and_gives_it_back():
     trio.run(main)
 
 
-def test_lend_lbas_keeps_a_buffer_the_target_may_still_write():
+def test_lend_lbas_gives_the_buffer_back_whatever_became_of_its_command():
+    """The controller's io_command ends only once the target can no longer reach the
+    buffer, also when it failed with the connection."""
     ns = namespace(max_transfer=2048, buffers=2)
-    ns.controller.fail = CommandTimeout("I/O queue 1: command 3 got no completion")
-    with pytest.raises(CommandTimeout):
-        trio.run(ns.lend_lbas, 0, 4)
-    assert ns.controller.bounce.available == 1
-    ns.controller.fail = InvalidArgument("any other error")
-    with pytest.raises(InvalidArgument):
-        trio.run(ns.lend_lbas, 0, 4)
-    assert ns.controller.bounce.available == 1
+    for error in (CommandTimeout("I/O queue 1: command 3 got no completion"),
+                  TransportError("I/O queue 1: stopped"), InvalidArgument("any other error")):
+        ns.controller.fail = error
+        with pytest.raises(type(error)):
+            trio.run(ns.lend_lbas, 0, 4)
+        assert ns.controller.bounce.available == 2
+
+
+def test_bounced_io_waits_for_the_reconnect_before_it_takes_a_buffer():
+    ns = namespace(max_transfer=2048, buffers=2)
+    ctrl, pool = ns.controller, ns.controller.bounce
+    reconnected = trio.Event()
+
+    async def wait_live() -> None:
+        await reconnected.wait()
+        ctrl.live = True
+
+    async def main():
+        ctrl.live, ctrl.wait_live = False, wait_live
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns.read_lbas, 0, 4)
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.available == 2 and not ctrl.commands  # no buffer taken meanwhile
+            reconnected.set()
+        assert ctrl.commands == [(OPC_READ, 0, 4)] and pool.available == 2
+
+    trio.run(main)
 
 
 def test_write_then_read_round_trip_with_more_chunks_than_buffers():
@@ -335,16 +368,20 @@ def test_start_read_lent_stops_at_the_end_of_the_namespace():
     assert got == [bytes(ns.controller.disk[4000:4096])]
 
 
-def test_a_failed_started_read_says_none_and_keeps_a_buffer_the_target_may_write():
+def test_a_failed_started_read_says_none_and_holds_its_buffer_until_the_teardown():
     ns = namespace()
     pool = ns.controller.bounce
     got: list = []
     assert ns.start_read_lent(0, 512, got.append)
-    ns.controller.end_started(error=TransportError("I/O queue 1: stopped"))
-    assert got == [None] and pool.available == 3
+    lost = TransportError("I/O queue 1: stopped")
+    ns.controller.end_started(error=lost)
+    assert got == [None] and pool.available == 3 and pool.counts()["held"] == 1
+    assert ns.controller.failed_on == [("queue", lost)]  # the loss is known at once
+    pool.reclaim()  # the queues are torn down: the buffer is safe again
+    assert pool.available == 4 and pool.counts()["held"] == 0
     assert ns.start_read_lent(0, 512, got.append)
-    ns.controller.end_started(status=0x281)  # an error status: the buffer is safe again
-    assert got == [None, None] and pool.available == 3
+    ns.controller.end_started(status=0x281)  # an error status: the buffer is safe at once
+    assert got == [None, None] and pool.available == 4
     # nothing counted: read_lent, run again, counts the read
     assert "read" not in ns.stats.snapshot()["ops"] and not ns.stats.counters
 
@@ -393,7 +430,10 @@ def test_a_failed_started_write_says_false_and_lets_its_lock_go():
     assert ns.start_write(0, memoryview(bytes(512)), ends.append)
     ns.controller.end_started(error=TransportError("I/O queue 1: stopped"))
     assert ends == [False] and len(ns.write_lock) == 0
-    assert ns.controller.bounce.available == 3  # the target may still read it
+    pool = ns.controller.bounce
+    assert pool.available == 3 and pool.counts()["held"] == 1  # the target may still read it
+    pool.reclaim()
+    assert pool.available == 4
 
 
 @pytest.mark.parametrize("offset, length, why", [

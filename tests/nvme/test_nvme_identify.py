@@ -28,6 +28,7 @@ def controller_buffer(mdts=5):
     struct.pack_into("<I", b, 92, 0x900)  # OAES
     struct.pack_into("<I", b, 96, 0x8000)  # CTRATT
     b[111] = 1  # CNTRLTYPE: I/O controller
+    struct.pack_into("<HHH", b, 128, 5, 20, 300)  # CRDT1-3, 100 ms units
     struct.pack_into("<HBBBBBB", b, 256, 0x0008, 3, 3, 0x03, 0x07, 127, 0)  # OACS..NPSS
     struct.pack_into("<H", b, 320, 100)  # KAS, 100 ms units
     struct.pack_into("<BBHIHHBBHH", b, 512, 0x66, 0x44, 128, 1024, 0x5D, 1, 0, 1, 0, 0)
@@ -46,6 +47,7 @@ def test_identify_controller_fields():
     assert (c.rab, c.ieee, c.cmic, c.mdts) == (6, 0x002514, 0x0B, 5)
     assert (c.cntlid, c.ver, c.version) == (7, 0x00020000, "2.0")
     assert (c.oaes, c.ctratt, c.cntrltype) == (0x900, 0x8000, 1)
+    assert c.crdt == (5, 20, 300)
     assert (c.oacs, c.acl, c.aerl, c.frmw, c.lpa, c.elpe, c.npss) == (8, 3, 3, 3, 7, 127, 0)
     assert c.kas == 100
     assert (c.sqes, c.cqes, c.maxcmd, c.nn) == (0x66, 0x44, 128, 1024)

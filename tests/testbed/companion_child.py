@@ -7,6 +7,10 @@
     python companion_child.py loop PATH SIZE               read forever (to be killed)
     python companion_child.py cuda PATH OFFSET N QUEUES EXPORT  N reads into a fake CUDA
                                     allocation exported as its memfd or a real dma-buf (udmabuf)
+    python companion_child.py reread PATH OFFSET SIZE STOP write a pattern, then read it back
+                                                           and compare until STOP exists
+    python companion_child.py pwrites PATH OFFSET SIZE STOP write new data with pwrite, read
+                                                           it back and compare, until STOP
 
 ``roundtrip`` prints one JSON line: the SHA-256 of what it wrote (and of a few windows of
 it: :func:`windows`), whether the read matched, the queue IDs the file used on its own,
@@ -125,6 +129,63 @@ def loop(path: str, size: int) -> None:
             f.read(out, file_offset=511)
 
 
+def _until_stopped(path: str, stop: str, step) -> None:
+    """Run ``step(f, round)`` (True: the data was right) until the file ``stop`` exists.
+
+    Prints ``{"round": n}`` after each (a caller counts them), ``{"round": n, "error":
+    ...}`` for one that raised, then a summary: the rounds, mismatches, errors, slowest
+    round in seconds and the queue IDs used on the file's own.
+    """
+    rounds = mismatches = 0
+    errors: list[str] = []
+    slowest = 0.0
+    with nvmeof_fuse.File(path) as f:
+        while not os.path.exists(stop):
+            rounds += 1
+            started = time.monotonic()
+            try:
+                right = step(f, rounds)
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                errors.append(f"{type(exc).__name__}: {exc}")
+                print(json.dumps({"round": rounds, "error": errors[-1]}), flush=True)
+                continue
+            slowest = max(slowest, time.monotonic() - started)
+            mismatches += not right
+            print(json.dumps({"round": rounds, "equal": right}), flush=True)
+        own = list(f.own_queues)
+    print(json.dumps({"rounds": rounds, "mismatches": mismatches, "errors": errors,
+                      "slowest_s": round(slowest, 3), "own_queues": own}), flush=True)
+
+
+def reread(path: str, offset: int, size: int, stop: str) -> None:
+    """Write a random pattern once, then read it back into an ``empty`` array and compare,
+    until ``stop`` exists (:func:`_until_stopped` prints the rounds and the summary)."""
+    pattern = nvmeof_fuse.empty(size)
+    pattern[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    out = nvmeof_fuse.empty(size)
+    with nvmeof_fuse.File(path) as f:
+        assert f.write(pattern, file_offset=offset) == size
+
+    def step(f, _round: int) -> bool:
+        out[:] = 0
+        return f.read(out, file_offset=offset) == size and bool((out == pattern).all())
+
+    _until_stopped(path, stop, step)
+
+
+def pwrites(path: str, offset: int, size: int, stop: str) -> None:
+    """Write new random data with ``pwrite`` each round, read it back and compare."""
+    data, out = nvmeof_fuse.empty(size), nvmeof_fuse.empty(size)
+
+    def step(f, _round: int) -> bool:
+        data[:] = np.frombuffer(os.urandom(size), dtype=np.uint8)
+        if f.pwrite(data, size, offset).get() != size:
+            return False
+        return f.read(out, file_offset=offset) == size and bool((out == data).all())
+
+    _until_stopped(path, stop, step)
+
+
 UDMABUF_CREATE = (1 << 30) | (24 << 16) | (ord("u") << 8) | 0x42  # _IOW('u', 0x42, 24)
 
 
@@ -199,5 +260,9 @@ if __name__ == "__main__":
         overwrite(path, int(numbers[0]), int(numbers[1]), int(numbers[2]))
     elif mode == "churn":
         churn(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
+    elif mode == "reread":
+        reread(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
+    elif mode == "pwrites":
+        pwrites(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
     else:
         loop(path, int(numbers[0]))

@@ -18,6 +18,8 @@ import pytest
 from kernel_initiator import connected, pread_direct
 from vm import NVMET_PORTS, rdma_objects, sh, target_away, wait_for, waits_on_fuse
 
+from nvmeof_fuse.host.controller import BOUNCE_BUFFERS
+
 MNT = "/tmp/nvmeof-reconnect"
 OUTAGE = 8  # seconds the port stays unlinked
 
@@ -116,6 +118,78 @@ def test_fio_verify_writes_at_depth_ride_out_an_outage(testbed, tmp_path, transp
         counters = stats["n2"]["counters"]
         assert counters.get("callback_writes", 0) > 0, counters
         assert counters.get("callback_reads", 0) > 0, counters
+
+
+CHILD = os.path.join(os.path.dirname(__file__), "companion_child.py")
+
+
+def rounds_done(out: str) -> int:
+    """How many rounds a companion_child.py client has reported in its output file."""
+    with open(out) as f:
+        return sum(1 for line in f if line.startswith('{"round"'))
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_fio_and_companion_clients_ride_out_an_outage(testbed, tmp_path, transport):
+    """Issue #44: the port goes away for OUTAGE s while fio writes n1 with crc32c verify,
+    one companion client re-reads a pattern on n2 (on queues of its own over RDMA) and
+    another writes n2 with pwrite and reads it back.  Nobody sees an error or a wrong
+    byte, and every bounce buffer lent to a command of the lost connection came back."""
+    log, stop = str(tmp_path / "daemon.log"), str(tmp_path / "stop")
+    with mounted(testbed, log, "-k", "2", "-c", "1", "-l", "120", transport=transport) as mnt:
+        # QD16 kept full (no rate limit), so that the loss finds commands in flight
+        fio = subprocess.Popen(
+            ["fio", "--name=outage", f"--filename={mnt}/n1", "--rw=randwrite",
+             "--bsrange=4k-256k", "--iodepth=16", "--ioengine=libaio", "--direct=1",
+             "--size=32M", "--time_based", "--runtime=45", "--verify=crc32c",
+             "--verify_backlog=64", "--verify_fatal=1", "--output-format=terse"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = {name: str(tmp_path / f"{name}.out") for name in ("reader", "writer")}
+        args = {"reader": ["reread", f"{mnt}/n2", str((8 << 20) + 511), str(4 << 20)],
+                "writer": ["pwrites", f"{mnt}/n2", str((40 << 20) + 777), str((1 << 20) + 9)]}
+        clients = {name: subprocess.Popen([sys.executable, CHILD, *args[name], stop],
+                                          stdout=open(outs[name], "w"),
+                                          stderr=open(f"{outs[name]}.err", "w"))
+                   for name in outs}
+        try:
+            assert wait_for(lambda: written(mnt, "n1") > 1 << 20, 120), "fio wrote nothing"
+            assert wait_for(lambda: all(rounds_done(o) for o in outs.values()), 120), \
+                {name: c.poll() for name, c in clients.items()}
+            with target_away(testbed.nqn, NVMET_PORTS[transport]):
+                assert wait_for(lambda: log_has(log, "lost the connection"), 60), \
+                    open(log).read()
+                time.sleep(OUTAGE)  # the outage itself, not a wait for a condition
+            assert wait_for(lambda: log_has(log, "reconnected to"), 120), open(log).read()
+            after = {name: rounds_done(o) for name, o in outs.items()}
+            out, err = fio.communicate(timeout=600)
+            assert wait_for(lambda: all(rounds_done(o) > after[n] + 1 for n, o in outs.items()),
+                            120)  # each client went on after the reconnect
+        finally:
+            open(stop, "w").close()
+            for client in clients.values():
+                try:
+                    client.wait(120)
+                except subprocess.TimeoutExpired:
+                    client.kill()
+            if fio.poll() is None:
+                fio.kill()
+        assert fio.returncode == 0, out[-2000:] + err[-2000:] + open(log).read()
+        summaries = {}
+        for name, client in clients.items():
+            with open(outs[name]) as f:
+                summaries[name] = json.loads(f.read().splitlines()[-1])
+            assert client.returncode == 0, open(f"{outs[name]}.err").read()
+        for name, summary in summaries.items():
+            assert summary["errors"] == [] and summary["mismatches"] == 0, (name, summary)
+            assert bool(summary["own_queues"]) == (transport == "rdma"), (name, summary)
+        text = open(log).read()
+        assert "Traceback" not in text, text
+        with open(f"{mnt}/.nvmeof/stats.json") as f:
+            connection = json.load(f)["connection"]
+        assert connection["state"] == "live", connection
+        assert connection["losses"] >= 1 and connection["reconnects"] == connection["losses"]
+        # every bounce buffer is back: none kept by a command of the lost connection
+        assert connection["bounce_free"] == BOUNCE_BUFFERS, connection
 
 
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
