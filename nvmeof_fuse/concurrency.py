@@ -68,7 +68,7 @@ def tasks_runnable() -> int:
     """How many tasks wait to run on this thread's trio loop.
 
     ``trio.lowlevel.current_statistics().tasks_runnable``, without the rest of those
-    statistics: they cost about 3 us a call (the I/O backend counts its waiters, two
+    statistics: they cost several times more (the I/O backend counts its waiters, two
     objects are built), and a caller that polls for its command asks once per I/O.  Read,
     never written, from trio's run queue; where a trio keeps no such queue, the public call.
     """

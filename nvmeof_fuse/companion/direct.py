@@ -51,20 +51,14 @@ POLLED_QUEUES = 2
 reads into registered host memory; :mod:`nvmeof_fuse.transport.rdma_polled`); the loop
 keeps the others, half at least (writes, partial LBAs, CUDA).  Reads up to
 :data:`POLLED_MAX_BYTES` keep to the first, larger ones go to the one with fewer commands
-unanswered.  Measured in the VM (2026-12-03, ``bench_pair --peer companion``, two rounds in
-one boot, companion/core) against one polled queue of three for small reads only: 1 MiB
-read 0.98 and 1.01 against 0.88 and 0.94, at 1,906-2,044 against 4,890-5,140 us of client
-CPU per read (no trip through the client's trio thread); 1 MiB write 0.90 and 0.93
-against 0.96 and 0.92; 4 KiB QD1 0.90 and 0.98 against 1.01 and 0.93; 4 KiB QD16 1.08 and
-0.83 against 0.76 and 0.85.  Earlier, two polled queues that shared small reads lost at
-4 KiB (0.68 and 0.72 against 0.76 and 0.70 at QD16): one completion queue to poll is
-cheaper than two."""
+unanswered: large reads then cost the client far less CPU (no trip through its trio
+thread), and small ones poll one completion queue, cheaper than two
+(docs/performance-history.md, 2026-12-03, has the A/B)."""
 POLLED_MAX_BYTES = 128 * 1024
 """Reads up to this size keep to the first polled queue.  What a small read costs is CPU per
 command, which polling one queue saves; what a large one costs is the transfer, which the
-target and the fabric move in parallel per queue (one polled queue held 1 MiB reads to 0.75x
-of the loop's two in the VM), so those are spread over two polled queues, or over the
-loop's when only one is polled."""
+target and the fabric move in parallel per queue (one polled queue held 1 MiB reads back),
+so those are spread over two polled queues, or over the loop's when only one is polled."""
 RECENT_BASES = 256
 """Array bases whose region :meth:`_Registrations.find_array` remembers (forgotten all at
 once past this: a loop over fresh arrays pays a search each, as before)."""

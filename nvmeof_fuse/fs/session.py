@@ -55,9 +55,8 @@ BATCH = 64  # requests read before the reader lets the handlers run
 
 def receive_buffer(size: int) -> mmap.mmap:
     """A buffer that /dev/fuse reads a request's data into: page-aligned (an anonymous
-    mapping), so that the kernel's copy of WRITE data runs page onto page.  Into a bytearray
-    (16 bytes off a cache line) that copy cost 1.7x the CPU: 760 against 440 µs per 1 MiB
-    write, on the host bench."""
+    mapping), so that the kernel's copy of WRITE data runs page onto page; into a bytearray
+    (16 bytes off a cache line) it cost far more CPU (docs/performance-history.md)."""
     return mmap.mmap(-1, size)
 
 

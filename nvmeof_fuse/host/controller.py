@@ -138,11 +138,10 @@ class Controller:
         """The I/O queue for a command moving ``nbytes``.
 
         A small one goes to the first queue with a free slot, so that one reaper takes a
-        burst of their completions in one pass: spread over the VM's two queues, the FUSE
-        file's 4 KiB reads at QD16 ran at 0.85x, with 17% more daemon CPU per request.  A
-        large one (``SPREAD_BYTES`` and up) goes to the queue with the most free slots
-        (round-robin among equals), so that the target moves the data of several at once:
-        all on one queue, 1 MiB reads at QD16 ran at 0.83x.
+        burst of their completions in one pass (spread over queues, small reads cost more
+        CPU per request).  A large one (``SPREAD_BYTES`` and up) goes to the queue with the
+        most free slots (round-robin among equals), so that the target moves the data of
+        several at once (docs/performance-history.md has the measurements).
         """
         queues = self.io_queues
         if len(queues) == 1:

@@ -14,10 +14,10 @@ commands of its size (as the kernel's hybrid polling: :mod:`.pollbudget`), so a 
 reader pays no sleep and wake-up per I/O; past that, or with an idle queue, nothing
 polls and the channel is armed.
 With several commands in flight nothing polls before sleeping either: a command
-alone says nothing of the gaps between completions at depth (tens of ms in a
-1 MiB stream under TCG), and polls that miss take the CPU the target side needs.
+alone says nothing of the gaps between completions at depth, and polls that miss take
+the CPU the target side needs.
 
-The per-command path is kept lean (it runs ~9x slower in the testbed VM): work
+The per-command path is kept lean: work
 requests are built once per command slot, capsule SENDs complete on their own
 CQ that raises no wakeup unless a caller waits on it, and a waiting caller is
 parked without a cancel scope; one watchdog per queue enforces the timeouts.
@@ -777,7 +777,7 @@ class RdmaQueue:
         A failed work request raises TransportError."""
         sends = self._take_sends(slots)
         # No more than the commands in flight can complete: a poll zeroes room for as many
-        # entries as it asks for (a queue's size costs 4x one entry under TCG).
+        # entries as it asks for, so asking for a queue's size costs more than one entry).
         recvs = self.recv_cq.poll(len(slots.pending) or 1)
         if recvs:
             view = self.responses.view

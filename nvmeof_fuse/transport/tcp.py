@@ -43,9 +43,8 @@ class TcpTransport:
                  data_digest: bool = False, splice: bool = False) -> None:
         self.traddr = traddr
         # Large write data by vmsplice/splice (see .splice) instead of a copy into the
-        # socket.  Off by default: slower in the testbed VM since its CPU model dropped ERMS
-        # (1 MiB writes at QD16 on one connection, alternating 2 s slices: the copy ahead in
-        # 14 and 12 of 16 pairs, 1.06x and 1.13x); kept for a measurement on a real NIC.
+        # socket.  Off by default: the copy was faster in the testbed's A/B
+        # (docs/performance-history.md); kept for a measurement on a real NIC.
         self.splice = splice
         self.trsvcid = trsvcid
         self.host_traddr = host_traddr
