@@ -28,6 +28,7 @@ needs to know about paths.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
@@ -47,7 +48,7 @@ from ..errors import (
 from ..nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
 from ..nvme.ana import AnaLogPage, AnaState, ana_log_size
 from ..nvme.status import fails_over, is_ana_error
-from ..nvme.uri import NVMeURI
+from ..nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
 from ..transport.base import Finished, Queue
 from .ana import PathAna
 from .controller import (
@@ -85,6 +86,20 @@ def path_uri(options: ConnectOptions) -> str:
     return str(NVMeURI(options.transport, options.traddr, options.trsvcid, options.nqn))
 
 
+def path_options(base: ConnectOptions, uri: str) -> ConnectOptions:
+    """The options of a further path ``uri``: the first path's (host identity, timeouts,
+    secrets, queues), with the URI's transport, address, port and subsystem."""
+    where = parse_uri(uri)
+    if where.nsid is not None:
+        raise InvalidArgument(f"path {uri}: a path names no namespace (drop /{where.nsid})")
+    tcp = where.transport == "tcp"
+    return dataclasses.replace(
+        base, transport=where.transport, traddr=where.traddr,
+        trsvcid=where.trsvcid if where.trsvcid is not None else DEFAULT_PORT,
+        nqn=where.subnqn, hdr_digest=base.hdr_digest and tcp,
+        data_digest=base.data_digest and tcp)
+
+
 class PathsRegistration:
     """Memory registered with every path's transport; ``keys(domain)`` gives the keys of
     whichever path's queue asks.  With one path it is that path's own ``keys``."""
@@ -118,8 +133,9 @@ class PathsRegistration:
             self._bind()
 
     def _bind(self) -> None:
-        if len(self._subs) == 1:
-            self.keys = next(iter(self._subs.values())).keys  # type: ignore[method-assign]
+        only = next(iter(self._subs.values())) if len(self._subs) == 1 else None
+        if only is not None and hasattr(only, "keys"):
+            self.keys = only.keys  # type: ignore[method-assign]
         else:
             self.keys = self._keys_of_any  # type: ignore[method-assign]
 
@@ -165,6 +181,44 @@ class _HeadPool:
 
     def close(self) -> None:
         pass  # the head closes its own
+
+
+class PathsTransport:
+    """The head as a transport to those who register memory or lease queues: memory goes
+    to every path's transport."""
+
+    def __init__(self, head: MultipathController) -> None:
+        self._head = head
+
+    def _transports(self) -> list[Any]:
+        return self._head._transports()
+
+    @property
+    def name(self) -> str:
+        return "+".join(dict.fromkeys(t.name for t in self._transports())) or "none"
+
+    @property
+    def address(self) -> str:
+        return ", ".join(t.address for t in self._transports())
+
+    @property
+    def places_in_other_processes(self) -> bool:
+        return any(getattr(t, "places_in_other_processes", False) for t in self._transports())
+
+    @property
+    def dmabuf_refusal(self) -> str:
+        return next((why for t in self._transports()
+                     if (why := getattr(t, "dmabuf_refusal", ""))), "")
+
+    def register(self, addr: int, length: int, owner: object) -> PathsRegistration:
+        return self._head._register(addr, length, owner)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> Registration:
+        transports = self._transports()
+        if len(transports) != 1:
+            raise TransportError("a dma-buf is registered on one path only; this mount has "
+                                 f"{len(transports)} (the caller stages instead)")
+        return transports[0].register_dmabuf(fd, offset, length, iova)
 
 
 class Path:
@@ -260,6 +314,8 @@ class MultipathController:
         self._closed = ""
         self._admit_lock = trio.Lock()
         self.failovers = 0
+        self._direct: Path | None = None  # the one path commands go straight to
+        self._baseline = (0, 0)  # the namespaces' (ops, bytes) when it became so
         self._bind()
 
     # -- the path set -----------------------------------------------------------------------
@@ -289,8 +345,15 @@ class MultipathController:
         """Commands straight to the controller with one connected path, else through the
         path choice (:meth:`_io_multipath`)."""
         connected = [p for p in self.paths if p.ctrl is not None]
-        if len(self.paths) == 1 and connected:
-            ctrl = connected[0].ctrl
+        direct = connected[0] if len(self.paths) == 1 and connected else None
+        if direct is not self._direct:  # the direct path's commands are the namespaces'
+            ops, nbytes = self._namespace_totals()
+            if self._direct is not None:
+                self._direct.ios += ops - self._baseline[0]
+                self._direct.bytes += nbytes - self._baseline[1]
+            self._direct, self._baseline = direct, (ops, nbytes)
+        if direct is not None:
+            ctrl = direct.ctrl
             assert ctrl is not None
             self.io_command = ctrl.io_command  # type: ignore[method-assign]
             self.start_io = ctrl.start_io  # type: ignore[method-assign]
@@ -567,6 +630,88 @@ class MultipathController:
             for listener in list(self.events.listeners):
                 await listener(applied)
 
+    # -- what the mount shows -----------------------------------------------------------------
+
+    def _namespace_totals(self) -> tuple[int, int]:
+        ops = nbytes = 0
+        for ns in self.namespaces.values():
+            for st in ns.stats.ops.values():
+                ops += st.ops
+                nbytes += st.bytes
+        return ops, nbytes
+
+    def paths_snapshot(self) -> list[dict[str, Any]]:
+        """``.nvmeof/paths.json``: one object per path (keys as the multipath contract)."""
+        first = min(self.namespaces, default=None)
+        out = []
+        for path in self.paths:
+            ios, nbytes = path.ios, path.bytes
+            if path is self._direct:
+                ops, moved = self._namespace_totals()
+                ios += ops - self._baseline[0]
+                nbytes += moved - self._baseline[1]
+            ctrl = path.ctrl
+            group, state = path.ana_summary(first)
+            usable = first is not None and path.usable_state(first) is not None
+            out.append({
+                "index": path.index, "uri": path.uri, "transport": path.options.transport,
+                "traddr": path.options.traddr, "trsvcid": path.options.trsvcid,
+                "cntlid": ctrl.cntlid if ctrl is not None else None,
+                "ana_group": group, "ana_state": state, "state": path.state,
+                "usable": usable,
+                "outstanding": ctrl.outstanding if ctrl is not None else 0,
+                "ios": ios, "bytes": nbytes,
+                "losses": path.losses, "reconnects": path.reconnects,
+                "failovers": path.failovers,
+            })
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        ctrl = self.primary
+        doc: dict[str, Any] = ctrl.describe() if ctrl is not None else {
+            "subnqn": self.nqn, "namespaces": sorted(self.namespaces)}
+        doc.update({"state": self.state, "iopolicy": self.policy,
+                    "paths": [f"{p.index}: {p.uri} ({p.state})" for p in self.paths]})
+        return doc
+
+    def connection_snapshot(self) -> dict[str, Any]:
+        ctrl = self.primary
+        doc = ctrl.connection_snapshot() if ctrl is not None else {}
+        doc.update({"state": self.state, "paths": len(self.paths),
+                    "paths_usable": sum(1 for p in self.paths_snapshot() if p["usable"]),
+                    "failovers": self.failovers,
+                    "losses": sum(p.losses for p in self.paths),
+                    "reconnects": sum(p.reconnects for p in self.paths)})
+        return doc
+
+    # -- companion clients' queues --------------------------------------------------------------
+
+    @property
+    def transport(self) -> PathsTransport:
+        return PathsTransport(self)
+
+    async def lease_controller(self, prefer: tuple[str, str, int] | None = None
+                               ) -> Controller:
+        """A live path whose transport lets companion clients connect queues of their own:
+        ``prefer`` (transport, traddr, trsvcid: where the client's queues were) if it is
+        live, else another; waits while none is; ControllerLost once none can be."""
+        while True:
+            leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
+                        and getattr(p.ctrl.transport, "places_in_other_processes", False)]
+            if leasable:
+                first = min(self.namespaces, default=None)
+                for path in leasable:
+                    place = (path.options.transport, path.options.traddr,
+                             path.options.trsvcid)
+                    if place == prefer:
+                        return path.ctrl  # type: ignore[return-value]
+                usable = [p for p in leasable
+                          if first is None or p.usable_state(first) is not None]
+                return (usable or leasable)[0].ctrl  # type: ignore[return-value]
+            self._check_servable()
+            with trio.move_on_after(NO_PATH_WAIT):
+                await self._changed.wait()
+
     # -- commands (the CommandIssuer) --------------------------------------------------------
 
     @property
@@ -580,7 +725,7 @@ class MultipathController:
             return str(LIVE)
         return str(states[0]) if states else ("dead" if self._closed else "connecting")
 
-    async def wait_live(self) -> None:
+    async def wait_live(self, *, fail_fast: bool = True) -> None:
         while not self.live:
             self._check_servable()
             with trio.move_on_after(NO_PATH_WAIT):
@@ -793,8 +938,6 @@ def _outstanding(path: Path) -> int:
 def _same_place(text: str, path: Path) -> bool:
     """Whether ``text`` (a URI) names ``path``'s transport, address and port."""
     try:
-        from ..nvme.uri import parse_uri
-
         uri = parse_uri(text)
     except InvalidArgument:
         return False

@@ -15,7 +15,8 @@ import trio.testing
 from fabric_fakes import FakeTarget, FakeTransport
 
 from nvmeof_fuse.concurrency import unwrap_groups
-from nvmeof_fuse.errors import ConnectError, ControllerLost
+from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument
+from nvmeof_fuse.fs import info
 from nvmeof_fuse.host import multipath
 from nvmeof_fuse.host.controller import ConnectOptions, Controller
 from nvmeof_fuse.host.memory import host_buffer
@@ -380,3 +381,52 @@ def test_memory_of_the_head_has_the_keys_of_whichever_path_asks():
     sub = registration._subs[b]
     registration.drop(b)
     assert sub.closed and registration.keys == registration._subs[a].keys
+
+
+def test_further_paths_take_the_first_paths_options_with_the_uris_place():
+    base = ConnectOptions("10.0.0.1", NQN, transport="tcp", hdr_digest=True, ctrl_loss_tmo=7,
+                          hostnqn="nqn.2014-08.org.example:host")
+    rdma = multipath.path_options(base, f"nvme+rdma://10.0.1.1/{NQN}")
+    assert (rdma.transport, rdma.traddr, rdma.trsvcid, rdma.nqn) == ("rdma", "10.0.1.1", 4420,
+                                                                     NQN)
+    assert (rdma.ctrl_loss_tmo, rdma.hostnqn, rdma.hdr_digest) == (7, base.hostnqn, False)
+    tcp = multipath.path_options(base, f"nvme+tcp://10.0.1.2:4421/{NQN}")
+    assert (tcp.trsvcid, tcp.hdr_digest) == (4421, True)
+    with pytest.raises(InvalidArgument, match="names no namespace"):
+        multipath.path_options(base, f"nvme+tcp://10.0.1.2/{NQN}/1")
+
+
+def test_paths_json_and_table_show_each_path():
+    port = Port()
+
+    async def test(head: MultipathController) -> None:
+        await head.namespaces[1].read(0, 4 * LBA)
+        port[1].set_ana(AnaState.INACCESSIBLE)
+        head.paths[1].kick()
+        await trio.sleep(0.1)
+        paths = info.paths_list(head)
+        assert paths[0] == {
+            "index": 0, "uri": f"nvme+rdma://192.0.2.1:4420/{NQN}", "transport": "rdma",
+            "traddr": "192.0.2.1", "trsvcid": 4420, "cntlid": 1, "ana_group": 1,
+            "ana_state": "optimized", "state": "live", "usable": True, "outstanding": 0,
+            "ios": 1, "bytes": 4 * LBA, "losses": 0, "reconnects": 0, "failovers": 0}
+        assert (paths[1]["ana_state"], paths[1]["usable"]) == ("inaccessible", False)
+        table = info.paths_text(head).decode().splitlines()
+        assert table[0] == "iopolicy: queue-depth"
+        assert table[1].split()[:4] == ["path", "transport", "address", "cntlid"]
+        assert table[3].split()[:8] == ["1", "rdma", "192.0.2.2:4420", "2", "1",
+                                        "inaccessible", "live", "false"]
+
+    run(test, port, policy="queue-depth")
+
+
+def test_one_paths_counters_come_from_its_namespaces():
+    port = Port(1)
+
+    async def test(head: MultipathController) -> None:
+        await head.namespaces[1].read(0, 2 * LBA)
+        await head.namespaces[1].write(0, bytes(2 * LBA))
+        (path,) = info.paths_list(head)
+        assert (path["ios"], path["bytes"], path["usable"]) == (2, 4 * LBA, True)
+
+    run(test, port, paths=1)
