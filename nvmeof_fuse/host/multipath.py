@@ -670,8 +670,7 @@ class MultipathController:
         ctrl = self.primary
         doc: dict[str, Any] = ctrl.describe() if ctrl is not None else {
             "subnqn": self.nqn, "namespaces": sorted(self.namespaces)}
-        doc.update({"state": self.state, "iopolicy": self.policy,
-                    "paths": [f"{p.index}: {p.uri} ({p.state})" for p in self.paths]})
+        doc.update({"state": self.state, "iopolicy": self.policy})
         return doc
 
     def connection_snapshot(self) -> dict[str, Any]:
