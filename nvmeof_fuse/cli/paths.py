@@ -44,9 +44,10 @@ def _socket_of(mountpoint: str) -> str:
         raise UsageError(f"cannot read {path}: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise UsageError(f"{path} is not valid JSON: {exc}") from None
-    if not info.get("socket"):
+    socket = info.get("socket")
+    if not socket:
         raise UsageError(f"the mount at {mountpoint} serves no control socket")
-    return str(info["socket"])
+    return "\0" + socket[1:] if socket.startswith("@") else str(socket)  # abstract
 
 
 def cmd_change_path(args: argparse.Namespace) -> int:

@@ -15,7 +15,7 @@ URI = "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1"
 def daemon(monkeypatch, tmp_path):
     """A mount whose companion.json names a socket, and a fake channel to it."""
     (tmp_path / ".nvmeof").mkdir()
-    (tmp_path / ".nvmeof" / "companion.json").write_text(json.dumps({"socket": "\0mp-test"}))
+    (tmp_path / ".nvmeof" / "companion.json").write_text(json.dumps({"socket": "@mp-test"}))
     calls = []
 
     class Channel:

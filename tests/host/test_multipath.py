@@ -284,6 +284,10 @@ def test_a_path_to_another_subsystem_or_namespace_is_refused_in_one_line():
             await head.add_path(options("192.0.2.3"))
         with pytest.raises(PathRefused, match="already path 0"):
             await head.add_path(options("192.0.2.1"))
+        other = ConnectOptions("192.0.2.3", "nqn.2014-08.org.example:else", keep_alive_tmo=0)
+        with pytest.raises(PathRefused, match="it names subsystem nqn.2014-08.org.example:else"
+                                              f", not this mount's subsystem {NQN}"):
+            await head.add_path(other)  # refused before connecting
         assert [p.index for p in head.paths] == [0]
         assert head.io_command == head.paths[0].ctrl.io_command
 
