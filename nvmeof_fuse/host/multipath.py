@@ -207,8 +207,13 @@ class PathsTransport:
 
     @property
     def dmabuf_refusal(self) -> str:
-        return next((why for t in self._transports()
-                     if (why := getattr(t, "dmabuf_refusal", ""))), "")
+        """Why dma-bufs (GPU memory) are not registered here: they are with one path only."""
+        transports = self._transports()
+        if len(transports) > 1:
+            return (f"this mount has {len(transports)} paths, and a dma-buf is registered "
+                    "with one transport only")
+        return next((why for t in transports if (why := getattr(t, "dmabuf_refusal", ""))),
+                    "")
 
     def register(self, addr: int, length: int, owner: object) -> PathsRegistration:
         return self._head._register(addr, length, owner)

@@ -7,9 +7,9 @@
 ``Controller`` (as before multipath), the multipath head with one path (commands handed
 straight to its controller), and the head with two paths (queue-depth policy; one target
 per path), and two paths with the failover policy (all on one: the cost of the path
-choice without that of a second connection).  The ways alternate in each round, so a busy host skews them alike.  Prints I/Os
-per second and CPU microseconds per I/O (``os.times``, user and system).  Figures are
-printed, never asserted.
+choice without that of a second connection).  The ways alternate in each round, so a busy
+host skews them alike.  Prints I/Os per second and CPU microseconds per I/O (``os.times``,
+user and system).  Figures are printed, never asserted.
 """
 
 from __future__ import annotations
