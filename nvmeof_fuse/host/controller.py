@@ -42,6 +42,7 @@ from . import auth
 from .events import AsyncEvents
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
+from .namespace import Namespace
 from .options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
 from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
@@ -95,7 +96,7 @@ class Controller:
         self.cap: nvme.Capabilities | None = None
         self.version = ""
         self.identify: nvme.IdentifyController | None = None
-        self.namespaces: dict = {}
+        self.namespaces: dict[int, Namespace] = {}
         self.max_transfer = BOUNCE_CHUNK_MAX
         self.bounce: BouncePool | None = None
         self._scratch: Region | None = None
@@ -111,7 +112,7 @@ class Controller:
         self._lost_reason = ""
         self._dead_reason = ""
         self._failing_io = ""  # set while I/O fails fast during a reconnect
-        self.events = AsyncEvents(self)  # AERs and namespace rescans, once live
+        self.events = AsyncEvents(self, self.new_namespace)  # AERs and rescans, once live
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
         self.teardowns = 0
@@ -655,14 +656,16 @@ class Controller:
         self._change_state(LIVE)
         await self._nursery.start(self.events.run)
 
-    async def _identify_namespaces(self) -> None:
-        from .namespace import Namespace
+    def new_namespace(self, nsid: int, identify: nvme.IdentifyNamespace) -> Namespace:
+        """The namespace ``nsid`` of this controller, which runs its commands."""
+        return Namespace(self, nsid, identify)
 
+    async def _identify_namespaces(self) -> None:
         nsids = nvme.parse_active_ns_list(await self.identify_raw(Cns.ACTIVE_NS_LIST))
         for nsid in nsids:
             ident = nvme.IdentifyNamespace.from_bytes(await self.identify_raw(Cns.NAMESPACE, nsid))
             if ident.nsze:
-                self.namespaces[nsid] = Namespace(self, nsid, ident)
+                self.namespaces[nsid] = self.new_namespace(nsid, ident)
 
     async def _keep_alive(self, kato: float) -> None:
         """Send Keep Alive at half the negotiated timeout, as the kernel does.
