@@ -34,10 +34,8 @@ from typing import Any
 
 import trio
 
-from ..concurrency import run_all
 from ..errors import NVMeoFError, TransportError
 from ..host.attached import Lease, attach
-from ..host.byterange import split_range
 from ..host.controller import ConnectOptions, make_transport
 from ..host.memory import Region
 from ..host.sync import SyncController
@@ -248,26 +246,15 @@ class DirectQueues:
         """Read ``size`` bytes at ``file_offset`` into ``region`` at ``at``.
 
         Whole LBAs land in place; the partial ones at either end come through a
-        one-LBA bounce buffer, and ``put(dest, bytes)`` stores the caller's part.
+        one-LBA bounce buffer, and ``put(dest, bytes)`` stores the caller's part
+        (the namespace's byte range does that: :meth:`Namespace.read_placed`).
         """
         ns = self._ctrl.namespaces[nsid]
         lba_size = ns.lba_size
         if not (file_offset % lba_size or size % lba_size):  # whole LBAs: the common case
             await ns.read_into(file_offset // lba_size, size // lba_size, region.ref(at, size))
-            self._moved["client_queue_read_bytes"] += size
-            return size
-        sp = split_range(file_offset, size, lba_size)
-        jobs = []
-        if sp.middle_nlb:
-            ref = region.ref(at + sp.middle.start, sp.middle.stop - sp.middle.start)
-            jobs.append(lambda: ns.read_into(sp.middle_slba, sp.middle_nlb, ref))
-        for edge in sp.edges():
-            async def read_edge(edge=edge) -> None:
-                data = await ns.lend_lbas(edge.lba, 1)  # lent: used before we yield again
-                put(edge.data.start, data[edge.start:edge.start + edge.data.stop -
-                                          edge.data.start])
-            jobs.append(read_edge)
-        await run_all(jobs)
+        else:
+            await ns.read_placed(file_offset, size, region.ref(at, size), put)
         self._moved["client_queue_read_bytes"] += size
         return size
 
