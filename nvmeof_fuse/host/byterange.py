@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import errno
 import functools
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
 from .. import nvme
@@ -166,13 +166,13 @@ class ByteRangeIO:
         if stats is None:
             data = await self.device.lend_lbas(first, last - first + 1)
         else:  # what _record does, inline: this runs for every read
-            start = time.perf_counter()
+            start = perf_counter()
             try:
                 data = await self.device.lend_lbas(first, last - first + 1)
             except Exception:
-                stats.record("read", 0, time.perf_counter() - start, ok=False)
+                stats.record("read", 0, perf_counter() - start, ok=False)
                 raise
-            stats.record("read", length, time.perf_counter() - start)
+            stats.record("read", length, perf_counter() - start)
         skip = offset - first * ls
         if skip == 0 and len(data) == length:
             return data
@@ -196,14 +196,14 @@ class ByteRangeIO:
         skip = offset - first * ls
         length = end - offset
         stats = self.stats
-        started = time.perf_counter()
+        started = perf_counter()
 
         def lent(view: memoryview | None) -> None:
             if view is None:
                 done(None)
                 return
             if stats is not None:
-                stats.record("read", length, time.perf_counter() - started)
+                stats.record("read", length, perf_counter() - started)
                 stats.add("callback_reads")
             done(view[skip:skip + length])
 
@@ -278,12 +278,12 @@ class ByteRangeIO:
         if held is None:
             return False
         stats = self.stats
-        started = time.perf_counter()
+        started = perf_counter()
 
         def landed(ok: bool) -> None:
             lock.release(held)
             if ok and stats is not None:
-                stats.record("write", length, time.perf_counter() - started)
+                stats.record("write", length, perf_counter() - started)
                 stats.add("callback_writes")
             done(ok)
 
@@ -296,18 +296,18 @@ class ByteRangeIO:
         """What :meth:`write` does for whole LBAs, without the machinery for edges: one
         command under a shared lock (the common case of every O_DIRECT writer)."""
         stats = self.stats
-        start = time.perf_counter()
+        start = perf_counter()
         req = await self.lock.acquire([(slba, slba + len(data) // self.device.lba_size, False)])
         try:
             await self.device.write_lbas(slba, data)
         except Exception:
             if stats is not None:
-                stats.record("write", 0, time.perf_counter() - start, ok=False)
+                stats.record("write", 0, perf_counter() - start, ok=False)
             raise
         finally:
             self.lock.release(req)
         if stats is not None:
-            stats.record("write", len(data), time.perf_counter() - start, ok=True)
+            stats.record("write", len(data), perf_counter() - start, ok=True)
 
     async def write_placed(
         self,
@@ -354,13 +354,13 @@ class ByteRangeIO:
         if self.stats is None:
             yield
             return
-        start = time.perf_counter()
+        start = perf_counter()
         try:
             yield
         except Exception:
-            self.stats.record(op, 0, time.perf_counter() - start, ok=False)
+            self.stats.record(op, 0, perf_counter() - start, ok=False)
             raise
-        self.stats.record(op, nbytes, time.perf_counter() - start, ok=True)
+        self.stats.record(op, nbytes, perf_counter() - start, ok=True)
 
 
 class LbaIO:
