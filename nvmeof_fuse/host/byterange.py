@@ -3,10 +3,10 @@
 :class:`ByteRangeIO` turns byte offsets and lengths into LBAs, and counts every read and
 write in the namespace's statistics, whether a task waits for it (:meth:`~ByteRangeIO.read_lent`)
 or a callback answers it (:meth:`~ByteRangeIO.start_read_lent`).  Below it, :class:`LbaIO`
-moves a namespace's whole LBAs over an I/O path (a controller, or anything with its
-``io_command``/``start_io`` and bounce pool, such as a multipath head): commands split at the
-transfer limit, data in registered memory or through bounce buffers.  Calls only go down:
-Namespace -> ByteRangeIO -> LbaIO -> the I/O path (tests/test_read_path.py checks it).
+moves a namespace's whole LBAs over its :class:`~nvmeof_fuse.host.io.CommandIssuer` (a
+controller, or a multipath head over several): commands split at the transfer limit, data in
+registered memory or through bounce buffers.  Calls only go down: Namespace -> ByteRangeIO ->
+LbaIO -> the CommandIssuer (tests/test_read_path.py checks it).
 
 Partial first/last LBAs of a write are read-modify-written. Concurrent writers
 must never lose each other's bytes, so every write holds a range lock
