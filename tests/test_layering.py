@@ -153,7 +153,6 @@ def test_the_import_graph_holds_function_local_and_type_checking_imports(tmp_pat
     assert circles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
 
 
-@pytest.mark.xfail(strict=False, reason="admin/cli circle: being broken by the CLI package")
 def test_no_module_imports_itself_round_a_circle():
     """No import circle, not even one hidden inside functions or under TYPE_CHECKING."""
     assert circles(import_graph()) == []
