@@ -31,7 +31,7 @@ reads into registered host memory); the loop keeps the others, half at least (wr
 partial LBAs, CUDA).  Reads up to :data:`POLLED_MAX_BYTES` keep to the first, larger ones
 go to the one with fewer commands unanswered: large reads then cost the client far less CPU
 (no trip through its trio thread), and small ones poll one completion queue, cheaper than
-two (docs/performance-history.md, 2026-12-03, has the A/B)."""
+two (the A/B: docs/performance-history.md, "Figures that stood in docstrings")."""
 POLLED_MAX_BYTES = 128 * 1024
 """Reads up to this size keep to the first polled queue.  What a small read costs is CPU per
 command, which polling one queue saves; what a large one costs is the transfer, which the
