@@ -319,6 +319,8 @@ class MultipathController:
         self._closed = ""
         self._admit_lock = trio.Lock()
         self.failovers = 0
+        self._generation = 0  # of what is known of the paths: see _usable
+        self._usable_paths: dict[int, tuple[int, list[Path], list[Path]]] = {}
         self._direct: Path | None = None  # the one path commands go straight to
         self._baseline = (0, 0)  # the namespaces' (ops, bytes) when it became so
         self._bind()
@@ -370,6 +372,9 @@ class MultipathController:
         self._wake()
 
     def _wake(self) -> None:
+        """Something about the paths changed: forget the usable paths worked out, and wake
+        those waiting for a path."""
+        self._generation += 1
         self._changed.set()
         self._changed = trio.Event()
 
@@ -770,11 +775,32 @@ class MultipathController:
             if path.ctrl is not None and queue in path.ctrl.io_queues:
                 path.ctrl.io_failed(queue, exc)
 
-    def _choose(self, nsid: int, skip: set[int]) -> Path | None:
-        def state(path: Path) -> AnaState | None:
-            return None if path.index in skip else path.usable_state(nsid)
+    def _usable(self, nsid: int) -> tuple[list[Path], list[Path]]:
+        """The paths that may take a command for ``nsid``: (optimized, non-optimized), worked
+        out again only after something changed (:meth:`_wake`)."""
+        known = self._usable_paths.get(nsid)
+        if known is not None and known[0] == self._generation:
+            return known[1], known[2]
+        optimized, fallback = [], []
+        for path in self.paths:
+            state = path.usable_state(nsid)
+            if state is AnaState.OPTIMIZED:
+                optimized.append(path)
+            elif state is not None:
+                fallback.append(path)
+        self._usable_paths[nsid] = (self._generation, optimized, fallback)
+        return optimized, fallback
 
-        return self.selector.choose(self.paths, state, _outstanding)
+    def _choose(self, nsid: int, skip: set[int]) -> Path | None:
+        optimized, fallback = self._usable(nsid)
+        if skip:
+            optimized = [p for p in optimized if p.index not in skip]
+            fallback = [p for p in fallback if p.index not in skip]
+        path = self.selector.pick(optimized, fallback, _outstanding)
+        if path is not None and (path.ctrl is None or not path.ctrl.live):
+            self._wake()  # its controller changed state just now: look again
+            return self._choose(nsid, skip)
+        return path
 
     async def _io_multipath(self, sqe: bytearray, data: DataRef | None = None, *,
                             to_controller: bool = False) -> Completion:
@@ -828,6 +854,7 @@ class MultipathController:
                 if is_ana_error(completion.sct, completion.sc):
                     path.ana.mark_pending()
                     path.kick()
+                    self._wake()
                 path.failovers += 1
                 self.failovers += 1
                 failovers += 1
