@@ -243,6 +243,7 @@ class Path:
         """Commands that failed here and ran again on another path."""
         self.losses = 0
         self.reconnects = 0
+        self.connected_once = False
         self.removed = trio.Event()
         self._kick = trio.Event()
 
@@ -378,9 +379,11 @@ class MultipathController:
         self._changed.set()
         self._changed = trio.Event()
 
-    async def add_path(self, options: ConnectOptions) -> Path:
+    async def add_path(self, options: ConnectOptions, *, must_connect: bool = True) -> Path:
         """Connect a path and admit it; PathRefused (one line) if it cannot serve this
-        mount, the connect error if it cannot be reached."""
+        mount.  If it cannot be reached: the connect error, or with ``must_connect`` False
+        (a mount's further paths) the path joins anyway and is connected in the background
+        every ``--reconnect-delay``, as a path that was lost."""
         if self._closed:
             raise ControllerLost(self._closed)
         if self.nqn and options.nqn != self.nqn:
@@ -392,7 +395,7 @@ class MultipathController:
                                   "of this mount")
         path = Path(self._next_index, options)
         self._next_index += 1
-        await self._nursery.start(self._run_path, path)
+        await self._nursery.start(self._run_path, path, must_connect)
         return path
 
     async def remove_path(self, uri: str) -> Path:
@@ -415,7 +418,8 @@ class MultipathController:
         known = ", ".join(p.uri for p in self.paths) or "none"
         raise InvalidArgument(f"{uri} is not a path of this mount (its paths: {known})")
 
-    async def _run_path(self, path: Path, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_path(self, path: Path, must_connect: bool = True, *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
         """A path's life: connect and admit (errors go to :meth:`add_path`'s caller), serve,
         and while it is not removed connect anew each time its controller gives up."""
         started = False
@@ -429,8 +433,13 @@ class MultipathController:
                     raise
                 log.error("%s: %s; it stays out until connected again", path.name, exc)
             except NVMeoFError as exc:
-                if not started:
+                if not started and must_connect:
                     raise
+                if not started:  # a mount's further path: it joins, and comes when it can
+                    self.paths.append(path)
+                    self._bind()
+                    task_status.started(path)
+                    started = True
                 log.warning("%s: connect failed: %s", path.name, exc)
             if path.removed.is_set():
                 return
@@ -446,8 +455,9 @@ class MultipathController:
             if not started:
                 self.paths.append(path)
                 task_status.started(path)
-            else:
+            if path.connected_once:
                 path.reconnects += 1
+            path.connected_once = True
             try:
                 self._attach(path, ctrl)
                 await self._serve_path(path, ctrl)
@@ -986,7 +996,8 @@ async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
     """Connect the paths (the first one first: it sets the subsystem and namespaces) and
     yield the head; on exit every path's controller shuts down and the memory is freed.
 
-    A path that cannot be reached or is refused fails the whole connect, in one line.
+    The first path must connect; a further one that cannot be reached joins anyway and is
+    connected in the background.  A refused path fails the whole connect, in one line.
     """
     if not paths:
         raise InvalidArgument("a mount needs at least one path")
@@ -998,8 +1009,8 @@ async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
             async with trio.open_nursery() as nursery:
                 head = MultipathController(nursery, policy=policy, connect=connect_path)
                 try:
-                    for options in paths:
-                        await head.add_path(options)
+                    for i, options in enumerate(paths):
+                        await head.add_path(options, must_connect=i == 0)
                     yield head
                 finally:
                     head.close(f"the mount of {head.nqn or paths[0].nqn} is closed")
