@@ -185,6 +185,27 @@ class Controller:
             completion.raise_for_status(nvme.command.command_name(sqe, admin=False))
         return completion
 
+    async def io_once(self, sqe: bytearray, data: DataRef | None = None, *,
+                      to_controller: bool = False) -> Completion:
+        """One try of an NVM command on this controller, for a multipath head that runs it
+        again elsewhere: its completion, whatever the status.  A lost connection or a
+        timeout raises, once the queues it went on are torn down (the reconnect that
+        follows does that first): the target can no longer move ``data`` then."""
+        queue = self.pick_queue(data.length if data is not None else 0)
+        sent_in = self.teardowns
+        try:
+            return await queue.execute(sqe, data, to_controller=to_controller,
+                                       timeout=self.options.timeout)
+        except (TransportError, CommandTimeout) as exc:
+            self.connection_lost(queue, exc)
+            await self._torn_down(sent_in)
+            raise
+
+    @property
+    def outstanding(self) -> int:
+        """Commands in flight on the I/O queues."""
+        return sum(queue.size - 1 - queue.available for queue in self.io_queues)
+
     def start_io(self, sqe: bytearray, data: DataRef | None,
                  done: Callable[[Finished], None], *, to_controller: bool = False
                  ) -> Queue | None:
@@ -205,6 +226,16 @@ class Controller:
         """A command :meth:`start_io` sent on ``queue`` failed with it: reconnect now, so
         that running it again waits for the new connection."""
         self.connection_lost(queue, exc)
+
+    @property
+    def failing_io(self) -> str:
+        """Why I/O fails fast while reconnecting (``--fast-io-fail-tmo``); '' if it does not."""
+        return self._failing_io
+
+    @property
+    def dead_reason(self) -> str:
+        """Why the controller is gone for good ('' while it is not)."""
+        return self._dead_reason
 
     @property
     def live(self) -> bool:

@@ -28,6 +28,7 @@ from ..errors import CommandTimeout, NVMeoFError, TransportError
 from ..nvme import Cns, FeatureId
 from ..nvme import command as cmd
 from ..nvme.events import (
+    AEN_ANA_CHANGE,
     AEN_NS_ATTRIBUTE,
     CHANGED_NS_LIST,
     CHANGED_NS_LIST_BYTES,
@@ -139,6 +140,9 @@ class AsyncEvents:
         self.ctrl = ctrl
         self.new_namespace = new_namespace
         self.listeners: list[Listener] = []
+        self.ana_listeners: list[Callable[[], None]] = []
+        """Told of each ANA-change notice (a multipath head reads the ANA log page then,
+        which also lets the controller report the next one)."""
         self.events = 0  # AER completions seen
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -177,16 +181,23 @@ class AsyncEvents:
             await self.ctrl.wait_changed()
 
     async def _configure(self) -> None:
-        """Ask for namespace attribute notices where the controller offers them."""
+        """Ask for namespace attribute and ANA change notices where the controller offers
+        them (nvmet sends an ANA change only to controllers that asked)."""
         ident = self.ctrl.identify
-        if ident is None or not ident.oaes & AEN_NS_ATTRIBUTE:
+        wanted = ident.oaes & (AEN_NS_ATTRIBUTE | AEN_ANA_CHANGE) if ident is not None else 0
+        if not wanted:
             return
         try:
-            await self.ctrl.set_features(FeatureId.ASYNC_EVENT_CONFIG, AEN_NS_ATTRIBUTE)
+            await self.ctrl.set_features(FeatureId.ASYNC_EVENT_CONFIG, wanted)
         except NVMeoFError as exc:
-            log.warning("cannot enable namespace attribute notices: %s", exc)
+            log.warning("cannot enable namespace attribute and ANA change notices: %s", exc)
 
     async def _handle(self, event: AsyncEvent) -> None:
+        if event.ana_changed:
+            log.debug("asynchronous event: %s", event.describe())
+            for listener in list(self.ana_listeners):
+                listener()
+            return
         if not event.namespace_changed:
             log.info("asynchronous event: %s", event.describe())
             return

@@ -241,6 +241,12 @@ def test_mount_fuse3_runs_us_as_the_readme_says(tmp_path):
     argv = Path(tmp_path / "argv").read_text().splitlines()
     assert argv == [URI, "/mnt/x", "-o", "rw,ctrl_loss_tmo=-1,dev,suid"]
     assert helper_argv(argv) == ["mount", "--ctrl-loss-tmo", "-1", "--daemon", URI, "/mnt/x"]
+    path = URI.replace("rdma", "tcp").replace("192.0.2.1", "192.0.2.2")  # the README's fstab
+    subprocess.run([helper, URI, "/mnt/x", "-o", f"path={path},iopolicy=queue-depth,_netdev",
+                    "-t", "fuse.nvmeof-fuse"], env=env, check=True, timeout=30)
+    argv = Path(tmp_path / "argv").read_text().splitlines()
+    assert argv[3].startswith(f"path={path},iopolicy=queue-depth"), argv
+    assert helper_argv(argv)[:4] == ["mount", "--path", path, "--iopolicy"]
 
 
 @pytest.mark.skipif(not os.access("/dev/fuse", os.W_OK) or shutil.which("fusermount3") is None,
@@ -271,3 +277,12 @@ def test_uri_with_nsid_mounts_one_namespace_under_our_fstype(tmp_path):
             proc.wait(timeout=STEP)
         if any(m.mountpoint == str(mnt) for m in read_mountinfo()):
             subprocess.run(["fusermount3", "-uz", str(mnt)], timeout=STEP, check=False)
+
+
+def test_paths_and_iopolicy_as_fstab_keys():
+    uri1, uri2 = "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1", "nvme+rdma://[fe80::1]/nqn.x:y"
+    argv = helper_argv(["nvme+rdma://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
+                        "-o", f"path={uri1},path={uri2},iopolicy=round-robin,_netdev"])
+    assert argv[argv.index("--path") + 1] == uri1
+    assert argv.count("--path") == 2 and uri2 in argv
+    assert argv[argv.index("--iopolicy") + 1] == "round-robin"
