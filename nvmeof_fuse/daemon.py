@@ -43,6 +43,20 @@ async def flush_all(ctrl: Any) -> None:
         log.info("flushed %s", ", ".join(flushed))
 
 
+def paths_connect(mopts: Any) -> Callable[[Any], Any]:
+    """How a mount connects: a multipath head over ``conn`` (path 0) and ``mopts.paths``
+    with ``mopts.iopolicy``; with one path it hands commands straight to its controller,
+    and paths can still be added to it (``nvmeof-fuse add-path``)."""
+    from nvmeof_fuse.host import multipath
+
+    def connect(conn: Any) -> Any:
+        extra = [multipath.path_options(conn, uri) for uri in getattr(mopts, "paths", ())]
+        return multipath.connect([conn, *extra],
+                                 policy=getattr(mopts, "iopolicy", "queue-depth"))
+
+    return connect
+
+
 async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                       connect: Any = None, stop: trio.Event | None = None) -> None:
     """Serve ``conn``'s controller at ``mountpoint`` until unmounted or ``stop`` is set.
@@ -56,7 +70,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     from nvmeof_fuse.fs.mount import check_fuse_server, check_mountpoint_async, serve
 
     if connect is None:
-        from nvmeof_fuse.host.controller import connect
+        connect = paths_connect(mopts)
     path = await check_mountpoint_async(mountpoint)  # fail before connecting
     check_fuse_server(mopts.fuse)
     async with connect(conn) as ctrl:

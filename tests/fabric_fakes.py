@@ -20,8 +20,11 @@ import trio
 
 from nvmeof_fuse.errors import CommandTimeout, ConnectError, TransportError
 from nvmeof_fuse.nvme import Completion
+from nvmeof_fuse.nvme.ana import AnaLogPage, AnaState
+from nvmeof_fuse.nvme.identify import NamespaceIds
 
 OPC_WRITE, OPC_READ = 0x01, 0x02
+OPC_GET_LOG_PAGE, OPC_IDENTIFY, CNS_NS_DESCRIPTORS, LID_ANA = 0x02, 0x06, 0x03, 0x0C
 
 
 class FakeRegistration:
@@ -115,7 +118,7 @@ class FakeQueue:
             await trio.sleep(0.001)  # the target takes a moment
             if not self.target.up or self.failed is not None:
                 continue  # lost with the connection: its caller hears from fail()
-            request.completion = self.target.run(request.sqe, request.data)
+            request.completion = self.target.run(request.sqe, request.data, admin=not self.qid)
             self._finish(request)
 
     def fail(self, error: Exception) -> None:
@@ -144,12 +147,43 @@ class FakeTarget:
         self.up = True
         self.transports: list[FakeTransport] = []
         self.statuses: list[int] = []  # error statuses for the next I/O commands, in turn
+        # as one port of a multipath subsystem: its ANA state (of group 1, holding NSID 1)
+        # and namespace identifiers, answered to Get Log Page 0Ch and Identify CNS 03h
+        self.ana_state = AnaState.OPTIMIZED
+        self.ana_chgcnt = 1
+        self.ns_ids = NamespaceIds(nguid=bytes(range(16)))
+        self.io_count = 0
 
-    def run(self, sqe: bytes, data) -> Completion:
-        """Run an I/O command (other commands just succeed); its completion."""
+    def set_ana(self, state: AnaState) -> None:
+        self.ana_state = state
+        self.ana_chgcnt += 1
+
+    def _admin(self, sqe: bytes, data) -> Completion:
+        opcode, cdw10 = sqe[0], int.from_bytes(sqe[40:44], "little")
+        payload = b""
+        if opcode == OPC_IDENTIFY and cdw10 & 0xFF == CNS_NS_DESCRIPTORS:
+            payload = self.ns_ids.to_descriptors()
+        elif opcode == OPC_GET_LOG_PAGE and cdw10 & 0xFF == LID_ANA:
+            page = AnaLogPage.of({1: (self.ana_state, (1,))}, chgcnt=self.ana_chgcnt)
+            payload = page.to_bytes()
+        if payload and data is not None:
+            n = min(len(payload), data.length)
+            ctypes.memmove(data.region.addr + data.offset, payload, n)
+        return Completion(0, 0, 0, 0, 0, True)
+
+    def run(self, sqe: bytes, data, admin: bool = False) -> Completion:
+        """Run a command: reads, writes and some admin commands as the target would
+        (others just succeed); its completion."""
+        if admin:
+            return self._admin(sqe, data)
         opcode = sqe[0]
         if opcode in (OPC_READ, OPC_WRITE) and self.statuses:
             return Completion(0, 0, 1, 0, self.statuses.pop(0), True)
+        if opcode in (OPC_READ, OPC_WRITE) and not self.ana_state.usable:
+            sc = {AnaState.PERSISTENT_LOSS: 0x01, AnaState.INACCESSIBLE: 0x02}.get(
+                self.ana_state, 0x03)  # nvmet_check_ana_state, no DNR
+            return Completion(0, 0, 1, 0, 0x300 | sc, True)
+        self.io_count += 1
         if opcode in (OPC_READ, OPC_WRITE):
             slba = int.from_bytes(sqe[40:48], "little")
             nlb = int.from_bytes(sqe[48:50], "little") + 1

@@ -56,15 +56,15 @@ def test_the_filesystem_and_the_companion_load_nothing_above_them(module):
 PACKAGE = Path(__file__).resolve().parent.parent / "nvmeof_fuse"
 
 
-def _module_name(path: Path) -> str:
-    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+def _module_name(path: Path, package: Path) -> str:
+    parts = path.relative_to(package.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Every nvmeof_fuse module's imports of others, all of them: at the top, inside
-    functions and under ``TYPE_CHECKING`` (read from the source, not run)."""
-    modules = {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+def import_graph(root: Path = PACKAGE) -> dict[str, set[str]]:
+    """Every module's imports of others in the package at ``root``, all of them: at the
+    top, inside functions and under ``TYPE_CHECKING`` (read from the source, not run)."""
+    modules = {_module_name(p, root): p for p in root.rglob("*.py")}
     graph: dict[str, set[str]] = {name: set() for name in modules}
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
@@ -136,3 +136,23 @@ def test_no_module_above_the_transports_names_one():
 
 def test_the_circle_finder_finds_one():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_the_import_graph_holds_function_local_and_type_checking_imports(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("def f():\n    from .sub import b\n")
+    (package / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..c import C\n")
+    (package / "c.py").write_text("import pkg.a\n")
+    graph = import_graph(package)
+    assert graph["pkg.a"] == {"pkg.sub.b"} and graph["pkg.sub.b"] == {"pkg.c"}
+    assert graph["pkg.c"] == {"pkg.a"}
+    assert circles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+def test_no_module_imports_itself_round_a_circle():
+    """No import circle, not even one hidden inside functions or under TYPE_CHECKING."""
+    assert circles(import_graph()) == []

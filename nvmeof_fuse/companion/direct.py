@@ -82,7 +82,8 @@ def lease_from(reply: dict) -> Lease:
                  queue_size=reply["queue_size"], in_capsule_bytes=reply["in_capsule_bytes"],
                  max_transfer=reply["max_transfer"],
                  namespaces=tuple(NamespaceShape(n, ls, nlb) for n, ls, nlb in
-                                  reply["namespaces"]))
+                                  reply["namespaces"]),
+                 traddr=reply.get("traddr"), trsvcid=reply.get("trsvcid"))
 
 
 def options_from(reply: dict, timeout: float) -> ConnectOptions:

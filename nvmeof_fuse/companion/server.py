@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from ..errors import InvalidArgument, NVMeoFError
+from ..host.multipath import path_options
 from . import protocol
 from .delegation import Delegations
 from .protocol import Piece, ProtocolError
@@ -263,6 +264,8 @@ class CompanionServer:
             return {}
         if op == "lease":
             return await self.lease(session, f(header, "want"))
+        if op in ("add_path", "remove_path"):
+            return await self.change_path(op, str(f(header, "uri", str)))
         if op == "unlease":
             self._unlease(session)
             return {}
@@ -281,6 +284,18 @@ class CompanionServer:
             session.report(header.get("moved") or {}, header.get("placement"))
             return {"stats": self.snapshot()}
         raise ProtocolError(f"unknown companion request {op!r}")
+
+    async def change_path(self, op: str, uri: str) -> dict[str, Any]:
+        """``nvmeof-fuse add-path`` / ``remove-path``: change the mount's paths (a refusal
+        is the one-line error the CLI prints)."""
+        head = self.controller
+        if not hasattr(head, "add_path"):
+            raise InvalidArgument("this mount has no multipath head: its paths cannot change")
+        if op == "add_path":
+            path = await head.add_path(path_options(head.paths[0].options, uri))
+        else:
+            path = await head.remove_path(uri)
+        return {"index": path.index, "uri": path.uri}
 
     def _unlease(self, session: Session) -> None:
         if session.qids:
@@ -308,6 +323,9 @@ class CompanionServer:
         which waits for the reconnect.
         """
         ctrl = self.controller
+        if hasattr(ctrl, "lease_controller"):  # a multipath head: leases live on a path
+            await self._revoke_leases_of_lost_paths(ctrl)
+            return
         told = False  # since the controller was last live (resetting, then connecting: once)
         while True:
             if await ctrl.next_state() == "live":
@@ -320,6 +338,19 @@ class CompanionServer:
                 if session.qids and session.notify is not None:
                     await session.notify({"event": "revoked", "state": ctrl.state})
 
+    async def _revoke_leases_of_lost_paths(self, head: Any) -> None:
+        """Each client's queues are on one path's controller: when that one stops being
+        live, tell the client, which asks again and gets a live path (its own again when
+        it is back first)."""
+        while True:
+            await head.wait_changed()
+            for session in list(self.sessions):
+                lessor = session.lessor
+                if (session.qids and session.notify is not None and lessor is not None
+                        and not lessor.live):
+                    session.lessor = None  # told once; the next lease names the path
+                    await session.notify({"event": "revoked", "state": lessor.state})
+
     async def lease(self, session: Session, want: int) -> dict[str, Any]:
         """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting).
 
@@ -330,10 +361,18 @@ class CompanionServer:
         if why:
             raise NoLease(why)
         ctrl = self.controller
+        choose = getattr(ctrl, "lease_controller", None)  # a multipath head: pick a path
         with session.waiting() as wait:
-            await ctrl.wait_live(fail_fast=False)
+            if choose is not None:
+                ctrl = await choose(session.lease_place)
+            else:
+                await ctrl.wait_live(fail_fast=False)
         if wait.cancelled_caught:
             raise NoLease("the client went away while waiting for its lease")
+        if choose is not None:
+            opts = ctrl.options
+            session.lessor = ctrl
+            session.lease_place = (opts.transport, opts.traddr, opts.trsvcid)
         if not session.qids:
             taken = {q for s in self.sessions for q in s.qids}
             free = [q for q in ctrl.lease_qids if q not in taken]

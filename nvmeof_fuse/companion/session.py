@@ -109,6 +109,8 @@ class Session:
         self.counts = dict.fromkeys(PATH_COUNTERS, 0)
         self.placement: dict[str, str] = {}  # kind of memory -> how the client moves it
         self.qids: list[int] = []  # leased queue IDs
+        self.lessor: Any = None  # with several paths: the path's controller they are on
+        self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
         self.write_locks: dict[int, trio.Event] = {}  # token -> set to release the lock
         self.next_token = 0
         self._waits: set[trio.CancelScope] = set()  # lease and lock waits under way

@@ -165,3 +165,37 @@ def _section(title: str, fields: dict[str, Any]) -> str:
     width = max(len(k) for k in fields)
     body = "\n  ".join(f"{k.ljust(width)} : {v}" for k, v in fields.items())
     return f"{title}:\n  {body}\n"
+
+
+PATH_COLUMNS = (("path", "index"), ("transport", "transport"), ("address", None),
+                ("cntlid", "cntlid"), ("ana group", "ana_group"), ("ana state", "ana_state"),
+                ("state", "state"), ("usable", "usable"), ("outstanding", "outstanding"),
+                ("ios", "ios"), ("bytes", "bytes"), ("losses", "losses"),
+                ("reconnects", "reconnects"))
+
+
+def paths_list(ctrl: Any) -> list[dict[str, Any]]:
+    """``paths.json``: one object per path of a multipath mount (none without paths)."""
+    snapshot = getattr(ctrl, "paths_snapshot", None)
+    return snapshot() if snapshot is not None else []
+
+
+def paths_text(ctrl: Any) -> bytes:
+    """``paths``: the paths as a table, the I/O policy first."""
+    rows = [[title for title, _ in PATH_COLUMNS]]
+    for path in paths_list(ctrl):
+        row = []
+        for _, key in PATH_COLUMNS:
+            if key is None:
+                value = f"{path['traddr']}:{path['trsvcid']}"
+            else:
+                value = path[key]
+            row.append("-" if value is None else str(value).lower()
+                       if isinstance(value, bool) else str(value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    policy = getattr(ctrl, "policy", None)
+    lines = [f"iopolicy: {policy}"] if policy else []
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+              for r in rows]
+    return ("\n".join(lines) + "\n").encode()

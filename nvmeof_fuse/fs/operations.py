@@ -144,6 +144,9 @@ class NamespaceFS:
         add_info("stats", lambda: info.stats_text(ctrl, companion))
         add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl, companion)))
         add_info("companion.json", lambda: info.to_json(info.companion_dict(companion)))
+        if hasattr(ctrl, "paths_snapshot"):  # a multipath head (every mount the CLI makes)
+            add_info("paths", lambda: info.paths_text(ctrl))
+            add_info("paths.json", lambda: info.to_json(info.paths_list(ctrl)))
         for nsid in sorted(ctrl.namespaces):
             if self.options.nsid is not None and nsid != self.options.nsid:
                 continue

@@ -23,3 +23,5 @@ class MountOptions:
     nsid: int | None = None  # show only this namespace (a URI's ``/NSID``); None: all
     source: str | None = None  # what /proc/self/mountinfo shows as the source (fsname)
     fuse: str = "builtin"  # the FUSE server, one of FUSE_SERVERS
+    paths: tuple[str, ...] = ()  # further paths to the subsystem (URIs): --path, -o path=
+    iopolicy: str = "queue-depth"  # how commands spread over the paths (host.iopolicy)

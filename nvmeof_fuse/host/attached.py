@@ -67,6 +67,10 @@ class Lease:
     in_capsule_bytes: int
     max_transfer: int
     namespaces: tuple[NamespaceShape, ...]
+    traddr: str | None = None
+    """Where the lease's controller is (a multipath mount leases on one of its paths):
+    the queues connect there, following the lease when it moves to another path."""
+    trsvcid: int | None = None
 
 
 LeaseSource = Callable[[], Awaitable[Lease]]
@@ -119,6 +123,7 @@ class AttachedController(Controller):
         """
         self.lease = lease
         self.cntlid = lease.cntlid
+        self._follow_path(lease)
         for attempt in range(QID_BUSY_RETRIES + 1):
             try:
                 self.io_queues = [await self._connect_one(qid, lease) for qid in lease.qids]
@@ -130,6 +135,18 @@ class AttachedController(Controller):
                     raise
                 log.debug("a leased queue is still held on the target; trying again")
                 await trio.sleep(QID_BUSY_DELAY)
+
+    def _follow_path(self, lease: Lease) -> None:
+        """A lease on another path of a multipath mount: connect the queues there (the same
+        transport, so the memory registered with it stays valid)."""
+        transport = self.transport
+        if lease.traddr is None or not hasattr(transport, "traddr"):
+            return
+        port = lease.trsvcid if lease.trsvcid is not None else transport.trsvcid
+        if (transport.traddr, transport.trsvcid) != (lease.traddr, port):
+            log.info("leased queues move to %s:%s", lease.traddr, port)
+            transport.traddr, transport.trsvcid = lease.traddr, port
+            self.options.traddr, self.options.trsvcid = lease.traddr, port
 
     async def _connect_one(self, qid: int, lease: Lease):
         queue = await self.transport.connect_queue(self._nursery, qid, lease.queue_size,

@@ -42,6 +42,7 @@ from . import auth
 from .events import AsyncEvents
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
+from .namespace import Namespace
 from .options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
 from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
@@ -95,7 +96,7 @@ class Controller:
         self.cap: nvme.Capabilities | None = None
         self.version = ""
         self.identify: nvme.IdentifyController | None = None
-        self.namespaces: dict = {}
+        self.namespaces: dict[int, Namespace] = {}
         self.max_transfer = BOUNCE_CHUNK_MAX
         self.bounce: BouncePool | None = None
         self._scratch: Region | None = None
@@ -111,7 +112,7 @@ class Controller:
         self._lost_reason = ""
         self._dead_reason = ""
         self._failing_io = ""  # set while I/O fails fast during a reconnect
-        self.events = AsyncEvents(self)  # AERs and namespace rescans, once live
+        self.events = AsyncEvents(self, self.new_namespace)  # AERs and rescans, once live
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
         self.teardowns = 0
@@ -184,6 +185,27 @@ class Controller:
             completion.raise_for_status(nvme.command.command_name(sqe, admin=False))
         return completion
 
+    async def io_once(self, sqe: bytearray, data: DataRef | None = None, *,
+                      to_controller: bool = False) -> Completion:
+        """One try of an NVM command on this controller, for a multipath head that runs it
+        again elsewhere: its completion, whatever the status.  A lost connection or a
+        timeout raises, once the queues it went on are torn down (the reconnect that
+        follows does that first): the target can no longer move ``data`` then."""
+        queue = self.pick_queue(data.length if data is not None else 0)
+        sent_in = self.teardowns
+        try:
+            return await queue.execute(sqe, data, to_controller=to_controller,
+                                       timeout=self.options.timeout)
+        except (TransportError, CommandTimeout) as exc:
+            self.connection_lost(queue, exc)
+            await self._torn_down(sent_in)
+            raise
+
+    @property
+    def outstanding(self) -> int:
+        """Commands in flight on the I/O queues."""
+        return sum(queue.size - 1 - queue.available for queue in self.io_queues)
+
     def start_io(self, sqe: bytearray, data: DataRef | None,
                  done: Callable[[Finished], None], *, to_controller: bool = False
                  ) -> Queue | None:
@@ -204,6 +226,16 @@ class Controller:
         """A command :meth:`start_io` sent on ``queue`` failed with it: reconnect now, so
         that running it again waits for the new connection."""
         self.connection_lost(queue, exc)
+
+    @property
+    def failing_io(self) -> str:
+        """Why I/O fails fast while reconnecting (``--fast-io-fail-tmo``); '' if it does not."""
+        return self._failing_io
+
+    @property
+    def dead_reason(self) -> str:
+        """Why the controller is gone for good ('' while it is not)."""
+        return self._dead_reason
 
     @property
     def live(self) -> bool:
@@ -655,14 +687,16 @@ class Controller:
         self._change_state(LIVE)
         await self._nursery.start(self.events.run)
 
-    async def _identify_namespaces(self) -> None:
-        from .namespace import Namespace
+    def new_namespace(self, nsid: int, identify: nvme.IdentifyNamespace) -> Namespace:
+        """The namespace ``nsid`` of this controller, which runs its commands."""
+        return Namespace(self, nsid, identify)
 
+    async def _identify_namespaces(self) -> None:
         nsids = nvme.parse_active_ns_list(await self.identify_raw(Cns.ACTIVE_NS_LIST))
         for nsid in nsids:
             ident = nvme.IdentifyNamespace.from_bytes(await self.identify_raw(Cns.NAMESPACE, nsid))
             if ident.nsze:
-                self.namespaces[nsid] = Namespace(self, nsid, ident)
+                self.namespaces[nsid] = self.new_namespace(nsid, ident)
 
     async def _keep_alive(self, kato: float) -> None:
         """Send Keep Alive at half the negotiated timeout, as the kernel does.

@@ -7,6 +7,10 @@ notice reads the Changed Namespace List (which also lets the controller report
 the next one) and rescans those namespaces; a reconnect rescans them all.  Each
 change is applied to ``controller.namespaces``, logged in one line, and handed to
 the listeners (the mount adds, removes or resizes its files).
+
+This module knows the controller and its namespaces only by what it uses of them
+(:class:`EventSource`, :class:`ScannedNamespace`); the controller hands it the
+factory that makes a namespace it finds.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ import logging
 import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import trio
 
@@ -24,17 +28,15 @@ from ..errors import CommandTimeout, NVMeoFError, TransportError
 from ..nvme import Cns, FeatureId
 from ..nvme import command as cmd
 from ..nvme.events import (
+    AEN_ANA_CHANGE,
     AEN_NS_ATTRIBUTE,
     CHANGED_NS_LIST,
     CHANGED_NS_LIST_BYTES,
     AsyncEvent,
     parse_changed_ns_list,
 )
-from .state import LIVE
-
-if TYPE_CHECKING:
-    from .controller import Controller
-    from .namespace import Namespace
+from ..transport.base import Queue
+from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)
 
@@ -59,15 +61,54 @@ class NamespaceChange:
 Listener = Callable[[list[NamespaceChange]], Awaitable[None]]
 
 
-async def rescan(ctrl: Controller, nsids: list[int] | None = None) -> list[NamespaceChange]:
-    """Look at ``nsids`` (all of them: None) again; apply and return what changed."""
-    from .namespace import Namespace
+class ScannedNamespace(Protocol):
+    """What a rescan changes of a namespace it knows."""
 
+    size: int
+
+    def resize(self, identify: nvme.IdentifyNamespace) -> int | None: ...
+
+    def remove(self, reason: str) -> None: ...
+
+
+NewNamespace = Callable[[int, nvme.IdentifyNamespace], ScannedNamespace]
+"""Makes the namespace a rescan found, from its nsid and Identify data."""
+
+
+class EventSource(Protocol):
+    """What the AER loop and the rescan use of a controller."""
+
+    admin: Queue | None
+    identify: nvme.IdentifyController | None
+    namespaces: dict[int, Any]
+    options: Any  # its ``nqn`` names the subsystem in messages
+
+    @property
+    def state(self) -> CtrlState: ...
+
+    async def wait_connected(self) -> bool: ...
+
+    async def wait_changed(self) -> None: ...
+
+    def connection_lost(self, queue: Queue | None, exc: BaseException) -> None: ...
+
+    async def identify_raw(self, cns: int, nsid: int = 0) -> bytes: ...
+
+    async def get_log_page(self, lid: int, length: int, offset: int = 0) -> bytes: ...
+
+    async def set_features(self, fid: int, cdw11: int) -> int: ...
+
+
+async def rescan(ctrl: EventSource, nsids: list[int] | None,
+                 new_namespace: NewNamespace) -> list[NamespaceChange]:
+    """Look at ``nsids`` (all of them: None) again; apply and return what changed.
+
+    A namespace found anew is made by ``new_namespace``."""
     active = set(nvme.parse_active_ns_list(await ctrl.identify_raw(Cns.ACTIVE_NS_LIST)))
     wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
     changes = []
     for nsid in wanted:
-        ns: Namespace | None = ctrl.namespaces.get(nsid)
+        ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
         ident = None
         if nsid in active:
             ident = nvme.IdentifyNamespace.from_bytes(
@@ -80,7 +121,7 @@ async def rescan(ctrl: Controller, nsids: list[int] | None = None) -> list[Names
                 ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
                 changes.append(NamespaceChange("removed", nsid, ns.size, 0))
         elif ns is None:
-            ns = ctrl.namespaces[nsid] = Namespace(ctrl, nsid, ident)
+            ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
             changes.append(NamespaceChange("added", nsid, 0, ns.size))
         else:
             old = ns.resize(ident)
@@ -92,11 +133,16 @@ async def rescan(ctrl: Controller, nsids: list[int] | None = None) -> list[Names
 
 
 class AsyncEvents:
-    """Keeps an AER outstanding on ``ctrl``'s admin queue and rescans on namespace changes."""
+    """Keeps an AER outstanding on ``ctrl``'s admin queue and rescans on namespace changes
+    (making the namespaces it finds with ``new_namespace``)."""
 
-    def __init__(self, ctrl: Controller) -> None:
+    def __init__(self, ctrl: EventSource, new_namespace: NewNamespace) -> None:
         self.ctrl = ctrl
+        self.new_namespace = new_namespace
         self.listeners: list[Listener] = []
+        self.ana_listeners: list[Callable[[], None]] = []
+        """Told of each ANA-change notice (a multipath head reads the ANA log page then,
+        which also lets the controller report the next one)."""
         self.events = 0  # AER completions seen
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -135,16 +181,23 @@ class AsyncEvents:
             await self.ctrl.wait_changed()
 
     async def _configure(self) -> None:
-        """Ask for namespace attribute notices where the controller offers them."""
+        """Ask for namespace attribute and ANA change notices where the controller offers
+        them (nvmet sends an ANA change only to controllers that asked)."""
         ident = self.ctrl.identify
-        if ident is None or not ident.oaes & AEN_NS_ATTRIBUTE:
+        wanted = ident.oaes & (AEN_NS_ATTRIBUTE | AEN_ANA_CHANGE) if ident is not None else 0
+        if not wanted:
             return
         try:
-            await self.ctrl.set_features(FeatureId.ASYNC_EVENT_CONFIG, AEN_NS_ATTRIBUTE)
+            await self.ctrl.set_features(FeatureId.ASYNC_EVENT_CONFIG, wanted)
         except NVMeoFError as exc:
-            log.warning("cannot enable namespace attribute notices: %s", exc)
+            log.warning("cannot enable namespace attribute and ANA change notices: %s", exc)
 
     async def _handle(self, event: AsyncEvent) -> None:
+        if event.ana_changed:
+            log.debug("asynchronous event: %s", event.describe())
+            for listener in list(self.ana_listeners):
+                listener()
+            return
         if not event.namespace_changed:
             log.info("asynchronous event: %s", event.describe())
             return
@@ -158,7 +211,7 @@ class AsyncEvents:
 
     async def _rescan(self, nsids: list[int] | None) -> None:
         try:
-            changes = await rescan(self.ctrl, nsids)
+            changes = await rescan(self.ctrl, nsids, self.new_namespace)
         except NVMeoFError as exc:
             if self.ctrl.state is LIVE:
                 log.warning("namespace rescan failed: %s", exc)

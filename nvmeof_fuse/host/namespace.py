@@ -18,18 +18,19 @@ from ..concurrency import run_all
 from ..errors import InvalidArgument, NamespaceRemoved
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO, LbaRangeLock
+from .io import CommandIssuer
 from .memory import DataRef
 from .stats import IoStats
 
 if TYPE_CHECKING:
     from ..transport.base import Finished
-    from .controller import Controller
 
 
 class Namespace:
-    """One active namespace of a connected controller."""
+    """One active namespace; ``controller`` runs its commands (a :class:`Controller`, or
+    anything else that is a :class:`~nvmeof_fuse.host.io.CommandIssuer`)."""
 
-    def __init__(self, controller: Controller, nsid: int,
+    def __init__(self, controller: CommandIssuer, nsid: int,
                  identify: nvme.IdentifyNamespace) -> None:
         self.controller = controller
         self.nsid = nsid
@@ -216,7 +217,7 @@ class Namespace:
         read again with :meth:`read_lent`, which retries, reconnects or
         raises the error).  It must not raise.  False, with nothing sent, when the read
         needs more than that, the controller is not live, or the queue it picks has no slot
-        for it (:meth:`Controller.start_io`)."""
+        for it (:meth:`CommandIssuer.start_io`)."""
         ls = self.lba_size
         end = min(offset + length, self.size)
         if self.removed or offset < 0 or end <= offset:

@@ -2,11 +2,12 @@
 
 ``command`` builds 64-byte SQEs, ``sgl`` the 16-byte data descriptors,
 ``completion`` parses CQEs, ``status`` names and maps status codes, ``fabrics``
-decodes controller properties, ``identify`` and ``logpage`` parse returned data.
+decodes controller properties, ``identify``, ``logpage`` and ``ana`` parse returned data.
 Nothing here does I/O.
 """
 
 from . import command, constants, sgl
+from .ana import AnaLogPage, AnaState
 from .command import set_command_id
 from .completion import Completion
 from .constants import (
@@ -29,7 +30,13 @@ from .fabrics import (
     cc_shutdown_value,
     decode_version,
 )
-from .identify import IdentifyController, IdentifyNamespace, LbaFormat, parse_active_ns_list
+from .identify import (
+    IdentifyController,
+    IdentifyNamespace,
+    LbaFormat,
+    NamespaceIds,
+    parse_active_ns_list,
+)
 from .logpage import DiscoveryLogEntry, DiscoveryLogPage, ErrorLogEntry, SmartLog
 from .sgl import NULL_SGL, in_capsule_data, keyed_data_block
 from .status import NVMeStatusError, connect_invalid_parameter, status_errno, status_name
@@ -40,6 +47,8 @@ __all__ = [
     "NSID_ALL",
     "NULL_SGL",
     "AdminOpcode",
+    "AnaLogPage",
+    "AnaState",
     "Capabilities",
     "Cns",
     "Completion",
@@ -55,6 +64,7 @@ __all__ = [
     "IoOpcode",
     "LbaFormat",
     "LogPageId",
+    "NamespaceIds",
     "NVMeStatusError",
     "Property",
     "SmartLog",

@@ -103,6 +103,7 @@ class LogPageId(IntEnum):
     SMART = 0x02
     FIRMWARE_SLOT = 0x03
     CHANGED_NS_LIST = 0x04
+    ANA = 0x0C
     DISCOVERY = 0x70
 
 

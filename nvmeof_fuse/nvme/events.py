@@ -19,6 +19,8 @@ CHANGED_NS_LIST_BYTES = 4096
 _OVERFLOW = 0xFFFFFFFF
 AEN_NS_ATTRIBUTE = 1 << 8
 """Asynchronous Event Configuration (and OAES): Namespace Attribute Notices."""
+AEN_ANA_CHANGE = 1 << 11
+"""Asynchronous Event Configuration (and OAES): Asymmetric Namespace Access Change Notices."""
 
 
 class AsyncEventType(IntEnum):
@@ -55,6 +57,11 @@ class AsyncEvent:
         return (self.type == AsyncEventType.NOTICE
                 and self.info == NoticeInfo.NAMESPACE_ATTRIBUTE_CHANGED)
 
+    @property
+    def ana_changed(self) -> bool:
+        """An ANA group changed state: read the ANA log page (0Ch) again."""
+        return self.type == AsyncEventType.NOTICE and self.info == NoticeInfo.ANA_CHANGE
+
     def describe(self) -> str:
         try:
             kind = AsyncEventType(self.type).name.lower().replace("_", " ")
@@ -87,5 +94,5 @@ def parse_changed_ns_list(data: BytesLike) -> list[int] | None:
 
 CHANGED_NS_LIST = LogPageId.CHANGED_NS_LIST
 
-__all__ = ["AEN_NS_ATTRIBUTE", "CHANGED_NS_LIST", "CHANGED_NS_LIST_BYTES", "AsyncEvent",
-           "AsyncEventType", "NoticeInfo", "parse_changed_ns_list"]
+__all__ = ["AEN_ANA_CHANGE", "AEN_NS_ATTRIBUTE", "CHANGED_NS_LIST", "CHANGED_NS_LIST_BYTES",
+           "AsyncEvent", "AsyncEventType", "NoticeInfo", "parse_changed_ns_list"]

@@ -1,4 +1,5 @@
-"""Identify data: controller (CNS 01h), namespace (CNS 00h), active namespace list (CNS 02h).
+"""Identify data: controller (CNS 01h), namespace (CNS 00h), active namespace list (CNS 02h),
+namespace identification descriptor list (CNS 03h).
 
 Offsets: NVMe Base 2.0 "Identify Controller Data Structure" and NVM Command
 Set 1.0 "Identify Namespace Data Structure" (Linux ``struct nvme_id_ctrl`` /
@@ -10,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Any
 
 from ._fields import BytesLike, buffer, le, text
@@ -70,6 +72,13 @@ class IdentifyController:
     ofcs: int
     crdt: tuple[int, int, int] = (0, 0, 0)
     """Command Retry Delay Times 1-3, in 100 ms units (a status's CRD picks one)."""
+    anatt: int = 0
+    """ANA Transition Time: seconds a group may stay in the change state."""
+    anacap: int = 0
+    anagrpmax: int = 0
+    nanagrpid: int = 0
+    mnan: int = 0
+    """Maximum Number of Allowed Namespaces (0: not reported, NN applies)."""
 
     @classmethod
     def from_bytes(cls, data: BytesLike) -> IdentifyController:
@@ -126,7 +135,22 @@ class IdentifyController:
             msdbd=u8(1803),
             ofcs=u16(1804),
             crdt=(u16(128), u16(130), u16(132)),
+            anatt=u8(342),
+            anacap=u8(343),
+            anagrpmax=u32(344),
+            nanagrpid=u32(348),
+            mnan=u32(540),
         )
+
+    @property
+    def ana_reporting(self) -> bool:
+        """CMIC bit 3: the controller reports Asymmetric Namespace Access (ANA log, AEN)."""
+        return bool(self.cmic & 0x8)
+
+    @property
+    def multi_controller(self) -> bool:
+        """CMIC bit 1: the subsystem may have two or more controllers (paths)."""
+        return bool(self.cmic & 0x2)
 
     def max_transfer_bytes(self, page_size: int) -> int | None:
         """MDTS in bytes for CAP.MPSMIN ``page_size``; None when unlimited (MDTS 0)."""
@@ -177,6 +201,8 @@ class IdentifyNamespace:
     nguid: bytes
     eui64: bytes
     lbaf: tuple[LbaFormat, ...]
+    anagrpid: int = 0
+    """The ANA group the namespace belongs to (0: none reported)."""
 
     @classmethod
     def from_bytes(cls, data: BytesLike) -> IdentifyNamespace:
@@ -197,6 +223,7 @@ class IdentifyNamespace:
             nguid=bytes(v[104:120]),
             eui64=bytes(v[120:128]),
             lbaf=lbaf,
+            anagrpid=le(v, 92, 4),
         )
 
     @property
@@ -242,3 +269,104 @@ def parse_active_ns_list(data: BytesLike) -> list[int]:
             break
         nsids.append(nsid)
     return nsids
+
+
+class Nidt(IntEnum):
+    """Namespace Identifier Types of the descriptor list (NVMe Base 2.0, "NIDT")."""
+
+    EUI64 = 0x1
+    NGUID = 0x2
+    UUID = 0x3
+    CSI = 0x4
+
+
+_NIDL = {Nidt.EUI64: 8, Nidt.NGUID: 16, Nidt.UUID: 16, Nidt.CSI: 1}
+_NID_NAMES = {Nidt.EUI64: "EUI-64", Nidt.NGUID: "NGUID", Nidt.UUID: "UUID", Nidt.CSI: "CSI"}
+_DESC_HEADER = 4
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceIds:
+    """A namespace's identifiers: all zero where not reported (the kernel's
+    ``struct nvme_ns_ids``).  Two paths reach the same namespace only when these are
+    equal (:meth:`mismatch`, as ``nvme_ns_ids_equal``)."""
+
+    eui64: bytes = bytes(8)
+    nguid: bytes = bytes(16)
+    uuid: bytes = bytes(16)
+    csi: int = 0
+
+    @classmethod
+    def from_descriptors(cls, data: BytesLike, base: NamespaceIds | None = None
+                         ) -> NamespaceIds:
+        """Parse a Namespace Identification Descriptor list (Identify CNS 03h).
+
+        Each descriptor is NIDT (1 byte), NIDL (1 byte), 2 reserved bytes, then NIDL
+        bytes; the list ends at a descriptor with NIDL 0 or at the end of the data.
+        Identifiers found replace those of ``base`` (e.g. from Identify Namespace, as
+        the kernel's ``nvme_report_ns_ids`` does); unknown types are skipped, a known
+        type with the wrong length raises ValueError.
+        """
+        buffer("namespace identification descriptor list", data, _DESC_HEADER)
+        v = memoryview(data).cast("B")
+        found = dataclasses.asdict(base or cls())
+        pos = 0
+        while pos + _DESC_HEADER <= len(v):
+            nidt, nidl = v[pos], v[pos + 1]
+            if nidl == 0:
+                break
+            body = bytes(v[pos + _DESC_HEADER : pos + _DESC_HEADER + nidl])
+            if len(body) < nidl:
+                raise ValueError(f"namespace identification descriptor type {nidt} runs "
+                                 f"past the end of the list ({nidl} bytes)")
+            expected = _NIDL.get(nidt)  # type: ignore[call-overload]
+            if expected is not None:
+                if nidl != expected:
+                    raise ValueError(f"namespace identification descriptor "
+                                     f"{_NID_NAMES[Nidt(nidt)]} has length {nidl}, "
+                                     f"expected {expected}")
+                if nidt == Nidt.CSI:
+                    found["csi"] = body[0]
+                else:
+                    found[Nidt(nidt).name.lower()] = body
+            pos += _DESC_HEADER + nidl
+        return cls(**found)
+
+    @classmethod
+    def from_identify(cls, ident: IdentifyNamespace) -> NamespaceIds:
+        """The EUI64 and NGUID fields of Identify Namespace."""
+        return cls(eui64=ident.eui64, nguid=ident.nguid)
+
+    def to_descriptors(self, size: int = IDENTIFY_DATA_SIZE) -> bytes:
+        """Encode the non-zero identifiers as a descriptor list (for fakes), zero-padded."""
+        out = bytearray()
+        for nidt, value in ((Nidt.EUI64, self.eui64), (Nidt.NGUID, self.nguid),
+                            (Nidt.UUID, self.uuid)):
+            if any(value):
+                out += struct.pack("<BBxx", nidt, len(value)) + value
+        out += struct.pack("<BBxxB", Nidt.CSI, 1, self.csi)
+        return bytes(out.ljust(size, b"\0"))
+
+    @property
+    def reported(self) -> bool:
+        """Whether any identifier is non-zero (else two namespaces cannot be told apart)."""
+        return any(self.eui64) or any(self.nguid) or any(self.uuid)
+
+    def mismatch(self, other: NamespaceIds) -> str:
+        """'' when equal (as the kernel's ``nvme_ns_ids_equal``), else which identifier
+        differs and both values, e.g. ``NGUID 00..01 != 00..02``."""
+        for name, a, b in (("UUID", self.uuid, other.uuid), ("NGUID", self.nguid, other.nguid),
+                           ("EUI-64", self.eui64, other.eui64)):
+            if a != b:
+                return f"{name} {_hex(a)} != {_hex(b)}"
+        if self.csi != other.csi:
+            return f"CSI {self.csi} != {other.csi}"
+        return ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"eui64": self.eui64.hex(), "nguid": self.nguid.hex(), "uuid": self.uuid.hex(),
+                "csi": self.csi}
+
+
+def _hex(value: bytes) -> str:
+    return value.hex() if any(value) else "(none)"

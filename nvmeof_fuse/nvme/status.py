@@ -20,6 +20,15 @@ SCT_MEDIA = 0x2
 SCT_PATH = 0x3
 SCT_VENDOR = 0x7
 
+SC_INTERNAL_PATH_ERROR = 0x00
+SC_ANA_PERSISTENT_LOSS = 0x01
+SC_ANA_INACCESSIBLE = 0x02
+SC_ANA_TRANSITION = 0x03
+SC_CONTROLLER_PATH_ERROR = 0x60
+SC_HOST_PATH_ERROR = 0x70
+SC_HOST_ABORTED = 0x71
+"""Path Related Status codes (SCT 3h)."""
+
 SC_CONNECT_INVALID_PARAMETERS = 0x82
 """Fabrics SCT 1 code whose completion DW0 names the bad field (IATTR/IPO)."""
 
@@ -236,6 +245,27 @@ def status_errno(sct: int, sc: int, fabrics: bool = False) -> int:
     if sct == SCT_PATH and (sct, sc) not in _ERRNO:
         return _errno.ENOLINK
     return _ERRNO.get((sct, sc), _errno.EIO)
+
+
+def is_path_error(sct: int, sc: int) -> bool:
+    """A Path Related Status (SCT 3h): the path, not the command, failed, so another path
+    may serve it (the kernel's ``nvme_is_path_error``)."""
+    return sct == SCT_PATH
+
+
+def is_ana_error(sct: int, sc: int) -> bool:
+    """An ANA status (301h persistent loss, 302h inaccessible, 303h transition): the
+    controller is alive but its ANA state changed; read the ANA log again
+    (the kernel's ``nvme_is_ana_error``)."""
+    return sct == SCT_PATH and sc in (SC_ANA_PERSISTENT_LOSS, SC_ANA_INACCESSIBLE,
+                                      SC_ANA_TRANSITION)
+
+
+def fails_over(sct: int, sc: int, dnr: bool) -> bool:
+    """Whether a multipath head runs a command that failed with this status again on
+    another path at once, as the kernel's ``nvme_decide_disposition`` returns FAILOVER:
+    a path error without Do Not Retry."""
+    return not dnr and sct == SCT_PATH
 
 
 _CONNECT_SQE_FIELDS = {40: "RECFMT", 42: "QID", 44: "SQSIZE", 46: "CATTR", 48: "KATO"}

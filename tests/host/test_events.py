@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from functools import partial
 from types import SimpleNamespace
 
 import pytest
@@ -50,7 +51,7 @@ def test_rescan_adds_removes_and_resizes_and_logs_each_change_in_one_line(caplog
     ctrl = controller(target, {1: 100, 2: 200, 3: 50})
     removed = ctrl.namespaces[3]
     with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.events"):
-        changes = trio.run(rescan, ctrl, None)
+        changes = trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
     assert changes == [NamespaceChange("resized", 2, 200 * 512, 300 * 512),
                        NamespaceChange("removed", 3, 50 * 512, 0),
                        NamespaceChange("added", 4, 0, 8 * 512)]
@@ -64,7 +65,7 @@ def test_rescan_adds_removes_and_resizes_and_logs_each_change_in_one_line(caplog
 def test_rescan_of_a_changed_list_looks_only_at_those():
     target = Target({1: 100, 2: 999})
     ctrl = controller(target, {1: 100, 2: 200})
-    assert trio.run(rescan, ctrl, [1]) == []
+    assert trio.run(rescan, ctrl, [1], partial(Namespace, ctrl)) == []
     assert ctrl.namespaces[2].nlb == 200
 
 
@@ -109,7 +110,7 @@ def test_each_event_is_handled_and_the_request_re_armed():
             return True
 
         ctrl.wait_connected = wait_connected
-        events = AsyncEvents(ctrl)
+        events = AsyncEvents(ctrl, partial(Namespace, ctrl))
         events.listeners.append(listener)
         async with trio.open_nursery() as nursery:
             await nursery.start(events.run)
@@ -131,7 +132,7 @@ def test_a_failed_rescan_warns_only_while_the_controller_is_live(caplog, state):
     ctrl = SimpleNamespace(state=state, identify_raw=identify_raw, namespaces={},
                            options=SimpleNamespace(nqn="nqn.2014-08.org.example:t"))
     with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
-        trio.run(AsyncEvents(ctrl)._rescan, None)
+        trio.run(AsyncEvents(ctrl, partial(Namespace, ctrl))._rescan, None)
     if state is LIVE:
         assert caplog.messages == ["namespace rescan failed: Identify failed: Command Sequence "
                                    "Error (sct 0x0, sc 0x0c, dnr)"]

@@ -29,3 +29,10 @@ def test_changed_namespace_list_ends_at_the_first_zero():
 
 def test_an_overflowing_list_means_look_at_everything():
     assert parse_changed_ns_list(struct.pack("<I", 0xFFFFFFFF) + bytes(4092)) is None
+
+
+def test_an_ana_change_notice_is_recognised():
+    event = AsyncEvent.from_dw0(0x0C << 16 | 0x03 << 8 | AsyncEventType.NOTICE)
+    assert event.ana_changed and not event.namespace_changed
+    assert event.describe() == "ana change (log page 0x0c)"
+    assert not AsyncEvent.from_dw0(0x03 << 8 | AsyncEventType.SMART).ana_changed

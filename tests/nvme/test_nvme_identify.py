@@ -10,6 +10,7 @@ import pytest
 from nvmeof_fuse.nvme.identify import (
     IdentifyController,
     IdentifyNamespace,
+    NamespaceIds,
     parse_active_ns_list,
 )
 
@@ -128,3 +129,69 @@ def test_active_ns_list():
     assert parse_active_ns_list(bytes(4096)) == []
     full = struct.pack("<1024I", *range(1, 1025))
     assert parse_active_ns_list(full)[-1] == 1024
+
+
+def test_identify_controller_ana_fields_at_the_kernel_offsets():
+    b = bytearray(controller_buffer())
+    b[342], b[343] = 10, 0x1F  # ANATT, ANACAP as nvmet sets them
+    struct.pack_into("<II", b, 344, 128, 128)  # ANAGRPMAX, NANAGRPID
+    struct.pack_into("<I", b, 540, 1024)  # MNAN
+    c = IdentifyController.from_bytes(bytes(b))
+    assert (c.anatt, c.anacap, c.anagrpmax, c.nanagrpid, c.mnan) == (10, 0x1F, 128, 128, 1024)
+    assert c.ana_reporting and c.multi_controller  # CMIC 0x0B: bits 0, 1, 3
+    b[76] = 0x03
+    assert not IdentifyController.from_bytes(bytes(b)).ana_reporting
+
+
+def test_identify_namespace_anagrpid():
+    b = bytearray(4096)
+    struct.pack_into("<Q", b, 0, 100)
+    struct.pack_into("<I", b, 92, 3)
+    b[128 + 2] = 9
+    assert IdentifyNamespace.from_bytes(bytes(b)).anagrpid == 3
+
+
+NGUID = bytes(range(16))
+UUID = bytes(range(16, 32))
+
+
+def nvmet_desclist(uuid=UUID, nguid=NGUID, csi=0):
+    """As nvmet_execute_identify_desclist: UUID, NGUID (non-zero ones), CSI, zeroes."""
+    out = b""
+    if any(uuid):
+        out += struct.pack("<BBxx", 3, 16) + uuid
+    if any(nguid):
+        out += struct.pack("<BBxx", 2, 16) + nguid
+    out += struct.pack("<BBxxB", 4, 1, csi)
+    return out.ljust(4096, b"\0")
+
+
+def test_descriptor_list_parses_what_nvmet_sends():
+    ids = NamespaceIds.from_descriptors(nvmet_desclist())
+    assert (ids.uuid, ids.nguid, ids.eui64, ids.csi) == (UUID, NGUID, bytes(8), 0)
+    assert ids.reported
+
+
+def test_descriptor_list_overrides_identify_namespace_and_round_trips():
+    base = NamespaceIds(eui64=b"\x01" * 8, nguid=b"\x02" * 16)
+    ids = NamespaceIds.from_descriptors(nvmet_desclist(uuid=bytes(16)), base)
+    assert ids.eui64 == b"\x01" * 8 and ids.nguid == NGUID
+    assert NamespaceIds.from_descriptors(ids.to_descriptors()) == ids
+
+
+def test_descriptor_list_skips_unknown_types_and_refuses_bad_lengths():
+    data = struct.pack("<BBxx", 0x7, 2) + b"xy" + struct.pack("<BBxx", 2, 16) + NGUID
+    assert NamespaceIds.from_descriptors(data.ljust(64, b"\0")).nguid == NGUID
+    with pytest.raises(ValueError, match="NGUID has length 8, expected 16"):
+        NamespaceIds.from_descriptors(struct.pack("<BBxx", 2, 8) + bytes(8))
+    with pytest.raises(ValueError, match="past the end"):
+        NamespaceIds.from_descriptors(struct.pack("<BBxx", 2, 16) + bytes(4))
+
+
+def test_ids_mismatch_is_nvme_ns_ids_equal():
+    a = NamespaceIds.from_descriptors(nvmet_desclist())
+    assert a.mismatch(NamespaceIds.from_descriptors(nvmet_desclist())) == ""
+    other = NamespaceIds.from_descriptors(nvmet_desclist(nguid=bytes(range(1, 17))))
+    assert other.mismatch(a).startswith("NGUID 0102") and "!= 000102" in other.mismatch(a)
+    assert a.mismatch(NamespaceIds(nguid=NGUID, uuid=UUID, csi=2)) == "CSI 0 != 2"
+    assert "UUID" in a.mismatch(NamespaceIds(nguid=NGUID))  # a missing id differs too

@@ -8,6 +8,9 @@ import pytest
 from nvmeof_fuse.nvme.status import (
     NVMeStatusError,
     connect_invalid_parameter,
+    fails_over,
+    is_ana_error,
+    is_path_error,
     status_errno,
     status_name,
 )
@@ -99,3 +102,22 @@ def test_error_attributes_and_message():
     assert str(e) == "Read failed: Unrecovered Read Error (sct 0x2, sc 0x81, dnr)"
     # The IATTR/IPO detail only applies to Fabrics commands.
     assert "Connect data" not in str(NVMeStatusError(0x182, "Write", result=1 << 16))
+
+
+@pytest.mark.parametrize("sct, sc, path, ana", [
+    (3, 0x00, True, False),  # Internal Path Error
+    (3, 0x01, True, True),  # Asymmetric Access Persistent Loss
+    (3, 0x02, True, True),  # Asymmetric Access Inaccessible
+    (3, 0x03, True, True),  # Asymmetric Access Transition
+    (3, 0x60, True, False),  # Controller Pathing Error
+    (3, 0x70, True, False),  # Host Pathing Error
+    (3, 0x71, True, False),  # Command Aborted By Host
+    (0, 0x06, False, False),  # Internal Error: retried on the same path, not failed over
+    (0, 0x22, False, False),  # Transient Transport Error
+    (2, 0x81, False, False),  # Unrecovered Read Error
+])
+def test_path_and_ana_errors_as_the_kernel_classifies_them(sct, sc, path, ana):
+    assert is_path_error(sct, sc) is path
+    assert is_ana_error(sct, sc) is ana
+    assert fails_over(sct, sc, dnr=False) is path
+    assert not fails_over(sct, sc, dnr=True)  # Do Not Retry: on no path

@@ -11,8 +11,8 @@ import pytest
 from nvmet import null_blk, subsystem
 from vm import wait_for
 
+from nvmeof_fuse.cli.mounthelper import SYSTEMD_PATH
 from nvmeof_fuse.fs.mount import read_mountinfo
-from nvmeof_fuse.mounthelper import SYSTEMD_PATH
 
 ROOT = "/tmp/nvmeof-admin"
 TIMEOUT = 600  # s: a mount takes two Python start-ups in the slow guest

@@ -19,7 +19,7 @@ import threading
 import pytest
 from kernel_initiator import connected, pread_direct, pwrite_direct
 
-from nvmeof_fuse.cli import _read_line
+from nvmeof_fuse.cli.mount import read_line
 from nvmeof_fuse.fs.mount import read_mountinfo
 
 MNT = "/tmp/nvmeof-test"
@@ -242,7 +242,7 @@ def test_sigint_sigterm_and_fusermount_each_flush_unmount_and_disconnect(fabric,
             os.close(wfd)
             daemons.append((stop, point, proc, rfd))
         for _, _, proc, rfd in daemons:
-            status = _read_line(rfd, TIMEOUT)
+            status = read_line(rfd, TIMEOUT)
             os.close(rfd)
             if status is None:  # no word within TIMEOUT: show what it logged so far
                 proc.kill()

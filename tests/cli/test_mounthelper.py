@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import FOREGROUND, STEP, host, one_line_error  # noqa: F401  (host: a fixture)
+from cli_fakes import FOREGROUND, SECRET, STEP, one_line_error
 
-from nvmeof_fuse import cli, mounthelper
+from nvmeof_fuse.cli import entry, mount, mounthelper
+from nvmeof_fuse.cli.mounthelper import apply_source, helper_argv, install_helper, key_to_args
 from nvmeof_fuse.errors import InvalidArgument
 from nvmeof_fuse.fs.mount import read_mountinfo
-from nvmeof_fuse.mounthelper import apply_source, helper_argv, install_helper, key_to_args
 
 NQN = "nqn.2014-08.org.example:s1"
 URI = f"nvme+rdma://192.0.2.1:4421/{NQN}"
@@ -53,7 +53,7 @@ def test_helper_form_errors(argv, match):
 
 def test_every_mount_option_is_an_o_key(capsys):
     with pytest.raises(SystemExit):
-        cli.main(["mount", "--help"])
+        entry.main(["mount", "--help"])
     longs = set(re.findall(r"--([a-z][a-z_-]+)", capsys.readouterr().out))
     flags = {f.split()[0] for f, _ in mounthelper.KEYS.values()}
     missing = {o for o in longs if f"--{o}" not in flags} - {"help", "daemon", "namespace-id",
@@ -63,7 +63,6 @@ def test_every_mount_option_is_an_o_key(capsys):
         assert key_to_args(f"{key}=1" if takes_value else key)[:len(flag.split())] == flag.split()
 
 
-SECRET = "DHHC-1:00:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:"
 
 
 def test_dhchap_secret_files_as_o_keys():
@@ -99,7 +98,7 @@ def test_ignored_keys():
 
 
 def source_args(*argv):
-    args = cli.parse_args(["mount", *argv, "/m"])
+    args = entry.parse_args(["mount", *argv, "/m"])
     apply_source(args)
     return args
 
@@ -128,7 +127,7 @@ def test_source_errors(argv, match):
         source_args(*argv)
 
 
-def test_mount_with_a_uri_connects_there(capsys, host, tmp_path):  # noqa: F811
+def test_mount_with_a_uri_connects_there(capsys, host, tmp_path):
     one_line_error(capsys, ["mount", f"{URI}/2", str(tmp_path)],
                    "namespace 2 is not active on the controller (active: 1)")
     c = host.connects[0]
@@ -146,23 +145,23 @@ def test_mount_with_a_uri_connects_there(capsys, host, tmp_path):  # noqa: F811
         ([URI, "/m", "-o", "ctrl_loss_tmo=soon"], "--ctrl-loss-tmo 'soon' is not a number"),
     ],
 )
-def test_helper_form_errors_are_one_line(capsys, host, argv, match):  # noqa: F811
+def test_helper_form_errors_are_one_line(capsys, host, argv, match):
     one_line_error(capsys, argv, match)
     assert host.connects == []
 
 
-def test_helper_form_refuses_an_inline_secret_in_one_line(capsys, host, tmp_path):  # noqa: F811
+def test_helper_form_refuses_an_inline_secret_in_one_line(capsys, host, tmp_path):
     """What mount(8) runs for an fstab line with dhchap_secret=: refused before any daemon."""
     err = one_line_error(capsys, [URI, str(tmp_path), "-o", f"_netdev,dhchap_secret={SECRET}"],
                          "mount option dhchap_secret= is refused: mount options are readable")
     assert SECRET[10:-1] not in err and not host.connects
 
 
-def test_helper_form_spawns_the_daemon(host, tmp_path, monkeypatch):  # noqa: F811
+def test_helper_form_spawns_the_daemon(host, tmp_path, monkeypatch):
     spawned = []
-    monkeypatch.setattr(cli, "spawn_daemon",
+    monkeypatch.setattr(mount, "spawn_daemon",
                         lambda cmd, log_file, secrets: spawned.append(cmd) or 0)
-    assert cli.main([URI, str(tmp_path), "-o", "dev,suid,_netdev,keep_alive_tmo=7"]) == 0
+    assert entry.main([URI, str(tmp_path), "-o", "dev,suid,_netdev,keep_alive_tmo=7"]) == 0
     cmd = spawned[0]
     assert cmd[:3] == [sys.executable, "-m", "nvmeof_fuse.cli"] and "--daemon" not in cmd
     assert cmd[3:] == ["mount", "--keep-alive-tmo=7", URI, str(tmp_path)]
@@ -251,14 +250,14 @@ def test_uri_with_nsid_mounts_one_namespace_under_our_fstype(tmp_path):
     mnt = tmp_path / "mnt"
     mnt.mkdir()
     rfd, wfd = os.pipe()
-    script = FOREGROUND.format(tests=str(Path(__file__).resolve().parent))
+    script = FOREGROUND.format(tests=str(Path(__file__).resolve().parent.parent))
     uri = f"nvme+rdma://192.0.2.1/{NQN}/2"
     proc = subprocess.Popen([sys.executable, "-c", script, "mount", uri, "--ready-fd", str(wfd),
                              str(mnt)], pass_fds=(wfd,), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     os.close(wfd)
     try:
-        status = cli._read_line(rfd, STEP)
+        status = mount.read_line(rfd, STEP)
         os.close(rfd)
         assert status == "ready", proc.stderr.read() if status == "" else status
         assert sorted(os.listdir(mnt)) == [".nvmeof", "n2"]

@@ -1,4 +1,5 @@
-"""The admin commands of the CLI: ``mount-all``, ``list`` of every mount, ``install-helper``."""
+"""The admin commands: ``mount-all`` (connect-all with a mount per subsystem) and
+``install-helper`` (for mount(8), fstab and systemd)."""
 
 from __future__ import annotations
 
@@ -6,19 +7,27 @@ import argparse
 import concurrent.futures
 import json
 import os
-import sys
-from collections.abc import Callable
 from typing import Any
 
-from nvmeof_fuse import cli, mountall
+from nvmeof_fuse.cli import mountall
+from nvmeof_fuse.cli.mount import daemon_command, mount_parser, spawn_daemon
+from nvmeof_fuse.cli.mountall import DISCOVERY_CONF, DiscoveryTarget, Outcome
+from nvmeof_fuse.cli.mounthelper import install_helper, key_to_args
+from nvmeof_fuse.cli.options import (
+    DISCOVERY_NQN,
+    UsageError,
+    add_connection,
+    connect_options,
+    mount_options,
+    one_line,
+)
 from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
-from nvmeof_fuse.mountall import DISCOVERY_CONF, DiscoveryTarget, Outcome
-from nvmeof_fuse.mounthelper import install_helper, key_to_args
 
 MAX_PARALLEL_MOUNTS = 4
 
 
-def add_parsers(sub: Any, add_connection: Callable[..., None]) -> None:
+def add_parsers(sub: Any) -> None:
+    """The ``mount-all`` and ``install-helper`` commands, in the subcommands ``sub``."""
     ma = sub.add_parser("mount-all", help="mount every subsystem a discovery controller lists "
                         "at ROOT/<subnqn> (connect-all)")
     add_connection(ma, port_help="discovery service id (default 8009 tcp, 4420 rdma)",
@@ -49,7 +58,7 @@ def _discovery_records(t: DiscoveryTarget) -> list[dict]:
                             hostnqn=t.hostnqn, hostid=t.hostid, hdr_digest=False,
                             data_digest=False)
     port = 8009 if t.transport == "tcp" else 4420
-    conn = cli.connect_options(ns, nqn=cli.DISCOVERY_NQN, default_port=port)
+    conn = connect_options(ns, nqn=DISCOVERY_NQN, default_port=port)
     return trio.run(discover, conn).to_dict().get("records", [])
 
 
@@ -61,21 +70,21 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
     for flag, value in (("-w", args.host_traddr), ("-q", args.hostnqn), ("-I", args.hostid)):
         if value is not None:
             common += [flag, value]
-    probe = cli.build_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
-                                           "nqn.2014-08.org.example:probe", "/"])
-    cli.connect_options(probe, nqn=probe.nqn, default_port=4420)  # secret files read
-    cli.mount_options(probe)
+    probe = mount_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
+                                       "nqn.2014-08.org.example:probe", "/"])
+    connect_options(probe, nqn=probe.nqn, default_port=4420)  # secret files read
+    mount_options(probe)
     return common, probe.log_file
 
 
 def _mount_one(o: Outcome, log_file: str | None) -> None:
     try:
         os.makedirs(o.mountpoint, exist_ok=True)
-        cmd, secrets = cli.daemon_command(o.argv)  # secret files made absolute
-        cli.spawn_daemon(cmd, log_file, secrets=secrets)
+        cmd, secrets = daemon_command(o.argv)  # secret files made absolute
+        spawn_daemon(cmd, log_file, secrets=secrets)
         o.status = "mounted"
-    except (NVMeoFError, cli.UsageError, OSError) as exc:
-        o.status, o.reason = "failed", cli._one_line(exc)
+    except (NVMeoFError, UsageError, OSError) as exc:
+        o.status, o.reason = "failed", one_line(exc)
 
 
 def cmd_mount_all(args: argparse.Namespace) -> int:
@@ -95,9 +104,9 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
     for t in targets:
         try:
             records += _discovery_records(t)
-        except (NVMeoFError, cli.UsageError) as exc:
-            failed.append(Outcome(cli.DISCOVERY_NQN, t.transport, t.traddr, t.trsvcid or "", "",
-                                  "failed", cli._one_line(exc)))
+        except (NVMeoFError, UsageError) as exc:
+            failed.append(Outcome(DISCOVERY_NQN, t.transport, t.traddr, t.trsvcid or "", "",
+                                  "failed", one_line(exc)))
     mounts = [(m.mountpoint, m.fstype) for m in read_mountinfo()]
     outcomes = failed + mountall.plan(records, args.root, mounts, common)
     todo = [o for o in outcomes if o.status == "mount"]
@@ -113,32 +122,7 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
     return 1 if any(o.status == "failed" for o in outcomes) else 0
 
 
-# --- list (every mount) and install-helper -----------------------------------------------
-
-
-def cmd_list_all(args: argparse.Namespace) -> int:
-    """Every nvmeof-fuse mount of this mount namespace, as ``nvme list`` lists controllers."""
-    import trio
-
-    from nvmeof_fuse.fs.mount import read_mountinfo
-
-    docs, texts, rc = [], [], 0
-    for m in read_mountinfo():
-        if m.fstype != mountall.FSTYPE:
-            continue
-        try:
-            doc = trio.run(cli._read_mount_info, m.mountpoint)
-        except (NVMeoFError, cli.UsageError) as exc:
-            print(f"{cli.PROG}: error: {cli._one_line(exc)}", file=sys.stderr)
-            rc = 1
-            continue
-        docs.append({"mountpoint": m.mountpoint, "source": m.source, **doc})
-        texts.append(cli.format_list(m.mountpoint, doc))
-    if args.output_format == "json":
-        print(json.dumps(docs, indent=2))
-    elif texts:
-        print("\n\n".join(texts))
-    return rc
+# --- install-helper ------------------------------------------------------------------
 
 
 def cmd_install_helper(args: argparse.Namespace) -> int:

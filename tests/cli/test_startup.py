@@ -11,12 +11,13 @@ import sys
 
 CHECK = """
 import sys
-from nvmeof_fuse import cli
-from nvmeof_fuse.mounthelper import apply_source
-args = cli.build_parser().parse_args(sys.argv[1:])
+from nvmeof_fuse.cli.entry import build_parser
+from nvmeof_fuse.cli.mounthelper import apply_source
+from nvmeof_fuse.cli.options import connect_options, mount_options
+args = build_parser().parse_args(sys.argv[1:])
 apply_source(args)
-conn = cli.connect_options(args, nqn=args.nqn, default_port=4420)
-cli.mount_options(args)
+conn = connect_options(args, nqn=args.nqn, default_port=4420)
+mount_options(args)
 print(conn.transport, conn.ctrl_loss_tmo, 'trio' in sys.modules)
 """
 MOUNT = ["mount", "-t", "tcp", "-a", "127.0.0.1", "-n", "nqn.2026-11.io.example:sub",

@@ -1,0 +1,227 @@
+"""The options every command shares: their checks, the connection's arguments, error lines.
+
+Option names follow nvme-cli. A bad value raises :class:`UsageError`, reported as one
+line like any other error (exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+from nvmeof_fuse.cli.mounthelper import refuse_secret_option
+from nvmeof_fuse.errors import NVMeoFError
+
+PROG = "nvmeof-fuse"
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+
+
+class UsageError(Exception):
+    """A bad option value; reported like any other error (exit 1)."""
+
+
+# --- option values ------------------------------------------------------------
+
+
+def _int(name: str, value: str | None, lo: int, hi: int) -> int | None:
+    if value is None:
+        return None
+    try:
+        n = int(value, 0)
+    except ValueError:
+        raise UsageError(f"{name} {value!r} is not an integer") from None
+    if not lo <= n <= hi:
+        raise UsageError(f"{name} {value} is out of range ({lo}-{hi})")
+    return n
+
+
+def _seconds(name: str, value: str, *, low: float = 0, high: float = 65535,
+             forever: bool = False, off: bool = False) -> float:
+    try:
+        s = float(value)
+    except ValueError:
+        raise UsageError(f"{name} {value!r} is not a number of seconds") from None
+    if not low <= s <= high:
+        also = ", or -1 for ever" if forever else ", or -1 for off" if off else ""
+        raise UsageError(f"{name} {value} is out of range ({low:.0f}-{high:.0f} s{also})")
+    return s
+
+
+def _mode(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        mode = int(value, 8)
+    except ValueError:
+        raise UsageError(f"--mode {value!r} is not an octal mode like 0660") from None
+    if not 0 <= mode <= 0o777:
+        raise UsageError(f"--mode {value} is out of range (0000-0777)")
+    return mode
+
+
+def _nqn(name: str, value: str | None) -> str | None:
+    if value is not None and (not value.startswith("nqn.") or len(value.encode()) > 223):
+        raise UsageError(f"{name} {value!r} is not an NQN (nqn.YYYY-MM.domain:..., <= 223 bytes)")
+    return value
+
+
+def _hostid(value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return str(uuid.UUID(value))
+    except ValueError:
+        raise UsageError(f"--hostid {value!r} is not a UUID") from None
+
+
+def mount_flags(values: list[str]) -> set[str]:
+    """The ``-o`` flags of ``mount`` (allow_other, fuse=SERVER), checked."""
+    flags = {f.strip() for v in values for f in v.split(",") if f.strip()}
+    for flag in flags:
+        refuse_secret_option(flag, on_command_line=True)
+    unknown = {f.partition("=")[0] for f in flags} - {"allow_other", "fuse"}  # values unsaid
+    if unknown:
+        raise UsageError(f"unsupported -o option(s): {', '.join(sorted(unknown))} "
+                         "(known: allow_other, fuse=SERVER)")
+    return flags
+
+
+def _fuse_server(args: argparse.Namespace) -> str:
+    """The FUSE server named by ``--fuse`` or ``-o fuse=`` (default: builtin, ours)."""
+    from nvmeof_fuse.fs.options import FUSE_SERVERS
+
+    items = (flag.partition("=") for flag in mount_flags(args.options))
+    named = {value for key, _, value in items if key == "fuse"}
+    if args.fuse is not None:
+        named.add(args.fuse)
+    if len(named) > 1:
+        raise UsageError(f"conflicting FUSE servers: {', '.join(sorted(named))}")
+    server = named.pop() if named else FUSE_SERVERS[0]
+    if server not in FUSE_SERVERS:
+        raise UsageError(f"unknown FUSE server {server!r} (known: {', '.join(FUSE_SERVERS)})")
+    return server
+
+
+def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) -> Any:
+    """ConnectOptions from the parsed nvme-cli style options."""
+    from nvmeof_fuse.host.options import ConnectOptions
+
+    kwargs: dict[str, Any] = {
+        "traddr": args.traddr,
+        "nqn": _nqn("--nqn", nqn),
+        "transport": args.transport or "rdma",
+        "trsvcid": _int("--trsvcid", args.trsvcid, 1, 65535) or default_port,
+        "host_traddr": args.host_traddr,
+        "hostnqn": _nqn("--hostnqn", args.hostnqn),
+        "hostid": _hostid(args.hostid),
+        "dhchap_secret": getattr(args, "dhchap_secret", None),  # discovery.conf has none
+        "dhchap_ctrl_secret": getattr(args, "dhchap_ctrl_secret", None),
+        "allow_insecure_secret_file": getattr(args, "allow_insecure_secret_file", False),
+        "hdr_digest": args.hdr_digest,
+        "data_digest": args.data_digest,
+    }
+    if args.command == "mount":
+        kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
+        kwargs["reconnect_delay"] = _seconds("--reconnect-delay", args.reconnect_delay, low=1)
+        kwargs["ctrl_loss_tmo"] = (-1.0 if args.ctrl_loss_tmo.strip() == "-1" else
+                                   _seconds("--ctrl-loss-tmo", args.ctrl_loss_tmo,
+                                            high=2**31, forever=True))
+        kwargs["fast_io_fail_tmo"] = (-1.0 if args.fast_io_fail_tmo.strip() == "-1" else
+                                      _seconds("--fast-io-fail-tmo", args.fast_io_fail_tmo,
+                                               high=2**31, off=True))
+        kwargs["nr_io_queues"] = _int("--nr-io-queues", args.nr_io_queues, 1, 65535)
+        companion_queues = _int("--companion-queues", args.companion_queues, 0, 65534)
+        if companion_queues is not None:
+            kwargs["companion_queues"] = companion_queues
+        queue_size = _int("--queue-size", args.queue_size, 2, 65536)
+        if queue_size is not None:
+            kwargs["queue_size"] = queue_size
+    opts = ConnectOptions(**kwargs)
+    opts.validate()
+    return opts
+
+
+def mount_options(args: argparse.Namespace) -> Any:
+    from nvmeof_fuse.fs.options import DEFAULT_MODE, MountOptions
+
+    mode = _mode(args.mode)
+    return MountOptions(
+        nsid=_int("--nsid", args.nsid, 1, 0xFFFFFFFE),
+        source=getattr(args, "fsname", None),  # set by apply_source
+        read_only=args.read_only,
+        allow_other="allow_other" in mount_flags(args.options),
+        uid=_int("--uid", args.uid, 0, 2**32 - 2),
+        gid=_int("--gid", args.gid, 0, 2**32 - 2),
+        mode=DEFAULT_MODE if mode is None else mode,
+        debug=args.debug,
+        fuse=_fuse_server(args),
+    )
+
+
+# --- arguments ------------------------------------------------------------------
+
+
+def add_connection(p: argparse.ArgumentParser, *, port_help: str,
+                   addr_required: bool = True) -> list[argparse.Action]:
+    """The connection's arguments (nvme-cli's names), shared by mount, discover, mount-all."""
+    return [
+        p.add_argument("-t", "--transport", choices=["rdma", "tcp"],
+                       help="rdma (default) or tcp"),
+        p.add_argument("-a", "--traddr", required=addr_required, help="target address"),
+        p.add_argument("-s", "--trsvcid", help=port_help),
+        p.add_argument("-w", "--host-traddr", help="local address to connect from"),
+        p.add_argument("-g", "--hdr-digest", action="store_true",
+                       help="NVMe/TCP header digests (CRC32C)"),
+        p.add_argument("-G", "--data-digest", action="store_true",
+                       help="NVMe/TCP data digests (CRC32C)"),
+        p.add_argument("-q", "--hostnqn", help="host NQN (default: /etc/nvme/hostnqn)"),
+        p.add_argument("-I", "--hostid", help="host UUID (default: /etc/nvme/hostid)"),
+        p.add_argument("-S", "--dhchap-secret", metavar="SECRET|FILE",
+                       help="DH-HMAC-CHAP host secret (DHHC-1:0N:...:), or better the path "
+                            "of a file (mode 0600) holding it"),
+        p.add_argument("-C", "--dhchap-ctrl-secret", metavar="SECRET|FILE",
+                       help="DH-HMAC-CHAP controller secret, or its file: authenticate the "
+                            "target too"),
+        p.add_argument("--allow-insecure-secret-file", action="store_true",
+                       help="read secret files that group or others may access (refused "
+                            "otherwise, as ssh refuses such keys)"),
+        p.add_argument("--debug", action="store_true", help="verbose logs and tracebacks"),
+    ]
+
+
+def parse_command_line(parser: argparse.ArgumentParser,
+                       argv: Sequence[str]) -> argparse.Namespace:
+    """``argv`` parsed; ``mount SOURCE [OPTIONS] MOUNTPOINT`` too (argparse leaves it over)."""
+    args, extra = parser.parse_known_args(argv)
+    if (len(extra) == 1 and args.command == "mount" and args.source is None
+            and not extra[0].startswith("-")):
+        args.source, args.mountpoint = args.mountpoint, extra[0]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+# --- errors as one line -------------------------------------------------------------
+
+
+def leaf(exc: BaseException) -> BaseException:
+    """The first interesting exception inside (nested) exception groups."""
+    from nvmeof_fuse.concurrency import first_error
+
+    while isinstance(exc, BaseExceptionGroup):
+        exc = first_error(exc) or exc.exceptions[0]
+    return exc
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as the one line an error message holds."""
+    exc = leaf(exc)
+    if isinstance(exc, NVMeoFError | UsageError):
+        text = str(exc)
+    elif isinstance(exc, OSError):
+        text = f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return " ".join(text.split()) or type(exc).__name__

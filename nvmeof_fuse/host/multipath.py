@@ -1,0 +1,976 @@
+"""A multipath head: one set of namespaces over several controllers (paths) to a subsystem.
+
+Like the kernel's ``nvme_ns_head``: each path is a :class:`Controller` of its own, with
+its queues, keep-alive, reconnect and authentication; the head's namespaces run their
+commands through :class:`MultipathController`, which satisfies the namespaces'
+:class:`~nvmeof_fuse.host.io.CommandIssuer` as a controller does, so nothing above
+needs to know about paths.
+
+- A command goes to the path the I/O policy picks among the usable ones (live, and
+  the namespace optimized or non-optimized there: :mod:`.iopolicy`).
+- A command that fails with a path-related status, a lost connection or a timeout
+  runs again at once on another usable path (``nvme_failover_req``); an ANA status
+  also has the path's ANA log read again.  The caller sees an error only when no path
+  can serve: every path's controller gave up (``--ctrl-loss-tmo``), or none became
+  usable within it.
+- Each path's ANA log page is read at connect, on each ANA-change notice and after
+  each reconnect (:mod:`.ana`); a group in the change state past twice ANATT resets
+  that path's controller, as the kernel does.
+- A path is admitted only to the same subsystem and only if each namespace it shares
+  has the same identifiers (``nvme_ns_ids_equal``); a refusal is one line.
+- Memory the head registers (bounce buffers, caller regions) is registered with
+  every path's transport (:class:`PathsRegistration`), so any path can move it.
+- With one path the head hands commands straight to that path's controller: choosing a
+  path costs nothing then.  A path whose controller gave up is connected anew every
+  ``--reconnect-delay``, so the mount works again when the target comes back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import trio
+
+from .. import nvme
+from ..concurrency import unwrap_groups
+from ..errors import (
+    CommandTimeout,
+    ControllerLost,
+    InvalidArgument,
+    NVMeoFError,
+    TransportError,
+)
+from ..nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
+from ..nvme.ana import AnaLogPage, AnaState, ana_log_size
+from ..nvme.status import fails_over, is_ana_error
+from ..nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
+from ..transport.base import Finished, Queue
+from .ana import PathAna
+from .controller import (
+    BOUNCE_BUFFERS,
+    BOUNCE_WAIT_FACTOR,
+    IO_RETRIES,
+    SCRATCH_BYTES,
+    Controller,
+)
+from .controller import connect as connect_controller
+from .events import NamespaceChange
+from .iopolicy import DEFAULT_POLICY, PathSelector
+from .memory import BouncePool, DataRef, Region, Registration, buffer_address, host_buffer
+from .namespace import Namespace
+from .options import ConnectOptions
+from .state import DEAD, DELETING, LIVE
+
+log = logging.getLogger(__name__)
+
+ANA_POLL_INTERVAL = 1.0
+"""Seconds between reads of a path's ANA log while it is pending or changing (a notice
+normally comes first)."""
+NO_PATH_WAIT = 1.0
+"""Seconds between looks for a usable path while a command waits for one."""
+
+Connect = Callable[[ConnectOptions], contextlib.AbstractAsyncContextManager[Controller]]
+
+
+class PathRefused(InvalidArgument):
+    """A path that cannot join the mount: another subsystem, different namespaces."""
+
+
+def path_uri(options: ConnectOptions) -> str:
+    """The ``nvme+<transport>://`` URI of a path's options."""
+    return str(NVMeURI(options.transport, options.traddr, options.trsvcid, options.nqn))
+
+
+def path_options(base: ConnectOptions, uri: str) -> ConnectOptions:
+    """The options of a further path ``uri``: the first path's (host identity, timeouts,
+    secrets, queues), with the URI's transport, address, port and subsystem."""
+    where = parse_uri(uri)
+    if where.nsid is not None:
+        raise InvalidArgument(f"path {uri}: a path names no namespace (drop /{where.nsid})")
+    tcp = where.transport == "tcp"
+    return dataclasses.replace(
+        base, transport=where.transport, traddr=where.traddr,
+        trsvcid=where.trsvcid if where.trsvcid is not None else DEFAULT_PORT,
+        nqn=where.subnqn, hdr_digest=base.hdr_digest and tcp,
+        data_digest=base.data_digest and tcp)
+
+
+class PathsRegistration:
+    """Memory registered with every path's transport; ``keys(domain)`` gives the keys of
+    whichever path's queue asks.  With one path it is that path's own ``keys``."""
+
+    def __init__(self, addr: int, length: int, owner: object,
+                 transports: list[Any]) -> None:
+        self.addr = addr
+        self.length = length
+        self.owner = owner
+        self._subs: dict[Any, Registration] = {}
+        self._by_domain: dict[object, Registration] = {}
+        try:
+            for transport in transports:
+                self.add(transport)
+        except BaseException:
+            self.close()
+            raise
+
+    def add(self, transport: Any) -> None:
+        """Register the memory with ``transport`` (a path joins, or comes back) too."""
+        if transport not in self._subs:
+            self._subs[transport] = transport.register(self.addr, self.length, self.owner)
+            self._bind()
+
+    def drop(self, transport: Any) -> None:
+        """Deregister from ``transport`` (its path leaves; no command of it is in flight)."""
+        sub = self._subs.pop(transport, None)
+        if sub is not None:
+            sub.close()
+            self._by_domain = {d: r for d, r in self._by_domain.items() if r is not sub}
+            self._bind()
+
+    def _bind(self) -> None:
+        only = next(iter(self._subs.values())) if len(self._subs) == 1 else None
+        if only is not None and hasattr(only, "keys"):
+            self.keys = only.keys  # type: ignore[method-assign]
+        else:
+            self.keys = self._keys_of_any  # type: ignore[method-assign]
+
+    def keys(self, domain: object) -> Any:  # replaced per instance by _bind
+        return self._keys_of_any(domain)
+
+    def _keys_of_any(self, domain: object) -> Any:
+        sub = self._by_domain.get(domain)
+        if sub is not None:
+            return sub.keys(domain)
+        for sub in self._subs.values():
+            try:
+                keys = sub.keys(domain)
+            except (KeyError, AttributeError):
+                continue
+            if len(self._by_domain) > 256:  # queues of reconnects past: forget them
+                self._by_domain.clear()
+            self._by_domain[domain] = sub
+            return keys
+        raise KeyError(domain)
+
+    def close(self) -> None:
+        for sub in self._subs.values():
+            sub.close()
+        self._subs.clear()
+        self._by_domain.clear()
+        self.owner = None
+
+
+class _HeadPool:
+    """What a path's controller sees as its bounce pool: the head's, so that a teardown of
+    the path gives back the head's buffers held for its lost commands."""
+
+    def __init__(self, head: MultipathController) -> None:
+        self.head = head
+
+    def reclaim(self) -> None:
+        if self.head.bounce is not None:
+            self.head.bounce.reclaim()
+
+    def counts(self) -> dict[str, int]:
+        return self.head.bounce.counts() if self.head.bounce is not None else {}
+
+    def close(self) -> None:
+        pass  # the head closes its own
+
+
+class PathsTransport:
+    """The head as a transport to those who register memory or lease queues: memory goes
+    to every path's transport."""
+
+    def __init__(self, head: MultipathController) -> None:
+        self._head = head
+
+    def _transports(self) -> list[Any]:
+        return self._head._transports()
+
+    @property
+    def name(self) -> str:
+        return "+".join(dict.fromkeys(t.name for t in self._transports())) or "none"
+
+    @property
+    def address(self) -> str:
+        return ", ".join(t.address for t in self._transports())
+
+    @property
+    def places_in_other_processes(self) -> bool:
+        return any(getattr(t, "places_in_other_processes", False) for t in self._transports())
+
+    @property
+    def dmabuf_refusal(self) -> str:
+        return next((why for t in self._transports()
+                     if (why := getattr(t, "dmabuf_refusal", ""))), "")
+
+    def register(self, addr: int, length: int, owner: object) -> PathsRegistration:
+        return self._head._register(addr, length, owner)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> Registration:
+        transports = self._transports()
+        if len(transports) != 1:
+            raise TransportError("a dma-buf is registered on one path only; this mount has "
+                                 f"{len(transports)} (the caller stages instead)")
+        return transports[0].register_dmabuf(fd, offset, length, iova)
+
+
+class Path:
+    """One path: its options, its controller while connected, its ANA state and counters."""
+
+    def __init__(self, index: int, options: ConnectOptions) -> None:
+        self.index = index
+        self.options = options
+        self.uri = path_uri(options)
+        self.ctrl: Controller | None = None
+        self.ana = PathAna(reporting=False, anatt=0)
+        self.ids: dict[int, NamespaceIds] = {}
+        self.outstanding = 0
+        self.ios = 0
+        self.bytes = 0
+        self.failovers = 0
+        """Commands that failed here and ran again on another path."""
+        self.losses = 0
+        self.reconnects = 0
+        self.removed = trio.Event()
+        self._kick = trio.Event()
+
+    @property
+    def address(self) -> str:
+        return f"{self.options.transport} {self.options.traddr}:{self.options.trsvcid}"
+
+    @property
+    def name(self) -> str:
+        return f"path {self.index} ({self.address})"
+
+    def usable_state(self, nsid: int) -> AnaState | None:
+        """The ANA state if I/O for ``nsid`` may go here now, else None."""
+        ctrl = self.ctrl
+        if ctrl is None or not ctrl.live:
+            return None
+        return self.ana.usable_state(nsid)
+
+    def kick(self) -> None:
+        """Have the ANA log read again now (a notice came, an ANA status, a reconnect)."""
+        self._kick.set()
+
+    async def kicked(self) -> None:
+        await self._kick.wait()
+        self._kick = trio.Event()
+
+    @property
+    def state(self) -> str:
+        return str(self.ctrl.state) if self.ctrl is not None else "connecting"
+
+    def ana_summary(self, nsid: int | None) -> tuple[int | None, str | None]:
+        """(ANA group, state label) of ``nsid`` here (the mount's first namespace)."""
+        if nsid is None or not self.ana.reporting:
+            return None, (AnaState.OPTIMIZED.label if self.ctrl is not None else None)
+        state = self.ana.state(nsid)
+        return self.ana.group(nsid), state.label if state is not None else None
+
+
+class HeadEvents:
+    """The head's namespace changes, for the mount to follow (as a controller's events)."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Callable[[list[NamespaceChange]], Any]] = []
+        self.events = 0
+
+
+class MultipathController:
+    """The namespaces of one subsystem over several paths (see the module's docstring).
+
+    Built by :func:`connect`; paths join with :meth:`add_path` and leave with
+    :meth:`remove_path`.
+    """
+
+    starts_io = True
+
+    def __init__(self, nursery: trio.Nursery, *, policy: str = DEFAULT_POLICY,
+                 connect: Connect | None = None) -> None:
+        self._nursery = nursery
+        self._connect: Connect = connect or connect_controller
+        self.selector: PathSelector[Path] = PathSelector(policy)
+        self.paths: list[Path] = []
+        self._next_index = 0
+        self.nqn = ""
+        self.namespaces: dict[int, Namespace] = {}
+        self.ids: dict[int, NamespaceIds] = {}
+        self.events = HeadEvents()
+        self.max_transfer = 0
+        self.bounce: BouncePool | None = None
+        self._registrations: list[PathsRegistration] = []
+        self._regions: list[Region] = []
+        self._scratch: Region | None = None
+        self._scratch_lock = trio.Lock()
+        self._changed = trio.Event()
+        self._closed = ""
+        self._admit_lock = trio.Lock()
+        self.failovers = 0
+        self._direct: Path | None = None  # the one path commands go straight to
+        self._baseline = (0, 0)  # the namespaces' (ops, bytes) when it became so
+        self._bind()
+
+    # -- the path set -----------------------------------------------------------------------
+
+    @property
+    def policy(self) -> str:
+        return self.selector.policy
+
+    @property
+    def primary(self) -> Controller | None:
+        """The first path's controller that is connected (identity, options, Identify)."""
+        for path in self.paths:
+            if path.ctrl is not None:
+                return path.ctrl
+        return None
+
+    @property
+    def options(self) -> ConnectOptions:
+        return self.paths[0].options if self.paths else ConnectOptions("", self.nqn)
+
+    @property
+    def identify(self) -> nvme.IdentifyController | None:
+        ctrl = self.primary
+        return ctrl.identify if ctrl is not None else None
+
+    def _bind(self) -> None:
+        """Commands straight to the controller with one connected path, else through the
+        path choice (:meth:`_io_multipath`)."""
+        connected = [p for p in self.paths if p.ctrl is not None]
+        direct = connected[0] if len(self.paths) == 1 and connected else None
+        if direct is not self._direct:  # the direct path's commands are the namespaces'
+            ops, nbytes = self._namespace_totals()
+            if self._direct is not None:
+                self._direct.ios += ops - self._baseline[0]
+                self._direct.bytes += nbytes - self._baseline[1]
+            self._direct, self._baseline = direct, (ops, nbytes)
+        if direct is not None:
+            ctrl = direct.ctrl
+            assert ctrl is not None
+            self.io_command = ctrl.io_command  # type: ignore[method-assign]
+            self.start_io = ctrl.start_io  # type: ignore[method-assign]
+            self.io_failed = ctrl.io_failed  # type: ignore[method-assign]
+        else:
+            self.io_command = self._io_multipath  # type: ignore[method-assign]
+            self.start_io = self._start_none  # type: ignore[method-assign]
+            self.io_failed = self._io_failed_none  # type: ignore[method-assign]
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def add_path(self, options: ConnectOptions) -> Path:
+        """Connect a path and admit it; PathRefused (one line) if it cannot serve this
+        mount, the connect error if it cannot be reached."""
+        if self._closed:
+            raise ControllerLost(self._closed)
+        for path in self.paths:
+            if _same_place(path_uri(options), path):
+                raise PathRefused(f"path {path_uri(options)} is already path {path.index} "
+                                  "of this mount")
+        path = Path(self._next_index, options)
+        self._next_index += 1
+        await self._nursery.start(self._run_path, path)
+        return path
+
+    async def remove_path(self, uri: str) -> Path:
+        """Take the path ``uri`` (or its index) out: no new commands go there, those in
+        flight end, then its controller disconnects."""
+        path = self.find_path(uri)
+        if len(self.paths) == 1:
+            raise PathRefused(f"{path.name} is the last path of this mount; unmount instead")
+        self.paths.remove(path)
+        self.selector.forget(path)
+        self._bind()
+        path.removed.set()
+        log.info("%s removed", path.name)
+        return path
+
+    def find_path(self, uri: str) -> Path:
+        for path in self.paths:
+            if uri in (path.uri, str(path.index)) or _same_place(uri, path):
+                return path
+        known = ", ".join(p.uri for p in self.paths) or "none"
+        raise InvalidArgument(f"{uri} is not a path of this mount (its paths: {known})")
+
+    async def _run_path(self, path: Path, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+        """A path's life: connect and admit (errors go to :meth:`add_path`'s caller), serve,
+        and while it is not removed connect anew each time its controller gives up."""
+        started = False
+        while not path.removed.is_set():
+            try:
+                with unwrap_groups():
+                    await self._connect_and_serve(path, started, task_status)
+                started = True
+            except PathRefused as exc:
+                if not started:
+                    raise
+                log.error("%s: %s; it stays out until connected again", path.name, exc)
+            except NVMeoFError as exc:
+                if not started:
+                    raise
+                log.warning("%s: connect failed: %s", path.name, exc)
+            if path.removed.is_set():
+                return
+            delay = path.options.reconnect_delay
+            log.info("%s: connecting anew in %g s", path.name, delay)
+            with trio.move_on_after(delay):
+                await path.removed.wait()
+
+    async def _connect_and_serve(self, path: Path, started: bool, task_status) -> None:
+        async with self._connect(path.options) as ctrl:
+            async with self._admit_lock:
+                await self._admit(path, ctrl)
+            if not started:
+                self.paths.append(path)
+                task_status.started(path)
+            else:
+                path.reconnects += 1
+            try:
+                self._attach(path, ctrl)
+                await self._serve_path(path, ctrl)
+            finally:
+                self._detach(path, ctrl)
+
+    async def _admit(self, path: Path, ctrl: Controller) -> None:
+        """Check that ``ctrl`` reaches this mount's subsystem and namespaces; the first
+        path sets them."""
+        ident = ctrl.identify
+        assert ident is not None
+        subnqn = ident.subnqn or ctrl.options.nqn
+        first = not self.nqn
+        if not first and subnqn != self.nqn:
+            raise PathRefused(f"path {path.uri} refused: it reaches subsystem {subnqn}, "
+                              f"not this mount's subsystem {self.nqn}")
+        ids = {}
+        for nsid, ns in sorted(ctrl.namespaces.items()):
+            ids[nsid] = await self._namespace_ids(ctrl, nsid, ns.identify)
+        if not first:
+            for nsid, mine in sorted(self.ids.items()):
+                theirs = ids.get(nsid)
+                if theirs is None:
+                    continue  # not on this path: it serves the others
+                mismatch = mine.mismatch(theirs)
+                if mismatch:
+                    theirs_first = theirs.mismatch(mine).replace(" != ", " != the mount's ")
+                    raise PathRefused(f"path {path.uri} refused: namespace {nsid} differs "
+                                      f"there (its {theirs_first})")
+                head_ns, ns = self.namespaces.get(nsid), ctrl.namespaces[nsid]
+                if head_ns is not None and (ns.size, ns.lba_size) != (head_ns.size,
+                                                                      head_ns.lba_size):
+                    raise PathRefused(
+                        f"path {path.uri} refused: namespace {nsid} has {ns.size} bytes in "
+                        f"{ns.lba_size}-byte blocks there, {head_ns.size} in "
+                        f"{head_ns.lba_size}-byte blocks on this mount's paths")
+            if ctrl.max_transfer < self.max_transfer:
+                raise PathRefused(f"path {path.uri} refused: its controller moves at most "
+                                  f"{ctrl.max_transfer} bytes per command, the mount "
+                                  f"{self.max_transfer}")
+        path.ids = ids
+        path.ana = PathAna(reporting=ident.ana_reporting, anatt=ident.anatt)
+        for nsid, ns in ctrl.namespaces.items():
+            path.ana.set_namespace_group(nsid, ns.identify.anagrpid)
+        if path.ana.reporting:
+            await self._read_ana(path, ctrl)
+        if first:
+            self.nqn = subnqn
+            self.ids = dict(ids)
+            self.max_transfer = ctrl.max_transfer
+            for nsid, ns in sorted(ctrl.namespaces.items()):
+                self.namespaces[nsid] = Namespace(self, nsid, ns.identify)
+
+    @staticmethod
+    async def _namespace_ids(ctrl: Controller, nsid: int,
+                             ident: nvme.IdentifyNamespace) -> NamespaceIds:
+        """The namespace's identifiers: Identify Namespace's, then the descriptor list's
+        (as the kernel's ``nvme_report_ns_ids``); a controller without the list keeps the
+        former."""
+        base = NamespaceIds.from_identify(ident)
+        try:
+            data = await ctrl.identify_raw(Cns.NS_DESCRIPTOR_LIST, nsid)
+        except NVMeStatusError:
+            return base
+        try:
+            return NamespaceIds.from_descriptors(data, base)
+        except ValueError as exc:
+            log.warning("namespace %d at %s: %s; using Identify Namespace's identifiers",
+                        nsid, ctrl.transport.address, exc)
+            return base
+
+    def _attach(self, path: Path, ctrl: Controller) -> None:
+        """``ctrl`` serves ``path`` now: the head's memory is registered with it."""
+        for registration in self._registrations:
+            registration.add(ctrl.transport)
+        path.ctrl = ctrl
+        if self.bounce is None:
+            self.bounce = BouncePool(self._register, self.max_transfer, BOUNCE_BUFFERS,
+                                     timeout=BOUNCE_WAIT_FACTOR * ctrl.options.timeout,
+                                     patient=self.bounce_wait_expected)
+        if ctrl.bounce is not None and not isinstance(ctrl.bounce, _HeadPool):
+            ctrl.bounce.close()  # the path's own buffers: the head's serve instead
+        ctrl.bounce = _HeadPool(self)  # type: ignore[assignment]
+        ctrl.events.ana_listeners.append(path.kick)
+        ctrl.events.listeners.append(self._follow_namespaces)
+        self._bind()
+        log.info("%s: connected as controller %d (%s)", path.name, ctrl.cntlid,
+                 ", ".join(self._ana_words(path)) or "no namespaces")
+
+    def _detach(self, path: Path, ctrl: Controller) -> None:
+        path.ctrl = None
+        self.selector.forget(path)
+        for registration in self._registrations:
+            registration.drop(ctrl.transport)
+        self._bind()
+
+    def _ana_words(self, path: Path) -> list[str]:
+        words = []
+        for nsid in sorted(path.ids):
+            state = path.ana.state(nsid)
+            words.append(f"n{nsid} {state.label if state is not None else 'ana unknown'}")
+        return words
+
+    async def _serve_path(self, path: Path, ctrl: Controller) -> None:
+        """Until the path is removed or its controller gives up: follow its state and its
+        ANA log; when removed, let its commands end first (bounded)."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._follow_state, path, ctrl, nursery.cancel_scope)
+            nursery.start_soon(self._follow_ana, path, ctrl)
+            await path.removed.wait()
+            with trio.move_on_after(ctrl.options.timeout):
+                while path.outstanding or ctrl.outstanding:
+                    await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    async def _follow_state(self, path: Path, ctrl: Controller,
+                            scope: trio.CancelScope) -> None:
+        old = ctrl.state
+        while True:
+            new = await ctrl.next_state()
+            if new != old:
+                log.info("%s: %s -> %s", path.name, old, new)
+                if new is LIVE:
+                    path.kick()  # read the ANA log after each reconnect
+                elif old is LIVE:
+                    path.losses += 1
+                old = new
+            self._wake()
+            if new in (DELETING, DEAD):
+                scope.cancel()
+                return
+
+    async def _follow_ana(self, path: Path, ctrl: Controller) -> None:
+        """Read the ANA log when kicked; poll while pending or changing; reset the
+        controller when a change outlasts twice ANATT."""
+        if not path.ana.reporting:
+            return
+        while True:
+            interval = math.inf
+            if path.ana.pending or path.ana.change_since is not None:
+                interval = ANA_POLL_INTERVAL
+            with trio.move_on_after(interval):
+                await path.kicked()
+            if not await ctrl.wait_connected():
+                return
+            await self._read_ana(path, ctrl)
+            now = trio.current_time()
+            if path.ana.anatt_expired(now):
+                log.warning("%s: an ANA group stayed in the change state past twice ANATT "
+                            "(%g s): resetting its controller", path.name, path.ana.anatt)
+                path.ana.change_since = None
+                ctrl.connection_lost(ctrl.admin, CommandTimeout("ANA transition timeout"))
+
+    async def _read_ana(self, path: Path, ctrl: Controller) -> None:
+        ident = ctrl.identify
+        assert ident is not None
+        size = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
+        try:
+            page = AnaLogPage.from_bytes(await ctrl.get_log_page(LogPageId.ANA, size))
+        except (NVMeoFError, ValueError) as exc:
+            log.warning("%s: cannot read the ANA log page: %s", path.name, exc)
+            return
+        watched = set(path.ids) or set(ctrl.namespaces)
+        before = {nsid: path.ana.state(nsid) for nsid in watched}
+        path.ana.update(page, trio.current_time())
+        for nsid in sorted(watched):
+            old, new = before[nsid], path.ana.state(nsid)
+            if new is not None and old is not new and path.ctrl is not None:
+                log.info("%s: ana %s -> %s (n%d, group %s)", path.name,
+                         old.label if old is not None else "unknown", new.label, nsid,
+                         path.ana.group(nsid))
+        self._wake()
+
+    async def _follow_namespaces(self, changes: list[NamespaceChange]) -> None:
+        """A path's controller saw namespaces change: apply them to the head's once."""
+        applied = []
+        for change in changes:
+            ns = self.namespaces.get(change.nsid)
+            source = next((p.ctrl.namespaces.get(change.nsid) for p in self.paths
+                           if p.ctrl is not None and change.nsid in p.ctrl.namespaces), None)
+            if change.kind == "added" and ns is None and source is not None:
+                self.namespaces[change.nsid] = Namespace(self, change.nsid, source.identify)
+                applied.append(change)
+            elif change.kind == "removed" and ns is not None:
+                del self.namespaces[change.nsid]
+                ns.remove(f"namespace n{change.nsid} was removed from {self.nqn}")
+                applied.append(change)
+            elif change.kind == "resized" and ns is not None and source is not None:
+                if ns.resize(source.identify) is not None:
+                    applied.append(change)
+        if applied:
+            self.events.events += 1
+            for listener in list(self.events.listeners):
+                await listener(applied)
+
+    # -- what the mount shows -----------------------------------------------------------------
+
+    def _namespace_totals(self) -> tuple[int, int]:
+        ops = nbytes = 0
+        for ns in self.namespaces.values():
+            for st in ns.stats.ops.values():
+                ops += st.ops
+                nbytes += st.bytes
+        return ops, nbytes
+
+    def paths_snapshot(self) -> list[dict[str, Any]]:
+        """``.nvmeof/paths.json``: one object per path (keys as the multipath contract)."""
+        first = min(self.namespaces, default=None)
+        out = []
+        for path in self.paths:
+            ios, nbytes = path.ios, path.bytes
+            if path is self._direct:
+                ops, moved = self._namespace_totals()
+                ios += ops - self._baseline[0]
+                nbytes += moved - self._baseline[1]
+            ctrl = path.ctrl
+            group, state = path.ana_summary(first)
+            usable = first is not None and path.usable_state(first) is not None
+            out.append({
+                "index": path.index, "uri": path.uri, "transport": path.options.transport,
+                "traddr": path.options.traddr, "trsvcid": path.options.trsvcid,
+                "cntlid": ctrl.cntlid if ctrl is not None else None,
+                "ana_group": group, "ana_state": state, "state": path.state,
+                "usable": usable,
+                "outstanding": ctrl.outstanding if ctrl is not None else 0,
+                "ios": ios, "bytes": nbytes,
+                "losses": path.losses, "reconnects": path.reconnects,
+                "failovers": path.failovers,
+            })
+        return out
+
+    def describe(self) -> dict[str, Any]:
+        ctrl = self.primary
+        doc: dict[str, Any] = ctrl.describe() if ctrl is not None else {
+            "subnqn": self.nqn, "namespaces": sorted(self.namespaces)}
+        doc.update({"state": self.state, "iopolicy": self.policy,
+                    "paths": [f"{p.index}: {p.uri} ({p.state})" for p in self.paths]})
+        return doc
+
+    def connection_snapshot(self) -> dict[str, Any]:
+        ctrl = self.primary
+        doc = ctrl.connection_snapshot() if ctrl is not None else {}
+        doc.update({"state": self.state, "paths": len(self.paths),
+                    "paths_usable": sum(1 for p in self.paths_snapshot() if p["usable"]),
+                    "failovers": self.failovers,
+                    "losses": sum(p.losses for p in self.paths),
+                    "reconnects": sum(p.reconnects for p in self.paths)})
+        return doc
+
+    # -- companion clients' queues --------------------------------------------------------------
+
+    @property
+    def transport(self) -> PathsTransport:
+        return PathsTransport(self)
+
+    async def lease_controller(self, prefer: tuple[str, str, int] | None = None
+                               ) -> Controller:
+        """A live path whose transport lets companion clients connect queues of their own:
+        ``prefer`` (transport, traddr, trsvcid: where the client's queues were) if it is
+        live, else another; waits while none is; ControllerLost once none can be."""
+        while True:
+            leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
+                        and getattr(p.ctrl.transport, "places_in_other_processes", False)]
+            if leasable:
+                first = min(self.namespaces, default=None)
+                for path in leasable:
+                    place = (path.options.transport, path.options.traddr,
+                             path.options.trsvcid)
+                    if place == prefer:
+                        return path.ctrl  # type: ignore[return-value]
+                usable = [p for p in leasable
+                          if first is None or p.usable_state(first) is not None]
+                return (usable or leasable)[0].ctrl  # type: ignore[return-value]
+            self._check_servable()
+            with trio.move_on_after(NO_PATH_WAIT):
+                await self._changed.wait()
+
+    # -- commands (the CommandIssuer) --------------------------------------------------------
+
+    @property
+    def live(self) -> bool:
+        return any(p.ctrl is not None and p.ctrl.live for p in self.paths)
+
+    @property
+    def state(self) -> str:
+        states = [p.ctrl.state for p in self.paths if p.ctrl is not None]
+        if LIVE in states:
+            return str(LIVE)
+        return str(states[0]) if states else ("dead" if self._closed else "connecting")
+
+    async def wait_live(self, *, fail_fast: bool = True) -> None:
+        while not self.live:
+            self._check_servable()
+            with trio.move_on_after(NO_PATH_WAIT):
+                await self._changed.wait()
+
+    async def wait_changed(self) -> None:
+        await self._changed.wait()
+
+    def _check_servable(self) -> None:
+        """Raise ControllerLost when no path can serve again: every path's controller gave
+        up (or fails I/O fast meanwhile), or the head is closed."""
+        if self._closed:
+            raise ControllerLost(self._closed)
+        reasons = []
+        for path in self.paths:
+            ctrl = path.ctrl
+            if ctrl is None:
+                reasons.append(f"{path.name}: not connected")
+                continue
+            if ctrl.state not in (DELETING, DEAD) and not ctrl.failing_io:
+                return
+            reasons.append(f"{path.name}: {ctrl.failing_io or ctrl.dead_reason}")
+        raise ControllerLost(f"no path to {self.nqn} can serve: " + "; ".join(reasons)
+                             if reasons else f"no path to {self.nqn} is left")
+
+    def _start_none(self, sqe: bytearray, data: DataRef | None,
+                    done: Callable[[Finished], None], *, to_controller: bool = False
+                    ) -> Queue | None:
+        """With several paths commands are not started with a callback (a failed one must
+        run again elsewhere, which a task does): the caller runs it with io_command."""
+        return None
+
+    def _io_failed_none(self, queue: Queue, exc: BaseException) -> None:
+        for path in self.paths:
+            if path.ctrl is not None and queue in path.ctrl.io_queues:
+                path.ctrl.io_failed(queue, exc)
+
+    def _choose(self, nsid: int, skip: set[int]) -> Path | None:
+        def state(path: Path) -> AnaState | None:
+            return None if path.index in skip else path.usable_state(nsid)
+
+        return self.selector.choose(self.paths, state, _outstanding)
+
+    async def _io_multipath(self, sqe: bytearray, data: DataRef | None = None, *,
+                            to_controller: bool = False) -> Completion:
+        """Run an NVM command on the path the policy picks; fail it over at once on a path
+        error, a lost connection or a timeout (see the module's docstring)."""
+        nsid = int.from_bytes(sqe[4:8], "little")
+        nbytes = data.length if data is not None else 0
+        skip: set[int] = set()  # paths that failed this command with a path status
+        tries = 1  # status retries and timeouts, as Controller.io_command counts them
+        failovers = 0
+        waited_since: float | None = None
+        last: Completion | None = None
+        while True:
+            path = self._choose(nsid, skip)
+            if path is None:
+                if skip:  # every usable path answered with a path status: try them again
+                    skip.clear()
+                    tries += 1
+                    if tries > IO_RETRIES and last is not None:
+                        break
+                    with trio.move_on_after(NO_PATH_WAIT):
+                        await self._changed.wait()
+                    continue
+                waited_since = await self._wait_for_path(nsid, waited_since)
+                continue
+            waited_since = None
+            ctrl = path.ctrl
+            assert ctrl is not None
+            path.outstanding += 1
+            try:
+                completion = await ctrl.io_once(sqe, data, to_controller=to_controller)
+            except (TransportError, CommandTimeout) as exc:
+                path.outstanding -= 1
+                path.failovers += 1
+                self.failovers += 1
+                failovers += 1
+                self.selector.forget(path)
+                log.debug("%s: command failed (%s): failing over", path.name, exc)
+                if isinstance(exc, CommandTimeout):
+                    tries += 1
+                    if tries > IO_RETRIES:
+                        raise
+                continue
+            path.outstanding -= 1
+            if completion.ok:
+                path.ios += 1
+                path.bytes += nbytes
+                return completion
+            last = completion
+            if fails_over(completion.sct, completion.sc, completion.dnr):
+                if is_ana_error(completion.sct, completion.sc):
+                    path.ana.mark_pending()
+                    path.kick()
+                path.failovers += 1
+                self.failovers += 1
+                failovers += 1
+                skip.add(path.index)
+                self.selector.forget(path)
+                if failovers > IO_RETRIES * max(1, len(self.paths)):
+                    break
+                continue
+            if completion.dnr or tries >= IO_RETRIES:
+                break
+            tries += 1
+            delay = ctrl.retry_delay(completion.crd)
+            if delay:
+                await trio.sleep(delay)
+        assert last is not None
+        last.raise_for_status(nvme.command.command_name(sqe, admin=False))
+        return last  # not reached
+
+    async def _wait_for_path(self, nsid: int, since: float | None) -> float | None:
+        """No path can take a command for ``nsid`` now: wait for a change, as the kernel
+        requeues while a path may come back; ControllerLost once none can, or no live path
+        became usable within the longest ``--ctrl-loss-tmo``.  When the wait began."""
+        self._check_servable()
+        now = trio.current_time()
+        if not self.live:  # the controllers bound this wait themselves (--ctrl-loss-tmo)
+            since = None
+        since = now if since is None else since
+        limits = [p.options.ctrl_loss_tmo for p in self.paths]
+        limit = math.inf if not limits or min(limits) < 0 else max(limits)
+        if now - since > limit:
+            states = "; ".join(
+                f"{p.name}: {p.state}, ana {p.ana_summary(nsid)[1] or 'unknown'}"
+                for p in self.paths)
+            raise ControllerLost(f"no usable path to namespace {nsid} of {self.nqn} for "
+                                 f"{now - since:.0f} s ({states})")
+        with trio.move_on_after(NO_PATH_WAIT):
+            await self._changed.wait()
+        return since
+
+    # -- memory --------------------------------------------------------------------------------
+
+    def _transports(self) -> list[Any]:
+        return [p.ctrl.transport for p in self.paths if p.ctrl is not None]
+
+    def _register(self, addr: int, length: int, owner: object) -> PathsRegistration:
+        """Register memory with every path's transport, now and as paths join."""
+        registration = PathsRegistration(addr, length, owner, self._transports())
+        self._registrations.append(registration)
+        return registration
+
+    def register_raw(self, addr: int, length: int, owner: object) -> PathsRegistration:
+        """:meth:`_register` for callers that keep the registration (companion sessions)."""
+        return self._register(addr, length, owner)
+
+    def register(self, obj: Any) -> Region:
+        """Register caller memory on every path (numpy array, host tensor, buffer)."""
+        addr, length, owner = buffer_address(obj)
+        if length == 0:
+            raise InvalidArgument("cannot register an empty buffer")
+        region = Region(addr, length, self._register(addr, length, owner), owner)
+        self._regions.append(region)
+        return region
+
+    def unregister(self, region: Region) -> None:
+        if region in self._regions:
+            self._regions.remove(region)
+        registration = region.registration
+        if registration in self._registrations:
+            self._registrations.remove(registration)  # type: ignore[arg-type]
+        region.close()
+
+    def allocate(self, length: int) -> Region:
+        """Registered, page-aligned host memory, reachable on every path."""
+        region = host_buffer(self._register, length)
+        self._regions.append(region)
+        return region
+
+    @contextlib.asynccontextmanager
+    async def scratch(self, length: int) -> AsyncIterator[DataRef]:
+        """A registered buffer for small command payloads, reachable on every path."""
+        async with self._scratch_lock:
+            if self._scratch is None:
+                self._scratch = host_buffer(self._register, SCRATCH_BYTES)
+            assert self._scratch.view is not None
+            ref = self._scratch.ref(0, length)
+            self._scratch.view[:length] = bytes(length)
+            yield ref
+
+    def bounce_wait_expected(self) -> bool:
+        """Whether a wait for a bounce buffer may go on: while any path is reconnecting or
+        only just live (see Controller.bounce_wait_expected)."""
+        return any(p.ctrl is None or p.ctrl.bounce_wait_expected() for p in self.paths)
+
+    def close(self, why: str) -> None:
+        self._closed = why
+        self._wake()
+
+    def release(self) -> None:
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+        if self.bounce is not None:
+            self.bounce.close()
+        if self._scratch is not None:
+            self._scratch.close()
+        for registration in self._registrations:
+            registration.close()
+        self._registrations.clear()
+
+
+def _outstanding(path: Path) -> int:
+    return path.outstanding
+
+
+def _same_place(text: str, path: Path) -> bool:
+    """Whether ``text`` (a URI) names ``path``'s transport, address and port."""
+    try:
+        uri = parse_uri(text)
+    except InvalidArgument:
+        return False
+    port = uri.trsvcid if uri.trsvcid is not None else path.options.trsvcid
+    return (uri.transport, uri.traddr, port) == (path.options.transport, path.options.traddr,
+                                                 path.options.trsvcid)
+
+
+@contextlib.asynccontextmanager
+async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
+                  connect_path: Connect | None = None) -> AsyncIterator[MultipathController]:
+    """Connect the paths (the first one first: it sets the subsystem and namespaces) and
+    yield the head; on exit every path's controller shuts down and the memory is freed.
+
+    A path that cannot be reached or is refused fails the whole connect, in one line.
+    """
+    if not paths:
+        raise InvalidArgument("a mount needs at least one path")
+    for options in paths:
+        options.validate()
+    head = None
+    try:
+        with unwrap_groups():
+            async with trio.open_nursery() as nursery:
+                head = MultipathController(nursery, policy=policy, connect=connect_path)
+                try:
+                    for options in paths:
+                        await head.add_path(options)
+                    yield head
+                finally:
+                    head.close(f"the mount of {head.nqn or paths[0].nqn} is closed")
+                    for path in list(head.paths):
+                        path.removed.set()
+    finally:
+        if head is not None:
+            head.release()

@@ -1,0 +1,50 @@
+"""mount-all's plan: discovery.conf as nvme-cli reads it, and what to do with each record."""
+
+import pytest
+
+from nvmeof_fuse.cli.mountall import DiscoveryTarget, plan, read_discovery_conf
+from nvmeof_fuse.errors import InvalidArgument
+
+S1, S2 = "nqn.2014-08.org.example:s1", "nqn.2014-08.org.example:s2"
+
+
+def rec(subnqn, subtype="nvme subsystem", trtype="rdma", traddr="192.0.2.1", trsvcid="4420"):
+    return {"subnqn": subnqn, "subtype": subtype, "trtype": trtype, "traddr": traddr,
+            "trsvcid": trsvcid}
+
+
+def test_discovery_conf_as_nvme_cli_reads_it(tmp_path):
+    conf = tmp_path / "discovery.conf"
+    conf.write_text("# comment\n\n"
+                    "--transport=tcp --traddr=192.0.2.1 --trsvcid=8009\n"
+                    "-t rdma -a 192.0.2.2 -q nqn.2014-08.org.example:host --keep-alive-tmo=5\n"
+                    "--traddr=192.0.2.3\n")  # no transport: skipped, as nvme-cli does
+    assert read_discovery_conf(str(conf)) == [
+        DiscoveryTarget("tcp", "192.0.2.1", "8009"),
+        DiscoveryTarget("rdma", "192.0.2.2", hostnqn="nqn.2014-08.org.example:host"),
+    ]
+    with pytest.raises(InvalidArgument, match="no -a ADDRESS given and no .*absent"):
+        read_discovery_conf(str(tmp_path / "absent"))
+
+
+def test_plan(tmp_path):
+    records = [rec("nqn.2014-08.org.nvmexpress.discovery", "current discovery subsystem"),
+               rec(S1), rec(S1, traddr="192.0.2.9"), rec(S2, trtype="fc"),
+               rec("nqn.x/y"), rec(S2, "discovery subsystem referral"),
+               rec("nqn.2014-08.org.example:s3"), rec("nqn.2014-08.org.example:s4")]
+    mounts = [(f"{tmp_path}/nqn.2014-08.org.example:s3", "fuse.nvmeof-fuse"),
+              (f"{tmp_path}/nqn.2014-08.org.example:s4", "ext4")]
+    outcomes = plan(records, str(tmp_path), mounts, ["-i", "2"])
+    got = [(o.subnqn, o.status, o.reason) for o in outcomes]
+    assert got == [
+        (S1, "mount", ""),
+        (S1, "skipped", "another path to a subsystem mounted above"),
+        (S2, "skipped", "transport fc is not supported"),
+        ("nqn.x/y", "skipped", "'nqn.x/y' is not an NQN usable as a directory name"),
+        (S2, "skipped", "a referral to another discovery controller"),
+        ("nqn.2014-08.org.example:s3", "already mounted", ""),
+        ("nqn.2014-08.org.example:s4", "failed", "a ext4 filesystem is mounted there"),
+    ]
+    first = plan(records, str(tmp_path), mounts, ["-i", "2"])[0]
+    assert first.argv == ["mount", "-t", "rdma", "-a", "192.0.2.1", "-s", "4420", "-n", S1,
+                          "-i", "2", f"{tmp_path}/{S1}"]

@@ -1,0 +1,110 @@
+"""The shared options: nvme-cli's names, their checks, one-line errors."""
+
+import sys
+
+import pytest
+from cli_fakes import MOUNT, SECRET, one_line_error
+
+from nvmeof_fuse.cli import entry, options
+from nvmeof_fuse.errors import ConnectError
+
+
+def test_mount_without_a_target(capsys, host, tmp_path):
+    one_line_error(capsys, ["mount", "-n", "nqn.2014-08.org.example:s1", str(tmp_path)],
+                   "no target given: give nvme+rdma://HOST[:PORT]/SUBNQN[/NSID], or -a")
+    assert host.connects == []
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["-s", "abc"], "--trsvcid 'abc' is not an integer"),
+        (["-s", "70000"], "--trsvcid 70000 is out of range"),
+        (["--mode", "999"], "--mode '999' is not an octal mode"),
+        (["--mode", "1777"], "--mode 1777 is out of range"),
+        (["-o", "allow_other,exec"], "unsupported -o option(s): exec"),
+        (["--uid", "-1"], "--uid -1 is out of range"),
+        (["-I", "not-a-uuid"], "--hostid 'not-a-uuid' is not a UUID"),
+        (["-q", "host1"], "--hostnqn 'host1' is not an NQN"),
+        (["-k", "soon"], "--keep-alive-tmo 'soon' is not a number"),
+        (["-Q", "1"], "--queue-size 1 is out of range"),
+        (["-i", "0"], "--nr-io-queues 0 is out of range"),
+        (["--companion-queues", "-1"], "--companion-queues -1 is out of range"),
+        (["--companion-queues", "many"], "--companion-queues 'many' is not an integer"),
+        (["-c", "0"], "--reconnect-delay 0 is out of range (1-65535 s)"),
+        (["-l", "-5"], "--ctrl-loss-tmo -5 is out of range (0-2147483648 s, or -1 for ever)"),
+        (["-l", "later"], "--ctrl-loss-tmo 'later' is not a number"),
+        (["-f", "-2"], "--fast-io-fail-tmo -2 is out of range (0-2147483648 s, or -1 for off)"),
+        (["--fuse", "fusepy"], "unknown FUSE server 'fusepy' (known: builtin, pyfuse3)"),
+        (["-o", "fuse=pyfuse3", "--fuse", "builtin"], "conflicting FUSE servers: builtin, pyfuse3"),
+    ],
+)
+def test_bad_option_values_are_one_line(capsys, host, tmp_path, extra, match):
+    one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
+    assert host.connects == []
+
+
+@pytest.mark.parametrize("extra, server", [
+    ([], "builtin"),
+    (["--fuse", "pyfuse3"], "pyfuse3"),
+    (["-o", "allow_other,fuse=pyfuse3"], "pyfuse3"),
+    (["-o", "fuse=builtin"], "builtin"),
+    (["--fuse", "pyfuse3", "-o", "fuse=pyfuse3"], "pyfuse3"),
+])
+def test_the_fuse_server_is_an_option(extra, server, tmp_path):
+    assert options.mount_options(entry.parse_args([*MOUNT, *extra, str(tmp_path)])).fuse == server
+
+
+def test_pyfuse3_missing_is_one_line_before_connecting(capsys, host, tmp_path, monkeypatch):
+    import nvmeof_fuse.fs
+
+    monkeypatch.setitem(sys.modules, "pyfuse3", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "nvmeof_fuse.fs.pyfuse3_server", raising=False)
+    monkeypatch.delattr(nvmeof_fuse.fs, "pyfuse3_server", raising=False)
+    host.error = ConnectError("connected before the FUSE server was checked")  # never serves
+    one_line_error(capsys, [*MOUNT, "-o", "fuse=pyfuse3", str(tmp_path)],
+                   "fuse=pyfuse3 needs pyfuse3, which cannot be imported")
+    assert host.connects == []
+
+
+def test_connect_error_is_one_line(capsys, host, tmp_path):
+    host.error = ConnectError("cannot connect to 192.0.2.1:4420: connection refused")
+    one_line_error(capsys, [*MOUNT, str(tmp_path)], "connection refused")
+    assert host.connects[0].traddr == "192.0.2.1" and host.connects[0].keep_alive_tmo == 5.0
+    assert (host.connects[0].reconnect_delay, host.connects[0].ctrl_loss_tmo) == (10.0, 600.0)
+
+
+
+def test_dhchap_options_follow_nvme_cli(tmp_path):
+    key = tmp_path / "key"
+    key.write_text(SECRET + "\n")
+    key.chmod(0o600)
+    args = entry.build_parser().parse_args([*MOUNT, "-S", str(key), "--dhchap-ctrl-secret",
+                                          SECRET, str(tmp_path)])
+    opts = options.connect_options(args, nqn=args.nqn, default_port=4420)
+    assert (opts.dhchap_secret, opts.dhchap_ctrl_secret) == (str(key), SECRET)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["-S", SECRET[:-5] + "AAAA:"], "--dhchap-secret (inline) fails its CRC-32 check"),
+    (["-S", "/nonexistent/key"], "--dhchap-secret file /nonexistent/key: No such file"),
+    (["-C", SECRET], "--dhchap-ctrl-secret needs --dhchap-secret"),
+    (["-o", f"dhchap_secret={SECRET}"], "mount option dhchap_secret= is refused: mount "
+     "options are readable by every user (in /etc/fstab and the process list); "
+     "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
+     "FILE instead"),
+    (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other, "
+     "fuse=SERVER)"),
+])
+def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
+    err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
+    assert SECRET[10:-5] not in err
+
+
+def test_reconnect_options_follow_nvme_cli(tmp_path):
+    args = entry.build_parser().parse_args([*MOUNT, "-c", "2", "-l", "-1", str(tmp_path)])
+    opts = options.connect_options(args, nqn=args.nqn, default_port=4420)
+    assert (opts.reconnect_delay, opts.ctrl_loss_tmo, opts.fast_io_fail_tmo) == (2.0, -1.0, -1.0)
+    for spelling in ("--fast-io-fail-tmo", "--fast_io_fail_tmo"):  # nvme-cli's is the latter
+        args = entry.build_parser().parse_args([*MOUNT, spelling, "7", str(tmp_path)])
+        assert options.connect_options(args, nqn=args.nqn, default_port=4420).fast_io_fail_tmo == 7
