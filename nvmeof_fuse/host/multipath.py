@@ -557,7 +557,8 @@ class MultipathController:
             new = await ctrl.next_state()
             if new != old:
                 log.info("%s: %s -> %s", path.name, old, new)
-                if new is LIVE:
+                if new is LIVE:  # the controller reconnected by itself
+                    path.reconnects += 1
                     path.kick()  # read the ANA log after each reconnect
                 elif old is LIVE:
                     path.losses += 1

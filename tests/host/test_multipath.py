@@ -187,6 +187,7 @@ def test_a_lost_path_fails_over_at_once_with_no_error_and_comes_back():
             assert head.paths[0].ctrl.state == LIVE
         assert errors == []
         assert head.paths[0].failovers >= 1 and head.paths[0].losses == 1
+        assert head.paths[0].reconnects == 1  # its controller's own reconnect counts
 
     run(test, port)
 
