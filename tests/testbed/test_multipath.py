@@ -15,8 +15,10 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -40,7 +42,8 @@ def uri(testbed, transport: str, nqn: str | None = None) -> str:
 
 @contextlib.contextmanager
 def mounted(mnt: str, log: str, source: str, *options: str):
-    """``nvmeof-fuse mount SOURCE MNT OPTIONS --daemon``; unmounted on the way out."""
+    """``nvmeof-fuse mount SOURCE MNT OPTIONS --daemon``; unmounted on the way out, and its
+    log copied to TESTBED_OUT (it comes back to the host)."""
     os.makedirs(mnt, exist_ok=True)
     sh("nvmeof-fuse", "mount", source, mnt, "--daemon", "--log-file", log, *options,
        timeout=300)
@@ -49,6 +52,42 @@ def mounted(mnt: str, log: str, source: str, *options: str):
     finally:
         subprocess.run(["fusermount3", "-u", mnt], capture_output=True, timeout=120)
         wait_for(lambda: not os.path.ismount(mnt), 60)
+        if os.environ.get("TESTBED_OUT") and os.path.exists(log):
+            shutil.copy(log, os.path.join(os.environ["TESTBED_OUT"],
+                                          os.path.basename(mnt) + ".log"))
+
+
+class Timeline:
+    """The daemon's log lines and the test's own marks, with the seconds since it began:
+    what a failure message shows of when things happened."""
+
+    def __init__(self, log: str) -> None:
+        self.start = time.monotonic()
+        self.events: list[str] = []
+        self._log, self._done = log, threading.Event()
+        with open(log) as f:
+            self._offset = len(f.read())
+        self._thread = threading.Thread(target=self._follow, daemon=True)
+        self._thread.start()
+
+    def mark(self, what: str) -> None:
+        self.events.append(f"{time.monotonic() - self.start:7.2f} test: {what}")
+
+    def _follow(self) -> None:
+        while not self._done.wait(0.05):
+            with open(self._log) as f:
+                f.seek(self._offset)
+                text = f.read()
+            if "\n" in text:
+                text = text[:text.rindex("\n") + 1]
+                self._offset += len(text)
+                stamp = f"{time.monotonic() - self.start:7.2f}"
+                self.events += [f"{stamp} {line}" for line in text.splitlines()]
+
+    def __str__(self) -> str:
+        self._done.set()
+        self._thread.join(5)
+        return "\n".join(self.events)
 
 
 def paths(mnt: str) -> list[dict]:
@@ -172,10 +211,14 @@ def test_the_target_takes_a_new_nguid_for_a_namespace(testbed):
 
 @pytest.fixture(scope="module")
 def mp(testbed, tmp_path_factory):
-    """RDMA as path 0, TCP as ``--path``; iopolicy queue-depth (the default)."""
+    """RDMA as path 0, TCP as ``--path``; iopolicy queue-depth (the default).
+
+    Keep-alive 1 s: nvmet drops an unlinked port's RDMA connections with an RDMA-CM
+    disconnect, which our synchronous CM endpoint does not see, so a lost RDMA path is
+    noticed by keep-alive (within 1.5 times the timeout) or by a failed work request."""
     log = str(tmp_path_factory.mktemp("mp") / "daemon.log")
     with mounted(MNT, log, uri(testbed, "rdma"), "--path", uri(testbed, "tcp"),
-                 "-k", "2", "-c", "1", "-l", "120"):
+                 "-k", "1", "-c", "1", "-l", "120"):
         yield MNT, log
     text = log_text(log)
     assert "Traceback" not in text, text
@@ -279,7 +322,10 @@ def test_fio_verify_and_a_companion_reader_ride_out_the_rdma_port_going_away(
     reader, out, stop = companion_reader(mnt, tmp_path)
     try:
         assert wait_for(lambda: rounds_done(out) > 0, 120), open(f"{out}.err").read()
-        writer = fio("--name=outage", f"--filename={mnt}/n1", "--rw=randwrite",
+        timeline = Timeline(log)
+        timeline.mark("fio starts")
+        writer = fio(f"--write_lat_log={testbed.out}/outage", "--name=outage",
+                     f"--filename={mnt}/n1", "--rw=randwrite",
                      "--bssplit=4k/50:64k/50", "--iodepth=8", "--size=16M", "--rate=2m",
                      "--time_based", f"--runtime={OUTAGE + 8}", "--verify=crc32c",
                      "--verify_backlog=64", "--verify_fatal=1")
@@ -287,15 +333,19 @@ def test_fio_verify_and_a_companion_reader_ride_out_the_rdma_port_going_away(
         assert wait_for(lambda: written(mnt, "n1") > start + (1 << 20), 120), "fio wrote nothing"
         before = ios(mnt)
         with target_away(testbed.nqn, RDMA_PORT):
+            timeline.mark("the RDMA port is unlinked")
             assert wait_for(lambda: paths(mnt)[0]["state"] != "live", 60), paths(mnt)
+            timeline.mark(f"path 0 not live: {paths(mnt)[0]['state']}")
             rounds = rounds_done(out)
             time.sleep(OUTAGE)  # the outage itself, not a wait for a condition
             during = ios(mnt)
+        timeline.mark("the RDMA port is linked again")
         job = fio_result(writer, log)
+        timeline.mark("fio done")
         assert wait_for(lambda: rounds_done(out) > rounds + 1, 120)  # it read on meanwhile
     finally:
         summary = reader_summary(reader, out, stop)
-    assert clat_max_s(job, "write") < SLOWEST_WRITE_S, (job["write"]["clat_ns"], log_text(log))
+    assert clat_max_s(job, "write") < SLOWEST_WRITE_S, (job["write"]["clat_ns"], str(timeline))
     assert summary["errors"] == [] and summary["mismatches"] == 0, summary
     assert during[1] > before[1], (before, during)  # the TCP path carried on
     assert wait_for(lambda: paths(mnt)[0]["state"] == "live", 120), paths(mnt)
