@@ -47,12 +47,12 @@ def paths_connect(mopts: Any) -> Callable[[Any], Any]:
     """How a mount connects: a multipath head over ``conn`` (path 0) and ``mopts.paths``
     with ``mopts.iopolicy``; with one path it hands commands straight to its controller,
     and paths can still be added to it (``nvmeof-fuse add-path``)."""
-    from nvmeof_fuse.host import multipath
+    from nvmeof_fuse.host.multipath import connect as connect_paths
+    from nvmeof_fuse.host.multipath import path_options
 
     def connect(conn: Any) -> Any:
-        extra = [multipath.path_options(conn, uri) for uri in getattr(mopts, "paths", ())]
-        return multipath.connect([conn, *extra],
-                                 policy=getattr(mopts, "iopolicy", "queue-depth"))
+        extra = [path_options(conn, uri) for uri in getattr(mopts, "paths", ())]
+        return connect_paths([conn, *extra], policy=getattr(mopts, "iopolicy", "queue-depth"))
 
     return connect
 

@@ -28,6 +28,25 @@ def one_line_error(capsys, argv, match):
 SECRET = "DHHC-1:00:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:"
 
 
+def fake_multipath(connect, state=None):
+    """A fake ``nvmeof_fuse.host.multipath`` (the daemon connects through it): the first
+    path through the fake ``connect``; the policy and further paths go to ``state``."""
+    import types
+
+    mod = types.ModuleType("nvmeof_fuse.host.multipath")
+
+    def path_options(base, uri):
+        return uri
+
+    def multipath_connect(paths, policy="queue-depth"):
+        if state is not None:
+            state.paths, state.iopolicy = list(paths[1:]), policy
+        return connect(paths[0])
+
+    mod.path_options, mod.connect = path_options, multipath_connect
+    return mod
+
+
 # --- the whole mount command through the kernel -------------------------------------------
 
 FOREGROUND = """
@@ -69,6 +88,7 @@ async def connect(opts):
             nursery.cancel_scope.cancel()
 mod.connect = connect
 sys.modules[mod.__name__] = mod
+sys.modules["nvmeof_fuse.host.multipath"] = cli_fakes.fake_multipath(connect)
 sys.exit(entry.main(sys.argv[1:]))
 """
 

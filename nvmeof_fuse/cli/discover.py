@@ -116,11 +116,26 @@ def format_list(mountpoint: str, doc: dict[str, Any]) -> str:
         f"  {c.get('transport', '?')} {c.get('traddr', '?')}:{c.get('trsvcid', '?')} "
         f"{c.get('subnqn', ident.get('subnqn', '?'))} cntlid {c.get('cntlid', '?')}",
     ]
+    paths = doc.get("paths") or []
+    if len(paths) > 1 or any(p.get("ana_state") not in (None, "optimized") for p in paths):
+        lines[1] = f"  {c.get('subnqn', ident.get('subnqn', '?'))}, iopolicy " \
+                   f"{c.get('iopolicy', '?')}"
+        lines += [_path_line(p) for p in paths]
     rows = [["Node", "NSID", "Size (bytes)", "LBA size", "LBAs"]]
     for ns in doc.get("namespaces", []):
         node = os.path.join(mountpoint, f"n{ns['nsid']}")
         rows.append([node, str(ns["nsid"]), str(ns["size"]), str(ns["lba_size"]), str(ns["nlb"])])
     return "\n".join(lines) + "\n" + _table(rows)
+
+
+def _path_line(p: dict[str, Any]) -> str:
+    """One path of a multipath mount, as ``nvme list-subsys`` shows one: where, state, ANA."""
+    cntlid = p.get("cntlid")
+    ana = p.get("ana_state") or "ana unknown"
+    return (f"  path {p.get('index')}: {p.get('transport')} {p.get('traddr')}:"
+            f"{p.get('trsvcid')} cntlid {cntlid if cntlid is not None else '-'} "
+            f"{p.get('state')} {ana}{'' if p.get('usable') else ' (unused)'}, "
+            f"{p.get('ios', 0)} I/Os, {p.get('outstanding', 0)} outstanding")
 
 
 def cmd_list(args: argparse.Namespace) -> int:

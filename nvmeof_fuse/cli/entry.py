@@ -11,12 +11,13 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from nvmeof_fuse.cli import admin, discover, mount
+from nvmeof_fuse.cli import admin, discover, mount, paths
 from nvmeof_fuse.cli.mounthelper import helper_argv
 from nvmeof_fuse.cli.options import PROG, leaf, one_line, parse_command_line
 from nvmeof_fuse.errors import NVMeoFError
 
-COMMANDS = ("mount", "discover", "list", "mount-all", "install-helper")
+COMMANDS = ("mount", "discover", "list", "mount-all", "install-helper", "add-path",
+            "remove-path")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     mount.add_parser(sub)
     discover.add_parsers(sub)  # discover, list
     admin.add_parsers(sub)  # mount-all, install-helper
+    paths.add_parsers(sub)  # add-path, remove-path
     return parser
 
 
@@ -64,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return admin.cmd_mount_all(args)
         if args.command == "install-helper":
             return admin.cmd_install_helper(args)
+        if args.command in ("add-path", "remove-path"):
+            return paths.cmd_change_path(args)
         return discover.cmd_list(args)
     except BaseException as exc:
         inner = leaf(exc)

@@ -40,6 +40,8 @@ log = logging.getLogger(PROG)
 
 def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
     """``mount``'s arguments; the actions, from which :func:`daemon_command` rebuilds a line."""
+    from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY as DEFAULT_IOPOLICY
+    from nvmeof_fuse.host.iopolicy import POLICIES as IOPOLICIES
     from nvmeof_fuse.host.options import DEFAULT_COMPANION_QUEUES, QUEUES_PER_CLIENT
 
     actions = add_connection(m, port_help="transport service id (default 4420)",
@@ -62,8 +64,14 @@ def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
         add("-f", "--fast-io-fail-tmo", "--fast_io_fail_tmo", default="-1",
             help="fail I/O this many s after a loss while reconnecting goes on (-1: off)"),
         add("--read-only", action="store_true", help="refuse writes (EROFS)"),
+        add("--path", dest="paths", action="append", default=[], metavar="URI",
+            help="a further path to the same subsystem (nvme+rdma:// or nvme+tcp://); "
+                 "repeatable; -o path=URI"),
+        add("--iopolicy", choices=list(IOPOLICIES),
+            help=f"how I/O spreads over the paths (default {DEFAULT_IOPOLICY}); "
+                 "-o iopolicy=..."),
         add("-o", dest="options", action="append", default=[],
-            metavar="allow_other,fuse=SERVER"),
+            metavar="allow_other,fuse=SERVER,path=URI,iopolicy=POLICY"),
         add("--fuse", metavar="SERVER",
             help="what serves FUSE: builtin (default; our own /dev/fuse session) or pyfuse3 "
                  "(pip install 'nvmeof-fuse[pyfuse3]')"),
@@ -201,6 +209,8 @@ def daemon_command(argv: Sequence[str]) -> tuple[list[str], dict[str, str]]:
                 line.append(f"{flag}={os.path.abspath(value)}")
         elif dest == "options":
             line += [a for f in sorted(mount_flags(value)) for a in ("-o", f)]
+        elif dest == "paths":
+            line += [f"{flag}={uri}" for uri in value]
         elif action.nargs == 0:  # a flag
             if value:
                 line.append(flag)

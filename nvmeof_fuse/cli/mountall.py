@@ -15,13 +15,14 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 
 from nvmeof_fuse.errors import InvalidArgument
+from nvmeof_fuse.nvme.uri import NVMeURI
 
 DISCOVERY_CONF = "/etc/nvme/discovery.conf"
 FSTYPE = "fuse.nvmeof-fuse"
 TRANSPORTS = ("rdma", "tcp")
 NVME_SUBSYSTEM = "nvme subsystem"
 REFERRAL = "discovery subsystem referral"
-FROM_DISCOVERY = ("transport", "traddr", "trsvcid", "nqn", "nsid", "namespace_id")
+FROM_DISCOVERY = ("transport", "traddr", "trsvcid", "nqn", "nsid", "namespace_id", "path")
 
 
 @dataclass(frozen=True)
@@ -45,7 +46,7 @@ class Outcome:
     traddr: str
     trsvcid: str
     mountpoint: str
-    status: str  # "mount" (to do), "mounted", "already mounted", "skipped", "failed"
+    status: str  # "mount" (to do), "mounted", "already mounted", "path", "skipped", "failed"
     reason: str = ""
     argv: list[str] = field(default_factory=list, repr=False)  # the `mount` command line
 
@@ -102,12 +103,16 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
 
     ``mounts`` are (mountpoint, fstype) pairs of the mounts now; ``common`` the
     ``mount`` options given to every mount.  Entries that are not NVMe subsystems
-    (the discovery controller itself) are left out; a second path to a subsystem
-    already in the plan is skipped: there is one mount per subsystem.
+    (the discovery controller itself) are left out.  There is one mount per subsystem:
+    a further entry of a subsystem in the plan becomes a further path of its mount
+    (``--path``, status ``path``); the same address twice, or a further path of a
+    subsystem already mounted, is skipped.
     """
     mounted = dict(mounts)  # mountpoint -> fstype, the last mount on a path winning
     root = os.path.abspath(root)
     seen: set[str] = set()
+    first: dict[str, Outcome] = {}  # subnqn -> the entry that mounts it
+    places: dict[str, set[tuple[str, str, str]]] = {}  # subnqn -> its addresses so far
     out = []
     for r in records:
         subtype = r.get("subtype")
@@ -123,8 +128,17 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
             o.status, o.reason = "skipped", f"{subnqn!r} is not an NQN usable as a directory name"
         elif trtype not in TRANSPORTS:
             o.status, o.reason = "skipped", f"transport {trtype} is not supported"
+        elif (trtype, traddr, trsvcid) in places.get(subnqn, set()):
+            o.status, o.reason = "skipped", "the same address as a path above"
+        elif subnqn in seen and first[subnqn].status == "mount":
+            mount = first[subnqn]
+            uri = NVMeURI(trtype, traddr, int(trsvcid) if trsvcid.isdigit() else None, subnqn)
+            mount.argv[-1:-1] = ["--path", str(uri)]
+            o.status, o.reason = "path", "a further path of the mount above"
+            places[subnqn].add((trtype, traddr, trsvcid))
         elif subnqn in seen:
-            o.status, o.reason = "skipped", "another path to a subsystem mounted above"
+            o.status, o.reason = "skipped", ("another path to a subsystem mounted above (add "
+                                             "it with: nvmeof-fuse add-path)")
         elif mounted.get(point) == FSTYPE:
             o.status = "already mounted"
         elif point in mounted:
@@ -134,6 +148,8 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
                       "-n", subnqn, *common, point]
         if o.status in ("mount", "already mounted"):
             seen.add(subnqn)
+            first[subnqn] = o
+            places[subnqn] = {(trtype, traddr, trsvcid)}
         out.append(o)
     return out
 

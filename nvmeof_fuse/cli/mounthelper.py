@@ -55,6 +55,8 @@ KEYS: dict[str, tuple[str, bool]] = {
     "ro": ("--read-only", False),
     "allow_other": ("-o allow_other", False),
     "fuse": ("--fuse", True),
+    "path": ("--path", True),  # repeatable: a further path to the subsystem (multipath)
+    "iopolicy": ("--iopolicy", True),
     "uid": ("--uid", True),
     "gid": ("--gid", True),
     "mode": ("--mode", True),

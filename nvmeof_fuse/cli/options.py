@@ -81,11 +81,51 @@ def mount_flags(values: list[str]) -> set[str]:
     flags = {f.strip() for v in values for f in v.split(",") if f.strip()}
     for flag in flags:
         refuse_secret_option(flag, on_command_line=True)
-    unknown = {f.partition("=")[0] for f in flags} - {"allow_other", "fuse"}  # values unsaid
+    known = {"allow_other", "fuse", "path", "iopolicy"}
+    unknown = {f.partition("=")[0] for f in flags} - known  # values unsaid
     if unknown:
         raise UsageError(f"unsupported -o option(s): {', '.join(sorted(unknown))} "
-                         "(known: allow_other, fuse=SERVER)")
+                         "(known: allow_other, fuse=SERVER, path=URI, iopolicy=POLICY)")
     return flags
+
+
+def _flag_values(args: argparse.Namespace, key: str) -> list[str]:
+    """The values of ``-o key=VALUE`` items, in the order given."""
+    return [value for v in args.options for f in v.split(",")
+            for k, _, value in [f.strip().partition("=")] if k == key]
+
+
+def mount_paths(args: argparse.Namespace) -> tuple[str, ...]:
+    """The further paths of ``--path`` and ``-o path=``, checked (each an NVMe URI of a
+    subsystem, without a namespace; none twice)."""
+    from nvmeof_fuse.nvme.uri import parse_uri
+
+    uris = [*getattr(args, "paths", []), *_flag_values(args, "path")]
+    seen = set()
+    for uri in uris:
+        where = parse_uri(uri)
+        if where.nsid is not None:
+            raise UsageError(f"path {uri} names a namespace (/{where.nsid}): a path is a "
+                             "subsystem's address; --nsid picks the namespace")
+        if uri in seen:
+            raise UsageError(f"path {uri} is given twice")
+        seen.add(uri)
+    return tuple(uris)
+
+
+def _iopolicy(args: argparse.Namespace) -> str:
+    """``--iopolicy`` or ``-o iopolicy=`` (default queue-depth), checked."""
+    from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY, POLICIES
+
+    named = set(_flag_values(args, "iopolicy"))
+    if getattr(args, "iopolicy", None) is not None:
+        named.add(args.iopolicy)
+    if len(named) > 1:
+        raise UsageError(f"conflicting iopolicies: {', '.join(sorted(named))}")
+    policy = named.pop() if named else DEFAULT_POLICY
+    if policy not in POLICIES:
+        raise UsageError(f"unknown iopolicy {policy!r} (known: {', '.join(POLICIES)})")
+    return policy
 
 
 def _fuse_server(args: argparse.Namespace) -> str:
@@ -157,6 +197,8 @@ def mount_options(args: argparse.Namespace) -> Any:
         mode=DEFAULT_MODE if mode is None else mode,
         debug=args.debug,
         fuse=_fuse_server(args),
+        paths=mount_paths(args),
+        iopolicy=_iopolicy(args),
     )
 
 

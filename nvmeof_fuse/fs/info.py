@@ -93,11 +93,14 @@ def namespace_summary(ns: NamespaceLike) -> dict[str, int]:
 
 
 def controller_dict(ctrl: ControllerLike) -> dict[str, Any]:
-    return {
+    doc = {
         "controller": ctrl.describe(),
         "identify": ctrl.identify.to_dict(),
         "namespaces": [namespace_summary(ctrl.namespaces[n]) for n in sorted(ctrl.namespaces)],
     }
+    if hasattr(ctrl, "paths_snapshot"):  # what `nvmeof-fuse list` shows of each path
+        doc["paths"] = paths_list(ctrl)
+    return doc
 
 
 def controller_text(ctrl: ControllerLike) -> bytes:

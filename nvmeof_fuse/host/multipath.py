@@ -373,6 +373,9 @@ class MultipathController:
         mount, the connect error if it cannot be reached."""
         if self._closed:
             raise ControllerLost(self._closed)
+        if self.nqn and options.nqn != self.nqn:
+            raise PathRefused(f"path {path_uri(options)} refused: it names subsystem "
+                              f"{options.nqn}, not this mount's subsystem {self.nqn}")
         for path in self.paths:
             if _same_place(path_uri(options), path):
                 raise PathRefused(f"path {path_uri(options)} is already path {path.index} "
@@ -671,8 +674,7 @@ class MultipathController:
         ctrl = self.primary
         doc: dict[str, Any] = ctrl.describe() if ctrl is not None else {
             "subnqn": self.nqn, "namespaces": sorted(self.namespaces)}
-        doc.update({"state": self.state, "iopolicy": self.policy,
-                    "paths": [f"{p.index}: {p.uri} ({p.state})" for p in self.paths]})
+        doc.update({"state": self.state, "iopolicy": self.policy})
         return doc
 
     def connection_snapshot(self) -> dict[str, Any]:
@@ -937,14 +939,14 @@ def _outstanding(path: Path) -> int:
 
 
 def _same_place(text: str, path: Path) -> bool:
-    """Whether ``text`` (a URI) names ``path``'s transport, address and port."""
+    """Whether ``text`` (a URI) names ``path``'s transport, address, port and subsystem."""
     try:
         uri = parse_uri(text)
     except InvalidArgument:
         return False
-    port = uri.trsvcid if uri.trsvcid is not None else path.options.trsvcid
-    return (uri.transport, uri.traddr, port) == (path.options.transport, path.options.traddr,
-                                                 path.options.trsvcid)
+    port = uri.trsvcid if uri.trsvcid is not None else DEFAULT_PORT
+    return (uri.transport, uri.traddr, port, uri.subnqn) == (
+        path.options.transport, path.options.traddr, path.options.trsvcid, path.options.nqn)
 
 
 @contextlib.asynccontextmanager

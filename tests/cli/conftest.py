@@ -5,7 +5,7 @@ import sys
 import types
 
 import pytest
-from cli_fakes import FakeConnectOptions
+from cli_fakes import FakeConnectOptions, fake_multipath
 from fakes import make_controller
 
 
@@ -31,5 +31,7 @@ def host(monkeypatch):
     disc_mod.discover = discover
     monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.controller", ctrl_mod)
     monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.discovery", disc_mod)
+    monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.multipath",
+                        fake_multipath(connect, state))
     return state
 

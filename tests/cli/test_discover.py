@@ -90,3 +90,30 @@ def test_list_every_mount(capsys, tmp_path, monkeypatch):
     docs = json.loads(capsys.readouterr().out)
     assert [(d["mountpoint"], d["source"]) for d in docs] == [
         (str(good), f"nvme+rdma://192.0.2.1/{S1}/2")]
+
+
+def test_list_shows_the_paths_of_a_multipath_mount(capsys, tmp_path):
+    (tmp_path / ".nvmeof").mkdir()
+    path = {"index": 0, "uri": "nvme+rdma://192.0.2.1:4420/nqn.x:y", "transport": "rdma",
+            "traddr": "192.0.2.1", "trsvcid": 4420, "cntlid": 3, "ana_group": 1,
+            "ana_state": "optimized", "state": "live", "usable": True, "outstanding": 2,
+            "ios": 10, "bytes": 40960, "losses": 0, "reconnects": 0}
+    other = {**path, "index": 1, "transport": "tcp", "traddr": "192.0.2.2", "cntlid": None,
+             "ana_state": "inaccessible", "state": "connecting", "usable": False, "ios": 0}
+    doc = {
+        "controller": {"transport": "rdma", "traddr": "192.0.2.1", "trsvcid": 4420, "cntlid": 3,
+                       "subnqn": "nqn.x:y", "iopolicy": "queue-depth"},
+        "identify": {"mn": "Model X", "sn": "SN1", "fr": "1.2", "subnqn": "nqn.x:y"},
+        "namespaces": [{"nsid": 1, "size": 4096, "lba_size": 512, "nlb": 8}],
+        "paths": [path, other],
+    }
+    (tmp_path / ".nvmeof" / "controller.json").write_text(json.dumps(doc))
+    assert entry.main(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1] == "  nqn.x:y, iopolicy queue-depth"
+    assert out[2] == ("  path 0: rdma 192.0.2.1:4420 cntlid 3 live optimized, 10 I/Os, "
+                      "2 outstanding")
+    assert out[3] == ("  path 1: tcp 192.0.2.2:4420 cntlid - connecting inaccessible (unused), "
+                      "0 I/Os, 2 outstanding")
+    assert entry.main(["list", "-o", "json", str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out)["paths"][1]["ana_state"] == "inaccessible"

@@ -104,7 +104,9 @@ def test_daemon_command_keeps_every_option():
             "--namespace-id", "2", "-i", "3", "--companion-queues", "0", "-Q", "64", "-k", "0",
             "-c", "3", "-l", "-1", "--fast_io_fail_tmo", "5", "--read-only", "-o", "allow_other",
             "-o", "fuse=pyfuse3", "--fuse", "pyfuse3", "--uid", "1", "--gid", "2", "--mode",
-            "0600", "--log-file", "/l", "/m"]
+            "0600", "--log-file", "/l", "--path", "nvme+rdma://192.0.2.2/nqn.2014-08.org.e:s1",
+            "--path", "nvme+tcp://192.0.2.3/nqn.2014-08.org.e:s1", "--iopolicy", "failover",
+            "-o", "path=nvme+tcp://192.0.2.4/nqn.2014-08.org.e:s1", "/m"]
     cmd, _ = mount.daemon_command(argv)
     given, child = vars(entry.parse_args(argv)), vars(entry.parse_args(cmd[3:]))
     assert child == given, cmd

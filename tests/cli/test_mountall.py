@@ -38,7 +38,7 @@ def test_plan(tmp_path):
     got = [(o.subnqn, o.status, o.reason) for o in outcomes]
     assert got == [
         (S1, "mount", ""),
-        (S1, "skipped", "another path to a subsystem mounted above"),
+        (S1, "path", "a further path of the mount above"),
         (S2, "skipped", "transport fc is not supported"),
         ("nqn.x/y", "skipped", "'nqn.x/y' is not an NQN usable as a directory name"),
         (S2, "skipped", "a referral to another discovery controller"),
@@ -47,4 +47,23 @@ def test_plan(tmp_path):
     ]
     first = plan(records, str(tmp_path), mounts, ["-i", "2"])[0]
     assert first.argv == ["mount", "-t", "rdma", "-a", "192.0.2.1", "-s", "4420", "-n", S1,
-                          "-i", "2", f"{tmp_path}/{S1}"]
+                          "-i", "2", "--path", f"nvme+rdma://192.0.2.9:4420/{S1}",
+                          f"{tmp_path}/{S1}"]
+
+
+def test_the_entries_of_one_subsystem_make_one_mount_with_several_paths(tmp_path):
+    s3 = "nqn.2014-08.org.example:s3"
+    records = [rec(S1), rec(S1, trtype="tcp", traddr="192.0.2.2", trsvcid="4421"),
+               rec(S1),  # the same address again (a second discovery controller says it)
+               rec(S1, traddr="fe80::1"), rec(s3), rec(s3, traddr="192.0.2.9")]
+    mounts = [(f"{tmp_path}/{s3}", "fuse.nvmeof-fuse")]
+    outcomes = plan(records, str(tmp_path), mounts, [])
+    assert [(o.status, o.reason) for o in outcomes] == [
+        ("mount", ""), ("path", "a further path of the mount above"),
+        ("skipped", "the same address as a path above"),
+        ("path", "a further path of the mount above"), ("already mounted", ""),
+        ("skipped", "another path to a subsystem mounted above (add it with: nvmeof-fuse "
+                    "add-path)")]
+    assert outcomes[0].argv[-5:] == ["--path", f"nvme+tcp://192.0.2.2:4421/{S1}",
+                                     "--path", f"nvme+rdma://[fe80::1]:4420/{S1}",
+                                     f"{tmp_path}/{S1}"]

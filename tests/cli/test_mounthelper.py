@@ -271,3 +271,12 @@ def test_uri_with_nsid_mounts_one_namespace_under_our_fstype(tmp_path):
             proc.wait(timeout=STEP)
         if any(m.mountpoint == str(mnt) for m in read_mountinfo()):
             subprocess.run(["fusermount3", "-uz", str(mnt)], timeout=STEP, check=False)
+
+
+def test_paths_and_iopolicy_as_fstab_keys():
+    uri1, uri2 = "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1", "nvme+rdma://[fe80::1]/nqn.x:y"
+    argv = helper_argv(["nvme+rdma://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
+                        "-o", f"path={uri1},path={uri2},iopolicy=round-robin,_netdev"])
+    assert argv[argv.index("--path") + 1] == uri1
+    assert argv.count("--path") == 2 and uri2 in argv
+    assert argv[argv.index("--iopolicy") + 1] == "round-robin"

@@ -94,7 +94,7 @@ def test_dhchap_options_follow_nvme_cli(tmp_path):
      "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
      "FILE instead"),
     (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other, "
-     "fuse=SERVER)"),
+     "fuse=SERVER, path=URI, iopolicy=POLICY)"),
 ])
 def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
     err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
@@ -108,3 +108,46 @@ def test_reconnect_options_follow_nvme_cli(tmp_path):
     for spelling in ("--fast-io-fail-tmo", "--fast_io_fail_tmo"):  # nvme-cli's is the latter
         args = entry.build_parser().parse_args([*MOUNT, spelling, "7", str(tmp_path)])
         assert options.connect_options(args, nqn=args.nqn, default_port=4420).fast_io_fail_tmo == 7
+
+
+P2, P3 = "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1", "nvme+rdma://192.0.2.3:4421/nqn.x:y"
+
+
+@pytest.mark.parametrize("extra, paths, policy", [
+    ([], (), "queue-depth"),
+    (["--path", P2, "--iopolicy", "round-robin"], (P2,), "round-robin"),
+    (["--path", P2, "-o", f"path={P3},iopolicy=failover"], (P2, P3), "failover"),
+    (["-o", f"allow_other,path={P3}", "-o", "iopolicy=queue-depth", "--iopolicy",
+      "queue-depth"], (P3,), "queue-depth"),
+])
+def test_paths_and_iopolicy_are_options(extra, paths, policy, tmp_path):
+    mopts = options.mount_options(entry.parse_args([*MOUNT, *extra, str(tmp_path)]))
+    assert (mopts.paths, mopts.iopolicy) == (paths, policy)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--path", "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1/1"], "names a namespace (/1)"),
+    (["--path", "192.0.2.2"], "is not an NVMe URI"),
+    (["--path", P2, "-o", f"path={P2}"], f"path {P2} is given twice"),
+    (["-o", "iopolicy=numa"], "unknown iopolicy 'numa' (known: failover, round-robin, "
+     "queue-depth)"),
+    (["-o", "iopolicy=failover", "--iopolicy", "round-robin"],
+     "conflicting iopolicies: failover, round-robin"),
+])
+def test_bad_paths_and_iopolicies_are_one_line_before_connecting(capsys, host, tmp_path,
+                                                                 extra, match):
+    one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
+    assert host.connects == []
+
+
+def test_the_daemon_connects_every_path_with_the_policy(host, tmp_path, monkeypatch):
+    from nvmeof_fuse.cli import mount as mount_cli
+
+    seen = {}
+
+    def run(fn, conn, mopts, *rest):
+        seen["paths"], seen["policy"] = mopts.paths, mopts.iopolicy
+    monkeypatch.setattr("trio.run", run)
+    assert mount_cli.cmd_mount(entry.parse_args(
+        [*MOUNT, "--path", P2, "--iopolicy", "failover", str(tmp_path)]), []) == 0
+    assert seen == {"paths": (P2,), "policy": "failover"}
