@@ -474,13 +474,9 @@ class File:
 
     def read(self, buf: Any, size: int | None = None, file_offset: int = 0,
              buf_offset: int = 0, *, stream: Any = None) -> int:
-        """Read into ``buf``; returns the bytes read (short at the end of the namespace)."""
-        direct = self._direct
-        if direct is not None and not buf_offset and stream is None:
-            polled = self._pread_array(direct, buf, size, file_offset, True)
-            if polled is not None:
-                return polled.get()
-        return self._start(False, buf, size, file_offset, buf_offset, stream).get()
+        """Read into ``buf``; returns the bytes read (short at the end of the namespace).
+        :meth:`pread` and wait: the same checks, counts and errors."""
+        return self.pread(buf, size, file_offset, buf_offset, stream=stream).get()
 
     def write(self, buf: Any, size: int | None = None, file_offset: int = 0,
               buf_offset: int = 0, *, stream: Any = None) -> int:
@@ -590,7 +586,7 @@ class File:
                            f"our own queues ({exc}); using the mount daemon")
                 return None
             if not write and not temporary:  # the common case first: nothing to do after
-                polled = direct.polled_read(self.nsid, region, at, size, file_offset,
+                polled = direct.polled.read(self.nsid, region, at, size, file_offset,
                                             mem.owner, self._budget(size) + direct.renew_timeout,
                                             post)
                 if polled is not None:
@@ -655,7 +651,7 @@ class File:
             size = nbytes
         elif type(size) is not int or not 0 < size <= nbytes:
             return None
-        polled = direct.polling_queues(size)
+        polled = direct.polled.queues(size)
         if not polled:  # a large read: its array is resolved there once
             return None
         lba_size = self.lba_size
@@ -670,7 +666,7 @@ class File:
         if found is None:
             return None
         region, at = found
-        return direct.polled_read_lbas(polled, self.nsid, region, at, size, file_offset,
+        return direct.polled.read_lbas(polled, self.nsid, region, at, size, file_offset,
                                        file_offset // lba_size, size // lba_size, buf,
                                        self._budget(size) + direct.renew_timeout, post)
 
@@ -686,7 +682,7 @@ class File:
                     or self._start(False, buf, size, file_offset, 0, None, post=False)
                     for buf, size, file_offset in requests]
         finally:  # those already written go out even if a later request was refused
-            direct.post_reads()
+            direct.polled.post()
 
     def read_batch(self, requests: list[tuple[Any, int, int]]) -> list[int]:
         """:meth:`pread_batch` and wait: the bytes read by each request."""

@@ -39,6 +39,7 @@ from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.idlepoll import IdlePoll
 from nvmeof_fuse.fs.wire import (
     IN_HEADER,
+    IN_HEADER_SIZE,
     READ,
     READ_IN,
     WRITE,
@@ -391,7 +392,7 @@ class FuseSession:
                 raise _SessionEnded from None
             raise
         head = bufs[0]
-        if n < 40:  # 0: the other end closed (only a test's fake kernel does that)
+        if n < IN_HEADER_SIZE:  # 0: the other end closed (only a test's fake kernel does that)
             if n == 0:
                 self.gone = True
                 raise _SessionEnded
@@ -399,14 +400,14 @@ class FuseSession:
             return None
         _, opcode, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(head)
         if opcode == READ:
-            fh, offset, size, _ = READ_IN.unpack_from(head, 40)
+            fh, offset, size, _ = READ_IN.unpack_from(head, IN_HEADER_SIZE)
             self._in_flight += 1
             if (self._in_flight > 1 and self._start_read_op is not None
                     and self._start_read(unique, fh, offset, size)):
                 return None
             return self._read, (unique, fh, offset, size)
         if opcode == WRITE:  # its data is at the start of the data buffer, now the write's
-            fh, offset, size, _ = WRITE_IN.unpack_from(head, 40)
+            fh, offset, size, _ = WRITE_IN.unpack_from(head, IN_HEADER_SIZE)
             data = bufs[1]
             bufs[1] = None
             self._in_flight += 1
@@ -434,7 +435,7 @@ class FuseSession:
             log.error("FUSE INIT: %s", exc)
             self._send(wire.error_reply(unique, errno.EPROTO))
             return
-        self._send(wire.out_header(unique, len(body)) + body)
+        self._send(wire.reply(unique, body))
         log.debug("FUSE %d.%d, flags %#x", self.negotiated.major, self.negotiated.minor,
                   self.negotiated.flags)
         self.initialized.set()

@@ -304,6 +304,11 @@ def out_header(unique: int, body_len: int, error: int = 0) -> bytes:
     return OUT_HEADER.pack(OUT_HEADER_SIZE + body_len, -error, unique)
 
 
+def reply(unique: int, body: bytes) -> bytes:
+    """A whole reply: its fuse_out_header, then ``body``."""
+    return OUT_HEADER.pack(OUT_HEADER_SIZE + len(body), 0, unique) + body
+
+
 def error_reply(unique: int, error: int) -> bytes:
     return OUT_HEADER.pack(OUT_HEADER_SIZE, -error, unique)
 
@@ -334,14 +339,14 @@ def entry_reply(unique: int, a: EntryAttributes) -> bytes:
     es, ens = _split(a.entry_timeout)
     ts, tns = _split(a.attr_timeout)
     body = ENTRY_OUT.pack(a.st_ino, a.generation, es, ts, ens, tns) + pack_attr(a)
-    return out_header(unique, len(body)) + body
+    return reply(unique, body)
 
 
 def attr_reply(unique: int, a: EntryAttributes) -> bytes:
     """GETATTR's and SETATTR's reply: fuse_attr_out."""
     ts, tns = _split(a.attr_timeout)
     body = ATTR_OUT.pack(ts, tns, 0) + pack_attr(a)
-    return out_header(unique, len(body)) + body
+    return reply(unique, body)
 
 
 def open_reply(unique: int, fh: int, open_flags: int = 0) -> bytes:
@@ -356,7 +361,7 @@ def write_reply(unique: int, size: int) -> bytes:
 def statfs_reply(unique: int, s: StatvfsData) -> bytes:
     body = KSTATFS.pack(s.f_blocks, s.f_bfree, s.f_bavail, s.f_files, s.f_ffree, s.f_bsize,
                         s.f_namemax, s.f_frsize or s.f_bsize, 0)
-    return out_header(unique, len(body)) + body
+    return reply(unique, body)
 
 
 class DirBuffer:

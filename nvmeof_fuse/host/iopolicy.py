@@ -43,6 +43,7 @@ class PathSelector(Generic[P]):
     def __init__(self, policy: str = DEFAULT_POLICY) -> None:
         self.policy = check_policy(policy)
         self.last: P | None = None
+        self._turn = -1
 
     def choose(self, paths: Sequence[P], state: Callable[[P], AnaState | None],
                depth: Callable[[P], int]) -> P | None:
@@ -51,35 +52,42 @@ class PathSelector(Generic[P]):
         ``state(path)`` is the path's usable ANA state (None: not usable now);
         ``depth(path)`` its commands outstanding.
         """
-        last = self.last
-        if self.policy == FAILOVER and last is not None and last in paths:
-            if state(last) is AnaState.OPTIMIZED:
-                return last
-        start = paths.index(last) + 1 if last is not None and last in paths else 0
-        n = len(paths)
-        best: P | None = None
-        best_key: tuple[int, int] | None = None
-        for i in range(n):
-            path = paths[(start + i) % n] if self.policy != FAILOVER else paths[i]
+        optimized, fallback = [], []
+        for path in paths:
             s = state(path)
-            if s is None:
-                continue
-            rank = 0 if s is AnaState.OPTIMIZED else 1
-            if self.policy == QUEUE_DEPTH:
-                key = (rank, depth(path))
-            else:
-                key = (rank, 0)
-            if best_key is None or key < best_key:
-                best, best_key = path, key
-                if self.policy != QUEUE_DEPTH and rank == 0:
-                    break
-        if (self.policy == FAILOVER and best is not None and best_key is not None
-                and best_key[0] == 1 and last is not None and last in paths
-                and state(last) is AnaState.NON_OPTIMIZED):
-            best = last  # no optimized path: stay on the non-optimized one in use
-        if best is not None:
-            self.last = best
-        return best
+            if s is AnaState.OPTIMIZED:
+                optimized.append(path)
+            elif s is not None:
+                fallback.append(path)
+        return self.pick(optimized, fallback, depth)
+
+    def pick(self, optimized: Sequence[P], fallback: Sequence[P],
+             depth: Callable[[P], int]) -> P | None:
+        """:meth:`choose` where the usable paths are known: the optimized ones (in path
+        order), else the non-optimized ones."""
+        group = optimized or fallback
+        n = len(group)
+        if n <= 1:
+            choice = group[0] if n else None
+        elif self.policy == FAILOVER:
+            choice = self.last if self.last in group else group[0]
+        elif self.policy == ROUND_ROBIN:
+            self._turn = (self._turn + 1) % n
+            choice = group[self._turn]
+        else:  # queue-depth: the fewest outstanding, equals in turn after the last
+            start = (self._turn + 1) % n
+            best = start
+            fewest = depth(group[start])
+            for step in range(1, n):
+                i = (start + step) % n
+                d = depth(group[i])
+                if d < fewest:
+                    best, fewest = i, d
+            self._turn = best
+            choice = group[best]
+        if choice is not None:
+            self.last = choice
+        return choice
 
     def forget(self, path: P) -> None:
         """``path`` is gone (removed, or failed): do not keep to it."""

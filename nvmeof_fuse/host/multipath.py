@@ -207,8 +207,13 @@ class PathsTransport:
 
     @property
     def dmabuf_refusal(self) -> str:
-        return next((why for t in self._transports()
-                     if (why := getattr(t, "dmabuf_refusal", ""))), "")
+        """Why dma-bufs (GPU memory) are not registered here: they are with one path only."""
+        transports = self._transports()
+        if len(transports) > 1:
+            return (f"this mount has {len(transports)} paths, and a dma-buf is registered "
+                    "with one transport only")
+        return next((why for t in transports if (why := getattr(t, "dmabuf_refusal", ""))),
+                    "")
 
     def register(self, addr: int, length: int, owner: object) -> PathsRegistration:
         return self._head._register(addr, length, owner)
@@ -238,6 +243,7 @@ class Path:
         """Commands that failed here and ran again on another path."""
         self.losses = 0
         self.reconnects = 0
+        self.connected_once = False
         self.removed = trio.Event()
         self._kick = trio.Event()
 
@@ -314,6 +320,8 @@ class MultipathController:
         self._closed = ""
         self._admit_lock = trio.Lock()
         self.failovers = 0
+        self._generation = 0  # of what is known of the paths: see _usable
+        self._usable_paths: dict[int, tuple[int, list[Path], list[Path]]] = {}
         self._direct: Path | None = None  # the one path commands go straight to
         self._baseline = (0, 0)  # the namespaces' (ops, bytes) when it became so
         self._bind()
@@ -365,12 +373,17 @@ class MultipathController:
         self._wake()
 
     def _wake(self) -> None:
+        """Something about the paths changed: forget the usable paths worked out, and wake
+        those waiting for a path."""
+        self._generation += 1
         self._changed.set()
         self._changed = trio.Event()
 
-    async def add_path(self, options: ConnectOptions) -> Path:
+    async def add_path(self, options: ConnectOptions, *, must_connect: bool = True) -> Path:
         """Connect a path and admit it; PathRefused (one line) if it cannot serve this
-        mount, the connect error if it cannot be reached."""
+        mount.  If it cannot be reached: the connect error, or with ``must_connect`` False
+        (a mount's further paths) the path joins anyway and is connected in the background
+        every ``--reconnect-delay``, as a path that was lost."""
         if self._closed:
             raise ControllerLost(self._closed)
         if self.nqn and options.nqn != self.nqn:
@@ -382,7 +395,7 @@ class MultipathController:
                                   "of this mount")
         path = Path(self._next_index, options)
         self._next_index += 1
-        await self._nursery.start(self._run_path, path)
+        await self._nursery.start(self._run_path, path, must_connect)
         return path
 
     async def remove_path(self, uri: str) -> Path:
@@ -405,7 +418,8 @@ class MultipathController:
         known = ", ".join(p.uri for p in self.paths) or "none"
         raise InvalidArgument(f"{uri} is not a path of this mount (its paths: {known})")
 
-    async def _run_path(self, path: Path, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    async def _run_path(self, path: Path, must_connect: bool = True, *,
+                        task_status=trio.TASK_STATUS_IGNORED) -> None:
         """A path's life: connect and admit (errors go to :meth:`add_path`'s caller), serve,
         and while it is not removed connect anew each time its controller gives up."""
         started = False
@@ -419,8 +433,13 @@ class MultipathController:
                     raise
                 log.error("%s: %s; it stays out until connected again", path.name, exc)
             except NVMeoFError as exc:
-                if not started:
+                if not started and must_connect:
                     raise
+                if not started:  # a mount's further path: it joins, and comes when it can
+                    self.paths.append(path)
+                    self._bind()
+                    task_status.started(path)
+                    started = True
                 log.warning("%s: connect failed: %s", path.name, exc)
             if path.removed.is_set():
                 return
@@ -436,8 +455,9 @@ class MultipathController:
             if not started:
                 self.paths.append(path)
                 task_status.started(path)
-            else:
+            if path.connected_once:
                 path.reconnects += 1
+            path.connected_once = True
             try:
                 self._attach(path, ctrl)
                 await self._serve_path(path, ctrl)
@@ -766,11 +786,32 @@ class MultipathController:
             if path.ctrl is not None and queue in path.ctrl.io_queues:
                 path.ctrl.io_failed(queue, exc)
 
-    def _choose(self, nsid: int, skip: set[int]) -> Path | None:
-        def state(path: Path) -> AnaState | None:
-            return None if path.index in skip else path.usable_state(nsid)
+    def _usable(self, nsid: int) -> tuple[list[Path], list[Path]]:
+        """The paths that may take a command for ``nsid``: (optimized, non-optimized), worked
+        out again only after something changed (:meth:`_wake`)."""
+        known = self._usable_paths.get(nsid)
+        if known is not None and known[0] == self._generation:
+            return known[1], known[2]
+        optimized, fallback = [], []
+        for path in self.paths:
+            state = path.usable_state(nsid)
+            if state is AnaState.OPTIMIZED:
+                optimized.append(path)
+            elif state is not None:
+                fallback.append(path)
+        self._usable_paths[nsid] = (self._generation, optimized, fallback)
+        return optimized, fallback
 
-        return self.selector.choose(self.paths, state, _outstanding)
+    def _choose(self, nsid: int, skip: set[int]) -> Path | None:
+        optimized, fallback = self._usable(nsid)
+        if skip:
+            optimized = [p for p in optimized if p.index not in skip]
+            fallback = [p for p in fallback if p.index not in skip]
+        path = self.selector.pick(optimized, fallback, _outstanding)
+        if path is not None and (path.ctrl is None or not path.ctrl.live):
+            self._wake()  # its controller changed state just now: look again
+            return self._choose(nsid, skip)
+        return path
 
     async def _io_multipath(self, sqe: bytearray, data: DataRef | None = None, *,
                             to_controller: bool = False) -> Completion:
@@ -824,6 +865,7 @@ class MultipathController:
                 if is_ana_error(completion.sct, completion.sc):
                     path.ana.mark_pending()
                     path.kick()
+                    self._wake()
                 path.failovers += 1
                 self.failovers += 1
                 failovers += 1
@@ -955,7 +997,8 @@ async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
     """Connect the paths (the first one first: it sets the subsystem and namespaces) and
     yield the head; on exit every path's controller shuts down and the memory is freed.
 
-    A path that cannot be reached or is refused fails the whole connect, in one line.
+    The first path must connect; a further one that cannot be reached joins anyway and is
+    connected in the background.  A refused path fails the whole connect, in one line.
     """
     if not paths:
         raise InvalidArgument("a mount needs at least one path")
@@ -967,8 +1010,8 @@ async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
             async with trio.open_nursery() as nursery:
                 head = MultipathController(nursery, policy=policy, connect=connect_path)
                 try:
-                    for options in paths:
-                        await head.add_path(options)
+                    for i, options in enumerate(paths):
+                        await head.add_path(options, must_connect=i == 0)
                     yield head
                 finally:
                     head.close(f"the mount of {head.nqn or paths[0].nqn} is closed")

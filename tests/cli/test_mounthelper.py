@@ -241,6 +241,12 @@ def test_mount_fuse3_runs_us_as_the_readme_says(tmp_path):
     argv = Path(tmp_path / "argv").read_text().splitlines()
     assert argv == [URI, "/mnt/x", "-o", "rw,ctrl_loss_tmo=-1,dev,suid"]
     assert helper_argv(argv) == ["mount", "--ctrl-loss-tmo", "-1", "--daemon", URI, "/mnt/x"]
+    path = URI.replace("rdma", "tcp").replace("192.0.2.1", "192.0.2.2")  # the README's fstab
+    subprocess.run([helper, URI, "/mnt/x", "-o", f"path={path},iopolicy=queue-depth,_netdev",
+                    "-t", "fuse.nvmeof-fuse"], env=env, check=True, timeout=30)
+    argv = Path(tmp_path / "argv").read_text().splitlines()
+    assert argv[3].startswith(f"path={path},iopolicy=queue-depth"), argv
+    assert helper_argv(argv)[:4] == ["mount", "--path", path, "--iopolicy"]
 
 
 @pytest.mark.skipif(not os.access("/dev/fuse", os.W_OK) or shutil.which("fusermount3") is None,

@@ -18,7 +18,6 @@ import cProfile
 import os
 import pstats
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
@@ -33,6 +32,8 @@ from bench_rdma_queue import run as core_run  # noqa: E402
 
 import nvmeof_fuse  # noqa: E402
 from nvmeof_fuse.companion import client, direct  # noqa: E402
+from nvmeof_fuse.companion.polled import PolledReads  # noqa: E402
+from nvmeof_fuse.companion.registrations import Registrations  # noqa: E402
 from nvmeof_fuse.transport.rdma_polled import PolledQueue  # noqa: E402
 
 LBA = 4096
@@ -45,11 +46,10 @@ def polled_file() -> client.File:
     transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[], yielded_at=0.0)
     d = object.__new__(direct.DirectQueues)
     d._ctrl = SimpleNamespace(polled_queues=[PolledQueue(make_queue(transport, 1))])
-    d._shapes = {1: SimpleNamespace(nsid=1, lba_size=LBA, nsze=NLB_TOTAL)}
-    d._per_command = {1: 256}
-    d._registrations = direct._Registrations(fake_register)
-    d._polled_lock = threading.Lock()
-    d._polled_read_bytes = 0
+    d.polled = PolledReads({1: SimpleNamespace(nsid=1, lba_size=LBA, nsze=NLB_TOTAL)},
+                           {1: 256}, 30.0, d.read_on_loop, lambda queue, exc: None)
+    d.polled.ctrl = d._ctrl
+    d._registrations = Registrations(fake_register)
     d._timeout = 30.0
     d.renew_timeout = 60.0
     f = object.__new__(client.File)

@@ -115,6 +115,11 @@ def test_end_of_namespace(served):
         assert exc.value.errno == errno.ENOSPC
         with pytest.raises(InvalidArgument, match="overruns the 4096-byte buffer"):
             f.read(arr, 5000)
+        # read is pread().get(): the same short count, the same refusal
+        assert f.pread(arr, file_offset=size - 100).get() == 100
+        assert f.pread(arr, file_offset=size).get() == 0
+        with pytest.raises(InvalidArgument, match="overruns the 4096-byte buffer"):
+            f.pread(arr, 5000)
 
 
 def test_a_staging_slot_whose_request_timed_out_is_not_lent_again_until_answered(served):

@@ -16,7 +16,7 @@ import trio
 from companion_fakes import FakeFabric, LeasingController, serving, wait_for
 
 import nvmeof_fuse
-from nvmeof_fuse.companion import direct
+from nvmeof_fuse.companion import client_delegation, direct
 from nvmeof_fuse.companion.client import QUEUES_PER_CLIENT, File
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument
@@ -481,7 +481,7 @@ def test_a_recall_that_never_arrives_is_caught_by_the_renewal(served, monkeypatc
 def test_a_delegation_whose_term_ran_out_is_confirmed_before_the_next_write(
         served, monkeypatch):
     ctrl, fabric, server, mnt = served
-    monkeypatch.setattr(direct, "DELEGATION_TERM", 0.2)
+    monkeypatch.setattr(client_delegation, "DELEGATION_TERM", 0.2)
     monkeypatch.setattr(direct, "REPORT_INTERVAL", 3600.0)  # no renewals
     asked = _count_lock_asks(server, monkeypatch)
     buf = nvmeof_fuse.empty(10_000)

@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nvmeof_fuse.companion.direct import PolledRead
 from nvmeof_fuse.companion.future import IOFuture
+from nvmeof_fuse.companion.polled import PolledRead, PolledReads
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import Completion, NVMeStatusError
@@ -21,17 +21,19 @@ def completion(status: int = 0) -> Completion:
     return Completion(result=0, sq_head=0, sq_id=1, command_id=3, status=status, phase=True)
 
 
-class Direct:
+class Reads:
+    """What a PolledRead tells its PolledReads, recorded."""
+
     def __init__(self, timeout: float = 30.0) -> None:
-        self._timeout = timeout
-        self.done: list[int] = []
-        self.failed: list[BaseException] = []
+        self.timeout = timeout
+        self.counted: list[int] = []
+        self.lost: list[BaseException] = []
 
-    def polled_done(self, size: int) -> None:
-        self.done.append(size)
+    def done(self, size: int) -> None:
+        self.counted.append(size)
 
-    def polled_failed(self, queue, exc: BaseException) -> None:
-        self.failed.append(exc)
+    def failed(self, queue, exc: BaseException) -> None:
+        self.lost.append(exc)
 
     def read_on_loop(self, result: int) -> concurrent.futures.Future:
         future: concurrent.futures.Future = concurrent.futures.Future()
@@ -62,19 +64,19 @@ def loop_path(result: int) -> tuple:
 
 
 def test_a_completed_read_counts_its_bytes():
-    direct = Direct()
+    direct = Reads()
     read = PolledRead(direct, Queue(completion()), [request(), request()], 8192, None,
                       loop_path(-1))
     assert read.result(5) == 8192
     assert read.result(5) == 8192 and read.done()  # asked again: counted once
-    assert direct.done == [8192] and not direct.failed
+    assert direct.counted == [8192] and not direct.lost
 
 
 def test_a_polled_read_is_the_future_pread_returns():
     """No wrapper around it: get() bounds the wait by its limit and names a timeout."""
-    read = PolledRead(Direct(), Queue(completion()), [request()], 4096, 7.0, loop_path(-1))
+    read = PolledRead(Reads(), Queue(completion()), [request()], 4096, 7.0, loop_path(-1))
     assert isinstance(read, IOFuture) and read.get() == 4096
-    slow = PolledRead(Direct(), Queue(CommandTimeout("no completion")), [request()], 4096,
+    slow = PolledRead(Reads(), Queue(CommandTimeout("no completion")), [request()], 4096,
                       0.01, loop_path(-1))
     with pytest.raises(CompanionError, match="did not finish within 0.01 s") as caught:
         slow.get()
@@ -82,33 +84,33 @@ def test_a_polled_read_is_the_future_pread_returns():
 
 
 def test_a_lost_queue_reports_the_loss_and_runs_the_read_on_the_loop():
-    direct = Direct()
+    direct = Reads()
     lost = TransportError("I/O queue 4: work request failed: retry exceeded")
     read = PolledRead(direct, Queue(lost), [request()], 4096, None, loop_path(4096))
     assert read.result(5) == 4096
-    assert direct.failed == [lost] and not direct.done
+    assert direct.lost == [lost] and not direct.counted
     assert read.done()  # the loop's future, from now on
 
 
 def test_a_command_timeout_goes_to_the_loop_but_a_callers_timeout_does_not():
-    direct = Direct(timeout=30)
+    direct = Reads(timeout=30)
     read = PolledRead(direct, Queue(CommandTimeout("no completion")), [request()], 4096, None,
                       loop_path(4096))
     with pytest.raises(concurrent.futures.TimeoutError):
         read.result(0.01)  # the caller's bound: the read stays on its queue
-    assert not direct.failed
-    direct._timeout = 0  # past the command's own timeout
+    assert not direct.lost
+    direct.timeout = 0  # past the command's own timeout
     assert read.result(5) == 4096
-    assert len(direct.failed) == 1
+    assert len(direct.lost) == 1
 
 
 def test_an_error_status_is_raised_as_it_is():
-    direct = Direct()
+    direct = Reads()
     read = PolledRead(direct, Queue(completion(status=0x2 << 1)), [request()], 4096, None,
                       loop_path(-1))
     with pytest.raises(NVMeStatusError):
         read.result(5)
-    assert not direct.failed and not direct.done
+    assert not direct.lost and not direct.counted
 
 
 # -- DirectQueues' polled reads over a PolledQueue on the fake verbs ----------------------------
@@ -127,11 +129,10 @@ def polled_direct(monkeypatch):
         queue = PolledQueue(rdma_queue)
         d = object.__new__(direct_mod.DirectQueues)
         d._ctrl = SimpleNamespace(polled_queues=[queue])
-        d._shapes = {1: NamespaceShape(1, 4096, 1024)}
-        d._per_command = {1: 8}  # 32 KiB per command
+        d.polled = PolledReads({1: NamespaceShape(1, 4096, 1024)}, {1: 8},  # 32 KiB a command
+                               30.0, d.read_on_loop, lambda queue, exc: None)
+        d.polled.ctrl = d._ctrl
         d._timeout = 30.0
-        d._polled_lock = threading.Lock()
-        d._polled_read_bytes = 0
         memory = host_buffer(lambda addr, length, owner: SimpleNamespace(
             keys=lambda pd: SimpleNamespace(lkey=1, rkey=2), close=lambda: None), 1 << 20)
         yield d, queue, rdma_queue.qp, memory
@@ -147,23 +148,23 @@ def answer_all(qp) -> None:
 
 def test_a_batch_of_polled_reads_goes_out_in_one_post(polled_direct):
     d, queue, qp, memory = polled_direct
-    reads = [d.polled_read(1, memory, i * 4096, 4096, i * 4096, None, None, post=False)
+    reads = [d.polled.read(1, memory, i * 4096, 4096, i * 4096, None, None, post=False)
              for i in range(3)]
-    reads.append(d.polled_read(1, memory, 65536, 65536, 65536, None, None, post=False))
+    reads.append(d.polled.read(1, memory, 65536, 65536, 65536, None, None, post=False))
     assert all(isinstance(r, PolledRead) for r in reads)
     assert qp.posts == []
-    d.post_reads()
+    d.polled.post()
     assert qp.posts == [5]  # three reads of one command, one of two commands
     answer_all(qp)
     assert [r.result(5) for r in reads] == [4096, 4096, 4096, 65536]
-    assert d._polled_read_bytes == 3 * 4096 + 65536
+    assert d.polled.read_bytes == 3 * 4096 + 65536
     assert [r.result(5) for r in reads] == [4096, 4096, 4096, 65536]  # counted once
-    assert d._polled_read_bytes == 3 * 4096 + 65536
+    assert d.polled.read_bytes == 3 * 4096 + 65536
 
 
 def test_a_single_polled_read_is_posted_at_once(polled_direct):
     d, queue, qp, memory = polled_direct
-    read = d.polled_read(1, memory, 0, 8192, 4096, None, None)
+    read = d.polled.read(1, memory, 0, 8192, 4096, None, None)
     assert qp.posts == [1]
     answer_all(qp)
     assert read.done() and read.result(5) == 8192
@@ -181,14 +182,14 @@ def test_small_reads_keep_to_the_first_polled_queue_and_large_ones_spread(polled
     other_queue = fake_rdma_queue(monkeypatch)
     other = PolledQueue(next(other_queue))
     d._ctrl.polled_queues = [queue, other]
-    small = [d.polled_read(1, memory, i * 4096, 4096, i * 4096, None, None) for i in range(2)]
+    small = [d.polled.read(1, memory, i * 4096, 4096, i * 4096, None, None) for i in range(2)]
     assert [read._queue for read in small] == [queue, queue]
     large = 160 * 1024  # five commands of 32 KiB
-    spread = d.polled_read(1, memory, 65536, large, 65536, None, None)
+    spread = d.polled.read(1, memory, 65536, large, 65536, None, None)
     assert spread._queue is other  # the first has two commands unanswered
     answer_all(qp)
     assert [read.result(5) for read in small] == [4096, 4096]
-    again = d.polled_read(1, memory, 262144, large, 262144, None, None)
+    again = d.polled.read(1, memory, 262144, large, 262144, None, None)
     assert again._queue is queue  # its reads were answered; the other still waits
     answer_all(qp)
     assert again.result(5) == large
@@ -198,9 +199,9 @@ def test_small_reads_keep_to_the_first_polled_queue_and_large_ones_spread(polled
 def test_large_reads_take_the_loop_when_one_queue_is_polled(polled_direct):
     """One polled queue held 1 MiB reads to 0.75x of the loop's two: they go there."""
     d, queue, qp, memory = polled_direct
-    assert d.polling_queues(128 * 1024) == [queue]
-    assert d.polling_queues(132 * 1024) == []
-    assert d.polled_read(1, memory, 0, 256 * 1024, 0, None, None) is None
+    assert d.polled.queues(128 * 1024) == [queue]
+    assert d.polled.queues(132 * 1024) == []
+    assert d.polled.read(1, memory, 0, 256 * 1024, 0, None, None) is None
     assert not qp.sent
 
 
@@ -219,7 +220,7 @@ def test_the_polled_read_micro_benchmark_still_runs(monkeypatch):
     ios, _ = bench.companion_slice(f, bufs, job, bench.Cursor(job, LBA, NLB_TOTAL), 0.05)
     queue = f._direct._ctrl.polled_queues[0]
     assert ios >= 4 and queue.pending == 0 and queue.failed is None
-    assert f._direct._polled_read_bytes == ios * LBA  # every read went to the polled queue
+    assert f._direct.polled.read_bytes == ios * LBA  # every read went to the polled queue
     queue.queue.close()
 
 
@@ -229,7 +230,7 @@ def test_the_polled_read_micro_benchmark_still_runs(monkeypatch):
 def polled_file(polled_direct, monkeypatch):
     """A File (built around the daemon) on ``polled_direct``; its general path recorded."""
     from nvmeof_fuse.companion import client
-    from nvmeof_fuse.companion import direct as direct_mod
+    from nvmeof_fuse.companion.registrations import Registrations
 
     d, queue, qp, memory = polled_direct
     registered: list[tuple[int, int]] = []
@@ -239,7 +240,7 @@ def polled_file(polled_direct, monkeypatch):
         return SimpleNamespace(keys=lambda pd: SimpleNamespace(lkey=1, rkey=2),
                                close=lambda: None)
 
-    d._registrations = direct_mod._Registrations(register)
+    d._registrations = Registrations(register)
     d.renew_timeout = 60.0
     f = object.__new__(client.File)
     f.path, f.nsid, f.lba_size, f.nbytes = "fake/n1", 1, 4096, 1024 * 4096

@@ -12,7 +12,7 @@ import trio
 import trio.testing
 from multipath_fakes import LBA, NQN, Port, options
 
-from nvmeof_fuse.errors import ControllerLost, InvalidArgument
+from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.host import multipath
 from nvmeof_fuse.host.controller import ConnectOptions
@@ -344,3 +344,33 @@ def test_one_paths_counters_come_from_its_namespaces():
         assert (path["ios"], path["bytes"], path["usable"]) == (2, 4 * LBA, True)
 
     run(test, port, paths=1)
+
+
+def test_a_further_path_down_at_mount_joins_and_connects_when_it_can():
+    port = Port()
+    port[1].go_away()
+
+    async def test(head: MultipathController) -> None:
+        assert [p.state for p in head.paths] == ["live", "connecting"]
+        assert head.io_command == head._io_multipath
+        await head.namespaces[1].read(0, LBA)
+        assert head.paths[0].ios == 1
+        port[1].come_back()
+        await trio.sleep(2)
+        assert head.paths[1].state == "live" and head.paths[1].reconnects == 0
+        for _ in range(2):
+            await head.namespaces[1].read(0, LBA)
+        assert head.paths[1].ios == 1
+
+    run(test, port)
+
+
+def test_the_first_path_must_connect():
+    port = Port()
+    port[0].go_away()
+
+    async def test(head: MultipathController) -> None:
+        raise AssertionError("connected")
+
+    with pytest.raises(ConnectError, match="192.0.2.1 refused"):
+        run(test, port)

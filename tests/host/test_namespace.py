@@ -113,25 +113,25 @@ def namespace(lba_size: int = 512, nlb: int = 64, max_transfer: int = 2048,
 
 def test_chunks_split_at_max_transfer():
     ns = namespace(max_transfer=4096)
-    assert list(ns._chunks(10, 20)) == [(10, 8, 0), (18, 8, 4096), (26, 4, 8192)]
+    assert list(ns.lbas._chunks(10, 20)) == [(10, 8, 0), (18, 8, 4096), (26, 4, 8192)]
 
 
 def test_chunks_single_piece():
     ns = namespace(max_transfer=4096)
-    assert list(ns._chunks(0, 8)) == [(0, 8, 0)]
-    assert list(ns._chunks(3, 1)) == [(3, 1, 0)]
+    assert list(ns.lbas._chunks(0, 8)) == [(0, 8, 0)]
+    assert list(ns.lbas._chunks(3, 1)) == [(3, 1, 0)]
 
 
 def test_chunks_round_max_transfer_down_to_whole_lbas():
     ns = namespace(max_transfer=4096 + 100)
-    assert [n for _, n, _ in ns._chunks(0, 17)] == [8, 8, 1]
+    assert [n for _, n, _ in ns.lbas._chunks(0, 17)] == [8, 8, 1]
 
 
 def test_chunks_split_at_max_nlb():
     ns = namespace(lba_size=512, nlb=4 * cmd.MAX_NLB, max_transfer=512)
     ns.controller.max_transfer = 1 << 40
     nlb = 2 * cmd.MAX_NLB + 5
-    assert list(ns._chunks(7, nlb)) == [
+    assert list(ns.lbas._chunks(7, nlb)) == [
         (7, cmd.MAX_NLB, 0),
         (7 + cmd.MAX_NLB, cmd.MAX_NLB, cmd.MAX_NLB * 512),
         (7 + 2 * cmd.MAX_NLB, 5, 2 * cmd.MAX_NLB * 512),
@@ -141,7 +141,7 @@ def test_chunks_split_at_max_nlb():
 def test_chunks_at_least_one_lba():
     ns = namespace(lba_size=4096, max_transfer=4096)
     ns.controller.max_transfer = 512
-    assert list(ns._chunks(0, 2)) == [(0, 1, 0), (1, 1, 4096)]
+    assert list(ns.lbas._chunks(0, 2)) == [(0, 1, 0), (1, 1, 4096)]
 
 
 def test_check_range_accepts_the_whole_namespace():
@@ -316,6 +316,32 @@ def test_read_lent_matches_read_at_any_offset():
             assert bytes(await ns.read_lent(offset, length)) == want
 
     trio.run(main)
+
+
+def test_read_placed_lands_whole_lbas_in_place_and_puts_the_edges():
+    """A companion client's read at any offset: the middle straight into its registered
+    memory, each partial LBA's bytes handed to ``put``; one read in the statistics."""
+    ns = namespace(nlb=64, max_transfer=1024)
+    disk = bytes(ns.controller.disk)
+    region = host_buffer(fake_register, 8192)
+
+    async def main():
+        for offset, length in ((700, 3000), (1024, 2048), (100, 50), (512, 700), (10, 502)):
+            region.view[:] = bytes(8192)
+            put: dict[int, bytes] = {}
+            assert await ns.read_placed(offset, length, region.ref(64, length),
+                                        lambda at, data, put=put: put.setdefault(at, bytes(data))
+                                        ) == length
+            got = bytearray(region.view[64:64 + length])
+            for at, data in put.items():
+                got[at:at + len(data)] = data
+            assert got == disk[offset:offset + length], (offset, length)
+            assert all(region.view[64 + at:64 + at + len(data)] == bytes(len(data))
+                       for at, data in put.items())  # edges only through put
+
+    trio.run(main)
+    read = ns.stats.ops["read"]
+    assert (read.ops, read.bytes, read.errors) == (5, 3000 + 2048 + 50 + 700 + 502, 0)
 
 
 def test_byte_read_and_write_at_any_offset():
