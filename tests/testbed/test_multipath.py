@@ -132,6 +132,19 @@ def fio_result(proc: subprocess.Popen, log: str, timeout: float = 300) -> dict:
     return job
 
 
+def record(name: str, value) -> None:
+    """Keep a measured figure in TESTBED_OUT/multipath-figures.json (it comes back to the
+    host), for docs/; the tests assert on their own."""
+    out = os.environ.get("TESTBED_OUT")
+    if not out:
+        return
+    path = os.path.join(out, "multipath-figures.json")
+    figures = json.load(open(path)) if os.path.exists(path) else {}
+    figures[name] = value
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=1)
+
+
 def clat_max_s(job: dict, direction: str) -> float:
     """The longest completion latency fio saw for ``direction`` (read/write), in s."""
     return job[direction]["clat_ns"]["max"] / 1e9
@@ -279,6 +292,7 @@ def test_queue_depth_spreads_io_over_the_optimized_paths(mp, rdma_ana):
                        "--iodepth=8", "--size=8M", "--time_based", "--runtime=2"), log)
         after = ios(mnt)
     moved = [a - b for a, b in zip(after, before, strict=True)]
+    record(f"queue-depth, rdma {rdma_ana}: reads by path", moved)
     if rdma_ana == "optimized":
         assert all(moved), (moved, paths(mnt))
     else:
@@ -345,6 +359,8 @@ def test_fio_verify_and_a_companion_reader_ride_out_the_rdma_port_going_away(
         assert wait_for(lambda: rounds_done(out) > rounds + 1, 120)  # it read on meanwhile
     finally:
         summary = reader_summary(reader, out, stop)
+    record("outage: slowest write, s", clat_max_s(job, "write"))
+    record("outage: ios by path before, during, after", [before, during, ios(mnt)])
     assert clat_max_s(job, "write") < SLOWEST_WRITE_S, (job["write"]["clat_ns"], str(timeline))
     assert summary["errors"] == [] and summary["mismatches"] == 0, summary
     assert during[1] > before[1], (before, during)  # the TCP path carried on
@@ -375,6 +391,8 @@ def test_io_leaves_a_path_whose_ana_group_goes_inaccessible_and_comes_back(mp):
     job = fio_result(writer, log)
     assert during[0] - before[0] <= 8, (before, during)  # at most what was in flight
     assert during[1] > before[1], (before, during)
+    record("ana inaccessible: slowest write, s", clat_max_s(job, "write"))
+    record("ana inaccessible: ios by path before, during", [before, during])
     assert clat_max_s(job, "write") < ANATT_S, job["write"]["clat_ns"]
     back = ios(mnt)
     fio_result(fio("--name=back", f"--filename={mnt}/n1", "--rw=randread", "--bs=4k",
@@ -416,6 +434,7 @@ def test_iopolicy_round_robin_alternates_and_failover_keeps_to_one_path(
         fio_result(fio("--name=policy", f"--filename={mnt}/n1", "--rw=randread", "--bs=4k",
                        "--iodepth=4", "--size=8M", "--time_based", "--runtime=2"), log)
         moved = [a - b for a, b in zip(ios(mnt), before, strict=True)]
+    record(f"{policy}: reads by path", moved)
     if policy == "round-robin":
         assert min(moved) * 3 >= max(moved) > 0, moved  # even, bar the odd one
     else:
@@ -433,6 +452,7 @@ def test_io_fails_with_eio_once_every_path_passed_ctrl_loss_tmo_and_works_when_b
             assert wait_for(lambda: not any(p["state"] == "live" for p in paths(mnt)), 60), \
                 paths(mnt)
             failed = dd_read(mnt)  # waits out --ctrl-loss-tmo, then fails
+            record("both paths gone: dd says", failed.stderr.splitlines()[:1])
             assert failed.returncode != 0 and "Input/output error" in failed.stderr, \
                 failed.stderr
         assert wait_for(lambda: dd_read(mnt).returncode == 0, 120), (paths(mnt), log_text(log))
@@ -462,6 +482,7 @@ def test_a_path_to_another_subsystem_or_namespace_is_refused_in_one_line(testbed
          subsystem(OTHER_NQN, dev, ports=(RDMA_PORT, TCP_PORT), nguid=NGUID_A) as sub:
         line = one_line_refusal(cli("mount", uri(testbed, "rdma"), mnt, "--path",
                                     uri(testbed, "tcp", OTHER_NQN), "--daemon"))
+        record("refusal: another subsystem", line)
         assert "subsystem" in line and testbed.nqn in line and OTHER_NQN in line, line
         assert not os.path.ismount(mnt)
         with mounted(mnt, log, uri(testbed, "rdma", OTHER_NQN), "-k", "2", "-c", "1",
@@ -472,5 +493,6 @@ def test_a_path_to_another_subsystem_or_namespace_is_refused_in_one_line(testbed
                 assert wait_for(lambda: paths(mnt)[0]["state"] != "live", 60), paths(mnt)
                 set_nguid(sub, 1, NGUID_B)
                 line = one_line_refusal(cli("add-path", mnt, uri(testbed, "tcp", OTHER_NQN)))
+            record("refusal: another NGUID", line)
             assert "namespace" in line and "NGUID" in line and re.search(r"\b1\b", line), line
             assert [p["transport"] for p in paths(mnt)] == ["rdma"], paths(mnt)
