@@ -488,7 +488,7 @@ class File:
               buf_offset: int = 0, *, stream: Any = None) -> IOFuture:
         """Start :meth:`read`; the future's ``get()`` gives the bytes read."""
         direct = self._direct
-        if direct is not None and not buf_offset and stream is None:
+        if direct is not None and not buf_offset and stream is None and direct.live:
             future = self._pread_array(direct, buf, size, file_offset, True)
             if future is not None:
                 return future
@@ -518,7 +518,10 @@ class File:
         handle = gpu.stream_handle(stream)
         if not size:
             return IOFuture(_finished(0))
-        if self._direct is not None:
+        # reads go through the daemon while our queues wait for a lease again (a lost path
+        # of a multipath mount: the daemon's other paths serve them); writes wait, as they
+        # may be under a delegation of ours
+        if self._direct is not None and (write or self._direct.live):
             future = self._own_queues(mem, buf_offset, size, file_offset, write, post, handle)
             if future is not None:
                 return future
@@ -675,7 +678,7 @@ class File:
 
         Those that take a polled queue of ours go out together, in one ``post_send``."""
         direct = self._direct
-        if direct is None:
+        if direct is None or not direct.live:
             return [self.pread(buf, size, file_offset) for buf, size, file_offset in requests]
         try:
             return [self._pread_array(direct, buf, size, file_offset, False)

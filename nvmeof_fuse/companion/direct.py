@@ -94,6 +94,14 @@ class DirectQueues:
             self._bridge.close()
             raise
 
+    @property
+    def live(self) -> bool:
+        """Whether our queues serve now; not while they wait for a lease again (a lost
+        controller, or on a multipath mount a lost path: the daemon's other paths can
+        serve reads meanwhile)."""
+        ctrl = self._ctrl
+        return ctrl is not None and ctrl.live
+
     @contextlib.asynccontextmanager
     async def _attach(self, options: ConnectOptions) -> AsyncIterator[Any]:
         """The leased queues, this client's registrations and its reports, on the loop.

@@ -45,7 +45,7 @@ def polled_file() -> client.File:
     around the daemon, which the real constructors would ask for a lease)."""
     transport = SimpleNamespace(traddr="fake", trsvcid=4420, _queues=[], yielded_at=0.0)
     d = object.__new__(direct.DirectQueues)
-    d._ctrl = SimpleNamespace(polled_queues=[PolledQueue(make_queue(transport, 1))])
+    d._ctrl = SimpleNamespace(polled_queues=[PolledQueue(make_queue(transport, 1))], live=True)
     d.polled = PolledReads({1: SimpleNamespace(nsid=1, lba_size=LBA, nsze=NLB_TOTAL)},
                            {1: 256}, 30.0, d.read_on_loop, lambda queue, exc: None)
     d.polled.ctrl = d._ctrl

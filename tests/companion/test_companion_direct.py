@@ -493,3 +493,19 @@ def test_a_delegation_whose_term_ran_out_is_confirmed_before_the_next_write(
         stats = f.stats()
     assert asked == [True, True]  # the second ask confirmed the same delegation
     assert (stats["delegations_granted"], stats["delegations_recalled"]) == (1, 0)
+
+
+def test_while_its_queues_wait_for_a_lease_reads_go_through_the_daemon(served, monkeypatch):
+    """A multipath mount's lost path: the client's queues wait for a lease again, and reads
+    meanwhile take the daemon's paths rather than wait (writes wait: a delegation of ours
+    may cover them)."""
+    ctrl, fabric, server, mnt = served
+    out = np.zeros(8192, dtype=np.uint8)
+    with File(str(mnt / "n1")) as f:
+        monkeypatch.setattr(direct.DirectQueues, "live", property(lambda self: False))
+        before = len(fabric.commands)
+        assert f.read(out, file_offset=4096) == 8192
+        assert f.read_batch([(out, 4096, 0)]) == [4096]
+        assert len(fabric.commands) == before  # none on the client's own queues
+        assert f.stats()["staged_read_bytes"] == 8192 + 4096
+    assert bytes(out[:4096]) == bytes(ctrl.disks[1][:4096])

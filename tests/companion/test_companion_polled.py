@@ -128,7 +128,7 @@ def polled_direct(monkeypatch):
     for rdma_queue in fake_rdma_queue(monkeypatch):
         queue = PolledQueue(rdma_queue)
         d = object.__new__(direct_mod.DirectQueues)
-        d._ctrl = SimpleNamespace(polled_queues=[queue])
+        d._ctrl = SimpleNamespace(polled_queues=[queue], live=True)
         d.polled = PolledReads({1: NamespaceShape(1, 4096, 1024)}, {1: 8},  # 32 KiB a command
                                30.0, d.read_on_loop, lambda queue, exc: None)
         d.polled.ctrl = d._ctrl
