@@ -241,11 +241,27 @@ class Path:
         self.bytes = 0
         self.failovers = 0
         """Commands that failed here and ran again on another path."""
-        self.losses = 0
-        self.reconnects = 0
+        self.revivals = 0
+        """Controllers connected anew after the one before gave up (--ctrl-loss-tmo)."""
+        self._past = (0, 0)  # losses and reconnects of the controllers before this one
         self.connected_once = False
         self.removed = trio.Event()
         self._kick = trio.Event()
+
+    @property
+    def losses(self) -> int:
+        """Connections lost on this path, by all its controllers."""
+        return self._past[0] + (self.ctrl.losses if self.ctrl is not None else 0)
+
+    @property
+    def reconnects(self) -> int:
+        """Of them, regained: by its controller's reconnects or a controller anew."""
+        return (self._past[1] + self.revivals
+                + (self.ctrl.reconnects if self.ctrl is not None else 0))
+
+    def retire(self, ctrl: Controller) -> None:
+        """``ctrl`` leaves this path: keep its counts."""
+        self._past = (self._past[0] + ctrl.losses, self._past[1] + ctrl.reconnects)
 
     @property
     def address(self) -> str:
@@ -456,7 +472,7 @@ class MultipathController:
                 self.paths.append(path)
                 task_status.started(path)
             if path.connected_once:
-                path.reconnects += 1
+                path.revivals += 1
             path.connected_once = True
             try:
                 self._attach(path, ctrl)
@@ -548,6 +564,7 @@ class MultipathController:
                  ", ".join(self._ana_words(path)) or "no namespaces")
 
     def _detach(self, path: Path, ctrl: Controller) -> None:
+        path.retire(ctrl)
         path.ctrl = None
         self.selector.forget(path)
         for registration in self._registrations:
@@ -580,11 +597,8 @@ class MultipathController:
             new = await ctrl.next_state()
             if new != old:
                 log.info("%s: %s -> %s", path.name, old, new)
-                if new is LIVE:  # the controller reconnected by itself
-                    path.reconnects += 1
+                if new is LIVE:
                     path.kick()  # read the ANA log after each reconnect
-                elif old is LIVE:
-                    path.losses += 1
                 old = new
             self._wake()
             if new in (DELETING, DEAD):
@@ -703,8 +717,8 @@ class MultipathController:
         doc.update({"state": self.state, "paths": len(self.paths),
                     "paths_usable": sum(1 for p in self.paths_snapshot() if p["usable"]),
                     "failovers": self.failovers,
-                    "losses": sum(p.losses for p in self.paths),
-                    "reconnects": sum(p.reconnects for p in self.paths)})
+                    "losses": sum(p.losses for p in self.paths),  # with one path: its
+                    "reconnects": sum(p.reconnects for p in self.paths)})  # controller's
         return doc
 
     # -- companion clients' queues --------------------------------------------------------------
