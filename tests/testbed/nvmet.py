@@ -1,5 +1,6 @@
-"""Target objects a VM test adds beside the testbed's own and removes again: memory-backed
-null_blk disks and nvmet subsystems with one namespace on the testbed's ports."""
+"""Target objects a VM test adds beside the testbed's own and removes again (memory-backed
+null_blk disks, nvmet subsystems with one namespace on the testbed's ports), and the target's
+knobs a test turns: a port's ANA state and a namespace's NGUID."""
 
 from __future__ import annotations
 
@@ -36,9 +37,9 @@ def null_blk(name: str, mib: int, blocksize: int) -> Iterator[str]:
 
 @contextlib.contextmanager
 def subsystem(nqn: str, device: str | None, *, ports: tuple[int, ...] = (RDMA_PORT,),
-              allow_any_host: bool = True) -> Iterator[str]:
-    """Subsystem ``nqn`` with ``device`` (if any) as namespace 1, on ``ports``; its configfs
-    path."""
+              allow_any_host: bool = True, nguid: str | None = None) -> Iterator[str]:
+    """Subsystem ``nqn`` with ``device`` (if any) as namespace 1 (with ``nguid``, 32 hex
+    digits, if given), on ``ports``; its configfs path."""
     sub = f"{NVMET}/subsystems/{nqn}"
     links = [f"{NVMET}/ports/{port}/subsystems/{nqn}" for port in ports]
     os.mkdir(sub)
@@ -47,6 +48,8 @@ def subsystem(nqn: str, device: str | None, *, ports: tuple[int, ...] = (RDMA_PO
         if device is not None:
             os.mkdir(f"{sub}/namespaces/1")
             write(f"{sub}/namespaces/1/device_path", device)
+            if nguid is not None:
+                write(f"{sub}/namespaces/1/device_nguid", nguid)
             write(f"{sub}/namespaces/1/enable", 1)
         for link in links:
             os.symlink(sub, link)
@@ -59,3 +62,55 @@ def subsystem(nqn: str, device: str | None, *, ports: tuple[int, ...] = (RDMA_PO
             write(f"{sub}/namespaces/1/enable", 0)
             os.rmdir(f"{sub}/namespaces/1")
         os.rmdir(sub)
+
+
+# --- ANA and namespace identifiers --------------------------------------------------------
+
+ANA_STATES = ("optimized", "non-optimized", "inaccessible", "persistent-loss", "change")
+ANA_GROUP = 1  # nvmet's default group: every namespace is in it unless its ana_grpid says not
+
+
+def ana_state_file(port: int, group: int = ANA_GROUP) -> str:
+    return f"{NVMET}/ports/{port}/ana_groups/{group}/ana_state"
+
+
+def ana_state(port: int, group: int = ANA_GROUP) -> str:
+    """The ANA state ``port`` reports for ``group`` (one of :data:`ANA_STATES`)."""
+    with open(ana_state_file(port, group)) as f:
+        return f.read().strip()
+
+
+def set_ana_state(port: int, state: str, group: int = ANA_GROUP) -> None:
+    """Make ``port`` report ``state`` for ``group``; nvmet sends an ANA Change event to every
+    controller connected through the port."""
+    assert state in ANA_STATES, state
+    write(ana_state_file(port, group), state)
+
+
+@contextlib.contextmanager
+def ana(port: int, state: str, group: int = ANA_GROUP) -> Iterator[None]:
+    """``port`` reports ``state`` for ``group`` while inside; the state before comes back."""
+    before = ana_state(port, group)
+    set_ana_state(port, state, group)
+    try:
+        yield
+    finally:
+        set_ana_state(port, before, group)
+
+
+def set_nguid(subsystem_path: str, nsid: int, nguid: str) -> None:
+    """Give namespace ``nsid`` the NGUID ``nguid`` (32 hex digits).  nvmet takes a new one
+    only while the namespace is disabled: hosts see it go and come back."""
+    ns = f"{subsystem_path}/namespaces/{nsid}"
+    write(f"{ns}/enable", 0)
+    try:
+        write(f"{ns}/device_nguid", nguid)
+    finally:
+        write(f"{ns}/enable", 1)
+
+
+def nguid_text(nguid: str) -> str:
+    """``nguid`` (32 hex digits) as the kernel shows it in sysfs and as nvme-cli prints a
+    UUID: 8-4-4-4-12 lower-case hex digits."""
+    h = nguid.lower()
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"

@@ -317,7 +317,7 @@ def test_inline_secrets_show_in_no_argv_environment_file_log_or_list(testbed, tm
         said = mount(testbed, log, "-S", key, f"--dhchap-ctrl-secret={ctrl_key}", "-i", "1",
                      "-k", "2", "-c", "2", "-l", "120", transport="tcp")
         try:
-            with target_away(SUBNQN, port=TCP_PORT):
+            with target_away(SUBNQN, TCP_PORT):
                 assert wait_for(lambda: "lost the connection" in open(log).read(), 90), \
                     open(log).read()
             assert wait_for(lambda: "reconnected to" in open(log).read(), 90), open(log).read()

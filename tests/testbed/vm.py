@@ -49,16 +49,19 @@ def rdma_objects(kind: str) -> int:
 
 
 @contextlib.contextmanager
-def target_away(nqn: str, port: int = RDMA_PORT):
-    """The subsystem is off the port while inside: nvmet deletes our controller and refuses
-    new connects until the link is back (as a port reconfiguration or a restart does)."""
-    link = f"{NVMET}/ports/{port}/subsystems/{nqn}"
-    os.unlink(link)
+def target_away(nqn: str, *ports: int):
+    """The subsystem is off ``ports`` (default: the RDMA port) while inside: nvmet deletes
+    our controllers there and refuses new connects until the links are back (as a port
+    reconfiguration or a restart does)."""
+    links = [f"{NVMET}/ports/{port}/subsystems/{nqn}" for port in ports or (RDMA_PORT,)]
     try:
+        for link in links:
+            os.unlink(link)
         yield
     finally:
-        if not os.path.lexists(link):
-            os.symlink(f"{NVMET}/subsystems/{nqn}", link)
+        for link in links:
+            if not os.path.lexists(link):
+                os.symlink(f"{NVMET}/subsystems/{nqn}", link)
 
 
 def waits_on_fuse(pid: int) -> bool:
