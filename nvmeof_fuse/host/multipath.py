@@ -19,7 +19,7 @@ needs to know about paths.
 - A path is admitted only to the same subsystem and only if each namespace it shares
   has the same identifiers (``nvme_ns_ids_equal``); a refusal is one line.
 - Memory the head registers (bounce buffers, caller regions) is registered with
-  every path's transport (:class:`PathsRegistration`), so any path can move it.
+  every path's transport (:class:`~.pathmemory.PathsRegistration`), so any path can move it.
 - With one path the head hands commands straight to that path's controller: choosing a
   path costs nothing then.  A path whose controller gave up is connected anew every
   ``--reconnect-delay``, so the mount works again when the target comes back.
@@ -28,7 +28,6 @@ needs to know about paths.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
@@ -48,7 +47,7 @@ from ..errors import (
 from ..nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
 from ..nvme.ana import AnaLogPage, AnaState, ana_log_size
 from ..nvme.status import fails_over, is_ana_error
-from ..nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
+from ..nvme.uri import DEFAULT_PORT, parse_uri
 from ..transport.base import Finished, Queue
 from .ana import PathAna
 from .controller import (
@@ -61,9 +60,11 @@ from .controller import (
 from .controller import connect as connect_controller
 from .events import NamespaceChange
 from .iopolicy import DEFAULT_POLICY, PathSelector
-from .memory import BouncePool, DataRef, Region, Registration, buffer_address, host_buffer
+from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
 from .options import ConnectOptions
+from .path import Path, PathRefused, path_uri
+from .pathmemory import HeadPool, PathsRegistration, PathsTransport
 from .state import DEAD, DELETING, LIVE
 
 log = logging.getLogger(__name__)
@@ -75,227 +76,6 @@ NO_PATH_WAIT = 1.0
 """Seconds between looks for a usable path while a command waits for one."""
 
 Connect = Callable[[ConnectOptions], contextlib.AbstractAsyncContextManager[Controller]]
-
-
-class PathRefused(InvalidArgument):
-    """A path that cannot join the mount: another subsystem, different namespaces."""
-
-
-def path_uri(options: ConnectOptions) -> str:
-    """The ``nvme+<transport>://`` URI of a path's options."""
-    return str(NVMeURI(options.transport, options.traddr, options.trsvcid, options.nqn))
-
-
-def path_options(base: ConnectOptions, uri: str) -> ConnectOptions:
-    """The options of a further path ``uri``: the first path's (host identity, timeouts,
-    secrets, queues), with the URI's transport, address, port and subsystem."""
-    where = parse_uri(uri)
-    if where.nsid is not None:
-        raise InvalidArgument(f"path {uri}: a path names no namespace (drop /{where.nsid})")
-    tcp = where.transport == "tcp"
-    return dataclasses.replace(
-        base, transport=where.transport, traddr=where.traddr,
-        trsvcid=where.trsvcid if where.trsvcid is not None else DEFAULT_PORT,
-        nqn=where.subnqn, hdr_digest=base.hdr_digest and tcp,
-        data_digest=base.data_digest and tcp)
-
-
-class PathsRegistration:
-    """Memory registered with every path's transport; ``keys(domain)`` gives the keys of
-    whichever path's queue asks.  With one path it is that path's own ``keys``."""
-
-    def __init__(self, addr: int, length: int, owner: object,
-                 transports: list[Any]) -> None:
-        self.addr = addr
-        self.length = length
-        self.owner = owner
-        self._subs: dict[Any, Registration] = {}
-        self._by_domain: dict[object, Registration] = {}
-        try:
-            for transport in transports:
-                self.add(transport)
-        except BaseException:
-            self.close()
-            raise
-
-    def add(self, transport: Any) -> None:
-        """Register the memory with ``transport`` (a path joins, or comes back) too."""
-        if transport not in self._subs:
-            self._subs[transport] = transport.register(self.addr, self.length, self.owner)
-            self._bind()
-
-    def drop(self, transport: Any) -> None:
-        """Deregister from ``transport`` (its path leaves; no command of it is in flight)."""
-        sub = self._subs.pop(transport, None)
-        if sub is not None:
-            sub.close()
-            self._by_domain = {d: r for d, r in self._by_domain.items() if r is not sub}
-            self._bind()
-
-    def _bind(self) -> None:
-        only = next(iter(self._subs.values())) if len(self._subs) == 1 else None
-        if only is not None and hasattr(only, "keys"):
-            self.keys = only.keys  # type: ignore[method-assign]
-        else:
-            self.keys = self._keys_of_any  # type: ignore[method-assign]
-
-    def keys(self, domain: object) -> Any:  # replaced per instance by _bind
-        return self._keys_of_any(domain)
-
-    def _keys_of_any(self, domain: object) -> Any:
-        sub = self._by_domain.get(domain)
-        if sub is not None:
-            return sub.keys(domain)
-        for sub in self._subs.values():
-            try:
-                keys = sub.keys(domain)
-            except (KeyError, AttributeError):
-                continue
-            if len(self._by_domain) > 256:  # queues of reconnects past: forget them
-                self._by_domain.clear()
-            self._by_domain[domain] = sub
-            return keys
-        raise KeyError(domain)
-
-    def close(self) -> None:
-        for sub in self._subs.values():
-            sub.close()
-        self._subs.clear()
-        self._by_domain.clear()
-        self.owner = None
-
-
-class _HeadPool:
-    """What a path's controller sees as its bounce pool: the head's, so that a teardown of
-    the path gives back the head's buffers held for its lost commands."""
-
-    def __init__(self, head: MultipathController) -> None:
-        self.head = head
-
-    def reclaim(self) -> None:
-        if self.head.bounce is not None:
-            self.head.bounce.reclaim()
-
-    def counts(self) -> dict[str, int]:
-        return self.head.bounce.counts() if self.head.bounce is not None else {}
-
-    def close(self) -> None:
-        pass  # the head closes its own
-
-
-class PathsTransport:
-    """The head as a transport to those who register memory or lease queues: memory goes
-    to every path's transport."""
-
-    def __init__(self, head: MultipathController) -> None:
-        self._head = head
-
-    def _transports(self) -> list[Any]:
-        return self._head._transports()
-
-    @property
-    def name(self) -> str:
-        return "+".join(dict.fromkeys(t.name for t in self._transports())) or "none"
-
-    @property
-    def address(self) -> str:
-        return ", ".join(t.address for t in self._transports())
-
-    @property
-    def places_in_other_processes(self) -> bool:
-        return any(getattr(t, "places_in_other_processes", False) for t in self._transports())
-
-    @property
-    def dmabuf_refusal(self) -> str:
-        """Why dma-bufs (GPU memory) are not registered here: they are with one path only."""
-        transports = self._transports()
-        if len(transports) > 1:
-            return (f"this mount has {len(transports)} paths, and a dma-buf is registered "
-                    "with one transport only")
-        return next((why for t in transports if (why := getattr(t, "dmabuf_refusal", ""))),
-                    "")
-
-    def register(self, addr: int, length: int, owner: object) -> PathsRegistration:
-        return self._head._register(addr, length, owner)
-
-    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> Registration:
-        transports = self._transports()
-        if len(transports) != 1:
-            raise TransportError("a dma-buf is registered on one path only; this mount has "
-                                 f"{len(transports)} (the caller stages instead)")
-        return transports[0].register_dmabuf(fd, offset, length, iova)
-
-
-class Path:
-    """One path: its options, its controller while connected, its ANA state and counters."""
-
-    def __init__(self, index: int, options: ConnectOptions) -> None:
-        self.index = index
-        self.options = options
-        self.uri = path_uri(options)
-        self.ctrl: Controller | None = None
-        self.ana = PathAna(reporting=False, anatt=0)
-        self.ids: dict[int, NamespaceIds] = {}
-        self.outstanding = 0
-        self.ios = 0
-        self.bytes = 0
-        self.failovers = 0
-        """Commands that failed here and ran again on another path."""
-        self.revivals = 0
-        """Controllers connected anew after the one before gave up (--ctrl-loss-tmo)."""
-        self._past = (0, 0)  # losses and reconnects of the controllers before this one
-        self.connected_once = False
-        self.removed = trio.Event()
-        self._kick = trio.Event()
-
-    @property
-    def losses(self) -> int:
-        """Connections lost on this path, by all its controllers."""
-        return self._past[0] + (self.ctrl.losses if self.ctrl is not None else 0)
-
-    @property
-    def reconnects(self) -> int:
-        """Of them, regained: by its controller's reconnects or a controller anew."""
-        return (self._past[1] + self.revivals
-                + (self.ctrl.reconnects if self.ctrl is not None else 0))
-
-    def retire(self, ctrl: Controller) -> None:
-        """``ctrl`` leaves this path: keep its counts."""
-        self._past = (self._past[0] + ctrl.losses, self._past[1] + ctrl.reconnects)
-
-    @property
-    def address(self) -> str:
-        return f"{self.options.transport} {self.options.traddr}:{self.options.trsvcid}"
-
-    @property
-    def name(self) -> str:
-        return f"path {self.index} ({self.address})"
-
-    def usable_state(self, nsid: int) -> AnaState | None:
-        """The ANA state if I/O for ``nsid`` may go here now, else None."""
-        ctrl = self.ctrl
-        if ctrl is None or not ctrl.live:
-            return None
-        return self.ana.usable_state(nsid)
-
-    def kick(self) -> None:
-        """Have the ANA log read again now (a notice came, an ANA status, a reconnect)."""
-        self._kick.set()
-
-    async def kicked(self) -> None:
-        await self._kick.wait()
-        self._kick = trio.Event()
-
-    @property
-    def state(self) -> str:
-        return str(self.ctrl.state) if self.ctrl is not None else "connecting"
-
-    def ana_summary(self, nsid: int | None) -> tuple[int | None, str | None]:
-        """(ANA group, state label) of ``nsid`` here (the mount's first namespace)."""
-        if nsid is None or not self.ana.reporting:
-            return None, (AnaState.OPTIMIZED.label if self.ctrl is not None else None)
-        state = self.ana.state(nsid)
-        return self.ana.group(nsid), state.label if state is not None else None
 
 
 class HeadEvents:
@@ -554,9 +334,9 @@ class MultipathController:
             self.bounce = BouncePool(self._register, self.max_transfer, BOUNCE_BUFFERS,
                                      timeout=BOUNCE_WAIT_FACTOR * ctrl.options.timeout,
                                      patient=self.bounce_wait_expected)
-        if ctrl.bounce is not None and not isinstance(ctrl.bounce, _HeadPool):
+        if ctrl.bounce is not None and not isinstance(ctrl.bounce, HeadPool):
             ctrl.bounce.close()  # the path's own buffers: the head's serve instead
-        ctrl.bounce = _HeadPool(self)  # type: ignore[assignment]
+        ctrl.bounce = HeadPool(lambda: self.bounce)  # type: ignore[assignment]
         ctrl.events.ana_listeners.append(path.kick)
         ctrl.events.listeners.append(self._follow_namespaces)
         self._bind()
@@ -725,7 +505,7 @@ class MultipathController:
 
     @property
     def transport(self) -> PathsTransport:
-        return PathsTransport(self)
+        return PathsTransport(self._transports, self._register)
 
     async def lease_controller(self, prefer: tuple[str, str, int] | None = None
                                ) -> Controller:

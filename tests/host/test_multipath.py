@@ -16,7 +16,9 @@ from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.host import multipath
 from nvmeof_fuse.host.controller import ConnectOptions
-from nvmeof_fuse.host.multipath import MultipathController, PathRefused, PathsRegistration
+from nvmeof_fuse.host.multipath import MultipathController
+from nvmeof_fuse.host.path import PathRefused, path_options
+from nvmeof_fuse.host.pathmemory import PathsRegistration
 from nvmeof_fuse.host.state import LIVE
 from nvmeof_fuse.nvme import NamespaceIds
 from nvmeof_fuse.nvme.ana import AnaState
@@ -302,14 +304,14 @@ def test_memory_of_the_head_has_the_keys_of_whichever_path_asks():
 def test_further_paths_take_the_first_paths_options_with_the_uris_place():
     base = ConnectOptions("10.0.0.1", NQN, transport="tcp", hdr_digest=True, ctrl_loss_tmo=7,
                           hostnqn="nqn.2014-08.org.example:host")
-    rdma = multipath.path_options(base, f"nvme+rdma://10.0.1.1/{NQN}")
+    rdma = path_options(base, f"nvme+rdma://10.0.1.1/{NQN}")
     assert (rdma.transport, rdma.traddr, rdma.trsvcid, rdma.nqn) == ("rdma", "10.0.1.1", 4420,
                                                                      NQN)
     assert (rdma.ctrl_loss_tmo, rdma.hostnqn, rdma.hdr_digest) == (7, base.hostnqn, False)
-    tcp = multipath.path_options(base, f"nvme+tcp://10.0.1.2:4421/{NQN}")
+    tcp = path_options(base, f"nvme+tcp://10.0.1.2:4421/{NQN}")
     assert (tcp.trsvcid, tcp.hdr_digest) == (4421, True)
     with pytest.raises(InvalidArgument, match="names no namespace"):
-        multipath.path_options(base, f"nvme+tcp://10.0.1.2/{NQN}/1")
+        path_options(base, f"nvme+tcp://10.0.1.2/{NQN}/1")
 
 
 def test_paths_json_and_table_show_each_path():
