@@ -299,6 +299,18 @@ async def _serve_forever(target: FakeTcpTarget) -> None:
         print(port, flush=True)
 
 
+def serve_like_nvmet(port_queue) -> None:
+    """A bench's target, run in a child process: 64 MiB, no MDTS and MAXH2CDATA 4 MiB, as
+    Linux nvmet-tcp (a 1 MiB write is one command answering one R2T, as in the testbed VM);
+    its port goes to ``port_queue``."""
+    async def main():
+        target = FakeTcpTarget(size=64 << 20, maxh2cdata=1 << 22, mdts=0)
+        async with trio.open_nursery() as nursery:
+            port_queue.put(await nursery.start(target.serve))
+
+    trio.run(main)
+
+
 if __name__ == "__main__":  # python tests/tcp_target.py MIB: serve until killed, print the port
     import sys
 

@@ -24,21 +24,12 @@ import time
 sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
 
 import trio  # noqa: E402
-from tcp_target import NQN, FakeTcpTarget  # noqa: E402
+from tcp_target import NQN, serve_like_nvmet  # noqa: E402
 
 from nvmeof_fuse.host import multipath  # noqa: E402
 from nvmeof_fuse.host.controller import ConnectOptions, connect  # noqa: E402
 
 WAYS = ("controller", "head, 1 path", "head, 2 paths", "2 paths failover")
-
-
-def serve(port_queue) -> None:
-    async def main():
-        target = FakeTcpTarget(size=64 << 20, maxh2cdata=1 << 22, mdts=0)
-        async with trio.open_nursery() as nursery:
-            port_queue.put(await nursery.start(target.serve))
-
-    trio.run(main)
 
 
 def options(port: int) -> ConnectOptions:
@@ -106,7 +97,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     queue = multiprocessing.Queue()
-    children = [multiprocessing.Process(target=serve, args=(queue,), daemon=True)
+    children = [multiprocessing.Process(target=serve_like_nvmet, args=(queue,), daemon=True)
                 for _ in range(2)]
     with contextlib.ExitStack() as stack:
         for child in children:

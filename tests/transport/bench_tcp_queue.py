@@ -23,20 +23,9 @@ import time
 sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
 
 import trio  # noqa: E402
-from tcp_target import NQN, FakeTcpTarget  # noqa: E402
+from tcp_target import NQN, serve_like_nvmet  # noqa: E402
 
 from nvmeof_fuse.host.controller import ConnectOptions, connect  # noqa: E402
-
-
-def serve(port_queue) -> None:
-    async def main():
-        # No MDTS and MAXH2CDATA 4 MiB, as Linux nvmet-tcp: a 1 MiB write is one command
-        # answering one R2T, as in the testbed VM.
-        target = FakeTcpTarget(size=64 << 20, maxh2cdata=1 << 22, mdts=0)
-        async with trio.open_nursery() as nursery:
-            port_queue.put(await nursery.start(target.serve))
-
-    trio.run(main)
 
 
 async def run(args, port: int) -> None:
@@ -83,7 +72,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     ports = multiprocessing.Queue()
-    child = multiprocessing.Process(target=serve, args=(ports,), daemon=True)
+    child = multiprocessing.Process(target=serve_like_nvmet, args=(ports,), daemon=True)
     child.start()
     try:
         port = ports.get(timeout=30)
