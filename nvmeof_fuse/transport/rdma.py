@@ -41,6 +41,7 @@ from ..concurrency import tasks_runnable
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
+from .cids import CommandIds
 from .parking import (
     Watchdog,
     closed_for_timeout,
@@ -101,11 +102,14 @@ class Request:
     :meth:`RdmaQueue.start`, a callback (``done``).
     """
 
-    __slots__ = ("cid", "data", "inline", "sent", "completion", "error", "finished",
+    __slots__ = ("cid", "slot", "data", "inline", "sent", "completion", "error", "finished",
                  "task", "done", "deadline", "timeout")
 
-    def __init__(self, cid: int, data: DataRef | None) -> None:
+    def __init__(self, cid: int, slot: int, data: DataRef | None) -> None:
         self.cid = cid
+        """Its command ID: ``slot`` and the slot's generation (:mod:`.cids`)."""
+        self.slot = slot
+        """Its capsule, response and send work request."""
         self.data = data
         self.inline = False
         self.sent = False
@@ -120,13 +124,20 @@ class Request:
 
 
 class CommandSlots:
-    """Command IDs of one queue and the requests holding them (no I/O)."""
+    """Command IDs of one queue and the requests holding them (no I/O).
+
+    A response is matched by its whole command ID, the slot's generation included: one
+    for an earlier use of a slot is not in flight (a protocol error, never the answer of
+    the command using the slot now).
+    """
 
     def __init__(self, size: int) -> None:
         self.size = size
-        self.free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
-        """Free command IDs (read on the hot path, where a property call costs)."""
+        self.ids = CommandIds(size - 1)  # an SQ of N entries holds N-1 commands
+        self.free = self.ids.free
+        """Free slots (read on the hot path, where a property call costs)."""
         self.pending: dict[int, Request] = {}
+        """The requests in flight, by slot."""
         self.awaiting_send = 0
         """Requests answered whose SEND completion has not been seen yet."""
 
@@ -135,17 +146,21 @@ class CommandSlots:
         return len(self.free)
 
     def allocate(self, data: DataRef | None) -> Request:
-        request = Request(self.free.pop(), data)
-        self.pending[request.cid] = request
+        ids = self.ids
+        cid = ids.take()
+        slot = cid & ids.mask
+        request = self.pending[slot] = Request(cid, slot, data)
         return request
 
     def release(self, request: Request) -> None:
         """Give back a request's slot without finishing it (it was never sent)."""
-        del self.pending[request.cid]
-        self.free.append(request.cid)
+        del self.pending[request.slot]
+        self.free.append(request.slot)
 
-    def send_completed(self, cid: int) -> None:
-        request = self.pending.get(cid) or self._unknown(cid, "send completion")
+    def send_completed(self, slot: int) -> None:
+        request = self.pending.get(slot)
+        if request is None:
+            raise TransportError(f"send completion for slot {slot}, which holds no command")
         request.sent = True
         if request.completion is not None:
             self.awaiting_send -= 1
@@ -155,7 +170,9 @@ class CommandSlots:
 
     def response(self, completion: Completion) -> None:
         cid = completion.command_id
-        request = self.pending.get(cid) or self._unknown(cid, "response")
+        request = self.pending.get(cid & self.ids.mask)
+        if request is None or request.cid != cid:
+            self._unknown(cid, "response")
         if request.completion is not None:
             raise TransportError(f"second response for command ID {request.cid}")
         request.completion = completion
@@ -183,8 +200,8 @@ class CommandSlots:
 
     def _retire(self, request: Request) -> None:
         """Both halves are done: the slot may carry a new command."""
-        del self.pending[request.cid]
-        self.free.append(request.cid)
+        del self.pending[request.slot]
+        self.free.append(request.slot)
 
     @staticmethod
     def finish(request: Request) -> None:
@@ -618,16 +635,16 @@ class RdmaQueue:
                       to_controller: bool) -> list:
         """Write ``sqe`` into ``request``'s registered capsule, with its command ID and
         data pointer; the send work requests that post it."""
-        cid = request.cid
-        offset = cid * SQE_BYTES
+        slot = request.slot
+        offset = slot * SQE_BYTES
         capsule = self.capsules.view
         capsule[offset:offset + SQE_BYTES] = sqe
-        _CID.pack_into(capsule, offset + 2, cid)
+        _CID.pack_into(capsule, offset + 2, request.cid)
         extra = self._place_data(capsule, offset + 24, data, to_controller)
         if extra:
             request.inline = True
-            return [self._send_wr(cid, [self._capsule_sges[cid], *extra])]
-        return self._sends[cid]
+            return [self._send_wr(slot, [self._capsule_sges[slot], *extra])]
+        return self._sends[slot]
 
     def _post_soon(self, request: Request, wrs: list) -> None:
         """Queue ``wrs`` for the poster.  With others in flight, other callers likely post in

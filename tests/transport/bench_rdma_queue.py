@@ -42,7 +42,7 @@ class InstantQP(QP):
     def post_send(self, wrs) -> None:
         super().post_send(wrs)
         for wr in wrs:
-            cid = wr.wr_id & rdma._INDEX
+            cid = self.cid_of(wr)
             self.send_done(cid)
             self.respond(cid)
 

@@ -101,7 +101,7 @@ class CQ:
 class QP:
     def __init__(self, attr) -> None:
         self.send_cq, self.recv_cq = attr.send_cq, attr.recv_cq
-        self.sent: dict[int, FakeWR] = {}  # cid -> capsule SEND
+        self.sent: dict[int, FakeWR] = {}  # command ID -> capsule SEND
         self.recvs: collections.deque = collections.deque()
         self.posts: list[int] = []  # WRs per post_send call
         self.fail_posts = False
@@ -110,8 +110,13 @@ class QP:
         if self.fail_posts:
             raise OSError(errno.ENOMEM, "send queue full")
         self.posts.append(len(wrs))
-        for wr in wrs:
-            self.sent[wr.wr_id & rdma._INDEX] = wr
+        for wr in wrs:  # by the command ID in its capsule (slot and generation)
+            self.sent[self.cid_of(wr)] = wr
+
+    @staticmethod
+    def cid_of(wr) -> int:
+        """The command ID in the capsule a SEND work request carries."""
+        return ctypes.c_uint16.from_address(wr.sg_list[0].addr + 2).value
 
     def post_recv(self, wrs) -> None:
         self.recvs.extend(wrs)
@@ -483,8 +488,8 @@ def answer_at_once(queue, status: int = 0) -> None:
     def post_send(wrs) -> None:
         post(wrs)
         for wr in wrs:
-            qp.send_done(wr.wr_id & rdma._INDEX, status)
-            qp.respond(wr.wr_id & rdma._INDEX)
+            qp.send_done(qp.cid_of(wr), status)
+            qp.respond(qp.cid_of(wr))
 
     qp.post_send = post_send
 
@@ -513,7 +518,7 @@ async def test_a_send_completion_after_a_polled_response_still_frees_its_slot(qu
     def post_send(wrs) -> None:  # the target answers at once; the SEND completes later
         post(wrs)
         for wr in wrs:
-            qp.respond(wr.wr_id & rdma._INDEX)
+            qp.respond(qp.cid_of(wr))
 
     qp.post_send = post_send
     async with trio.open_nursery() as nursery:
@@ -768,8 +773,10 @@ async def test_start_leaves_a_freed_slot_to_a_caller_waiting_for_one(queue):
         assert not start_recording(queue, ends)  # the slot is the waiter's
         await trio.testing.wait_all_tasks_blocked()
         assert queue.available == 0  # the waiter took it, and its read went out
-        queue.qp.send_done(cid)
-        queue.qp.respond(cid)
+        reused = list(queue.qp.sent)[-1]  # the slot's next generation
+        assert reused != cid and reused & queue._slots.ids.mask == cid & queue._slots.ids.mask
+        queue.qp.send_done(reused)
+        queue.qp.respond(reused)
         await trio.testing.wait_all_tasks_blocked()
         assert len(results) == 1 and results[0].ok
         nursery.cancel_scope.cancel()
