@@ -56,6 +56,7 @@ from .controller import (
     IO_RETRIES,
     SCRATCH_BYTES,
     Controller,
+    out_of_tries,
 )
 from .controller import connect as connect_controller
 from .events import NamespaceChange
@@ -614,7 +615,7 @@ class MultipathController:
         nsid = int.from_bytes(sqe[4:8], "little")
         nbytes = data.length if data is not None else 0
         skip: set[int] = set()  # paths that failed this command with a path status
-        tries = 1  # status retries and timeouts, as Controller.io_command counts them
+        tries = 1  # status retries, timeouts and lost connections, as Controller.io_command
         failovers = 0
         waited_since: float | None = None
         last: Completion | None = None
@@ -644,10 +645,14 @@ class MultipathController:
                 failovers += 1
                 self.selector.forget(path)
                 log.debug("%s: command failed (%s): failing over", path.name, exc)
-                if isinstance(exc, CommandTimeout):
+                if isinstance(exc, CommandTimeout) or exc.sent:
+                    # Counted across paths: a command that breaks each connection it goes
+                    # on (a target's protocol violation) must not take every path down in turn.
                     tries += 1
                     if tries > IO_RETRIES:
-                        raise
+                        if isinstance(exc, CommandTimeout):
+                            raise
+                        raise out_of_tries(sqe, tries - 1, exc) from None
                 continue
             path.outstanding -= 1
             if completion.ok:

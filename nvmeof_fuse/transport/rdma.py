@@ -48,6 +48,7 @@ from .parking import (
     for_caller,
     time_out,
     timeout_error,
+    unsent,
 )
 from .pollbudget import PollBudget
 from .region import DataRef, Region, host_buffer
@@ -558,7 +559,7 @@ class RdmaQueue:
 
     async def _allocate(self, data: DataRef | None, timeout: float) -> Request:
         if self._failed:
-            raise for_caller(self._failed)
+            raise unsent(self._failed)
         self._slot_wanted += 1  # start() leaves freed slots to us meanwhile
         try:
             with trio.move_on_after(timeout):
@@ -567,7 +568,7 @@ class RdmaQueue:
         finally:
             self._slot_wanted -= 1
         if self._failed:
-            raise for_caller(self._failed)
+            raise unsent(self._failed)
         if not self._slots.available:
             raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
         return self._slots.allocate(data)

@@ -40,7 +40,7 @@ from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp
 from .cids import CommandIds
 from .mailbox import Mailbox
-from .parking import Watchdog, closed_for_timeout, for_caller, timeout_error
+from .parking import Watchdog, closed_for_timeout, for_caller, timeout_error, unsent
 from .region import DataRef
 from .splice import Splicer, open_splicer
 from .tcp_data import (
@@ -173,7 +173,7 @@ class TcpQueue:
             finally:
                 self._slot_wanted -= 1
         if self._failed is not None:
-            raise for_caller(self._failed)
+            raise unsent(self._failed)
         if not self._free:
             raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
         return self._ids.take()
