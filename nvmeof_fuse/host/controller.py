@@ -369,7 +369,8 @@ class Controller:
         """The bounce buffers of this controller's namespaces (see :class:`BouncePool`)."""
         return BouncePool(self.transport.register, chunk, count,
                           timeout=BOUNCE_WAIT_FACTOR * self.options.timeout,
-                          patient=self.bounce_wait_expected)
+                          patient=self.bounce_wait_expected,
+                          clear_reads=not getattr(self.transport, "counts_read_data", False))
 
     async def next_state(self) -> str:
         """Wait for the next change of state; the new state."""

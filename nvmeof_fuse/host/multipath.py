@@ -334,7 +334,9 @@ class MultipathController:
         if self.bounce is None:
             self.bounce = BouncePool(self._register, self.max_transfer, BOUNCE_BUFFERS,
                                      timeout=BOUNCE_WAIT_FACTOR * ctrl.options.timeout,
-                                     patient=self.bounce_wait_expected)
+                                     patient=self.bounce_wait_expected, clear_reads=False)
+        if not getattr(ctrl.transport, "counts_read_data", False):
+            self.bounce.clear_reads = True  # a path that cannot count a read's data joined
         if ctrl.bounce is not None and not isinstance(ctrl.bounce, HeadPool):
             ctrl.bounce.close()  # the path's own buffers: the head's serve instead
         ctrl.bounce = HeadPool(lambda: self.bounce)  # type: ignore[assignment]

@@ -314,6 +314,7 @@ class RdmaTransport:
     name = "rdma"
     needs_keyed_sgls = True
     places_in_other_processes = True
+    counts_read_data = False  # the target's RDMA writes land unseen
     dmabuf_refusal = ""
     """Empty: dma-bufs may be registered (the device or its driver may still refuse one)."""
 

@@ -35,6 +35,7 @@ class TcpTransport:
     name = "tcp"
     needs_keyed_sgls = False
     places_in_other_processes = False  # a client's own queues would gain it nothing
+    counts_read_data = True  # a read succeeds only with all its C2HData (tcp_reader)
     dmabuf_refusal = HOST_MEMORY_ONLY
     """Why dma-bufs (GPU memory) are not registered here."""
 
