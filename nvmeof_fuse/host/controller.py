@@ -124,6 +124,7 @@ class Controller:
         self._lost_reason = ""
         self._dead_reason = ""
         self._failing_io = ""  # set while I/O fails fast during a reconnect
+        self._stopping = ""  # set once commands whose connection fails are not run again
         self.events = AsyncEvents(self, self.new_namespace)  # AERs and rescans, once live
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
@@ -385,9 +386,16 @@ class Controller:
         while self.state is not LIVE:
             if self.state in (DELETING, DEAD):
                 raise ControllerLost(self._dead_reason)
-            if self._failing_io and fail_fast:
-                raise ControllerLost(self._failing_io)
+            if fail_fast and (self._failing_io or self._stopping):
+                raise ControllerLost(self._failing_io or self._stopping)
             await self._states.wait_changed()
+
+    def stop_retrying(self, why: str) -> None:
+        """The mount stops: I/O that waits for a reconnect fails now (ControllerLost(why)),
+        so that no command caught retrying keeps the unmount waiting; commands on a live
+        connection still run (the final flush)."""
+        self._stopping = why
+        self._states.wake()
 
     async def wait_connected(self) -> bool:
         """Wait until live (True) or gone for good (False); --fast-io-fail-tmo aside."""

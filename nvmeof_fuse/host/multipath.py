@@ -115,6 +115,7 @@ class MultipathController:
         self._scratch_lock = trio.Lock()
         self._changed = trio.Event()
         self._closed = ""
+        self._stopping = ""  # why commands whose connection fails are not run again
         self._admit_lock = trio.Lock()
         self.failovers = 0
         self._generation = 0  # of what is known of the paths: see _usable
@@ -545,6 +546,16 @@ class MultipathController:
             return str(LIVE)
         return str(states[0]) if states else ("dead" if self._closed else "connecting")
 
+    def stop_retrying(self, why: str) -> None:
+        """The mount stops: a command whose connection fails from now on, or that waits for
+        a path, fails (ControllerLost) instead of waiting for a reconnect, so that no
+        command caught retrying keeps the unmount waiting."""
+        self._stopping = why
+        for path in self.paths:
+            if path.ctrl is not None:
+                path.ctrl.stop_retrying(why)
+        self._wake()
+
     async def wait_live(self, *, fail_fast: bool = True) -> None:
         while not self.live:
             self._check_servable()
@@ -559,6 +570,8 @@ class MultipathController:
         up (or fails I/O fast meanwhile), or the head is closed."""
         if self._closed:
             raise ControllerLost(self._closed)
+        if self._stopping:
+            raise ControllerLost(self._stopping)
         reasons = []
         for path in self.paths:
             ctrl = path.ctrl
@@ -655,6 +668,8 @@ class MultipathController:
                         if isinstance(exc, CommandTimeout):
                             raise
                         raise out_of_tries(sqe, tries - 1, exc) from None
+                if self._stopping:
+                    raise ControllerLost(f"{self._stopping} ({exc})") from None
                 continue
             path.outstanding -= 1
             if completion.ok:

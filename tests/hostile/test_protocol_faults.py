@@ -143,3 +143,33 @@ def test_a_command_that_breaks_its_connection_each_time_ends_in_eio(hostile, nam
     # --ctrl-loss-tmo ran out first).
     gave_up = out.log.count("failed under each of its") + out.log.count("gave up after")
     assert gave_up >= 1, out.log[-3000:]
+
+
+def test_sigterm_does_not_wait_on_a_command_caught_in_the_retry_loop(hostile):
+    """SIGTERM took 62 s while a poison read looped.  Here the loop would run for about
+    IO_RETRIES * 4 s (--reconnect-delay 4): the daemon must exit long before that."""
+    import signal
+    import subprocess
+    import time
+
+    m = hostile.start("c2h term req", options=("-c", "4", "-l", "600", "-k", "1"))
+    assert m.mount() == "ready"
+    n1 = m.mountpoint / "n1"
+    dd = subprocess.Popen(["dd", f"if={n1}", "of=/dev/null", "iflag=direct", "bs=32768",
+                           "count=1", "status=none"], stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while "C2HTermReq" not in m.log() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert "C2HTermReq" in m.log(), m.log()
+        start = time.monotonic()
+        m.proc.send_signal(signal.SIGTERM)
+        m.proc.wait(timeout=15)
+        took = time.monotonic() - start
+        _, err = dd.communicate(timeout=15)
+    finally:
+        if dd.poll() is None:
+            dd.kill()
+    assert took < 8, f"the daemon took {took:.1f} s to exit; {m.log()[-3000:]}"
+    assert dd.returncode != 0
+    assert "Traceback" not in m.log(), m.log()
