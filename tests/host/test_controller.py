@@ -581,3 +581,26 @@ def test_secret_files_are_read_again_at_each_connect(tmp_path):
             assert not final_failure(info.value)
 
     trio.run(main)
+
+
+def test_once_the_mount_stops_a_command_waiting_for_a_reconnect_fails_at_once():
+    """SIGTERM waited 62 s on a command caught retrying: stop_retrying ends its wait."""
+    async def test(ctrl: Controller) -> None:
+        Target(refusals=100).attach(ctrl)  # each reconnect fails: the command would wait
+        failed = []
+
+        async def reader() -> None:
+            try:
+                await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+            except ControllerLost as exc:
+                failed.append((trio.current_time(), str(exc)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(25)
+            assert not failed and ctrl.state is CONNECTING
+            stopped = trio.current_time()
+            ctrl.stop_retrying("/mnt is being unmounted")
+        assert failed == [(stopped, "/mnt is being unmounted")]
+
+    run(test)
