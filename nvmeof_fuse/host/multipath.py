@@ -296,6 +296,13 @@ class MultipathController:
                                   f"{self.max_transfer}")
         path.ids = ids
         path.ana = PathAna(reporting=ident.ana_reporting, anatt=ident.anatt)
+        if path.ana.reporting:
+            path.ana_log_bytes = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
+            if path.ana_log_bytes > ctrl.max_transfer:  # as Linux's nvme_mpath_init_identify
+                log.warning("%s: the ANA log page may take %d bytes, more than one command "
+                            "moves (%d, MDTS): ANA reporting is off on this path",
+                            path.name, path.ana_log_bytes, ctrl.max_transfer)
+                path.ana = PathAna(reporting=False, anatt=ident.anatt)
         for nsid, ns in ctrl.namespaces.items():
             path.ana.set_namespace_group(nsid, ns.identify.anagrpid)
         if path.ana.reporting:
@@ -407,11 +414,9 @@ class MultipathController:
                 ctrl.connection_lost(ctrl.admin, CommandTimeout("ANA transition timeout"))
 
     async def _read_ana(self, path: Path, ctrl: Controller) -> None:
-        ident = ctrl.identify
-        assert ident is not None
-        size = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
         try:
-            page = AnaLogPage.from_bytes(await ctrl.get_log_page(LogPageId.ANA, size))
+            page = AnaLogPage.from_bytes(
+                await ctrl.get_log_page(LogPageId.ANA, path.ana_log_bytes))
         except (NVMeoFError, ValueError) as exc:
             log.warning("%s: cannot read the ANA log page: %s", path.name, exc)
             return

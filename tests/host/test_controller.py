@@ -13,7 +13,7 @@ import trio
 import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, ConnectError, ControllerLost, TransportError
-from nvmeof_fuse.host.controller import IO_RETRIES, ConnectOptions, Controller
+from nvmeof_fuse.host.controller import IO_RETRIES, RETRY_DELAY_MAX, ConnectOptions, Controller
 from nvmeof_fuse.host.memory import BouncePool
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion, NVMeStatusError
@@ -202,15 +202,29 @@ class Statuses(FakeQueue):
         return Completion(0, 0, 1, 0, status, True)
 
 
-def test_an_error_status_on_a_live_connection_runs_again_after_its_retry_delay():
+def test_a_command_retry_delay_is_ignored_since_we_never_enable_acre():
+    """A status's CRD counts only once the host set ACRE (Host Behavior Support), which we
+    never do: the command runs again at once, whatever CRDT1 says."""
     async def test(ctrl: Controller) -> None:
-        ctrl.identify = SimpleNamespace(crdt=(3, 0, 0))  # CRDT1: 300 ms
+        ctrl.identify = SimpleNamespace(crdt=(0xFFFF, 0, 0))  # CRDT1: 109 minutes
         queue = Statuses(1, 1 << 11 | INTERNAL_ERROR, INTERNAL_ERROR)  # CRD 1, then CRD 0
         ctrl.io_queues = [queue]
+        assert not ctrl.acre
         assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
         assert queue.ran == 3 and ctrl.state is LIVE and ctrl.losses == 0
         t = queue.times
-        assert [round(t[1] - t[0], 3), round(t[2] - t[1], 3)] == [0.3, 0]
+        assert [t[1] - t[0], t[2] - t[1]] == [0, 0]
+
+    run(test)
+
+
+def test_a_command_retry_delay_would_be_capped_with_acre():
+    async def test(ctrl: Controller) -> None:
+        ctrl.identify = SimpleNamespace(crdt=(3, 0xFFFF, 0))  # CRDT1 300 ms, CRDT2 109 min
+        ctrl.acre = True
+        assert ctrl.retry_delay(1) == pytest.approx(0.3)
+        assert ctrl.retry_delay(2) == RETRY_DELAY_MAX
+        assert ctrl.retry_delay(0) == ctrl.retry_delay(3) == 0
 
     run(test)
 
