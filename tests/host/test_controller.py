@@ -6,14 +6,27 @@ admin and I/O queue connects are stand-ins, and trio's clock jumps over the dela
 
 from __future__ import annotations
 
+import struct
 from types import SimpleNamespace
 
 import pytest
 import trio
 import trio.testing
 
-from nvmeof_fuse.errors import CommandTimeout, ConnectError, ControllerLost, TransportError
-from nvmeof_fuse.host.controller import IO_RETRIES, RETRY_DELAY_MAX, ConnectOptions, Controller
+from nvmeof_fuse.errors import (
+    CommandTimeout,
+    ConnectError,
+    ControllerLost,
+    TargetProtocolError,
+    TransportError,
+)
+from nvmeof_fuse.host.controller import (
+    IO_RETRIES,
+    LOG_PAGE_MAX,
+    RETRY_DELAY_MAX,
+    ConnectOptions,
+    Controller,
+)
 from nvmeof_fuse.host.memory import BouncePool
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion, NVMeStatusError
@@ -529,3 +542,35 @@ def test_secret_files_are_read_again_at_each_connect(tmp_path):
             assert not final_failure(info.value)
 
     trio.run(main)
+
+
+class LogQueue(FakeQueue):
+    """Answers Get Log Page with bytes counting up from each command's offset."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.asked: list[tuple[int, int]] = []
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        numd = struct.unpack_from("<H", sqe, 42)[0] | struct.unpack_from("<H", sqe, 44)[0] << 16
+        offset, length = struct.unpack_from("<Q", sqe, 48)[0], (numd + 1) * 4
+        self.asked.append((offset, length))
+        assert data.length == length
+        data.region.view[data.offset:data.offset + length] = bytes(
+            (offset + i) % 251 for i in range(length))
+        return OK
+
+
+def test_a_log_page_past_mdts_is_read_in_pieces_and_one_past_the_cap_is_refused():
+    async def test(ctrl: Controller) -> None:
+        ctrl.transport.register = lambda addr, length, owner: None
+        ctrl.admin = queue = LogQueue()
+        ctrl.max_transfer = 4096
+        page = await ctrl.get_log_page(0x70, 10240)
+        assert queue.asked == [(0, 4096), (4096, 4096), (8192, 2048)]
+        assert page == bytes(i % 251 for i in range(10240))
+        with pytest.raises(TargetProtocolError, match=r"log page 0x70 of \d+ bytes is refused"):
+            await ctrl.get_log_page(0x70, LOG_PAGE_MAX + 4)
+        assert len(queue.asked) == 3
+
+    run(test)
