@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 ANA_POLL_INTERVAL = 1.0
 """Seconds between reads of a path's ANA log while it is pending or changing (a notice
 normally comes first)."""
+NAMESPACES_LOGGED = 8
+"""Namespaces a path's "connected" line names; the rest it counts."""
 NO_PATH_WAIT = 1.0
 """Seconds between looks for a usable path while a command waits for one."""
 
@@ -347,8 +349,11 @@ class MultipathController:
         ctrl.events.ana_listeners.append(path.kick)
         ctrl.events.listeners.append(self._follow_namespaces)
         self._bind()
+        words = self._ana_words(path)
+        if len(words) > NAMESPACES_LOGGED:  # one line, however many the target lists
+            words[NAMESPACES_LOGGED:] = [f"{len(words) - NAMESPACES_LOGGED} more"]
         log.info("%s: connected as controller %d (%s)", path.name, ctrl.cntlid,
-                 ", ".join(self._ana_words(path)) or "no namespaces")
+                 ", ".join(words) or "no namespaces")
 
     def _detach(self, path: Path, ctrl: Controller) -> None:
         path.retire(ctrl)

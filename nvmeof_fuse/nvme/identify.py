@@ -21,6 +21,7 @@ from .fabrics import decode_version
 LBADS_SERVED = range(9, 17)
 """LBA data sizes we serve, as powers of two: 512 B to 64 KiB (Linux serves 512 B up to its
 page size; LBADS below 9 is reserved)."""
+NSID_BROADCAST = 0xFFFFFFFF
 SIZE_SERVED = 2**63 - 1
 """The largest namespace, in bytes, that a file's size (a signed 64-bit off_t) can show."""
 
@@ -287,13 +288,17 @@ class IdentifyNamespace:
 
 
 def parse_active_ns_list(data: BytesLike) -> list[int]:
-    """Active Namespace ID list (CNS 02h): ascending NSIDs, ended by the first zero."""
+    """Active Namespace ID list (CNS 02h): ascending NSIDs, ended by the first zero.
+
+    What breaks the order (a repeat, a smaller NSID) and the broadcast NSID 0xFFFFFFFF,
+    which names no namespace, are skipped: at most 1024 distinct NSIDs come back."""
     v = _view("active namespace list", data)
-    nsids = []
+    nsids: list[int] = []
     for (nsid,) in struct.iter_unpack("<I", v):
         if nsid == 0:
             break
-        nsids.append(nsid)
+        if nsid != NSID_BROADCAST and (not nsids or nsid > nsids[-1]):
+            nsids.append(nsid)
     return nsids
 
 

@@ -269,3 +269,27 @@ class AsyncEventStorm(Fault):
     async def async_event(self, target, stream, cid):
         self.fired += 1
         await target.complete(stream, cid, 0x04 << 16 | 0x00 << 8 | 0x2)
+
+
+@fault("icresp pfv 1", "the ICResp says PDU format version 1")
+class IcrespPfv(Fault):
+    def icresp(self, target, icresp):
+        struct.pack_into("<H", icresp, 8, 1)
+
+
+@fault("icresp maxh2cdata 0", "the ICResp says MAXH2CDATA 0")
+class IcrespMaxh2cdata0(Fault):
+    def icresp(self, target, icresp):
+        struct.pack_into("<I", icresp, 12, 0)
+
+
+@fault("icresp cpda 128", "the ICResp says CPDA 128")
+class IcrespCpda128(Fault):
+    def icresp(self, target, icresp):
+        icresp[10] = 128
+
+
+@fault("connect stall", "the admin queue's Fabrics Connect is never answered")
+class ConnectStall(Fault):
+    def swallow(self, target, qid, sqe):
+        return sqe[0] == 0x7F and sqe[4] == 0x01

@@ -117,7 +117,24 @@ def test_a_broken_r2t_once_costs_a_reconnect(hostile, fault):
     assert "R2T" in out.log, out.log
 
 
-@pytest.mark.parametrize("fault", ["namespace list of 1024", "namespace list unsorted",
-                                   "changed namespace list forged", "async event storm"])
+@pytest.mark.parametrize("fault", ["namespace list unsorted", "changed namespace list forged",
+                                   "async event storm"])
 def test_namespace_lists_and_notices(hostile, fault):
     hostile.run(fault, "read").check("ok")
+
+
+def test_a_full_namespace_list_is_served_and_logged_in_one_short_line(hostile):
+    out = hostile.run("namespace list of 1024", "read").check("ok")
+    connected = [line for line in out.log.splitlines() if "connected as controller" in line]
+    assert len(connected) == 1 and "1016 more" in connected[0], connected
+    assert len(connected[0]) < 400
+
+
+@pytest.mark.parametrize("fault, named", [("icresp pfv 1", "PDU format version 1"),
+                                          ("icresp maxh2cdata 0", "MAXH2CDATA 0"),
+                                          ("icresp cpda 128", "CPDA 128"),
+                                          ("connect stall", "Connect")])
+def test_a_bad_icresp_or_a_stalled_connect_is_refused_in_one_line(hostile, fault, named):
+    """What held before issue #49, kept: the mount fails in one line naming the fault."""
+    out = hostile.run(fault, "read").check("refused")
+    assert named in out.ready, out.ready

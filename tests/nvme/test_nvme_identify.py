@@ -229,3 +229,10 @@ def test_flbas_beyond_nlbaf_is_unusable_and_its_report_does_not_raise():
     ns = IdentifyNamespace.from_bytes(namespace_buffer(0, 0x02, {0: (0, 9, 0)}))
     assert ns.unusable == "FLBAS selects LBA format 2, only 1 exist"
     assert ns.to_dict()["unusable"] == ns.unusable
+
+
+def test_active_ns_list_skips_repeats_disorder_and_the_broadcast_nsid():
+    page = struct.pack("<6I", 1, 1, 0xFFFFFFFF, 5, 3, 7).ljust(4096, b"\0")
+    assert parse_active_ns_list(page) == [1, 5, 7]
+    full = struct.pack("<1024I", *range(1, 1025))
+    assert parse_active_ns_list(full) == list(range(1, 1025))
