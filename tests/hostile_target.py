@@ -11,16 +11,21 @@ it leaves alone answer as a good target does, so one fault is tested at a time::
         def identify(self, target, cns, nsid, page): ...
         def status(self, target, sqe): ...
 
-``HostileTarget(fault="crd of hours")`` serves it; ``python tests/hostile_target.py NAME``
-serves it until killed and prints the port (``--list`` names every fault).  A fault fires
+Each developer's faults live in a module of their own, ``tests/hostile/faults_*.py``
+(:func:`load_faults` imports them all).  ``HostileTarget(fault="crd of hours")`` serves
+one; ``python tests/hostile_target.py NAME`` serves it until killed and prints the port
+(``--list`` names every fault).  A fault fires
 on every chance unless it sets ``times`` (then only that many times, e.g. once, to check
 that the host recovers); ``fired`` counts the times it did.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import struct
+import sys
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 
 import trio
 from tcp_target import ADMIN_IDENTIFY, ADMIN_KEEP_ALIVE, NQN, READ, WRITE, FakeTcpTarget
@@ -67,15 +72,24 @@ class Fault:
         """True: never answer command ``sqe`` on queue ``qid`` (None: before Connect)."""
         return False
 
+    def setup(self, target: HostileTarget) -> None:
+        """Set the target up for this fault (e.g. ``target.ana = True``)."""
+
     def status(self, target: HostileTarget, qid: int | None, sqe: bytes | None) -> int:
-        """The status field of the CapsuleResp for ``sqe`` on queue ``qid`` (bits 15:1:
-        SC, SCT, CRD, More, DNR; 0: success)."""
+        """The CapsuleResp's 16-bit status field for ``sqe`` on queue ``qid``, as on the
+        wire (:func:`status_field`; 0: success)."""
         return 0
 
+    async def async_event(self, target: HostileTarget, stream, cid: int) -> None:
+        """An Asynchronous Event Request came: a good target holds it (returns) until an
+        event happens; ``target.complete(stream, cid, dw0)`` completes it."""
+
     async def read_data(self, target: HostileTarget, stream, cid: int, payload: bytes,
-                        send: Send) -> None:
+                        send: Send, success: bool) -> None:
         """Send a command's data (C2HData); ``send(payload, **kw)`` sends it as a good
-        target does (``kw``: FakeTcpTarget._send_read's)."""
+        target does (``kw``: FakeTcpTarget._send_read's).  ``success``: the last C2HData
+        ends the command (SUCCESS flag), no CapsuleResp follows; else one follows, with
+        :meth:`status`."""
         await send(payload)
 
     async def r2t(self, target: HostileTarget, stream, cid: int, length: int,
@@ -86,6 +100,12 @@ class Fault:
 
 FAULTS: dict[str, type[Fault]] = {"none": Fault}
 """Every fault by name: what ``HostileTarget(fault=NAME)`` and the tests pick from."""
+
+
+def status_field(sct: int, sc: int, *, crd: int = 0, dnr: bool = False) -> int:
+    """A completion's status field as on the wire: phase 0, SC 8:1, SCT 11:9, CRD 13:12,
+    DNR 15."""
+    return sc << 1 | sct << 9 | crd << 12 | int(dnr) << 15
 
 
 def fault(name: str, description: str):
@@ -104,12 +124,15 @@ class HostileTarget(FakeTcpTarget):
     ``ana`` (one group, optimized, holding namespace 1), and the discovery log page when
     the host connects to the discovery NQN."""
 
-    def __init__(self, fault: str | Fault = "none", *, ana: bool = False, **kw) -> None:
+    def __init__(self, fault: str | Fault = "none", *, ana: bool = False,
+                 discovery: bool = False, **kw) -> None:
         super().__init__(**kw)
         self.hostile = FAULTS[fault]() if isinstance(fault, str) else fault
         self.ana = ana
+        self.discovery = discovery  # a discovery controller (CNTRLTYPE 2)
         self.keep_alives = 0
         self.log_pages: list[tuple[int, int, int]] = []  # (lid, offset, length) asked
+        self.hostile.setup(self)
 
     # -- what a good target says, handed to the fault -----------------------------------------
 
@@ -137,6 +160,9 @@ class HostileTarget(FakeTcpTarget):
         return super()._swallow(qid, sqe) or self.hostile.swallow(self, qid, sqe)
 
     def _good_identify(self, cns: int, nsid: int, page: bytearray) -> None:
+        if cns == 1 and self.discovery:
+            page[111] = 2
+            page[768:1024] = DISCOVERY_NQN.encode().ljust(256, b"\0")
         if cns == 1 and self.ana:
             page[76] |= CMIC_ANA
             page[343] = 1 << 0 | 1 << 6  # ANACAP: reports optimized; ANAGRPID static
@@ -163,12 +189,19 @@ class HostileTarget(FakeTcpTarget):
         status = self.hostile.status(self, qid, sqe)
         await stream.send_all(self._response(cid, result, status))
 
+    async def _async_event(self, stream, cid: int) -> None:
+        await self.hostile.async_event(self, stream, cid)
+
+    async def complete(self, stream, cid: int, result: int = 0) -> None:
+        """Send a CapsuleResp for ``cid`` (its status from the fault)."""
+        await self._respond(stream, cid, result)
+
     async def _send_read(self, stream, cid: int, payload: bytes, faults: bool = True,
                          success: bool = False) -> None:
         async def send(data: bytes = payload, **kw) -> None:
             await FakeTcpTarget._send_read(self, stream, cid, data, **{
                 "faults": faults, "success": success, **kw})
-        await self.hostile.read_data(self, stream, cid, payload, send)
+        await self.hostile.read_data(self, stream, cid, payload, send, success)
 
     async def _r2t(self, stream, cid: int, length: int) -> None:
         async def send(size: int = length, **kw) -> None:
@@ -192,14 +225,26 @@ def is_io(qid: int | None, sqe: bytes | None, *opcodes: int) -> bool:
     return bool(qid) and sqe is not None and sqe[0] in (opcodes or (READ, WRITE))
 
 
+def load_faults() -> dict[str, type[Fault]]:
+    """Register the faults of every ``tests/hostile/faults_*.py`` (each developer's fault
+    classes live in a module of their own there); FAULTS."""
+    for path in sorted((Path(__file__).parent / "hostile").glob("faults_*.py")):
+        name = f"hostile_{path.stem}"
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            module = sys.modules[name] = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+    return FAULTS
+
+
 async def _serve_forever(target: HostileTarget) -> None:
     async with trio.open_nursery() as nursery:
         print(await nursery.start(target.serve), flush=True)
 
 
 if __name__ == "__main__":  # python tests/hostile_target.py NAME [MIB]: serve until killed
-    import sys
-
+    load_faults()
     if sys.argv[1:] == ["--list"]:
         for name, cls in FAULTS.items():
             print(f"{name}: {cls.description}")

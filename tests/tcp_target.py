@@ -86,6 +86,10 @@ class FakeTcpTarget:
             return True
         return False
 
+    async def _async_event(self, stream, cid: int) -> None:
+        """An Asynchronous Event Request: held, as a real controller holds it until an
+        event happens."""
+
     def _header(self, head: bytes) -> bytes:
         if self.hdgst:
             return head + pdu.digest(head)
@@ -116,7 +120,8 @@ class FakeTcpTarget:
         if self._swallow(state["qid"], sqe):
             return
         if opcode == ADMIN_ASYNC_EVENT and state["qid"] == 0:
-            return  # held, as a real controller holds it until an event happens
+            await self._async_event(stream, cid)
+            return
         if opcode == FABRICS and sqe[4] == 0x01:
             state["qid"] = struct.unpack_from("<H", sqe, 42)[0]  # after RECFMT
             state["sqflow_off"] = bool(sqe[46] & 0x04)  # then reads end with SUCCESS, as nvmet

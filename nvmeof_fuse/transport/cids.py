@@ -15,7 +15,7 @@ CID_LIMIT = 1 << 16
 class CommandIds:
     """The free slots of one queue and the command ID each carried last (no I/O)."""
 
-    __slots__ = ("free", "mask", "_step", "_last")
+    __slots__ = ("free", "mask", "step", "last")
 
     def __init__(self, slots: int) -> None:
         if not 0 < slots <= CID_LIMIT:
@@ -23,8 +23,10 @@ class CommandIds:
         tag_bits = max(1, (slots - 1).bit_length())
         self.mask = (1 << tag_bits) - 1
         """The bits of a command ID that name its slot."""
-        self._step = 1 << tag_bits
-        self._last = list(range(slots))
+        self.step = 1 << tag_bits
+        """What one generation adds to a command ID."""
+        self.last = list(range(slots))
+        """The command ID each slot carried last."""
         self.free = list(range(slots))
         """Free slots (read on the hot path, where a property call costs)."""
 
@@ -32,7 +34,8 @@ class CommandIds:
         """The command ID for a free slot, one generation past the slot's last (the caller
         checked that one is free)."""
         slot = self.free.pop()
-        cid = self._last[slot] = (self._last[slot] + self._step) & (CID_LIMIT - 1)
+        last = self.last
+        cid = last[slot] = (last[slot] + self.step) & (CID_LIMIT - 1)
         return cid
 
     def give_back(self, cid: int) -> None:
@@ -44,4 +47,4 @@ class CommandIds:
 
     def current(self, slot: int) -> int:
         """The command ID ``slot`` carries now, or carried last."""
-        return self._last[slot]
+        return self.last[slot]

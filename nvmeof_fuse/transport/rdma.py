@@ -124,7 +124,7 @@ class Request:
         self.timeout = 0.0
 
 
-class CommandSlots:
+class CommandSlots(CommandIds):
     """Command IDs of one queue and the requests holding them (no I/O).
 
     A response is matched by its whole command ID, the slot's generation included: one
@@ -132,11 +132,11 @@ class CommandSlots:
     the command using the slot now).
     """
 
+    __slots__ = ("size", "pending", "awaiting_send")
+
     def __init__(self, size: int) -> None:
+        super().__init__(size - 1)  # an SQ of N entries holds N-1 commands
         self.size = size
-        self.ids = CommandIds(size - 1)  # an SQ of N entries holds N-1 commands
-        self.free = self.ids.free
-        """Free slots (read on the hot path, where a property call costs)."""
         self.pending: dict[int, Request] = {}
         """The requests in flight, by slot."""
         self.awaiting_send = 0
@@ -147,9 +147,9 @@ class CommandSlots:
         return len(self.free)
 
     def allocate(self, data: DataRef | None) -> Request:
-        ids = self.ids
-        cid = ids.take()
-        slot = cid & ids.mask
+        slot = self.free.pop()  # (CommandIds.take, inline: this is the hot path)
+        last = self.last
+        cid = last[slot] = (last[slot] + self.step) & 0xFFFF
         request = self.pending[slot] = Request(cid, slot, data)
         return request
 
@@ -171,7 +171,7 @@ class CommandSlots:
 
     def response(self, completion: Completion) -> None:
         cid = completion.command_id
-        request = self.pending.get(cid & self.ids.mask)
+        request = self.pending.get(cid & self.mask)
         if request is None or request.cid != cid:
             self._unknown(cid, "response")
         if request.completion is not None:

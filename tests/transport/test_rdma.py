@@ -67,7 +67,7 @@ def test_slots_hold_size_minus_one():
     assert slots.available == 3
     requests = [slots.allocate(None) for _ in range(3)]
     assert {r.slot for r in requests} == {0, 1, 2}
-    assert all(r.cid & slots.ids.mask == r.slot for r in requests)
+    assert all(r.cid & slots.mask == r.slot for r in requests)
     assert slots.available == 0
     with pytest.raises(IndexError):
         slots.allocate(None)

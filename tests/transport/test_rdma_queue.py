@@ -102,6 +102,8 @@ class QP:
     def __init__(self, attr) -> None:
         self.send_cq, self.recv_cq = attr.send_cq, attr.recv_cq
         self.sent: dict[int, FakeWR] = {}  # command ID -> capsule SEND
+        self.last_posted: list[int] = []  # the command IDs of the last post_send
+        self._cid_fields: dict[int, ctypes.c_uint16] = {}
         self.recvs: collections.deque = collections.deque()
         self.posts: list[int] = []  # WRs per post_send call
         self.fail_posts = False
@@ -110,13 +112,20 @@ class QP:
         if self.fail_posts:
             raise OSError(errno.ENOMEM, "send queue full")
         self.posts.append(len(wrs))
+        sent, cids = self.sent, []
         for wr in wrs:  # by the command ID in its capsule (slot and generation)
-            self.sent[self.cid_of(wr)] = wr
+            cid = self.cid_of(wr)
+            sent[cid] = wr
+            cids.append(cid)
+        self.last_posted = cids
 
-    @staticmethod
-    def cid_of(wr) -> int:
+    def cid_of(self, wr) -> int:
         """The command ID in the capsule a SEND work request carries."""
-        return ctypes.c_uint16.from_address(wr.sg_list[0].addr + 2).value
+        addr = wr.sg_list[0].addr
+        field = self._cid_fields.get(addr)
+        if field is None:  # a capsule's place never changes: read it through one object
+            field = self._cid_fields[addr] = ctypes.c_uint16.from_address(addr + 2)
+        return field.value
 
     def post_recv(self, wrs) -> None:
         self.recvs.extend(wrs)
@@ -774,7 +783,7 @@ async def test_start_leaves_a_freed_slot_to_a_caller_waiting_for_one(queue):
         await trio.testing.wait_all_tasks_blocked()
         assert queue.available == 0  # the waiter took it, and its read went out
         reused = list(queue.qp.sent)[-1]  # the slot's next generation
-        assert reused != cid and reused & queue._slots.ids.mask == cid & queue._slots.ids.mask
+        assert reused != cid and reused & queue._slots.mask == cid & queue._slots.mask
         queue.qp.send_done(reused)
         queue.qp.respond(reused)
         await trio.testing.wait_all_tasks_blocked()
