@@ -29,7 +29,7 @@ class ReadFault(Fault):
     """Lies on every I/O Read's data; a good target's data otherwise (Identify and so on)."""
 
     async def read_data(self, target: HostileTarget, stream, cid: int, payload: bytes,
-                        send) -> None:
+                        send, success: bool) -> None:
         qid, sqe = target.sqe_of.get((stream, cid), (None, None))
         if is_io(qid, sqe) and self.fire():
             await self.lie(target, stream, cid, payload, send)
