@@ -92,7 +92,7 @@ class FakeTcpTarget:
         its own (the children die with it)."""
         listener = socket.create_server(("127.0.0.1", 0), backlog=128)
         self.port = listener.getsockname()[1]
-        signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # no zombies
+        signal.signal(signal.SIGCHLD, _reap)  # (their CPU time then counts as ours: cutime)
         if started is not None:
             started(self.port)
         while True:
@@ -386,6 +386,15 @@ class Reader:
         out = bytes(self.buf[:n])
         del self.buf[:n]
         return out
+
+
+def _reap(signum: int, frame: object) -> None:
+    """Wait for the connection processes that ended."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
 def _die_with_parent() -> None:
