@@ -308,7 +308,8 @@ def run_companion(args: argparse.Namespace) -> dict:
     jobs = [j for j in JOBS if args.jobs is None or j.key in args.jobs]
     results: dict = {"initiator": "companion", "metrics": {}, "errors": {},
                      "cpu_us_per_io": {}, "sys_us_per_io": {}}
-    kwargs = {} if args.queues is None else {"queues": args.queues}
+    queues = getattr(args, "queues", None)
+    kwargs = {} if queues is None else {"queues": queues}
     with nvmeof_fuse.File(args.file, **kwargs) as f:
         results["own_queues"] = list(f.own_queues)
         results["placement"] = f.placement["shared"]
@@ -366,7 +367,7 @@ def _companion_processes(args: argparse.Namespace) -> dict:
            "--seconds", str(args.seconds), "--json", "--start-at", str(start_at)]
     if args.jobs:
         cmd += ["--jobs", ",".join(args.jobs)]
-    if args.queues is not None:
+    if getattr(args, "queues", None) is not None:
         cmd += ["--queues", str(args.queues)]
     children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for _ in range(args.processes)]
