@@ -63,6 +63,12 @@ class Fault:
     def identify(self, target: HostileTarget, cns: int, nsid: int, page: bytearray) -> None:
         """Edit a 4 KiB Identify page (CNS ``cns``, NSID ``nsid``) in place."""
 
+    def answer(self, target: HostileTarget, sqe: bytes, result: int, payload: bytes
+               ) -> tuple[int, bytes]:
+        """Any admin or fabrics command's answer (a completion's result, its data), after
+        :meth:`identify` and :meth:`log_page` had their say: e.g. a Property Get of CAP."""
+        return result, payload
+
     def log_page(self, target: HostileTarget, lid: int, offset: int, length: int,
                  page: bytes) -> bytes:
         """The bytes sent for Get Log Page ``lid``; ``page`` is the whole good page."""
@@ -154,7 +160,7 @@ class HostileTarget(FakeTcpTarget):
             payload = bytes(page)
         elif sqe[0] == ADMIN_KEEP_ALIVE:
             self.keep_alives += 1
-        return result, payload
+        return self.hostile.answer(self, sqe, result, payload)
 
     def _swallow(self, qid: int | None, sqe: bytes) -> bool:
         return super()._swallow(qid, sqe) or self.hostile.swallow(self, qid, sqe)

@@ -678,6 +678,11 @@ class Controller:
         size = min(self.options.queue_size, self.cap.max_queue_entries)
         if self.identify.maxcmd:
             size = min(size, self.identify.maxcmd)
+        if size < 2:  # a queue holds one entry fewer than its size: none would be left
+            raise ConnectError(
+                f"{self.transport.address}: the controller allows I/O queues of {size} entry "
+                f"(CAP.MQES {self.cap.max_queue_entries - 1}, MAXCMD {self.identify.maxcmd}); "
+                "at least 2 are needed")
         return size
 
     async def start(self) -> None:

@@ -293,3 +293,51 @@ class IcrespCpda128(Fault):
 class ConnectStall(Fault):
     def swallow(self, target, qid, sqe):
         return sqe[0] == 0x7F and sqe[4] == 0x01
+
+
+def property_get(sqe: bytes, offset: int) -> bool:
+    return sqe[0] == 0x7F and sqe[4] == 0x04 and struct.unpack_from("<I", sqe, 44)[0] == offset
+
+
+@fault("cap mqes 0", "CAP.MQES 0: queues of one entry, which the spec forbids")
+class CapMqes0(Fault):
+    def answer(self, target, sqe, result, payload):
+        if property_get(sqe, 0):
+            result &= ~0xFFFF
+        return result, payload
+
+
+@fault("cap to max", "CAP.TO 255 (127.5 s to become ready) while CSTS.RDY comes at once")
+class CapToMax(Fault):
+    def answer(self, target, sqe, result, payload):
+        if property_get(sqe, 0):
+            result |= 0xFF << 24
+        return result, payload
+
+
+@fault("queues granted 65535", "Set Features Number of Queues grants 65535 of each")
+class QueuesGranted(Fault):
+    def answer(self, target, sqe, result, payload):
+        if sqe[0] == 0x09 and sqe[40] == 0x07:
+            result = 0xFFFE | 0xFFFE << 16
+        return result, payload
+
+
+@fault("maxcmd 1", "Identify Controller's MAXCMD is 1: one command outstanding per queue")
+class Maxcmd1(Fault):
+    def identify(self, target, cns, nsid, page):
+        if cns == 1:
+            struct.pack_into("<H", page, 514, 1)
+
+
+@fault("identify controller absurd", "MDTS 31, MAXCMD 0xFFFF, IOCCSZ 0xFFFFFFFF, KAS 0, "
+       "AERL 255, NN 0xFFFFFFFF")
+class IdentifyControllerAbsurd(Fault):
+    def identify(self, target, cns, nsid, page):
+        if cns == 1:
+            page[77] = 31
+            struct.pack_into("<H", page, 514, 0xFFFF)  # MAXCMD
+            struct.pack_into("<I", page, 1792, 0xFFFFFFFF)  # IOCCSZ
+            struct.pack_into("<H", page, 320, 0)  # KAS
+            page[259] = 255  # AERL
+            struct.pack_into("<I", page, 516, 0xFFFFFFFF)  # NN

@@ -138,3 +138,18 @@ def test_a_bad_icresp_or_a_stalled_connect_is_refused_in_one_line(hostile, fault
     """What held before issue #49, kept: the mount fails in one line naming the fault."""
     out = hostile.run(fault, "read").check("refused")
     assert named in out.ready, out.ready
+
+
+@pytest.mark.parametrize("fault, named", [("cap mqes 0", "CAP.MQES 0"), ("maxcmd 1", "MAXCMD 1")])
+def test_queues_of_one_entry_are_refused_by_name(hostile, fault, named):
+    out = hostile.run(fault, "read").check("refused")
+    assert named in out.ready and "at least 2" in out.ready, out.ready
+
+
+@pytest.mark.parametrize("fault", ["identify controller absurd", "cap to max",
+                                   "queues granted 65535"])
+@pytest.mark.parametrize("direction", ["read", "write"])
+def test_absurd_controller_values_within_what_we_take(hostile, fault, direction):
+    """MDTS 31 (we move at most 1 MiB a command anyway), IOCCSZ 4 GiB, NN and AERL at their
+    maximum, CAP.TO 127.5 s, 65535 queues granted: nothing is sized by them."""
+    hostile.run(fault, direction).check("ok")
