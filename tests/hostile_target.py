@@ -250,6 +250,7 @@ async def _serve_forever(target: HostileTarget) -> None:
 
 
 if __name__ == "__main__":  # python tests/hostile_target.py NAME [MIB]: serve until killed
+    sys.modules.setdefault("hostile_target", sys.modules[__name__])  # one FAULTS for all
     load_faults()
     if sys.argv[1:] == ["--list"]:
         for name, cls in FAULTS.items():

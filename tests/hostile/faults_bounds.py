@@ -21,7 +21,7 @@ from nvmeof_fuse.nvme import tcp_pdu as pdu
 HUGE = 0x0FFFFFF0
 
 
-@fault("forged ana log", "ANA reporting with NN, MNAN and NANAGRPID 0x0FFFFFF0: a 1 GiB "
+@fault("forged ana log", "ANA reporting with NN, MNAN and NANAGRPID 0x0FFFFFF0: a 9 GiB "
        "ANA log (MDTS is 32 KiB), and a log page whose header claims 65535 groups")
 class ForgedAnaLog(Fault):
     def setup(self, target):
