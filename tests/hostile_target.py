@@ -30,10 +30,11 @@ from pathlib import Path
 import trio
 from tcp_target import ADMIN_IDENTIFY, ADMIN_KEEP_ALIVE, NQN, READ, WRITE, FakeTcpTarget
 
+from nvmeof_fuse.nvme import DISCOVERY_NQN, LogPageId
 from nvmeof_fuse.nvme.ana import CMIC_ANA, AnaLogPage, AnaState
 
-LID_ANA, LID_CHANGED_NS, LID_DISCOVERY = 0x0C, 0x04, 0x70
-DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+LID_ANA, LID_CHANGED_NS, LID_DISCOVERY = (LogPageId.ANA, LogPageId.CHANGED_NS_LIST,
+                                          LogPageId.DISCOVERY)
 Send = Callable[..., Awaitable[None]]
 
 
@@ -62,6 +63,12 @@ class Fault:
 
     def identify(self, target: HostileTarget, cns: int, nsid: int, page: bytearray) -> None:
         """Edit a 4 KiB Identify page (CNS ``cns``, NSID ``nsid``) in place."""
+
+    def answer(self, target: HostileTarget, sqe: bytes, result: int, payload: bytes
+               ) -> tuple[int, bytes]:
+        """Any admin or fabrics command's answer (a completion's result, its data), after
+        :meth:`identify` and :meth:`log_page` had their say: e.g. a Property Get of CAP."""
+        return result, payload
 
     def log_page(self, target: HostileTarget, lid: int, offset: int, length: int,
                  page: bytes) -> bytes:
@@ -154,7 +161,7 @@ class HostileTarget(FakeTcpTarget):
             payload = bytes(page)
         elif sqe[0] == ADMIN_KEEP_ALIVE:
             self.keep_alives += 1
-        return result, payload
+        return self.hostile.answer(self, sqe, result, payload)
 
     def _swallow(self, qid: int | None, sqe: bytes) -> bool:
         return super()._swallow(qid, sqe) or self.hostile.swallow(self, qid, sqe)
@@ -244,6 +251,7 @@ async def _serve_forever(target: HostileTarget) -> None:
 
 
 if __name__ == "__main__":  # python tests/hostile_target.py NAME [MIB]: serve until killed
+    sys.modules.setdefault("hostile_target", sys.modules[__name__])  # one FAULTS for all
     load_faults()
     if sys.argv[1:] == ["--list"]:
         for name, cls in FAULTS.items():

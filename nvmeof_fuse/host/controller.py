@@ -337,9 +337,9 @@ class Controller:
     def retry_delay(self, crd: int) -> float:
         """Seconds of Command Retry Delay ``crd`` (1-3: Identify's CRDT1-3; 0: none).
 
-        None: a controller may ask for delays only once the host enabled them (ACRE in
-        Host Behavior Support), which we never do; were it enabled, they would still be
-        capped at :data:`RETRY_DELAY_MAX`."""
+        Always 0 today: a controller may ask for delays only once the host enabled them
+        (ACRE in Host Behavior Support), which we never do (:attr:`acre`); were it enabled,
+        they would still be capped at :data:`RETRY_DELAY_MAX`."""
         if not crd or not self.acre or self.identify is None:
             return 0.0
         return min(self.identify.crdt[crd - 1] / 10, RETRY_DELAY_MAX)
@@ -721,6 +721,11 @@ class Controller:
         size = min(self.options.queue_size, self.cap.max_queue_entries)
         if self.identify.maxcmd:
             size = min(size, self.identify.maxcmd)
+        if size < 2:  # a queue holds one entry fewer than its size: none would be left
+            raise ConnectError(
+                f"{self.transport.address}: the controller allows I/O queues of {size} entry "
+                f"(CAP.MQES {self.cap.max_queue_entries - 1}, MAXCMD {self.identify.maxcmd}); "
+                "at least 2 are needed")
         return size
 
     async def start(self) -> None:

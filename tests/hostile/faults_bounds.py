@@ -7,6 +7,7 @@ import struct
 
 from hostile_target import (
     LID_ANA,
+    LID_CHANGED_NS,
     LID_DISCOVERY,
     Fault,
     HostileTarget,
@@ -21,7 +22,7 @@ from nvmeof_fuse.nvme import tcp_pdu as pdu
 HUGE = 0x0FFFFFF0
 
 
-@fault("forged ana log", "ANA reporting with NN, MNAN and NANAGRPID 0x0FFFFFF0: a 1 GiB "
+@fault("forged ana log", "ANA reporting with NN, MNAN and NANAGRPID 0x0FFFFFF0: a 9 GiB "
        "ANA log (MDTS is 32 KiB), and a log page whose header claims 65535 groups")
 class ForgedAnaLog(Fault):
     def setup(self, target):
@@ -258,7 +259,7 @@ class ChangedNamespaceListForged(Fault):
             await target.complete(stream, cid, 0x04 << 16 | 0x00 << 8 | 0x2)  # notice: NS attr
 
     def log_page(self, target, lid, offset, length, page):
-        if lid == 0x04:
+        if lid == LID_CHANGED_NS:
             page = struct.pack("<1024I", 0xFFFFFFFF, *range(2, 1025))
         return super().log_page(target, lid, offset, length, page)
 
@@ -293,3 +294,51 @@ class IcrespCpda128(Fault):
 class ConnectStall(Fault):
     def swallow(self, target, qid, sqe):
         return sqe[0] == 0x7F and sqe[4] == 0x01
+
+
+def property_get(sqe: bytes, offset: int) -> bool:
+    return sqe[0] == 0x7F and sqe[4] == 0x04 and struct.unpack_from("<I", sqe, 44)[0] == offset
+
+
+@fault("cap mqes 0", "CAP.MQES 0: queues of one entry, which the spec forbids")
+class CapMqes0(Fault):
+    def answer(self, target, sqe, result, payload):
+        if property_get(sqe, 0):
+            result &= ~0xFFFF
+        return result, payload
+
+
+@fault("cap to max", "CAP.TO 255 (127.5 s to become ready) while CSTS.RDY comes at once")
+class CapToMax(Fault):
+    def answer(self, target, sqe, result, payload):
+        if property_get(sqe, 0):
+            result |= 0xFF << 24
+        return result, payload
+
+
+@fault("queues granted 65535", "Set Features Number of Queues grants 65535 of each")
+class QueuesGranted(Fault):
+    def answer(self, target, sqe, result, payload):
+        if sqe[0] == 0x09 and sqe[40] == 0x07:
+            result = 0xFFFE | 0xFFFE << 16
+        return result, payload
+
+
+@fault("maxcmd 1", "Identify Controller's MAXCMD is 1: one command outstanding per queue")
+class Maxcmd1(Fault):
+    def identify(self, target, cns, nsid, page):
+        if cns == 1:
+            struct.pack_into("<H", page, 514, 1)
+
+
+@fault("identify controller absurd", "MDTS 31, MAXCMD 0xFFFF, IOCCSZ 0xFFFFFFFF, KAS 0, "
+       "AERL 255, NN 0xFFFFFFFF")
+class IdentifyControllerAbsurd(Fault):
+    def identify(self, target, cns, nsid, page):
+        if cns == 1:
+            page[77] = 31
+            struct.pack_into("<H", page, 514, 0xFFFF)  # MAXCMD
+            struct.pack_into("<I", page, 1792, 0xFFFFFFFF)  # IOCCSZ
+            struct.pack_into("<H", page, 320, 0)  # KAS
+            page[259] = 255  # AERL
+            struct.pack_into("<I", page, 516, 0xFFFFFFFF)  # NN
