@@ -544,8 +544,8 @@ class RdmaQueue:
             pass
 
     def oldest_command(self) -> Request | None:
-        """The command in flight the longest (command IDs are handed out and retired in
-        order of a dict), or None: what an overdue check looks at."""
+        """The command in flight the longest, or None (``pending`` keeps the order commands
+        were allocated in): what :mod:`.overdue` looks at."""
         for request in self._slots.pending.values():
             return request
         return None
