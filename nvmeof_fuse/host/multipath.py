@@ -521,10 +521,12 @@ class MultipathController:
                                ) -> Controller:
         """A live path whose transport lets companion clients connect queues of their own:
         ``prefer`` (transport, traddr, trsvcid: where the client's queues were) if it is
-        live, else another; waits while none is; ControllerLost once none can be."""
+        live, else another of the same transport (the client's queues keep theirs); waits
+        while none is; ControllerLost once none can be."""
         while True:
             leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
-                        and getattr(p.ctrl.transport, "places_in_other_processes", False)]
+                        and getattr(p.ctrl.transport, "places_in_other_processes", False)
+                        and (prefer is None or p.options.transport == prefer[0])]
             if leasable:
                 first = min(self.namespaces, default=None)
                 for path in leasable:
