@@ -39,6 +39,7 @@ from ..nvme import command as cmd
 from ..nvme.status import SCT_PATH
 from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
+from ..transport.overdue import OverdueWatch
 from . import auth
 from .events import AsyncEvents
 from .hostid import host_identity
@@ -60,6 +61,8 @@ SCRATCH_BYTES = 8192
 IO_RETRIES = 5
 """nvme_max_retries: tries of a command that fails with a status, times out, or was in
 flight when its connection failed."""
+PROBE_LOOKS = 4
+"""Looks for an overdue command per the transport's ``probe_after``."""
 RETRY_DELAY_MAX = 10.0
 """Seconds: the longest Command Retry Delay honoured, were retry delays enabled (ACRE)."""
 LOG_PAGE_MAX = 4 << 20
@@ -749,6 +752,9 @@ class Controller:
         await self._connect_io_queues()
         if opts.keep_alive_tmo:
             self._nursery.start_soon(self._keep_alive, opts.keep_alive_tmo)
+        probe_after = getattr(self.transport, "probe_after", 0)
+        if probe_after:
+            self._nursery.start_soon(self._probe_when_overdue, probe_after)
         self.bounce = self.new_bounce_pool(self.max_transfer, BOUNCE_BUFFERS)
         await self._identify_namespaces()
         await self._nursery.start(self.supervise)
@@ -778,16 +784,43 @@ class Controller:
         """
         while True:
             await trio.sleep(kato / 2)
-            admin = self.admin
-            if self.state is not LIVE or admin is None:
+            await self._send_keep_alive(kato, "keep-alive")
+
+    async def _send_keep_alive(self, timeout: float, why: str) -> None:
+        """One Keep Alive; its failure is a lost connection (named by ``why``)."""
+        admin = self.admin
+        if self.state is not LIVE or admin is None:
+            return
+        try:
+            completion = await admin.execute(cmd.keep_alive(), timeout=timeout)
+        except (TransportError, CommandTimeout) as exc:
+            self.connection_lost(admin, CommandTimeout(f"{why}: {exc}"))
+            return
+        if not completion.ok and self.state is LIVE and why == "keep-alive":
+            log.error("keep-alive failed: %s", completion.status_name())
+
+    async def _probe_when_overdue(self, after: float) -> None:
+        """Send a Keep Alive at once while an I/O command has waited ``after`` s, at most
+        one per ``after`` s (the transport's ``probe_after``).
+
+        Over RDMA the target's disconnect does not reach us, and the commands it dropped
+        had their SENDs acknowledged already: nothing fails until a SEND goes
+        unacknowledged, which a probe brings at once instead of at the next keep-alive.
+        A probe is answered by a target that is merely slow, so it never fails over by
+        itself; only its transport's retry limit or the keep-alive timeout does.
+        """
+        watch = OverdueWatch(after)
+        timeout = self.options.keep_alive_tmo or self.options.timeout
+        last = -math.inf
+        while True:
+            await trio.sleep(after / PROBE_LOOKS)
+            if self.state is not LIVE:
                 continue
-            try:
-                completion = await admin.execute(cmd.keep_alive(), timeout=kato)
-            except (TransportError, CommandTimeout) as exc:
-                self.connection_lost(admin, CommandTimeout(f"keep-alive: {exc}"))
-                continue
-            if not completion.ok and self.state is LIVE:
-                log.error("keep-alive failed: %s", completion.status_name())
+            now = trio.current_time()
+            if watch.overdue(self.io_queues, now) and now - last >= after:
+                last = now
+                self._nursery.start_soon(self._send_keep_alive, timeout,
+                                         f"probe after a command waited {after:g} s")
 
     async def shutdown(self, why: str = "") -> None:
         """Deleting: no new keep-alives or I/O (they get ``why``); then CC.SHN, and wait

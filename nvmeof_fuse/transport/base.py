@@ -58,7 +58,10 @@ class Finished(Protocol):
 class Transport(Protocol):
     """Connects a controller's queues; owns the fabric resources they share.
 
-    Optional, where a transport has it: ``take_over(queue, timeout)``, which hands a
+    Optional, where a transport has it: ``probe_after`` (seconds), after which a command
+    still waiting has the controller send a Keep Alive at once, for a transport whose lost
+    peer shows only when a SEND fails (RDMA); its queues then offer ``oldest_command()``
+    (:mod:`.overdue`).  And ``take_over(queue, timeout)``, which hands a
     connected queue to callers' threads to drive themselves (polled; None if it cannot).
     """
 

@@ -64,6 +64,19 @@ POLL_MAX = 0.002
 (but for a probe now and then: :mod:`.pollbudget`); below, its caller polls for twice that."""
 YIELD_EVERY = POLL_MAX
 """Seconds a caller polling for its command alone may go on without a scheduler pass."""
+ACK_TIMEOUT = 16
+"""The QP's local ACK timeout, as the exponent n of 4.096 us * 2**n (about 0.27 s): a SEND
+the target's device has not acknowledged by then is sent again."""
+RETRY_COUNT = 2
+"""Resends of an unacknowledged SEND before it fails with "transport retry counter exceeded":
+a queue whose peer is gone fails (RETRY_COUNT + 1) ACK timeouts after a SEND, about 0.8 s.
+A target that is merely slow still acknowledges at once (its device does, not its software).
+Not 7, RDMA-CM's default: Soft-RoCE takes 7 as "forever", and a device that counts takes
+eight timeouts."""
+PROBE_AFTER = 0.5
+"""Seconds a command may wait before the controller sends a Keep Alive at once: commands
+whose SENDs were acknowledged before the peer went away wait on without a SEND to fail, and
+a probe brings one."""
 _SEND, _RECV = 1 << 62, 1 << 61
 _INDEX = (1 << 32) - 1
 _CID = struct.Struct("<H")  # the command ID, bytes 2..3 of a capsule
@@ -317,6 +330,10 @@ class RdmaTransport:
     counts_read_data = False  # the target's RDMA writes land unseen
     dmabuf_refusal = ""
     """Empty: dma-bufs may be registered (the device or its driver may still refuse one)."""
+    probe_after = PROBE_AFTER
+    """Seconds a command may wait before the controller probes the connection: an RDMA-CM
+    disconnect from the target does not reach us, so a lost path shows only when a SEND goes
+    unacknowledged (see ACK_TIMEOUT)."""
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0) -> None:
@@ -513,7 +530,7 @@ class RdmaQueue:
         def connect():
             return self.cm.connect(request,
                                     responder_resources=min(255, device.max_qp_rd_atom),
-                                    initiator_depth=0)
+                                    initiator_depth=0, retry_count=RETRY_COUNT)
 
         self.qp.post_recv(self._recvs)
         where = f"{self.transport.traddr}:{self.transport.trsvcid}"
@@ -532,6 +549,25 @@ class RdmaQueue:
         if crqsize < self.size - 1:
             raise ConnectError(f"{where} accepted a receive queue of {crqsize} entries for "
                                f"{self.name}, fewer than the {self.size - 1} commands we send")
+        self._shorten_ack_timeout()
+
+    def _shorten_ack_timeout(self) -> None:
+        """Lower the QP's local ACK timeout to ACK_TIMEOUT where RDMA-CM chose a longer one
+        (or none).  A device that refuses the change (RTS to RTS) keeps RDMA-CM's: a lost
+        peer then shows after RETRY_COUNT + 1 of its timeouts instead."""
+        try:
+            current = self.qp.query()[0]["timeout"]
+            if current == 0 or current > ACK_TIMEOUT:
+                self.qp.modify(int(self._ib.QPAttrMask.TIMEOUT), timeout=ACK_TIMEOUT)
+        except (OSError, KeyError, TypeError):
+            pass
+
+    def oldest_command(self) -> Request | None:
+        """The command in flight the longest, or None (``pending`` keeps the order commands
+        were allocated in): what :mod:`.overdue` looks at."""
+        for request in self._slots.pending.values():
+            return request
+        return None
 
     def _send_wr(self, cid: int, sg_list: list):
         ib = self._ib
