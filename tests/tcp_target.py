@@ -20,12 +20,14 @@ shared memory), so that a bench measures the host's side, not the target's one c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import signal
 import socket
 import struct
+import threading
 
 import trio
 
@@ -413,6 +415,29 @@ class Reader:
         out = bytes(self.buf[:n])
         del self.buf[:n]
         return out
+
+
+@contextlib.contextmanager
+def served_in_thread(**kw):
+    """``(target, token)``: a :class:`FakeTcpTarget` (``kw``) served on a trio loop of a
+    thread of its own, and that loop's token (a test calls into the target's loop with it)."""
+    target, state, ready = FakeTcpTarget(**kw), {}, threading.Event()
+
+    async def main() -> None:
+        state["token"] = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as state["scope"]:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(target.serve)
+                ready.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(10), "the fake target did not start"
+    try:
+        yield target, state["token"]
+    finally:
+        trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
+        thread.join(10)
 
 
 def _reap(signum: int, frame: object) -> None:
