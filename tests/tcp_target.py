@@ -98,11 +98,12 @@ class FakeTcpTarget:
         signal.signal(signal.SIGCHLD, _reap)  # (their CPU time then counts as ours: cutime)
         if started is not None:
             started(self.port)
+        target = os.getpid()
         while True:
             conn, _ = listener.accept()
             if os.fork() == 0:  # the child: this connection only
                 listener.close()
-                _die_with_parent()
+                _die_with_parent(target)
                 try:
                     trio.run(self._forked_connection, conn)
                 finally:
@@ -449,14 +450,17 @@ def _reap(signum: int, frame: object) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """A forked connection's process ends with the target's (prctl PR_SET_PDEATHSIG)."""
+def _die_with_parent(parent: int) -> None:
+    """This process ends with ``parent`` (prctl PR_SET_PDEATHSIG), also if that ended
+    before the prctl took hold."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def like_nvmet(size: int = 64 << 20, **kw) -> FakeTcpTarget:
@@ -468,7 +472,9 @@ def like_nvmet(size: int = 64 << 20, **kw) -> FakeTcpTarget:
 
 def serve_like_nvmet(port_queue, size: int = 64 << 20, single: bool = False) -> None:
     """A bench's target (:func:`like_nvmet`), run in a child process: a process per
-    connection unless ``single``; its port goes to ``port_queue``."""
+    connection unless ``single``; its port goes to ``port_queue``.  It ends with the process
+    that started it (a test or bench killed outright leaves no target behind)."""
+    _die_with_parent(os.getppid())
     target = like_nvmet(size)
     if not single:
         target.serve_forked(port_queue.put)
