@@ -218,9 +218,10 @@ class FilesystemFile:
         for future, length in futures:
             if future.get() != length:
                 return None
-        after = os.fstat(self._fd)
-        if not _same(before, after) or fsmap.fiemap(self._fd, low, high - low, 0) != extents:
-            return None
+        if fsmap.fiemap(self._fd, low, high - low, 0) != extents:
+            return None  # moved (defragmented, reflinked, punched) while we read
+        if not _same(before, os.fstat(self._fd)):
+            return None  # written, truncated or replaced meanwhile
         self._note(mem_kind=self._kind(live[0][0]), device=device, kernel=kernel_why)
         return [n for _, _, n, _ in spans]
 
@@ -301,7 +302,7 @@ class FilesystemFile:
                 raise CompanionError(f"cannot open {self.path} for writing: "
                                      f"{exc.strerror or exc}", exc.errno or errno.EIO) from None
         ns = self.namespace
-        mem = ns._memory(buf)
+        mem = ns._memory(buf, write=True)  # a read-only source (bytes) is copied first
         size, file_offset, at = ns._span(mem, size, file_offset, buf_offset)
         done = 0
         while done < size:

@@ -3,7 +3,7 @@
     tensors = nvmeof_fuse.load_safetensors("/mnt/ckpt/model.safetensors")          # numpy
     tensors = nvmeof_fuse.load_safetensors(path, device="cuda:0")                 # torch
 
-The header is read by the kernel and checked (:mod:`.safetensors_header`); then every
+The header is read and checked (:mod:`.safetensors_header`); then every
 tensor gets storage of its own and all are read in one batch by :class:`~.client.File`:
 a namespace file of a mount, or a file of a filesystem on one (:mod:`.fsfile`).  torch is
 imported only when ``device`` asks for it.
@@ -12,7 +12,6 @@ imported only when ``device`` asks for it.
 from __future__ import annotations
 
 import errno
-import os
 from typing import Any
 
 from ..errors import InvalidArgument
@@ -40,22 +39,16 @@ def load_safetensors(path: str, device: Any = None, **options: Any) -> dict[str,
 
 
 def _header(path: str, f: Any) -> list[sth.Tensor]:
-    """The file's tensors, its header read by the kernel and checked."""
+    """The file's tensors, its header read by ``f`` (as the tensors are) and checked."""
     size = f.nbytes
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except OSError as exc:
-        raise CompanionError(f"cannot open {path}: {exc.strerror or exc}",
-                             exc.errno or errno.EIO) from None
-    try:
-        length = sth.header_length(os.pread(fd, sth.PREFIX, 0), size)
-        header = os.pread(fd, length, sth.PREFIX)
-    finally:
-        os.close(fd)
-    try:
-        if len(header) != length:
-            raise sth.HeaderError(f"header of {length} bytes is cut short at {len(header)}")
-        return sth.parse_header(header, size)[0]
+        prefix = bytearray(sth.PREFIX)
+        length = sth.header_length(bytes(prefix[:f.read(prefix, sth.PREFIX, 0)]), size)
+        header = bytearray(max(length, 1))
+        got = f.read(header, length, sth.PREFIX) if length else 0
+        if got != length:
+            raise sth.HeaderError(f"header of {length} bytes is cut short at {got}")
+        return sth.parse_header(bytes(header[:length]), size)[0]
     except sth.HeaderError as exc:
         raise InvalidArgument(f"{path}: {exc}") from None
 
