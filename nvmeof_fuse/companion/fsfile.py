@@ -172,17 +172,24 @@ class FilesystemFile:
                 for mem, at, size, file_offset in wanted]
 
     def _settled_stat(self) -> os.stat_result | None:
-        """The file's stat once its change time lies in a clock tick already past (waits
-        at most a tick); None if it was changed again meanwhile."""
-        st = os.fstat(self._fd)
-        now = time.clock_gettime_ns(COARSE)
-        if now > st.st_ctime_ns:
-            return st
-        time.sleep(max(_TICK_NS, 1e6) / 1e9)
-        again = os.fstat(self._fd)
-        if _same(st, again) and time.clock_gettime_ns(COARSE) > \
-                again.st_ctime_ns:
-            return again
+        """The file's stat once its change time lies in a clock tick already past (waits a
+        tick at most), after every write() under way then has finished; None if the file
+        kept changing meanwhile.
+
+        The clock is read before the stat: any write that starts after it sets a change
+        time of at least that clock, later than the one seen.  A write under way holds the
+        inode's lock, which ``lseek(SEEK_DATA)`` (ext4) and FIEMAP (xfs) take shared: its
+        bytes are in the page cache before the sync that follows."""
+        for _ in range(2):
+            now = time.clock_gettime_ns(COARSE)
+            st = os.fstat(self._fd)
+            if now > st.st_ctime_ns:
+                try:
+                    os.lseek(self._fd, 0, os.SEEK_DATA)
+                except OSError:  # no data at all (ENXIO): nothing to wait for
+                    pass
+                return st
+            time.sleep(max(_TICK_NS, 1e6) / 1e9)
         return None
 
     def _direct_read(self, wanted: list, before: os.stat_result, stream: int | None
