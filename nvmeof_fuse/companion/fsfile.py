@@ -12,7 +12,8 @@ become zeros with no I/O; any other extent, and every file of a filesystem
 other than ext4 or xfs, is read by the kernel (``os.preadv``).
 
 Never stale: before the read the file's change time must lie in a clock tick
-already past (a write in the same tick could not move it); after the data
+already past (a write in the same tick could not move it) and a write() under
+way must have finished (:meth:`FilesystemFile._settled_stat`); after the data
 landed, the mapping, ``st_ctime_ns``, ``st_size`` and the inode must be as they
 were.  Otherwise the read runs again, ``retries`` times at most, then the kernel
 reads the whole range.  Writes go through the kernel (``os.pwrite``).
