@@ -234,7 +234,7 @@ def checkpoint(total: int) -> dict[str, np.ndarray]:
     while left > 0:
         dtype = np.dtype(dtypes[i % len(dtypes)])
         n = min(left, (7 << 20) + 4093 * i) // dtype.itemsize
-        values = (np.arange(n, dtype=np.uint64) * 2654435761 + i) % 65521
+        values = (np.arange(n, dtype=np.uint64) * 2654435761 + i) % 251  # fits every dtype
         out[f"layer.{i}.w"] = values.astype(dtype).reshape(-1, 1 + i % 3) if n % (
             1 + i % 3) == 0 else values.astype(dtype)
         left -= max(n * dtype.itemsize, 1)
