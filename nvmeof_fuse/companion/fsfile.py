@@ -207,6 +207,7 @@ class FilesystemFile:
         extents = fsmap.fiemap(self._fd, low, high - low)
         plans = [fm.plan_read(extents, off, n, self.chain.sector) for _, _, n, off in live]
         futures, device, kernel_why = [], 0, []
+        shrank = False
         for (mem, at, _n, _off), pieces in zip(live, plans, strict=True):
             for piece in pieces:
                 if piece.kind == "device" and not self._inside(piece):
@@ -221,11 +222,18 @@ class FilesystemFile:
                     kernel_why.append(piece.why)
                     got = self._kernel_read(mem, at + piece.at, piece.length, piece.offset,
                                             stream)
-                    if got != piece.length:
-                        return None  # the file shrank under us
-        for future, length in futures:
-            if future.get() != length:
-                return None
+                    shrank |= got != piece.length  # the file shrank under us
+        short = shrank
+        error: BaseException | None = None
+        for future, length in futures:  # every one ends before the buffer is used again
+            try:
+                short |= future.get() != length
+            except BaseException as exc:  # raised once none is in flight
+                error = error or exc
+        if error is not None:
+            raise error
+        if short:
+            return None
         if fsmap.fiemap(self._fd, low, high - low, 0) != extents:
             return None  # moved (defragmented, reflinked, punched) while we read
         if not _same(before, os.fstat(self._fd)):
