@@ -222,7 +222,7 @@ class Session:
         ns = self.controller.namespaces.get(nsid)
         if ns is None:
             raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
-        if getattr(ns, "unavailable", ""):
+        if ns.unavailable:
             raise NamespaceUnavailable(f"namespace n{nsid} is unavailable: {ns.unavailable}")
         return ns
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import threading
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -148,6 +149,20 @@ def test_bad_locks_are_one_line(served, fields, message):
     finally:
         ch.close()
 
+
+
+def test_a_lock_on_an_unavailable_namespace_is_refused_by_name(served):
+    ctrl, server = served
+    why = "its LBA size 2^63 bytes (LBADS 63) is outside 512 B to 64 KiB"
+    ctrl.namespaces[2].resize(SimpleNamespace(lba_size=1 << 63, nsze=1, unusable=why))
+    ch = channel(server)
+    try:
+        with pytest.raises(CompanionError) as exc:
+            ch.call("lock", nsid=2, offset=0, length=4096, hold_s=5)
+        assert str(exc.value) == f"namespace n2 is unavailable: {why}"
+        assert exc.value.errno == errno.ENXIO
+    finally:
+        ch.close()
 
 
 def test_a_lease_carries_the_mounts_dhchap_secrets_so_the_clients_queues_authenticate(
