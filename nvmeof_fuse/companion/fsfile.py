@@ -361,20 +361,25 @@ def _zero(mem: Any, at: int, size: int, stream: int | None) -> None:
 
 def open_file(path: Any, *args: Any, **options: Any) -> FilesystemFile | None:
     """The :class:`FilesystemFile` of ``path`` when it is a regular file that is not a
-    namespace file of a mount; None for :class:`~.client.File` to open it itself."""
+    namespace file of a mount; None for :class:`~.client.File` to open it itself.
+
+    A name like a namespace file's (``n1``) is left to :class:`~.client.File` before anything
+    is asked of the filesystem: on a hung mount a stat would never return, and
+    :class:`~.client.File` bounds its wait (open such a file of a filesystem with
+    :class:`FilesystemFile` itself)."""
     try:
         path = os.fspath(path)
+    except TypeError:
+        return None
+    if not isinstance(path, str) or re.fullmatch(r"n\d+", os.path.basename(path)):
+        return None
+    try:
         real = os.path.realpath(path)
         st = os.stat(real)
-    except (TypeError, OSError):
+    except OSError:
         return None
-    if fsmap.is_namespace_file(real) or not _regular(st):
+    if re.fullmatch(r"n\d+", os.path.basename(real)) or not _regular(st):
         return None
-    if re.fullmatch(r"n\d+", os.path.basename(real)):
-        try:  # a namespace file of no mount says so, unless it is a file on our filesystem
-            fsmap.resolve(path, st)
-        except (CompanionError, OSError):
-            return None
     return FilesystemFile(path, *args, **options)
 
 

@@ -13,14 +13,22 @@ import pytest
 from companion_fakes import AddressController, serving
 
 import nvmeof_fuse
+from nvmeof_fuse.companion import client, fsfile, fsmap
 from nvmeof_fuse.companion import fiemap as fm
-from nvmeof_fuse.companion import fsfile, fsmap
 from nvmeof_fuse.companion.fiemap import Extent
 from nvmeof_fuse.companion.fsfile import FilesystemFile
 from nvmeof_fuse.companion.protocol import CompanionError
 
 BASE = 1 << 20  # where the "filesystem" starts in n1 (a partition at sector 2048)
 BLOCK = 4096
+
+
+@pytest.fixture(autouse=True)
+def _warnings_stay_ours():
+    """What these tests log once is logged again for the tests after them."""
+    before = set(client._warned)
+    yield
+    client._warned.intersection_update(before)
 
 
 class Layout:

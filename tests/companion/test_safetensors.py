@@ -14,12 +14,20 @@ from companion_fakes import AddressController, serving
 from safetensors.numpy import load_file, save
 
 import nvmeof_fuse
-from nvmeof_fuse.companion import fsmap
+from nvmeof_fuse.companion import client, fsmap
 from nvmeof_fuse.companion import safetensors_header as sth
 from nvmeof_fuse.companion.fiemap import LAST, Extent
 from nvmeof_fuse.errors import InvalidArgument
 
 BASE = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _warnings_stay_ours():
+    """What these tests log once is logged again for the tests after them."""
+    before = set(client._warned)
+    yield
+    client._warned.intersection_update(before)
 
 
 def tensors(seed: int = 3) -> dict[str, np.ndarray]:
