@@ -117,6 +117,7 @@ class Session:
         self.qids: list[int] = []  # leased queue IDs
         self.lessor: Any = None  # with several paths: the path's controller they are on
         self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
+        self.lease_transport = ""  # what its own queues run over (rdma, tcp)
         self.write_locks: dict[int, trio.Event] = {}  # token -> set to release the lock
         self.next_token = 0
         self._waits: set[trio.CancelScope] = set()  # lease and lock waits under way

@@ -68,6 +68,10 @@ class Transport(Protocol):
     """Whether the controller must support keyed SGL data blocks (NVMe/RDMA does)."""
 
     places_in_other_processes: bool
+    counts_read_data: bool
+    """Whether a read's success means all its data arrived (NVMe/TCP counts each read's
+    C2HData bytes; a target's RDMA writes cannot be counted, so a read's bounce buffer is
+    cleared before it goes out: no reply carries another request's bytes)."""
     """Whether a process other than the mount's can connect queues of the controller and
     have data placed in its own memory (companion clients' leased queues)."""
 

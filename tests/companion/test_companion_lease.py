@@ -69,8 +69,9 @@ def test_queues_run_out_then_come_back_when_a_client_goes(served):
 
 @pytest.mark.parametrize(("queues", "transport", "why"), [
     (0, "rdma", "queue leasing is off on this mount (--companion-queues 0)"),
-    (2, "tcp", "the mount's tcp transport gives no direct placement into another "
-               "process's memory"),
+    (0, "tcp", "queue leasing is off on this mount (--companion-queues 0)"),
+    (2, "loop", "the mount's loop transport gives no direct placement into another "
+                "process's memory"),
 ])
 def test_no_lease_says_why(tmp_path, queues, transport, why):
     with serving(LeasingController(queues, transport), tmp_path) as (server, _):

@@ -101,7 +101,9 @@ class CQ:
 class QP:
     def __init__(self, attr) -> None:
         self.send_cq, self.recv_cq = attr.send_cq, attr.recv_cq
-        self.sent: dict[int, FakeWR] = {}  # cid -> capsule SEND
+        self.sent: dict[int, FakeWR] = {}  # command ID -> capsule SEND
+        self.last_posted: list[int] = []  # the command IDs of the last post_send
+        self._cid_fields: dict[int, ctypes.c_uint16] = {}
         self.recvs: collections.deque = collections.deque()
         self.posts: list[int] = []  # WRs per post_send call
         self.fail_posts = False
@@ -110,8 +112,20 @@ class QP:
         if self.fail_posts:
             raise OSError(errno.ENOMEM, "send queue full")
         self.posts.append(len(wrs))
-        for wr in wrs:
-            self.sent[wr.wr_id & rdma._INDEX] = wr
+        sent, cids = self.sent, []
+        for wr in wrs:  # by the command ID in its capsule (slot and generation)
+            cid = self.cid_of(wr)
+            sent[cid] = wr
+            cids.append(cid)
+        self.last_posted = cids
+
+    def cid_of(self, wr) -> int:
+        """The command ID in the capsule a SEND work request carries."""
+        addr = wr.sg_list[0].addr
+        field = self._cid_fields.get(addr)
+        if field is None:  # a capsule's place never changes: read it through one object
+            field = self._cid_fields[addr] = ctypes.c_uint16.from_address(addr + 2)
+        return field.value
 
     def post_recv(self, wrs) -> None:
         self.recvs.extend(wrs)
@@ -483,8 +497,8 @@ def answer_at_once(queue, status: int = 0) -> None:
     def post_send(wrs) -> None:
         post(wrs)
         for wr in wrs:
-            qp.send_done(wr.wr_id & rdma._INDEX, status)
-            qp.respond(wr.wr_id & rdma._INDEX)
+            qp.send_done(qp.cid_of(wr), status)
+            qp.respond(qp.cid_of(wr))
 
     qp.post_send = post_send
 
@@ -513,7 +527,7 @@ async def test_a_send_completion_after_a_polled_response_still_frees_its_slot(qu
     def post_send(wrs) -> None:  # the target answers at once; the SEND completes later
         post(wrs)
         for wr in wrs:
-            qp.respond(wr.wr_id & rdma._INDEX)
+            qp.respond(qp.cid_of(wr))
 
     qp.post_send = post_send
     async with trio.open_nursery() as nursery:
@@ -768,8 +782,10 @@ async def test_start_leaves_a_freed_slot_to_a_caller_waiting_for_one(queue):
         assert not start_recording(queue, ends)  # the slot is the waiter's
         await trio.testing.wait_all_tasks_blocked()
         assert queue.available == 0  # the waiter took it, and its read went out
-        queue.qp.send_done(cid)
-        queue.qp.respond(cid)
+        reused = list(queue.qp.sent)[-1]  # the slot's next generation
+        assert reused != cid and reused & queue._slots.mask == cid & queue._slots.mask
+        queue.qp.send_done(reused)
+        queue.qp.respond(reused)
         await trio.testing.wait_all_tasks_blocked()
         assert len(results) == 1 and results[0].ok
         nursery.cancel_scope.cancel()
