@@ -15,6 +15,8 @@ import struct
 from typing import Any, NamedTuple
 
 MAX_HEADER_BYTES = 100_000_000  # as the safetensors library
+MAX_DIMS = 64  # numpy's and torch's limit on an array's dimensions
+MAX_ELEMENT_BYTES = (1 << 63) - 1  # no array (even one with a zero dimension) may span more
 PREFIX = 8
 
 ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2,
@@ -92,6 +94,12 @@ def _tensor(name: str, entry: Any, base: int, data_size: int) -> Tensor:
             type(d) is int and d >= 0 for d in shape):
         raise HeaderError(f"tensor {name!r}: shape {shape!r} is not a list of "
                           "non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise HeaderError(f"tensor {name!r}: shape has {len(shape)} dimensions, more than "
+                          f"{MAX_DIMS}")
+    if math.prod(d for d in shape if d) * ITEMSIZE[dtype] > MAX_ELEMENT_BYTES:
+        raise HeaderError(f"tensor {name!r}: shape {shape} of {dtype} is too large for an "
+                          "array")
     offsets = entry.get("data_offsets")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(type(o) is int and o >= 0 for o in offsets)):
