@@ -163,7 +163,11 @@ class FilesystemFile:
             before = self._settled_stat()
             if before is None:
                 continue
-            counts = self._direct_read(wanted, before, handle)
+            try:
+                counts = self._direct_read(wanted, before, handle)
+            except _Unmapped as exc:
+                why = str(exc)
+                break
             if counts is not None:
                 return counts
         why = why or f"the file kept changing while read ({self._retries + 1} tries)"
@@ -204,7 +208,7 @@ class FilesystemFile:
             return [0] * len(spans)
         low = min(off for _, _, _, off in live)
         high = max(off + n for _, _, n, off in live)
-        extents = fsmap.fiemap(self._fd, low, high - low)
+        extents = _mapping(self._fd, low, high - low)
         plans = [fm.plan_read(extents, off, n, self.chain.sector) for _, _, n, off in live]
         futures, device, kernel_why = [], 0, []
         shrank = False
@@ -234,7 +238,7 @@ class FilesystemFile:
             raise error
         if short:
             return None
-        if fsmap.fiemap(self._fd, low, high - low, 0) != extents:
+        if _mapping(self._fd, low, high - low, 0) != extents:
             return None  # moved (defragmented, reflinked, punched) while we read
         if not _same(before, os.fstat(self._fd)):
             return None  # written, truncated or replaced meanwhile
@@ -332,6 +336,18 @@ class FilesystemFile:
         return done
 
     pwrite = write
+
+
+class _Unmapped(Exception):
+    """FIEMAP failed or answered nonsense: the kernel reads the range (the message says why)."""
+
+
+def _mapping(fd: int, start: int, length: int, flags: int = fm.FIEMAP_FLAG_SYNC
+             ) -> list[fm.Extent]:
+    try:
+        return fsmap.fiemap(fd, start, length, flags)
+    except (OSError, fm.FiemapError) as exc:
+        raise _Unmapped(f"FIEMAP failed: {exc}") from None
 
 
 def _same(a: os.stat_result, b: os.stat_result) -> bool:

@@ -4,6 +4,7 @@ sysfs run for real in tests/testbed/test_files.py)."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import random
@@ -164,6 +165,26 @@ def test_a_filesystem_other_than_ext4_or_xfs_is_read_by_the_kernel(fs, caplog):
         assert f.placement["extents"] == "kernel: filesystem btrfs is not ext4 or xfs"
     assert layout.calls == 0
     assert any("filesystem btrfs is not ext4 or xfs" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("failure", [
+    OSError(errno.EOPNOTSUPP, "Operation not supported"),
+    fm.FiemapError("FIEMAP extent 1 at 0 overlaps the one before it"),
+])
+def test_a_failed_or_nonsense_fiemap_goes_to_the_kernel(fs, failure):
+    layout, server, path = fs
+    content = os.urandom(4 * BLOCK)
+    path.write_bytes(content)
+    layout.place(0, 0, 4 * BLOCK, fm.LAST, data=bytes(4 * BLOCK))  # not the file's bytes
+
+    def fail(call: int) -> None:
+        raise failure
+
+    layout.on_call = fail
+    with FilesystemFile(str(path)) as f:
+        buf = nvmeof_fuse.empty(len(content))
+        assert f.read(buf) == len(content) and bytes(buf) == content
+        assert f.placement["extents"] == f"kernel: FIEMAP failed: {failure}"
 
 
 def test_a_file_changed_under_a_read_is_read_again(fs):
