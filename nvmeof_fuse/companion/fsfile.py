@@ -212,23 +212,26 @@ class FilesystemFile:
         plans = [fm.plan_read(extents, off, n, self.chain.sector) for _, _, n, off in live]
         futures, device, kernel_why = [], 0, []
         shrank = False
-        for (mem, at, _n, _off), pieces in zip(live, plans, strict=True):
-            for piece in pieces:
-                if piece.kind == "device" and not self._inside(piece):
-                    piece = fm.Piece("kernel", piece.at, piece.offset, piece.length,
-                                     why="extent outside the loop device")
-                if piece.kind == "device":
-                    device += 1
-                    futures.extend(self._start_device(mem, at + piece.at, piece))
-                elif piece.kind == "zeros":
-                    _zero(mem, at + piece.at, piece.length, stream)
-                else:
-                    kernel_why.append(piece.why)
-                    got = self._kernel_read(mem, at + piece.at, piece.length, piece.offset,
-                                            stream)
-                    shrank |= got != piece.length  # the file shrank under us
-        short = shrank
         error: BaseException | None = None
+        try:
+            for (mem, at, _n, _off), pieces in zip(live, plans, strict=True):
+                for piece in pieces:
+                    if piece.kind == "device" and not self._inside(piece):
+                        piece = fm.Piece("kernel", piece.at, piece.offset, piece.length,
+                                         why="extent outside the loop device")
+                    if piece.kind == "device":
+                        device += 1
+                        futures.extend(self._start_device(mem, at + piece.at, piece))
+                    elif piece.kind == "zeros":
+                        _zero(mem, at + piece.at, piece.length, stream)
+                    else:
+                        kernel_why.append(piece.why)
+                        got = self._kernel_read(mem, at + piece.at, piece.length,
+                                                piece.offset, stream)
+                        shrank |= got != piece.length  # the file shrank under us
+        except BaseException as exc:  # the reads already started are waited for below
+            error = exc
+        short = shrank
         for future, length in futures:  # every one ends before the buffer is used again
             try:
                 short |= future.get() != length

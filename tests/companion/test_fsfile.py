@@ -187,6 +187,38 @@ def test_a_failed_or_nonsense_fiemap_goes_to_the_kernel(fs, failure):
         assert f.placement["extents"] == f"kernel: FIEMAP failed: {failure}"
 
 
+def test_an_error_mid_read_waits_for_the_extents_already_started(fs, monkeypatch):
+    layout, server, path = fs
+    content = os.urandom(8 * BLOCK)
+    path.write_bytes(content)
+    layout.place(0, 0, 4 * BLOCK)
+    layout.place(4 * BLOCK, 20 * BLOCK, 4 * BLOCK, 0x2000 | fm.LAST)  # shared: the kernel's
+    started, waited = [], []
+    start_device = FilesystemFile._start_device
+
+    class Watched:
+        def __init__(self, future):
+            self.future = future
+            started.append(self)
+
+        def get(self, *args):
+            waited.append(self)
+            return self.future.get(*args)
+
+    def record(self, *args):
+        return [(Watched(future), n) for future, n in start_device(self, *args)]
+
+    def fail(self, *args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(FilesystemFile, "_start_device", record)
+    monkeypatch.setattr(FilesystemFile, "_kernel_read", fail)
+    with FilesystemFile(str(path)) as f:
+        with pytest.raises(OSError, match="Input/output error"):
+            f.read(nvmeof_fuse.empty(len(content)))
+        assert started and waited == started  # none left writing into the buffer
+
+
 def test_a_file_changed_under_a_read_is_read_again(fs):
     layout, server, path = fs
     content = os.urandom(4 * BLOCK)
