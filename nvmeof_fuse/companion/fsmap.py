@@ -140,7 +140,10 @@ def fiemap(fd: int, start: int, length: int, flags: int = fm.FIEMAP_FLAG_SYNC,
         got = fm.parse_reply(buf)
         extents.extend(got)
         following = fm.more_after(got, per_call)
-        if following is None or following <= at:
+        if following is None:
             break
+        if following <= at:  # stopping here would read the rest of the range as a hole
+            raise fm.FiemapError(f"FIEMAP reply of {per_call} extents from {at} ends at "
+                                 f"{following}, not past its start")
         at, flags = following, flags & ~fm.FIEMAP_FLAG_SYNC
     return extents

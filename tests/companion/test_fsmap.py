@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from nvmeof_fuse.companion import fiemap as fm
 from nvmeof_fuse.companion import fsmap
 from nvmeof_fuse.companion.protocol import CompanionError
 
@@ -119,3 +120,40 @@ def test_is_namespace_file(sysfs):
     assert not fsmap.is_namespace_file(str(tmp / "plain.img"))
     (tmp / "n1").write_bytes(b"")
     assert not fsmap.is_namespace_file(str(tmp / "n1"))
+
+
+def fake_ioctl(monkeypatch, extents, replies):
+    """An FS_IOC_FIEMAP over ``extents`` that answers like the kernel, or replays
+    ``replies`` (lists of extents) when given; the requests' starts are returned."""
+    asked = []
+
+    def ioctl(fd, request, buf):
+        assert request == fm.FS_IOC_FIEMAP
+        start, length, flags, _, count, _ = fm.HEADER.unpack_from(buf, 0)
+        asked.append((start, flags))
+        got = (replies.pop(0) if replies else
+               [e for e in extents if e.logical + e.length > start][:count])
+        fm.HEADER.pack_into(buf, 0, start, length, flags, len(got), count, 0)
+        for i, e in enumerate(got):
+            fm.EXTENT.pack_into(buf, fm.HEADER.size + i * fm.EXTENT.size,
+                                e.logical, e.physical, e.length, 0, 0, e.flags, 0, 0, 0)
+        return 0
+
+    monkeypatch.setattr(fsmap.fcntl, "ioctl", ioctl)
+    return asked
+
+
+def test_fiemap_asks_again_after_a_full_reply_and_syncs_once(monkeypatch):
+    extents = [fm.Extent(i * 4096, (i + 10) * 8192, 4096, 0) for i in range(5)]
+    extents[-1] = extents[-1]._replace(flags=fm.LAST)
+    asked = fake_ioctl(monkeypatch, extents, [])
+    assert fsmap.fiemap(3, 0, 1 << 20, per_call=2) == extents
+    assert asked == [(0, fm.FIEMAP_FLAG_SYNC), (8192, 0), (16384, 0)]
+
+
+def test_fiemap_refuses_a_full_reply_that_does_not_move_on(monkeypatch):
+    stuck = [fm.Extent(0, 0, 4096, 0), fm.Extent(4096, 8192, 0, 0)]
+    fake_ioctl(monkeypatch, [], [[fm.Extent(0, 0, 4096, 0), fm.Extent(4096, 0, 4096, 0)],
+                                 stuck])
+    with pytest.raises(fm.FiemapError, match="from 8192 ends at 4096, not past its start"):
+        fsmap.fiemap(3, 0, 1 << 20, per_call=2)
