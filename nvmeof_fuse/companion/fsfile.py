@@ -67,6 +67,7 @@ class FilesystemFile:
         self._retries = retries
         self._chunk = chunk
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._dev = st.st_dev
         self._write_fd = -1
         self._closed = False
         try:
@@ -156,7 +157,7 @@ class FilesystemFile:
         if not wanted:
             return []
         handle = client.gpu.stream_handle(stream)
-        why = self._kernel_only
+        why = self._kernel_only or self._journalled()
         for _attempt in range(self._retries + 1):
             if why:
                 break
@@ -175,6 +176,12 @@ class FilesystemFile:
         self._extents = f"kernel: {why}"
         return [self._kernel_read(mem, at, size, file_offset, handle)
                 for mem, at, size, file_offset in wanted]
+
+    def _journalled(self) -> str:
+        """Why the device's blocks may be older than the file ("" when they are not)."""
+        if self.chain.fstype == "ext4" and fsmap.journals_data(self._fd, self._dev):
+            return "ext4 journals the file's data (data=journal or chattr +j)"
+        return ""
 
     def _settled_stat(self) -> os.stat_result | None:
         """The file's stat once its change time lies in a clock tick already past (waits a

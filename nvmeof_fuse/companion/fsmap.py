@@ -23,6 +23,8 @@ from .protocol import CompanionError
 DIRECT_FILESYSTEMS = ("ext4", "xfs")
 """Filesystems whose FIEMAP this reads from the device; others' files go to the kernel."""
 EXTENTS_PER_CALL = 256
+FS_IOC_GETFLAGS = 0x80086601  # _IOR('f', 1, long); the kernel reads and writes an int
+FS_JOURNAL_DATA_FL = 0x4000
 SYSFS = "/sys"
 
 
@@ -49,15 +51,38 @@ def _read(path: str) -> str:
 
 def mount_of(dev: int, mountinfo: str = "/proc/self/mountinfo") -> tuple[str, str, str]:
     """``(fstype, source, mountpoint)`` of the filesystem whose ``st_dev`` is ``dev``."""
+    fields, sep = _mount_line(dev, mountinfo)
+    if not fields:
+        return "", "", ""
+    return fields[sep + 1], fields[sep + 2], _unescape(fields[4])
+
+
+def journals_data(fd: int, dev: int, mountinfo: str = "/proc/self/mountinfo") -> bool:
+    """Whether ext4 writes the open file's data to its journal first (``data=journal`` for
+    the mount, or ``chattr +j`` for the file): the blocks FIEMAP names may then hold an
+    older version until the journal is checkpointed, however clean the extent's flags."""
+    flags = bytearray(8)
+    try:
+        fcntl.ioctl(fd, FS_IOC_GETFLAGS, flags)
+    except OSError:
+        pass
+    else:
+        if int.from_bytes(flags[:4], "little") & FS_JOURNAL_DATA_FL:
+            return True
+    fields, sep = _mount_line(dev, mountinfo)
+    return bool(fields) and "data=journal" in fields[sep + 3].split(",")
+
+
+def _mount_line(dev: int, mountinfo: str) -> tuple[list[str], int]:
+    """The fields of ``dev``'s line of ``mountinfo`` and the index of its ``-``."""
     wanted = f"{os.major(dev)}:{os.minor(dev)}"
     with open(mountinfo, encoding="utf-8", errors="replace") as f:
         for line in f:
             fields = line.split()
             if len(fields) < 10 or fields[2] != wanted:
                 continue
-            sep = fields.index("-", 6)
-            return fields[sep + 1], fields[sep + 2], _unescape(fields[4])
-    return "", "", ""
+            return fields, fields.index("-", 6)
+    return [], 0
 
 
 def _unescape(field: str) -> str:

@@ -40,6 +40,7 @@ class Layout:
         self.extents: list[Extent] = []
         self.calls = 0
         self.on_call = None  # run on each FIEMAP call (to move the file under a read)
+        self.journalled = False  # ext4 writes the file's data to its journal first
 
     def fiemap(self, fd, start, length, flags=fm.FIEMAP_FLAG_SYNC, per_call=256):
         self.calls += 1
@@ -73,6 +74,7 @@ def fs(tmp_path, monkeypatch):
 
         monkeypatch.setattr(fsmap, "resolve", resolve)
         monkeypatch.setattr(fsmap, "fiemap", layout.fiemap)
+        monkeypatch.setattr(fsmap, "journals_data", lambda fd, dev: layout.journalled)
         yield layout, server, path
 
 
@@ -217,6 +219,20 @@ def test_an_error_mid_read_waits_for_the_extents_already_started(fs, monkeypatch
         with pytest.raises(OSError, match="Input/output error"):
             f.read(nvmeof_fuse.empty(len(content)))
         assert started and waited == started  # none left writing into the buffer
+
+
+def test_a_file_whose_data_ext4_journals_is_read_by_the_kernel(fs):
+    layout, server, path = fs
+    content = os.urandom(4 * BLOCK)
+    path.write_bytes(content)
+    layout.place(0, 0, 4 * BLOCK, fm.LAST, data=bytes(4 * BLOCK))  # not checkpointed yet
+    layout.journalled = True
+    with FilesystemFile(str(path)) as f:
+        buf = nvmeof_fuse.empty(len(content))
+        assert f.read(buf) == len(content) and bytes(buf) == content
+        assert f.placement["extents"] == ("kernel: ext4 journals the file's data "
+                                          "(data=journal or chattr +j)")
+    assert layout.calls == 0
 
 
 def test_a_file_changed_under_a_read_is_read_again(fs):

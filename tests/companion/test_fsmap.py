@@ -114,6 +114,25 @@ def test_mountinfo_is_read_with_its_escapes(tmp_path):
     assert fsmap.mount_of(os.makedev(7, 9), str(info)) == ("", "", "")
 
 
+@pytest.mark.parametrize(("options", "file_flags", "journals"), [
+    ("rw,data=ordered", 0, False),
+    ("rw,data=journal", 0, True),
+    ("rw,data=ordered", fsmap.FS_JOURNAL_DATA_FL, True),  # chattr +j
+])
+def test_journalled_data_is_seen_on_the_mount_or_the_file(tmp_path, monkeypatch, options,
+                                                          file_flags, journals):
+    info = tmp_path / "mountinfo"
+    info.write_text(f"40 22 7:0 / /data rw,relatime shared:1 - ext4 /dev/loop0 {options}\n")
+
+    def ioctl(fd, request, buf):
+        assert request == fsmap.FS_IOC_GETFLAGS
+        buf[:4] = file_flags.to_bytes(4, "little")
+        return 0
+
+    monkeypatch.setattr(fsmap.fcntl, "ioctl", ioctl)
+    assert fsmap.journals_data(3, os.makedev(7, 0), str(info)) is journals
+
+
 def test_is_namespace_file(sysfs):
     tmp, mnt, _ = sysfs
     assert fsmap.is_namespace_file(str(mnt / "n2"))
