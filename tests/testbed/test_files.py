@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import safetensors.numpy as safetensors_numpy
 from vm import sh, wait_for
 
 import nvmeof_fuse
@@ -221,7 +222,6 @@ def test_a_file_rewritten_while_read_never_silently_mixes(filesystem):
 
 
 def test_safetensors_loads_equal_to_safetensors_numpy(filesystem):
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
     path = os.path.join(filesystem.root, "small.safetensors")
     write_checkpoint(safetensors_numpy, path, 24 << 20)
     got = nvmeof_fuse.load_safetensors(path)
@@ -264,7 +264,6 @@ def test_a_192mib_safetensors_file_loads_equal_to_safetensors_numpy(filesystem):
     at once (the module's stays mounted until the module ends) write over each other."""
     if filesystem.fstype != "ext4" or filesystem.partition:
         pytest.skip("once, on ext4 (the bench's filesystem)")
-    safetensors_numpy = pytest.importorskip("safetensors.numpy")
     path = os.path.join(filesystem.root, "big.safetensors")
     try:
         write_checkpoint(safetensors_numpy, path, 192 << 20)
