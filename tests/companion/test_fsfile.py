@@ -19,6 +19,7 @@ from nvmeof_fuse.companion import fiemap as fm
 from nvmeof_fuse.companion.fiemap import Extent
 from nvmeof_fuse.companion.fsfile import FilesystemFile
 from nvmeof_fuse.companion.protocol import CompanionError
+from nvmeof_fuse.errors import InvalidArgument
 
 BASE = 1 << 20  # where the "filesystem" starts in n1 (a partition at sector 2048)
 BLOCK = 4096
@@ -324,3 +325,23 @@ def test_a_namespace_file_still_opens_as_one(fs):
 def test_open_file_leaves_what_is_not_a_regular_file_to_file(tmp_path):
     assert fsfile.open_file(str(tmp_path)) is None
     assert fsfile.open_file(str(tmp_path / "missing")) is None
+
+
+def test_bad_options_and_an_unwritable_file_are_named(fs, monkeypatch):
+    layout, server, path = fs
+    path.write_bytes(bytes(BLOCK))
+    with pytest.raises(InvalidArgument, match="chunk must be positive and retries not "
+                                              "negative, got 0 and 3"):
+        FilesystemFile(str(path), chunk=0)
+    real_open = os.open
+
+    def no_writes(name, flags, *args):  # as for a read-only file (root may write those)
+        if name == str(path) and flags & os.O_WRONLY:
+            raise PermissionError(errno.EACCES, "Permission denied")
+        return real_open(name, flags, *args)
+
+    with FilesystemFile(str(path)) as f:
+        monkeypatch.setattr(os, "open", no_writes)
+        with pytest.raises(CompanionError, match=f"^cannot open {path} for writing: "
+                                                 "Permission denied$"):
+            f.write(b"x")

@@ -14,9 +14,10 @@ from companion_fakes import AddressController, serving
 from safetensors.numpy import load_file, save
 
 import nvmeof_fuse
-from nvmeof_fuse.companion import client, fsmap
+from nvmeof_fuse.companion import client, fsmap, safetensors_load
 from nvmeof_fuse.companion import safetensors_header as sth
 from nvmeof_fuse.companion.fiemap import LAST, Extent
+from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument
 
 BASE = 1 << 20
@@ -190,3 +191,59 @@ def test_offsets_are_absolute_and_in_file_order():
     assert meta == {"x": "y"}
     assert [(t.name, t.start, t.nbytes) for t in found] == [
         ("a", 8 + len(header), 4), ("b", 8 + len(header) + 4, 3)]
+
+
+class ShortFile:
+    """A :class:`~.client.File` stand-in of ``content`` whose reads past ``cut`` come back
+    short, as after the file shrank under the load."""
+
+    def __init__(self, content: bytes, cut: int) -> None:
+        self.content, self.cut, self.nbytes = content, cut, len(content)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def read(self, buf, size, offset):
+        data = self.content[offset:min(offset + size, self.cut)]
+        memoryview(buf).cast("B")[:len(data)] = data
+        return len(data)
+
+    def read_batch(self, requests):
+        return [self.read(arr.reshape(-1).view(np.uint8), n, at) for arr, n, at in requests]
+
+
+def test_a_header_cut_short_is_named(monkeypatch):
+    content = header_file({"t": T}, bytes(8))
+    monkeypatch.setattr(safetensors_load, "File", lambda path: ShortFile(content, 20))
+    with pytest.raises(InvalidArgument, match=r"^x: header of \d+ bytes is cut short at 12$"):
+        nvmeof_fuse.load_safetensors("x")
+
+
+def test_tensor_bytes_cut_short_are_named(monkeypatch):
+    content = header_file({"t": T}, bytes(8))
+    monkeypatch.setattr(safetensors_load, "File",
+                        lambda path: ShortFile(content, len(content) - 3))
+    with pytest.raises(CompanionError, match=r"^x: read 5 of 8 bytes at \d+ \(the file shrank"):
+        nvmeof_fuse.load_safetensors("x")
+
+
+def test_a_bad_torch_device_and_a_dtype_torch_lacks_are_named(monkeypatch):
+    content = header_file({"t": {**T, "dtype": "F8_E4M3", "shape": [8]}}, bytes(8))
+    monkeypatch.setattr(safetensors_load, "File", lambda path: ShortFile(content, len(content)))
+    fake = types.ModuleType("torch")
+
+    def device(d):
+        if d == "tpu":
+            raise RuntimeError("Expected one of cpu, cuda device type at start of device string")
+        return d
+
+    fake.device = device
+    monkeypatch.setitem(sys.modules, "torch", fake)
+    with pytest.raises(InvalidArgument, match="^device 'tpu': Expected one of cpu, cuda"):
+        nvmeof_fuse.load_safetensors("x", device="tpu")
+    with pytest.raises(InvalidArgument,
+                       match="^tensor 't': dtype F8_E4M3 is not in this torch$"):
+        nvmeof_fuse.load_safetensors("x", device="cpu")
