@@ -31,6 +31,7 @@ class FakeTcpTarget:
                  success_flag: bool = False, c2h_pieces: int = 1, pad: int = 0,
                  mdts: int = 3) -> None:
         self.data = bytearray(size)
+        self.max_queues = 2  # I/O queues Set Features grants (the fake serves any QID)
         self.mdts = mdts  # Identify's MDTS: 2^mdts 4 KiB pages a command, 0 for no limit
         self.maxh2cdata = maxh2cdata
         self.cpda = cpda
@@ -198,8 +199,10 @@ class FakeTcpTarget:
                 struct.pack_into("<QQQ", page, 0, nlb, nlb, nlb)
                 page[130] = 9  # LBA format 0: 512-byte LBAs
             return 0, bytes(page)
-        if opcode == ADMIN_SET_FEATURES:
-            return 1 | 1 << 16, b""  # two I/O queues
+        if opcode == ADMIN_SET_FEATURES:  # the I/O queues asked for, up to self.max_queues
+            asked = struct.unpack_from("<I", sqe, 44)[0] & 0xFFFF
+            granted = min(asked, self.max_queues - 1)
+            return granted | granted << 16, b""
         if opcode == ADMIN_KEEP_ALIVE:
             return 0, b""
         return None
@@ -305,6 +308,7 @@ def serve_like_nvmet(port_queue) -> None:
     its port goes to ``port_queue``."""
     async def main():
         target = FakeTcpTarget(size=64 << 20, maxh2cdata=1 << 22, mdts=0)
+        target.max_queues = 64  # FUSE workers' queues too
         async with trio.open_nursery() as nursery:
             port_queue.put(await nursery.start(target.serve))
 
@@ -314,5 +318,6 @@ def serve_like_nvmet(port_queue) -> None:
 if __name__ == "__main__":  # python tests/tcp_target.py MIB: serve until killed, print the port
     import sys
 
-    trio.run(_serve_forever, FakeTcpTarget(size=int(sys.argv[1]) << 20, mdts=0,
-                                           maxh2cdata=1 << 17))
+    served = FakeTcpTarget(size=int(sys.argv[1]) << 20, mdts=0, maxh2cdata=1 << 17)
+    served.max_queues = 64
+    trio.run(_serve_forever, served)

@@ -253,7 +253,11 @@ async def serve(
     """
     path = await check_mountpoint_async(mountpoint)
     check_nsid(controller, options.nsid)
-    ops = NamespaceFS(controller, options, companion)
+    ops = NamespaceFS(controller, options, companion,
+                      shared_handles=options.worker_processes > 1)
+    if options.workers > 1 and options.worker_processes == 1:
+        log.warning("pyfuse3 serves one /dev/fuse descriptor: one process serves this mount, "
+                    "not %d workers", options.workers)
     fuse = await start_server(ops, path, options)
     ops.kernel = fuse
     session = _Session(ops, fuse, path, drain_timeout)

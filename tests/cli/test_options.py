@@ -94,7 +94,7 @@ def test_dhchap_options_follow_nvme_cli(tmp_path):
      "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
      "FILE instead"),
     (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other, "
-     "fuse=SERVER, path=URI, iopolicy=POLICY)"),
+     "fuse=SERVER, path=URI, iopolicy=POLICY, workers=N)"),
 ])
 def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
     err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
