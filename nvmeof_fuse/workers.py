@@ -273,7 +273,7 @@ class _Worker:
                       write_lock=self._write_lock)
         self.session = session = FuseSession(
             fs, self.args.fd, InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
-            debug=self.args.debug, forward=self._forward_meta)
+            debug=self.args.debug, forward=self._forward_meta, shared=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self._report, ctrl)

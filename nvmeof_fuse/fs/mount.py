@@ -222,7 +222,7 @@ async def start_server(ops: NamespaceFS, path: str, options: MountOptions) -> Fu
         fd = await trio.to_thread.run_sync(_mount, path, options)
         return FuseSession(ops, fd,
                            InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
-                           debug=options.debug)
+                           debug=options.debug, shared=options.worker_processes > 1)
     libfuse_options = sorted(fuse_options(options)) + (["debug"] if options.debug else [])
     try:
         server = await trio.to_thread.run_sync(pyfuse3_server.Pyfuse3Server, ops, path,

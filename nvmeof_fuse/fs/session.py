@@ -26,6 +26,7 @@ import fcntl
 import logging
 import mmap
 import os
+import select
 import socket
 import struct
 import subprocess
@@ -346,7 +347,8 @@ class FuseSession:
     """
 
     def __init__(self, ops: Any, fd: int, params: wire.InitParams | None = None,
-                 debug: bool = False, forward: Forward | None = None) -> None:
+                 debug: bool = False, forward: Forward | None = None,
+                 shared: bool = False) -> None:
         self.ops = ops
         self.forward = forward
         """Set in a FUSE worker: what answers the requests other than READ and WRITE (the
@@ -358,6 +360,13 @@ class FuseSession:
         self._start_write_op = ops.start_write if starts else None
         self._in_flight = 0  # READs and WRITEs read and not yet answered
         self.fd = fd
+        # ``shared``: other processes read this connection too (FUSE workers).  Each parks
+        # on an epoll of its own that waits on the descriptor exclusively (EPOLLEXCLUSIVE),
+        # so that a request wakes one of them, not all.
+        self._exclusive: select.epoll | None = None
+        if shared:
+            self._exclusive = select.epoll()
+            self._exclusive.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
         self.params = params = params or wire.InitParams()
         self.debug = debug
         self.negotiated: wire.Negotiated | None = None
@@ -385,7 +394,8 @@ class FuseSession:
             return
         try:
             async with trio.open_nursery() as nursery:
-                self._workers = _Workers(nursery, self.fd, self._next_request)
+                park = self.fd if self._exclusive is None else self._exclusive.fileno()
+                self._workers = _Workers(nursery, park, self._next_request)
                 self._workers.start()
         finally:
             self._workers = None
@@ -647,6 +657,9 @@ class FuseSession:
         await self.notify(wire.inval_entry(parent, name))
 
     def close(self) -> None:
+        if self._exclusive is not None:
+            self._exclusive.close()
+            self._exclusive = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
