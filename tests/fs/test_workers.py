@@ -424,3 +424,23 @@ def test_sigterm_drains_the_workers_too(mounted):
     assert m.proc.wait(STEP) == 0
     wait_for(lambda: not any(_alive(p) for p in pids), "the workers to exit")
     assert not is_mounted(m.path)
+
+
+@needs_fuse
+def test_cached_pages_are_dropped_after_a_companion_write_with_workers(mounted):
+    import numpy as np
+
+    from nvmeof_fuse.companion.client import File
+
+    m = mounted(2)
+    path = m.path / "n1"
+    fd = os.open(path, os.O_RDWR)  # open across the companion write: its pages stay cached
+    try:
+        os.pwrite(fd, b"old!" * 1024, 1 << 20)
+        assert os.pread(fd, 4096, 1 << 20) == b"old!" * 1024
+        with File(str(path)) as cf:
+            cf.write(np.frombuffer(b"new!" * 1024, dtype=np.uint8), file_offset=1 << 20)
+        assert os.pread(fd, 4096, 1 << 20) == b"new!" * 1024
+    finally:
+        os.close(fd)
+    assert m.unmount() == 0
