@@ -189,9 +189,19 @@ def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:
 
 def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> bytes:
     parts = []
+    workers = worker_reports(companion)
     for n, ns in sorted(ctrl.namespaces.items()):
         body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
-        parts.append(f"n{n}:\n  {body}\n")
+        title = f"n{n} (the main process; stats.json sums the workers)" if workers else f"n{n}"
+        parts.append(f"{title}:\n  {body}\n")
+    for worker in workers:  # each FUSE worker: where it serves and how much
+        fields = {"pid": worker.get("pid"), "queues": worker.get("qids"),
+                  "state": worker.get("state"), "reconnects": worker.get("reconnects")}
+        for name, ns in sorted((worker.get("namespaces") or {}).items()):
+            for op, st in sorted((ns.get("ops") or {}).items()):
+                fields[f"{name} {op}"] = (f"{st.get('ops', 0)} ops, {st.get('bytes', 0)} bytes, "
+                                          f"{st.get('errors', 0)} errors")
+        parts.append(_section(f"FUSE worker {worker.get('index')}", fields))
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         parts.append(_section("connection", connection()))
