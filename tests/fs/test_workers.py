@@ -409,9 +409,12 @@ def test_writes_racing_across_workers_and_a_companion_client_never_tear(mounted)
         os.close(fd)
     mismatches = [i for i in range(stripes) if buf[i * stripe:(i + 1) * stripe] != expected(i)]
     assert mismatches == []
-    per = [w["namespaces"]["n1"]["ops"].get("write", {}).get("ops", 0)
-           for w in m.stats()["workers"]]
-    assert per[1] > 0  # the worker wrote too
+
+    def worker_wrote() -> bool:  # (its reports come each second)
+        return m.stats()["workers"][1]["namespaces"]["n1"]["ops"].get("write", {}).get(
+            "ops", 0) > 0
+
+    wait_for(worker_wrote, "the worker's report of its writes", timeout=10)
     assert m.unmount() == 0
 
 

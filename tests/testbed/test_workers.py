@@ -98,9 +98,14 @@ def test_writes_racing_across_workers_and_a_companion_client_never_tear(fabric, 
     mismatches = [i for i in range(STRIPES)
                   if got[i * STRIPE:(i + 1) * STRIPE] != expected(i)]
     assert mismatches == [], f"{len(mismatches)} torn stripes, first {mismatches[:5]}"
-    per = [sum(op["ops"] for op in w["namespaces"]["n1"]["ops"].values())
-           for w in stats(point)["workers"]]
-    assert all(per), per  # the main process and the worker both served
+    deadline = time.monotonic() + 30  # the worker reports each second
+
+    def per() -> list[int]:
+        return [sum(op["ops"] for op in w["namespaces"]["n1"]["ops"].values())
+                for w in stats(point)["workers"]]
+    while not all(per()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert all(per()), per()  # the main process and the worker both served
 
 
 def _load(path: str, seed: int, stop: threading.Event, errors: list, done: list) -> None:
