@@ -122,9 +122,17 @@ class FuseWorkers:
                           failures)
                 return
             log.warning("FUSE worker %d (pid %d) %s after %.0f s; the requests it held failed "
-                        "(ECONNABORTED), its queues %s; starting another", index, proc.pid, why,
-                        time.monotonic() - began, "come back")
+                        "(ECONNABORTED); starting another", index, proc.pid, why,
+                        time.monotonic() - began)
+            await self._gone(proc.pid)
             self.replaced += 1
+
+    async def _gone(self, pid: int) -> None:
+        """Wait (bounded) until a dead worker's companion session has ended: then its queue
+        IDs are free for the next one."""
+        with trio.move_on_after(self.timeout):
+            while self.companion.has_client(pid):
+                await trio.sleep(0.1)
 
     async def _spawn(self, index: int) -> trio.Process:
         from nvmeof_fuse.fs.session import clone_fd

@@ -102,6 +102,10 @@ class CompanionServer:
                               **s.counts, "placement": s.placement}
                              for s in self.sessions if s.worker is None]}
 
+    def has_client(self, pid: int) -> bool:
+        """Whether process ``pid`` still has a session (its queue IDs are still its own)."""
+        return any(s.peer.startswith(f"pid {pid} ") for s in self.sessions)
+
     def worker_stats(self) -> list[dict[str, Any]]:
         """What each FUSE worker last reported (its index, pid, queues, namespaces' stats)."""
         return sorted(({**s.worker, "qids": s.qids} for s in self.sessions
@@ -488,6 +492,9 @@ class CompanionServer:
 
         with session.waiting():
             await session.nursery.start(hold)
+            if session.ended:  # it went as the lock came: end_waits() could not release it
+                release.set()
+                raise NoLease("the client went away while waiting for a write lock")
             session.next_token += 1
             session.write_locks[session.next_token] = release
             if keep_cache:

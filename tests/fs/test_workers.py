@@ -173,11 +173,11 @@ needs_fuse = pytest.mark.skipif(
     reason="needs /dev/fuse and fusermount3")
 
 
-def wait_for(cond, what: str, timeout: float = STEP):
+def wait_for(cond, what: str, timeout: float = STEP, detail=lambda: ""):
     deadline = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
+            raise AssertionError(f"timed out waiting for {what}: {detail()}")
         time.sleep(0.05)
 
 
@@ -344,7 +344,7 @@ def test_a_worker_killed_under_load_is_replaced_and_its_queues_come_back(mounted
     assert not any(t.is_alive() for t in threads)  # nothing hung
     # The requests the dead worker held failed (the kernel ends them), and nothing else.
     assert all(isinstance(e, OSError) and e.errno == errno.ECONNABORTED for e in errors), errors
-    wait_for(lambda: len(m.serving()) >= 2, "a replacement worker")
+    wait_for(lambda: len(m.serving()) >= 2, "a replacement worker", detail=m.text)
     assert "killed by signal 9" in m.text()
     wait_for(lambda: [w["pid"] for w in m.stats()["workers"][1:]] not in ([], [first["pid"]]),
              "the replacement's report")
