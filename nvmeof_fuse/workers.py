@@ -284,7 +284,7 @@ class _Worker:
             debug=self.args.debug, forward=self._forward_meta, shared=True)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal)
-            nursery.start_soon(self._report, ctrl)
+            nursery.start_soon(self._report, ctrl, fs)
             if self.lost.is_set():
                 session.stop_reading()
             await session.run()
@@ -315,14 +315,15 @@ class _Worker:
         ctrl.connection_lost(ctrl.io_queues[0], TransportError(
             "the main process lost the controller; our queues were revoked"))
 
-    async def _report(self, ctrl: Any) -> None:
+    async def _report(self, ctrl: Any, fs: Any) -> None:
         while True:
             namespaces = {f"n{nsid}": ns.stats.snapshot() for nsid, ns in
                           sorted(ctrl.namespaces.items())[:MAX_REPORTED_NAMESPACES]}
             with contextlib.suppress(NVMeoFError):
                 self.channel.call_future("report", worker={
                     "index": self.index, "pid": os.getpid(), "state": ctrl.state,
-                    "reconnects": ctrl.reconnects, "namespaces": namespaces})
+                    "reconnects": ctrl.reconnects, "forwarded": fs.forwarded,
+                    "namespaces": namespaces})
             await trio.sleep(REPORT_INTERVAL)
 
     async def _forward_meta(self, opcode: int, unique: int, nodeid: int,

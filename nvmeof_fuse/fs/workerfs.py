@@ -7,7 +7,10 @@ read out of their numbers (:func:`.operations.pack_fh`).  Everything else its se
 forwards to the main process, which holds the open handles and the ``.nvmeof`` reports;
 so do READs of a report and I/O on a namespace this worker does not know (added since it
 started).  Its writes hold the main process's range lock of their LBAs (``write_lock``),
-the one every FUSE and companion write of the mount holds.
+the one every FUSE and companion write of the mount holds.  While its own queues are not
+live (lost with the controller or their path, waiting to be leased again: on a multipath
+mount of two fabrics, for a path of their own fabric), it forwards READ and WRITE too, so
+that the main process serves them on whichever path is live.
 """
 
 from __future__ import annotations
@@ -40,14 +43,24 @@ class WorkerFS(NamespaceFS):
     def __init__(self, controller: Any, options: MountOptions, *, forward_read: ForwardRead,
                  forward_write: ForwardWrite, write_lock: WriteLock) -> None:
         super().__init__(controller, options, shared_handles=True)
+        self.forwarded = 0  # READs and WRITEs the main process served for us
         self.forward_read = forward_read
         self.forward_write = forward_write
         self.write_lock = write_lock
+
+    def _own(self) -> bool:
+        """Whether our queues serve now (else the main process serves our I/O)."""
+        return bool(getattr(self.controller, "live", True))
+
+    def start_read(self, fh, off, size, done):
+        return self._own() and super().start_read(fh, off, size, done)
 
     async def read(self, fh, off, size):
         try:
             h = self.handles[fh]
         except KeyError:  # a report, or a namespace we do not know: the main process's
+            return await self._read_forwarded(fh, off, size)
+        if not self._own():
             return await self._read_forwarded(fh, off, size)
         ns = h.node.ns
         try:
@@ -56,6 +69,7 @@ class WorkerFS(NamespaceFS):
             raise _fuse_error(exc, f"read of {size} bytes at offset {off} of n{ns.nsid}") from None
 
     async def _read_forwarded(self, fh: int, off: int, size: int) -> bytes:
+        self.forwarded += 1
         parts = []
         while size > 0:
             part = await self.forward_read(fh, off, min(size, FORWARD_CHUNK))
@@ -74,6 +88,8 @@ class WorkerFS(NamespaceFS):
             h = self.handles[fh]
         except KeyError:
             return await self._write_forwarded(fh, off, buf)
+        if not self._own():
+            return await self._write_forwarded(fh, off, buf)
         if not h.writable:
             raise FUSEError(errno.EBADF)
         ns = h.node.ns
@@ -88,6 +104,7 @@ class WorkerFS(NamespaceFS):
             raise _fuse_error(exc, what) from None
 
     async def _write_forwarded(self, fh: int, off: int, buf: Any) -> int:
+        self.forwarded += 1
         view = memoryview(buf)
         done = 0
         while done < len(view):

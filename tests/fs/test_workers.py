@@ -166,6 +166,26 @@ def test_a_worker_forwards_reports_and_namespaces_it_does_not_know():
     trio.run(main)
 
 
+def test_while_its_queues_are_not_live_a_worker_forwards_its_io():
+    ctrl = ram_controller((1, 512, 64))
+    locks, forwarded = [], []
+    fs = _worker_fs(ctrl, locks, forwarded)
+
+    async def main():
+        fh = pack_fh(1, 1, True)
+        ctrl.live = False  # lost with its path: waiting for a lease on its own fabric
+        assert not fs.start_read(fh, 0, 512, lambda data: None)
+        assert await fs.read(fh, 0, 512) == b"r" * 512
+        assert await fs.write(fh, 512, b"w" * 512) == 512
+        assert [f[0] for f in forwarded] == ["read", "write"] and locks == []
+        ctrl.live = True
+        forwarded.clear()
+        assert bytes(await fs.read(fh, 0, 512)) == bytes(512)
+        assert forwarded == [] and fs.forwarded == 2
+
+    trio.run(main)
+
+
 # --- through the kernel --------------------------------------------------------------------
 
 needs_fuse = pytest.mark.skipif(
