@@ -382,7 +382,7 @@ def test_writes_racing_across_workers_and_a_companion_client_never_tear(mounted)
     write slipped into would lose bytes.  Model: every byte is its owner's."""
     import numpy as np
 
-    from nvmeof_fuse.companion.client import File
+    from nvmeof_fuse import File, empty
 
     m = mounted(2)
     stripe, stripes, writers = 700, 600, 3
@@ -402,11 +402,13 @@ def test_writes_racing_across_workers_and_a_companion_client_never_tear(mounted)
             os.close(fd)
 
     def companion_writer(w: int) -> None:
+        buf = empty(stripe, dtype=np.uint8)  # shared memory: placed, never staged
         with File(str(m.path / "n1")) as f:
             order = [i for i in range(stripes) if i % writers == w]
             random.Random(w).shuffle(order)
             for i in order:
-                f.write(np.frombuffer(expected(i), dtype=np.uint8), file_offset=i * stripe)
+                buf[:] = np.frombuffer(expected(i), dtype=np.uint8)
+                f.write(buf, file_offset=i * stripe)
 
     fd = os.open(m.path / "n1", os.O_WRONLY)
     os.pwrite(fd, bytes(span), 0)
@@ -453,7 +455,7 @@ def test_sigterm_drains_the_workers_too(mounted):
 def test_cached_pages_are_dropped_after_a_companion_write_with_workers(mounted):
     import numpy as np
 
-    from nvmeof_fuse.companion.client import File
+    from nvmeof_fuse import File, empty
 
     m = mounted(2)
     path = m.path / "n1"
@@ -461,8 +463,10 @@ def test_cached_pages_are_dropped_after_a_companion_write_with_workers(mounted):
     try:
         os.pwrite(fd, b"old!" * 1024, 1 << 20)
         assert os.pread(fd, 4096, 1 << 20) == b"old!" * 1024
+        buf = empty(4096, dtype=np.uint8)
+        buf[:] = np.frombuffer(b"new!" * 1024, dtype=np.uint8)
         with File(str(path)) as cf:
-            cf.write(np.frombuffer(b"new!" * 1024, dtype=np.uint8), file_offset=1 << 20)
+            cf.write(buf, file_offset=1 << 20)
         assert os.pread(fd, 4096, 1 << 20) == b"new!" * 1024
     finally:
         os.close(fd)
