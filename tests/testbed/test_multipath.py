@@ -518,6 +518,7 @@ def test_a_path_to_another_subsystem_or_namespace_is_refused_in_one_line(testbed
             assert [p["transport"] for p in paths(mnt)] == ["rdma"], paths(mnt)
 
 
+@pytest.mark.slow  # (scripts/test stays under 30 minutes; -m '' runs it)
 def test_with_two_workers_fio_verify_rides_out_the_rdma_port_going_away(testbed, tmp_path):
     """Issue #50: a mount over both ports with ``--workers 2``; the worker's queues are on
     RDMA (path 0).  The RDMA port goes away while fio (two jobs, so both processes serve)

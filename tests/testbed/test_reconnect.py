@@ -120,7 +120,7 @@ def test_fio_verify_writes_at_depth_ride_out_an_outage(testbed, tmp_path, transp
         assert counters.get("callback_reads", 0) > 0, counters
 
 
-@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+@pytest.mark.parametrize("transport", ["rdma", pytest.param("tcp", marks=pytest.mark.slow)])
 def test_fio_verify_with_two_workers_rides_out_an_outage(testbed, tmp_path, transport):
     """Issue #50: as above with ``--workers 2``: the worker process's leased queues are
     revoked with the lost controller, leased again and connected to the new one, and fio
