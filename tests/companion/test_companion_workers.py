@@ -139,3 +139,51 @@ def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():
                 nursery.cancel_scope.cancel()
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons_lock(tmp_path):
+    """A worker's side over the fake fabric: its lease, its own queues and bounce pool of
+    whole transfers, and each write under the daemon's range lock (none held after)."""
+    import argparse
+
+    from companion_fakes import FakeFabric
+
+    from nvmeof_fuse.companion.lease import lease_from, options_from
+    from nvmeof_fuse.fs.operations import pack_fh
+    from nvmeof_fuse.fs.options import MountOptions
+    from nvmeof_fuse.fs.workerfs import WorkerFS
+    from nvmeof_fuse.host.attached import attach
+    from nvmeof_fuse.workers import _Worker
+
+    ctrl = LeasingController(companion_queues=4)
+    fabric = FakeFabric(ctrl)
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 1
+        args = argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
+                                  index=1, fd=-1, read_only=False, debug=False)
+        worker = _Worker(args)
+
+        async def main():
+            first = await worker.ask("lease", want=1, worker=True)
+            options = options_from(first, 10.0)
+
+            async def lease_source():
+                return lease_from(first)
+
+            async with attach(options, lease_source, fabric(options), bounce_buffers=4) as own:
+                assert own.bounce.chunk >= own.max_transfer
+                fs = WorkerFS(own, MountOptions(), forward_read=None, forward_write=None,
+                              write_lock=worker._write_lock)
+                data = bytes(range(256)) * 40  # 10,240 bytes, unaligned at both ends
+                assert await fs.write(pack_fh(1, 2, True), 1000, data) == len(data)
+                assert bytes(await fs.read(pack_fh(2, 2, False), 1000, len(data))) == data
+                assert bytes(await fs.read(pack_fh(3, 1, False), 0, 1 << 20)) == \
+                    bytes(ctrl.disks[1][:1 << 20])
+
+        try:
+            trio.run(main)
+        finally:
+            worker.channel.close()
+        assert bytes(ctrl.disks[2][1000:1000 + 10240]) == bytes(range(256)) * 40
+        assert set(fabric.connects) == {6} and {q for _, q in fabric.commands} == {6}
+        assert wait_for(lambda: not server._locked)  # every write lock given back
