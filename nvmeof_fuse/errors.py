@@ -34,6 +34,13 @@ class TransportError(NVMeoFError):
     errno = _errno.EIO
 
 
+class TargetProtocolError(NVMeoFError):
+    """The target claimed something we refuse to act on (a log page or list longer than
+    our bounds): a fault of the target, not of the connection."""
+
+    errno = _errno.EIO
+
+
 class ControllerLost(NVMeoFError):
     """The connection to the controller is gone and reconnecting gave up (or is off)."""
 
@@ -44,6 +51,13 @@ class InvalidArgument(NVMeoFError):
     """A caller passed a bad value (an out-of-range LBA, a misaligned buffer)."""
 
     errno = _errno.EINVAL
+
+
+class NamespaceUnavailable(NVMeoFError):
+    """The target describes the namespace with values we cannot serve (its LBA size, its
+    size): it shows with size 0, and opening it fails."""
+
+    errno = _errno.ENXIO
 
 
 class NamespaceRemoved(NVMeoFError):

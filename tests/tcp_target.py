@@ -19,7 +19,7 @@ from nvmeof_fuse.nvme import tcp_pdu as pdu
 
 READ, WRITE, FLUSH = 0x02, 0x01, 0x00
 ADMIN_IDENTIFY, ADMIN_SET_FEATURES, ADMIN_KEEP_ALIVE, FABRICS = 0x06, 0x09, 0x18, 0x7F
-ADMIN_ASYNC_EVENT = 0x0C
+ADMIN_ASYNC_EVENT, ADMIN_GET_LOG_PAGE = 0x0C, 0x02
 LBA = 512
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
 FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown command",
@@ -46,6 +46,7 @@ class FakeTcpTarget:
         self.commands: list[bytes] = []
         self.hdgst = self.ddgst = False
         self.streams: list = []
+        self.sqe_of: dict = {}  # (stream, command ID) -> (queue ID, the last command with it)
         self.csts = 0
         self.sqflow_off: list[bool] = []  # per queue Connect: SQ flow control disabled
         self.release = trio.Event()  # lets a "late" answer go
@@ -65,9 +66,7 @@ class FakeTcpTarget:
             icreq = await reader.read(128)
             self.icreqs.append(icreq)
             self.hdgst, self.ddgst = bool(icreq[11] & 1), bool(icreq[11] & 2)
-            icresp = pdu.COMMON_HEADER.pack(pdu.ICRESP, 0, 128, 0, 128) + struct.pack(
-                "<HBBI", 0, self.cpda, icreq[11], self.maxh2cdata)
-            await stream.send_all(icresp.ljust(128, b"\0"))
+            await stream.send_all(self._icresp(icreq))
             state = {"qid": None, "writes": {}, "sqflow_off": False}
             while True:
                 await self._pdu(stream, reader, state)
@@ -75,6 +74,22 @@ class FakeTcpTarget:
             pass
         finally:
             await stream.aclose()
+
+    def _icresp(self, icreq: bytes) -> bytes:
+        icresp = pdu.COMMON_HEADER.pack(pdu.ICRESP, 0, 128, 0, 128) + struct.pack(
+            "<HBBI", 0, self.cpda, icreq[11], self.maxh2cdata)
+        return icresp.ljust(128, b"\0")
+
+    def _swallow(self, qid: int | None, sqe: bytes) -> bool:
+        """Whether to leave command ``sqe`` unanswered ("silent": the next one)."""
+        if self.fault == "silent":
+            self.fault = None
+            return True
+        return False
+
+    async def _async_event(self, stream, cid: int) -> None:
+        """An Asynchronous Event Request: held, as a real controller holds it until an
+        event happens."""
 
     def _header(self, head: bytes) -> bytes:
         if self.hdgst:
@@ -95,6 +110,7 @@ class FakeTcpTarget:
             assert flags & pdu.FLAG_HDGST and rest[hlen - 8:hlen - 4] == pdu.digest(head)
         sqe = head[8:72]
         self.commands.append(sqe)
+        self.sqe_of[stream, struct.unpack_from("<H", sqe, 2)[0]] = (state["qid"], sqe)
         inline = b""
         if pdo:
             dd = 4 if flags & pdu.FLAG_DDGST else 0
@@ -102,13 +118,13 @@ class FakeTcpTarget:
             if dd:
                 assert rest[plen - 8 - dd:] == pdu.digest(inline), "bad in-capsule data digest"
         opcode, cid = sqe[0], struct.unpack_from("<H", sqe, 2)[0]
-        if self.fault == "silent":
-            self.fault = None
+        if self._swallow(state["qid"], sqe):
             return
         if opcode == ADMIN_ASYNC_EVENT and state["qid"] == 0:
-            return  # held, as a real controller holds it until an event happens
+            await self._async_event(stream, cid)
+            return
         if opcode == FABRICS and sqe[4] == 0x01:
-            state["qid"] = struct.unpack_from("<H", sqe, 40)[0]
+            state["qid"] = struct.unpack_from("<H", sqe, 42)[0]  # after RECFMT
             state["sqflow_off"] = bool(sqe[46] & 0x04)  # then reads end with SUCCESS, as nvmet
             self.sqflow_off.append(state["sqflow_off"])
         admin = self._admin(sqe) if opcode == FABRICS or state["qid"] == 0 else None
@@ -160,10 +176,11 @@ class FakeTcpTarget:
     async def _respond(self, stream, cid: int, result: int) -> None:
         await stream.send_all(self._response(cid, result))
 
-    def _response(self, cid: int, result: int) -> bytes:
+    def _response(self, cid: int, result: int, status: int = 0) -> bytes:
+        """A CapsuleResp; ``status`` is the completion's status field (phase bit 0)."""
         return self._header(pdu.COMMON_HEADER.pack(
             pdu.CAPSULE_RESP, pdu.FLAG_HDGST if self.hdgst else 0, 24, 0,
-            24 + (4 if self.hdgst else 0)) + struct.pack("<QHHHH", result, 0, 1, cid, 0))
+            24 + (4 if self.hdgst else 0)) + struct.pack("<QHHHH", result, 0, 1, cid, status))
 
     def _admin(self, sqe: bytes) -> tuple[int, bytes] | None:
         """The admin and fabrics commands a controller needs to come up: (result, data)."""
@@ -205,7 +222,17 @@ class FakeTcpTarget:
             return granted | granted << 16, b""
         if opcode == ADMIN_KEEP_ALIVE:
             return 0, b""
+        if opcode == ADMIN_GET_LOG_PAGE:
+            lid, numdl = sqe[40], struct.unpack_from("<H", sqe, 42)[0]
+            numdu, offset = struct.unpack_from("<HxxQ", sqe, 44)
+            length = ((numdu << 16 | numdl) + 1) * 4
+            return 0, self._log_page(lid, offset, length)
         return None
+
+    def _log_page(self, lid: int, offset: int, length: int) -> bytes:
+        """``length`` bytes at ``offset`` of log page ``lid``: all zero here (no changed
+        namespaces, no errors)."""
+        return bytes(length)
 
     async def _send_read(self, stream, cid: int, payload: bytes, faults: bool = True,
                          success: bool = False) -> None:

@@ -24,7 +24,13 @@ from typing import Any
 import trio
 
 from ..concurrency import run_all
-from ..errors import CommandTimeout, InvalidArgument, NVMeoFError, TransportError
+from ..errors import (
+    CommandTimeout,
+    InvalidArgument,
+    NamespaceUnavailable,
+    NVMeoFError,
+    TransportError,
+)
 from ..host.byterange import NoSpace
 from ..host.memory import Region
 from . import protocol
@@ -217,6 +223,8 @@ class Session:
         ns = self.controller.namespaces.get(nsid)
         if ns is None:
             raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
+        if getattr(ns, "unavailable", ""):
+            raise NamespaceUnavailable(f"namespace n{nsid} is unavailable: {ns.unavailable}")
         return ns
 
     async def _using(self, reg: Registered, job: Callable[[], Any]) -> None:

@@ -377,6 +377,8 @@ class NamespaceFS:
             raise FUSEError(errno.EACCES)
         if writable and self.options.read_only:
             raise FUSEError(errno.EROFS)
+        if isinstance(node, _NsFile) and getattr(node.ns, "unavailable", ""):
+            raise FUSEError(errno.ENXIO)  # values we cannot serve: shown with size 0
         fh = next(self._fh)
         if self.shared_handles:
             fh = pack_fh(fh, node.ns.nsid if isinstance(node, _NsFile) else 0, writable)

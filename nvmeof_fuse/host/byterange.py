@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import InvalidArgument, NamespaceRemoved, NVMeoFError
+from ..errors import InvalidArgument, NamespaceRemoved, NamespaceUnavailable, NVMeoFError
 from ..nvme import command as cmd
 from .memory import DataRef
 from .rangelock import LbaRangeLock
@@ -380,10 +380,13 @@ class LbaIO:
         self.lba_size = lba_size
         self.nlb = nlb
         self.removed = ""  # why, once the namespace is gone: every I/O fails with it
+        self.unavailable = ""  # why we cannot serve it (host.namespace): every I/O fails
 
     def check_range(self, slba: int, nlb: int) -> None:
         if self.removed:
             raise NamespaceRemoved(self.removed)
+        if self.unavailable:
+            raise NamespaceUnavailable(self.unavailable)
         if nlb <= 0:
             raise InvalidArgument(f"an I/O needs at least one LBA, got {nlb}")
         if slba < 0 or slba + nlb > self.nlb:
@@ -528,7 +531,7 @@ class LbaIO:
         needs more than one command, the namespace is gone, no buffer is free, or the path
         is not live or its queue has no slot for it (``start_io``).  The caller checked
         the range."""
-        if self.removed or nlb > self.per_command():
+        if self.removed or self.unavailable or nlb > self.per_command():
             return False
         io = self.io
         pool = io.bounce
@@ -562,7 +565,7 @@ class LbaIO:
         (as :meth:`start_lend`).  The caller checked the range."""
         length = len(data)
         nlb = length // self.lba_size
-        if self.removed or nlb > self.per_command():
+        if self.removed or self.unavailable or nlb > self.per_command():
             return False
         io = self.io
         pool = io.bounce

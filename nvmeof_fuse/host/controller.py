@@ -31,6 +31,7 @@ from ..errors import (
     ControllerLost,
     InvalidArgument,
     NVMeoFError,
+    TargetProtocolError,
     TransportError,
 )
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
@@ -57,6 +58,10 @@ BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
 IO_RETRIES = 5  # nvme_max_retries: tries of a command that fails with a status or times out
+RETRY_DELAY_MAX = 10.0
+"""Seconds: the longest Command Retry Delay honoured, were retry delays enabled (ACRE)."""
+LOG_PAGE_MAX = 4 << 20
+"""Bytes: the most of one log page read; a longer one is refused (TargetProtocolError)."""
 BOUNCE_WAIT_FACTOR = 2
 """A wait for a bounce buffer ends in an error after this many command timeouts of the
 controller being live (the buffers' commands end within one)."""
@@ -98,6 +103,9 @@ class Controller:
         self.identify: nvme.IdentifyController | None = None
         self.namespaces: dict[int, Namespace] = {}
         self.max_transfer = BOUNCE_CHUNK_MAX
+        self.acre = False
+        """Host Behavior Support ACRE: whether the controller may ask for Command Retry
+        Delays.  We never enable it, so a status's CRD is ignored (retry_delay)."""
         self.bounce: BouncePool | None = None
         self._scratch: Region | None = None
         self._scratch_lock = trio.Lock()
@@ -306,10 +314,14 @@ class Controller:
             await trio.sleep(delay)
 
     def retry_delay(self, crd: int) -> float:
-        """Seconds of Command Retry Delay ``crd`` (1-3: Identify's CRDT1-3; 0: none)."""
-        if not crd or self.identify is None:
+        """Seconds of Command Retry Delay ``crd`` (1-3: Identify's CRDT1-3; 0: none).
+
+        Always 0 today: a controller may ask for delays only once the host enabled them
+        (ACRE in Host Behavior Support), which we never do (:attr:`acre`); were it enabled,
+        they would still be capped at :data:`RETRY_DELAY_MAX`."""
+        if not crd or not self.acre or self.identify is None:
             return 0.0
-        return self.identify.crdt[crd - 1] / 10
+        return min(self.identify.crdt[crd - 1] / 10, RETRY_DELAY_MAX)
 
     async def _torn_down(self, sent_in: int) -> None:
         """Wait until the queues of :attr:`teardowns` ``sent_in`` are torn down (the reconnect
@@ -516,11 +528,19 @@ class Controller:
             return bytes(ref.region.view[:4096])
 
     async def get_log_page(self, lid: int, length: int, offset: int = 0) -> bytes:
-        """Read ``length`` bytes of log page ``lid`` (in registered memory of its own)."""
+        """Read ``length`` bytes of log page ``lid`` (in registered memory of its own), in
+        pieces of at most one command's transfer (MDTS), as libnvme's ``nvme_get_log``
+        does; more than :data:`LOG_PAGE_MAX` bytes is refused (TargetProtocolError)."""
+        if length > LOG_PAGE_MAX:
+            raise TargetProtocolError(f"log page {lid:#04x} of {length} bytes is refused: "
+                                      f"we read at most {LOG_PAGE_MAX} bytes of one")
         buf = host_buffer(self.transport.register, max(length, 4))
+        step = max(self.max_transfer & ~3, 4)
         try:
-            await self.admin_command(
-                cmd.get_log_page(lid, length, offset, sgl=nvme.NULL_SGL), buf.ref(0, length))
+            for at in range(0, length, step):
+                n = min(step, length - at)
+                await self.admin_command(
+                    cmd.get_log_page(lid, n, offset + at, sgl=nvme.NULL_SGL), buf.ref(at, n))
             return bytes(buf.view[:length])
         finally:
             buf.close()
@@ -658,6 +678,11 @@ class Controller:
         size = min(self.options.queue_size, self.cap.max_queue_entries)
         if self.identify.maxcmd:
             size = min(size, self.identify.maxcmd)
+        if size < 2:  # a queue holds one entry fewer than its size: none would be left
+            raise ConnectError(
+                f"{self.transport.address}: the controller allows I/O queues of {size} entry "
+                f"(CAP.MQES {self.cap.max_queue_entries - 1}, MAXCMD {self.identify.maxcmd}); "
+                "at least 2 are needed")
         return size
 
     async def start(self) -> None:
@@ -668,6 +693,9 @@ class Controller:
         if self.identify.subnqn and self.identify.subnqn != opts.nqn:
             log.warning("controller reports subsystem %s, connected as %s",
                         self.identify.subnqn, opts.nqn)
+        page = self.cap.min_page_size
+        self.max_transfer = min(self.identify.max_transfer_bytes(page) or BOUNCE_CHUNK_MAX,
+                                BOUNCE_CHUNK_MAX)
         if self.identify.cntrltype == 2:  # discovery controller: admin queue only
             self._change_state(LIVE)
             return
@@ -675,9 +703,6 @@ class Controller:
                 and not self.identify.keyed_sgl_supported):
             raise ConnectError(f"{self.transport.address}: the controller does not support "
                                "keyed SGL data blocks, which NVMe/RDMA requires")
-        page = self.cap.min_page_size
-        self.max_transfer = min(self.identify.max_transfer_bytes(page) or BOUNCE_CHUNK_MAX,
-                                BOUNCE_CHUNK_MAX)
         await self._connect_io_queues()
         if opts.keep_alive_tmo:
             self._nursery.start_soon(self._keep_alive, opts.keep_alive_tmo)
@@ -688,8 +713,13 @@ class Controller:
         await self._nursery.start(self.events.run)
 
     def new_namespace(self, nsid: int, identify: nvme.IdentifyNamespace) -> Namespace:
-        """The namespace ``nsid`` of this controller, which runs its commands."""
-        return Namespace(self, nsid, identify)
+        """The namespace ``nsid`` of this controller, which runs its commands; one whose
+        Identify data we cannot serve is unavailable, and says why here, once."""
+        ns = Namespace(self, nsid, identify)
+        if ns.unavailable:
+            log.warning("%s: namespace n%d is unavailable: %s", self.options.nqn, nsid,
+                        ns.unavailable)
+        return ns
 
     async def _identify_namespaces(self) -> None:
         nsids = nvme.parse_active_ns_list(await self.identify_raw(Cns.ACTIVE_NS_LIST))

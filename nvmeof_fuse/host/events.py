@@ -124,7 +124,11 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
             ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
             changes.append(NamespaceChange("added", nsid, 0, ns.size))
         else:
+            was = getattr(ns, "unavailable", "")
             old = ns.resize(ident)
+            now = getattr(ns, "unavailable", "")
+            if now and now != was:  # values we cannot serve now: say why, once
+                log.warning("%s: namespace n%d is unavailable: %s", ctrl.options.nqn, nsid, now)
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
     for change in changes:

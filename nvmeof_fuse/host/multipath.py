@@ -72,6 +72,8 @@ log = logging.getLogger(__name__)
 ANA_POLL_INTERVAL = 1.0
 """Seconds between reads of a path's ANA log while it is pending or changing (a notice
 normally comes first)."""
+NAMESPACES_LOGGED = 8
+"""Namespaces a path's "connected" line names; the rest it counts."""
 NO_PATH_WAIT = 1.0
 """Seconds between looks for a usable path while a command waits for one."""
 
@@ -296,6 +298,13 @@ class MultipathController:
                                   f"{self.max_transfer}")
         path.ids = ids
         path.ana = PathAna(reporting=ident.ana_reporting, anatt=ident.anatt)
+        if path.ana.reporting:
+            path.ana_log_bytes = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
+            if path.ana_log_bytes > ctrl.max_transfer:  # as Linux's nvme_mpath_init_identify
+                log.warning("%s: the ANA log page may take %d bytes, more than one command "
+                            "moves (%d, MDTS): ANA reporting is off on this path",
+                            path.name, path.ana_log_bytes, ctrl.max_transfer)
+                path.ana = PathAna(reporting=False, anatt=ident.anatt)
         for nsid, ns in ctrl.namespaces.items():
             path.ana.set_namespace_group(nsid, ns.identify.anagrpid)
         if path.ana.reporting:
@@ -340,8 +349,11 @@ class MultipathController:
         ctrl.events.ana_listeners.append(path.kick)
         ctrl.events.listeners.append(self._follow_namespaces)
         self._bind()
+        words = self._ana_words(path)
+        if len(words) > NAMESPACES_LOGGED:  # one line, however many the target lists
+            words[NAMESPACES_LOGGED:] = [f"{len(words) - NAMESPACES_LOGGED} more"]
         log.info("%s: connected as controller %d (%s)", path.name, ctrl.cntlid,
-                 ", ".join(self._ana_words(path)) or "no namespaces")
+                 ", ".join(words) or "no namespaces")
 
     def _detach(self, path: Path, ctrl: Controller) -> None:
         path.retire(ctrl)
@@ -407,11 +419,9 @@ class MultipathController:
                 ctrl.connection_lost(ctrl.admin, CommandTimeout("ANA transition timeout"))
 
     async def _read_ana(self, path: Path, ctrl: Controller) -> None:
-        ident = ctrl.identify
-        assert ident is not None
-        size = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
         try:
-            page = AnaLogPage.from_bytes(await ctrl.get_log_page(LogPageId.ANA, size))
+            page = AnaLogPage.from_bytes(
+                await ctrl.get_log_page(LogPageId.ANA, path.ana_log_bytes))
         except (NVMeoFError, ValueError) as exc:
             log.warning("%s: cannot read the ANA log page: %s", path.name, exc)
             return

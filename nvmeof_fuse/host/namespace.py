@@ -26,6 +26,9 @@ from .memory import DataRef
 from .rangelock import LbaRangeLock
 from .stats import IoStats
 
+UNAVAILABLE_LBA_SIZE = 512
+"""The LBA size an unavailable namespace shows (it has no LBAs)."""
+
 
 class Namespace:
     """One active namespace; ``controller`` runs its commands (a :class:`Controller`, or
@@ -35,14 +38,27 @@ class Namespace:
                  identify: nvme.IdentifyNamespace) -> None:
         self.controller = controller
         self.nsid = nsid
-        self.identify = identify
-        self.lba_size = identify.lba_size
-        self.nlb = identify.nsze
-        self.size = self.nlb * self.lba_size
         self.stats = IoStats()
-        self.lbas = LbaIO(controller, nsid, self.lba_size, self.nlb)
+        self.lbas = LbaIO(controller, nsid, UNAVAILABLE_LBA_SIZE, 0)
         self._bytes = ByteRangeIO(self.lbas, self.stats)
         self.removed = ""  # why, once the namespace is gone from the subsystem
+        self._take(identify)
+
+    def _take(self, identify: nvme.IdentifyNamespace) -> None:
+        """Size and format from ``identify``; one we cannot serve leaves the namespace
+        unavailable (:attr:`unavailable` says why): 0 LBAs, and every I/O fails."""
+        self.identify = identify
+        # what has no ``unusable`` (a test's stand-in with lba_size and nsze) is servable
+        self.unavailable = getattr(identify, "unusable", "")
+        lbas = self.lbas
+        if self.unavailable:
+            lbas.unavailable = f"namespace n{self.nsid} is unavailable: {self.unavailable}"
+            self.lba_size, self.nlb = UNAVAILABLE_LBA_SIZE, 0
+        else:
+            lbas.unavailable = ""
+            self.lba_size, self.nlb = identify.lba_size, identify.nsze
+        lbas.lba_size, lbas.nlb = self.lba_size, self.nlb
+        self.size = self.nlb * self.lba_size
 
     def __repr__(self) -> str:
         return f"<Namespace {self.nsid}: {self.nlb} x {self.lba_size} B>"
@@ -52,10 +68,7 @@ class Namespace:
     def resize(self, identify: nvme.IdentifyNamespace) -> int | None:
         """Take new Identify data; the old size in bytes if the size changed, else None."""
         old = self.size
-        self.identify = identify
-        self.lba_size = self.lbas.lba_size = identify.lba_size
-        self.nlb = self.lbas.nlb = identify.nsze
-        self.size = self.nlb * self.lba_size
+        self._take(identify)
         return old if self.size != old else None
 
     def remove(self, reason: str) -> None:

@@ -51,6 +51,7 @@ class Path:
         self.uri = path_uri(options)
         self.ctrl: Controller | None = None
         self.ana = PathAna(reporting=False, anatt=0)
+        self.ana_log_bytes = 0  # the whole ANA log's size (Identify), once admitted
         self.ids: dict[int, NamespaceIds] = {}
         self.outstanding = 0
         self.ios = 0

@@ -18,6 +18,13 @@ from ._fields import BytesLike, buffer, le, text
 from .constants import IDENTIFY_DATA_SIZE
 from .fabrics import decode_version
 
+LBADS_SERVED = range(9, 17)
+"""LBA data sizes we serve, as powers of two: 512 B to 64 KiB (Linux serves 512 B up to its
+page size; LBADS below 9 is reserved)."""
+NSID_BROADCAST = 0xFFFFFFFF
+SIZE_SERVED = 2**63 - 1
+"""The largest namespace, in bytes, that a file's size (a signed 64-bit off_t) can show."""
+
 
 def _view(name: str, data: BytesLike) -> memoryview:
     return buffer(f"Identify {name} data", data, IDENTIFY_DATA_SIZE)
@@ -244,6 +251,22 @@ class IdentifyNamespace:
         return 1 << self.current_format.lbads
 
     @property
+    def unusable(self) -> str:
+        """Why we cannot serve this namespace, in a few words; '' when we can: FLBAS past
+        the LBA formats, an LBA size outside 512 B to 64 KiB (:data:`LBADS_SERVED`), a size
+        past 2^63 - 1 bytes (:data:`SIZE_SERVED`)."""
+        index = self.format_index
+        if index >= len(self.lbaf):
+            return f"FLBAS selects LBA format {index}, only {len(self.lbaf)} exist"
+        lbads = self.lbaf[index].lbads
+        if lbads not in LBADS_SERVED:
+            return (f"its LBA size 2^{lbads} bytes (LBADS {lbads}) is outside 512 B to "
+                    "64 KiB")
+        if self.nsze << lbads > SIZE_SERVED:
+            return f"its size, {self.nsze} LBAs of {1 << lbads} bytes, is past 2^63 bytes"
+        return ""
+
+    @property
     def metadata_size(self) -> int:
         return self.current_format.ms
 
@@ -256,18 +279,26 @@ class IdentifyNamespace:
         d["nguid"] = self.nguid.hex()
         d["eui64"] = self.eui64.hex()
         if self.active:
-            d["lba_size"] = self.lba_size
+            reason = self.unusable
+            if reason:
+                d["unusable"] = reason
+            else:
+                d["lba_size"] = self.lba_size
         return d
 
 
 def parse_active_ns_list(data: BytesLike) -> list[int]:
-    """Active Namespace ID list (CNS 02h): ascending NSIDs, ended by the first zero."""
+    """Active Namespace ID list (CNS 02h): ascending NSIDs, ended by the first zero.
+
+    What breaks the order (a repeat, a smaller NSID) and the broadcast NSID 0xFFFFFFFF,
+    which names no namespace, are skipped: at most 1024 distinct NSIDs come back."""
     v = _view("active namespace list", data)
-    nsids = []
+    nsids: list[int] = []
     for (nsid,) in struct.iter_unpack("<I", v):
         if nsid == 0:
             break
-        nsids.append(nsid)
+        if nsid != NSID_BROADCAST and (not nsids or nsid > nsids[-1]):
+            nsids.append(nsid)
     return nsids
 
 

@@ -248,3 +248,14 @@ def test_drop_cached_asks_the_kernel_for_the_range_or_the_whole_file(fs):
     call(fs.drop_cached, 1)  # a delegation's end: any of it may have changed
     call(fs.drop_cached, 99)  # no such namespace: nothing to drop
     assert asked == [(n1, False, 4096, 10_000), (n1, False, 0, 0)]
+
+
+def test_an_unavailable_namespace_shows_with_size_0_and_open_fails_with_enxio(fs, ctrl):
+    ns = ctrl.namespaces[1]
+    ns.unavailable, ns.size = "its LBA size 2^63 bytes (LBADS 63) is outside 512 B to 64 KiB", 0
+    inode = lookup(fs, "n1")
+    assert call(fs.getattr, inode, None).st_size == 0
+    with pytest.raises(FUSEError) as refused:
+        call(fs.open, inode, os.O_RDONLY, None)
+    assert refused.value.errno == errno.ENXIO
+    assert not fs.file_open(1) and fs.handles == {}

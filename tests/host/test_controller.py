@@ -6,14 +6,27 @@ admin and I/O queue connects are stand-ins, and trio's clock jumps over the dela
 
 from __future__ import annotations
 
+import struct
 from types import SimpleNamespace
 
 import pytest
 import trio
 import trio.testing
 
-from nvmeof_fuse.errors import CommandTimeout, ConnectError, ControllerLost, TransportError
-from nvmeof_fuse.host.controller import IO_RETRIES, ConnectOptions, Controller
+from nvmeof_fuse.errors import (
+    CommandTimeout,
+    ConnectError,
+    ControllerLost,
+    TargetProtocolError,
+    TransportError,
+)
+from nvmeof_fuse.host.controller import (
+    IO_RETRIES,
+    LOG_PAGE_MAX,
+    RETRY_DELAY_MAX,
+    ConnectOptions,
+    Controller,
+)
 from nvmeof_fuse.host.memory import BouncePool
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion, NVMeStatusError
@@ -202,15 +215,29 @@ class Statuses(FakeQueue):
         return Completion(0, 0, 1, 0, status, True)
 
 
-def test_an_error_status_on_a_live_connection_runs_again_after_its_retry_delay():
+def test_a_command_retry_delay_is_ignored_since_we_never_enable_acre():
+    """A status's CRD counts only once the host set ACRE (Host Behavior Support), which we
+    never do: the command runs again at once, whatever CRDT1 says."""
     async def test(ctrl: Controller) -> None:
-        ctrl.identify = SimpleNamespace(crdt=(3, 0, 0))  # CRDT1: 300 ms
+        ctrl.identify = SimpleNamespace(crdt=(0xFFFF, 0, 0))  # CRDT1: 109 minutes
         queue = Statuses(1, 1 << 11 | INTERNAL_ERROR, INTERNAL_ERROR)  # CRD 1, then CRD 0
         ctrl.io_queues = [queue]
+        assert not ctrl.acre
         assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
         assert queue.ran == 3 and ctrl.state is LIVE and ctrl.losses == 0
         t = queue.times
-        assert [round(t[1] - t[0], 3), round(t[2] - t[1], 3)] == [0.3, 0]
+        assert [t[1] - t[0], t[2] - t[1]] == [0, 0]
+
+    run(test)
+
+
+def test_a_command_retry_delay_would_be_capped_with_acre():
+    async def test(ctrl: Controller) -> None:
+        ctrl.identify = SimpleNamespace(crdt=(3, 0xFFFF, 0))  # CRDT1 300 ms, CRDT2 109 min
+        ctrl.acre = True
+        assert ctrl.retry_delay(1) == pytest.approx(0.3)
+        assert ctrl.retry_delay(2) == RETRY_DELAY_MAX
+        assert ctrl.retry_delay(0) == ctrl.retry_delay(3) == 0
 
     run(test)
 
@@ -515,3 +542,35 @@ def test_secret_files_are_read_again_at_each_connect(tmp_path):
             assert not final_failure(info.value)
 
     trio.run(main)
+
+
+class LogQueue(FakeQueue):
+    """Answers Get Log Page with bytes counting up from each command's offset."""
+
+    def __init__(self) -> None:
+        super().__init__(0)
+        self.asked: list[tuple[int, int]] = []
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        numd = struct.unpack_from("<H", sqe, 42)[0] | struct.unpack_from("<H", sqe, 44)[0] << 16
+        offset, length = struct.unpack_from("<Q", sqe, 48)[0], (numd + 1) * 4
+        self.asked.append((offset, length))
+        assert data.length == length
+        data.region.view[data.offset:data.offset + length] = bytes(
+            (offset + i) % 251 for i in range(length))
+        return OK
+
+
+def test_a_log_page_past_mdts_is_read_in_pieces_and_one_past_the_cap_is_refused():
+    async def test(ctrl: Controller) -> None:
+        ctrl.transport.register = lambda addr, length, owner: None
+        ctrl.admin = queue = LogQueue()
+        ctrl.max_transfer = 4096
+        page = await ctrl.get_log_page(0x70, 10240)
+        assert queue.asked == [(0, 4096), (4096, 4096), (8192, 2048)]
+        assert page == bytes(i % 251 for i in range(10240))
+        with pytest.raises(TargetProtocolError, match=r"log page 0x70 of \d+ bytes is refused"):
+            await ctrl.get_log_page(0x70, LOG_PAGE_MAX + 4)
+        assert len(queue.asked) == 3
+
+    run(test)

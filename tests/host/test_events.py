@@ -69,6 +69,28 @@ def test_rescan_of_a_changed_list_looks_only_at_those():
     assert ctrl.namespaces[2].nlb == 200
 
 
+def test_a_namespace_whose_new_identify_we_cannot_serve_goes_unavailable_said_once(caplog):
+    target = Target({1: 100})
+    ctrl = controller(target, {1: 100})
+    plain = target.identify_raw
+
+    async def identify_raw(cns, nsid=0):
+        data = bytearray(await plain(cns, nsid))
+        if cns == Cns.NAMESPACE:
+            data[130] = 63  # LBADS 63
+        return bytes(data)
+
+    ctrl.identify_raw = identify_raw
+    with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.events"):
+        for _ in range(2):
+            trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    ns = ctrl.namespaces[1]
+    assert ns.size == 0 and "LBADS 63" in ns.unavailable
+    assert caplog.messages == ["nqn.2014-08.org.example:t: namespace n1 is unavailable: its "
+                               "LBA size 2^63 bytes (LBADS 63) is outside 512 B to 64 KiB",
+                               f"namespace n1 resized from {100 * 512} to 0 bytes"]
+
+
 class AdminQueue:
     """Answers each AER with the next event of ``events``; then waits."""
 

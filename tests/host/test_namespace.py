@@ -480,3 +480,23 @@ def test_start_write_sends_nothing_while_its_lbas_are_locked_or_refused():
     ns.controller.take_started = False
     assert not ns.start_write(512, memoryview(bytes(512)), lambda landed: None)
     assert len(ns.write_lock) == 0 and ns.controller.bounce.available == 4
+
+
+# --- Identify values we cannot serve ----------------------------------------------------------
+
+
+def test_a_namespace_we_cannot_serve_is_unavailable_with_no_lbas_until_it_is_fixed():
+    from nvmeof_fuse.errors import NamespaceUnavailable
+
+    bad = SimpleNamespace(lba_size=1 << 63, nsze=2**64 - 1,
+                          unusable="its LBA size 2^63 bytes (LBADS 63) is outside 512 B to 64 KiB")
+    controller = FakeController(512, 64, 2048, 4)
+    ns = Namespace(controller, 1, bad)
+    assert ns.unavailable == bad.unusable and (ns.size, ns.nlb, ns.lba_size) == (0, 0, 512)
+    with pytest.raises(NamespaceUnavailable, match="namespace n1 is unavailable: its LBA size"):
+        ns.check_range(0, 1)
+    with pytest.raises(NamespaceUnavailable):
+        trio.run(ns.read_lbas, 0, 1)
+    assert ns.resize(SimpleNamespace(lba_size=512, nsze=64, unusable="")) == 0
+    assert not ns.unavailable and ns.size == 64 * 512
+    assert trio.run(ns.read_lbas, 0, 1) == controller.disk[:512]

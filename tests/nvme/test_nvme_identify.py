@@ -195,3 +195,44 @@ def test_ids_mismatch_is_nvme_ns_ids_equal():
     assert other.mismatch(a).startswith("NGUID 0102") and "!= 000102" in other.mismatch(a)
     assert a.mismatch(NamespaceIds(nguid=NGUID, uuid=UUID, csi=2)) == "CSI 0 != 2"
     assert "UUID" in a.mismatch(NamespaceIds(nguid=NGUID))  # a missing id differs too
+
+
+@pytest.mark.parametrize("lbads, unusable", [
+    (9, ""), (12, ""), (16, ""),
+    (0, "LBA size 2^0 bytes (LBADS 0) is outside 512 B to 64 KiB"),
+    (8, "LBADS 8"), (17, "LBADS 17"), (63, "LBADS 63"), (255, "LBADS 255"),
+])
+def test_an_lba_size_outside_512_bytes_to_64_kib_is_unusable(lbads, unusable):
+    ns = IdentifyNamespace.from_bytes(namespace_buffer(0, 0, {0: (0, lbads, 0)}))
+    assert (unusable in ns.unusable) and bool(ns.unusable) == bool(unusable)
+    d = json.loads(json.dumps(ns.to_dict()))
+    assert ("lba_size" in d) != bool(unusable) and ("unusable" in d) == bool(unusable)
+
+
+@pytest.mark.parametrize("nsze, lbads, usable", [
+    (2**54 - 1, 9, True),  # just under 2^63 bytes
+    (2**54, 9, False),  # 2^63 bytes: past what off_t shows
+    (2**64 - 1, 9, False),
+    (2**47, 16, False),
+    (2**47 - 1, 16, True),
+])
+def test_a_size_past_2_63_bytes_is_unusable(nsze, lbads, usable):
+    b = bytearray(namespace_buffer(0, 0, {0: (0, lbads, 0)}))
+    struct.pack_into("<Q", b, 0, nsze)
+    ns = IdentifyNamespace.from_bytes(b)
+    assert (ns.unusable == "") == usable
+    if not usable:
+        assert "past 2^63 bytes" in ns.unusable and str(nsze) in ns.unusable
+
+
+def test_flbas_beyond_nlbaf_is_unusable_and_its_report_does_not_raise():
+    ns = IdentifyNamespace.from_bytes(namespace_buffer(0, 0x02, {0: (0, 9, 0)}))
+    assert ns.unusable == "FLBAS selects LBA format 2, only 1 exist"
+    assert ns.to_dict()["unusable"] == ns.unusable
+
+
+def test_active_ns_list_skips_repeats_disorder_and_the_broadcast_nsid():
+    page = struct.pack("<6I", 1, 1, 0xFFFFFFFF, 5, 3, 7).ljust(4096, b"\0")
+    assert parse_active_ns_list(page) == [1, 5, 7]
+    full = struct.pack("<1024I", *range(1, 1025))
+    assert parse_active_ns_list(full) == list(range(1, 1025))
