@@ -111,7 +111,7 @@ class FuseWorkers:
                 status = await proc.wait()
             finally:
                 self.procs.pop(index, None)
-            if self.stopping:
+            if self.stopping or status == 0:  # asked to, or its session ended (unmounted)
                 return
             served = self.ready.pop(index, None) == proc.pid
             why = (f"killed by signal {-status}" if status < 0 else f"exited with status {status}")
@@ -172,10 +172,6 @@ class FuseWorkers:
                     with contextlib.suppress(OSError):
                         proc.kill()
                     await proc.wait()
-
-    def snapshot(self) -> dict[str, Any]:
-        return {"workers": self.count, "running": len(self.procs) + 1, "started": self.started,
-                "replaced": self.replaced}
 
     # -- what workers forward ------------------------------------------------------------
 
