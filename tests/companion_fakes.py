@@ -191,7 +191,7 @@ class LeasingController(AddressController):
         self.options = ConnectOptions("10.0.0.1", "nqn.2026-11.io.x:sub",
                                       companion_queues=companion_queues)
         self.transport.name = transport
-        self.transport.places_in_other_processes = transport == "rdma"
+        self.transport.places_in_other_processes = transport in ("rdma", "tcp")
         self.lease_qids = list(range(3, 3 + companion_queues))
         self.cntlid = 7
         self.state = "live"

@@ -30,10 +30,11 @@ from pathlib import Path
 import trio
 from tcp_target import ADMIN_IDENTIFY, ADMIN_KEEP_ALIVE, NQN, READ, WRITE, FakeTcpTarget
 
+from nvmeof_fuse.nvme import DISCOVERY_NQN, LogPageId
 from nvmeof_fuse.nvme.ana import CMIC_ANA, AnaLogPage, AnaState
 
-LID_ANA, LID_CHANGED_NS, LID_DISCOVERY = 0x0C, 0x04, 0x70
-DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+LID_ANA, LID_CHANGED_NS, LID_DISCOVERY = (LogPageId.ANA, LogPageId.CHANGED_NS_LIST,
+                                          LogPageId.DISCOVERY)
 Send = Callable[..., Awaitable[None]]
 
 

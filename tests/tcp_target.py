@@ -1,4 +1,4 @@
-"""A small NVMe/TCP target on 127.0.0.1 for host tests: Read/Write over a bytearray.
+"""A small NVMe/TCP target on 127.0.0.1 for host tests: Read/Write over shared memory.
 
 It speaks real PDUs (ICResp, CapsuleCmd, C2HData, R2T/H2CData, CapsuleResp,
 digests when asked) and can be told to break the protocol on the next read in
@@ -7,10 +7,24 @@ C2HData payload and then nothing more, or close; "late", which holds the next
 read's data or write's R2T until ``release`` is set; "twice", which answers the next
 read with two CapsuleResps), so the host transport's error
 paths can be checked without a kernel.
+
+Like nvmet it has one controller at a time, whose controller ID changes with each admin
+Connect: an I/O queue's Connect must name the live one (a companion client's leased
+queues carry the mount's), and a QID connects once (nvmet answers Command Sequence Error).
+
+:meth:`FakeTcpTarget.serve` serves every connection on the caller's trio loop, where a test
+may inspect the target's state and inject faults.  :meth:`FakeTcpTarget.serve_forked` serves
+each connection from a process of its own (the namespace and the controller's state in
+shared memory), so that a bench measures the host's side, not the target's one core.
 """
 
 from __future__ import annotations
 
+import ctypes
+import mmap
+import os
+import signal
+import socket
 import struct
 
 import trio
@@ -22,6 +36,10 @@ ADMIN_IDENTIFY, ADMIN_SET_FEATURES, ADMIN_KEEP_ALIVE, FABRICS = 0x06, 0x09, 0x18
 ADMIN_ASYNC_EVENT, ADMIN_GET_LOG_PAGE = 0x0C, 0x02
 LBA = 512
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
+SC_CONNECT_INVALID = 1 << 9 | 0x82 << 1  # status: Connect Invalid Parameters (SCT 1)
+SC_SEQUENCE_ERROR = 0x0C << 1  # status: Command Sequence Error (the QID is connected)
+STATE = struct.Struct("<HBB")  # the controller: its ID, live, whether any admin Connect came
+MAX_QID = 1024
 FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown command",
           "term req", "close", "offset")
 
@@ -29,9 +47,12 @@ FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown com
 class FakeTcpTarget:
     def __init__(self, *, size: int = 1 << 20, maxh2cdata: int = 8192, cpda: int = 0,
                  success_flag: bool = False, c2h_pieces: int = 1, pad: int = 0,
-                 mdts: int = 3) -> None:
-        self.data = bytearray(size)
-        self.max_queues = 2  # I/O queues Set Features grants (the fake serves any QID)
+                 mdts: int = 3, io_queues: int = 2) -> None:
+        # shared with the processes of serve_forked (an anonymous mapping is MAP_SHARED)
+        self.data = mmap.mmap(-1, size)
+        self.io_queues = io_queues  # what Set Features Number of Queues grants at most
+        self._state = mmap.mmap(-1, STATE.size + MAX_QID)  # STATE, then a byte per QID
+        self.io_connects: list[tuple[int, int, str]] = []  # (qid, cntlid, HostNQN) accepted
         self.mdts = mdts  # Identify's MDTS: 2^mdts 4 KiB pages a command, 0 for no limit
         self.maxh2cdata = maxh2cdata
         self.cpda = cpda
@@ -52,28 +73,96 @@ class FakeTcpTarget:
         self.release = trio.Event()  # lets a "late" answer go
         self.late_sent = trio.Event()  # the held answer went out (or its connection was gone)
 
+    @property
+    def cntlid(self) -> int:
+        """The live controller's ID (0 before the first admin Connect)."""
+        return STATE.unpack_from(self._state)[0]
+
+    def _controller(self) -> tuple[int, bool, bool]:
+        return STATE.unpack_from(self._state)
+
     async def serve(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
         self.port = listeners[0].socket.getsockname()[1]
         task_status.started(self.port)
         await trio.serve_listeners(self._connection, listeners)
 
+    def serve_forked(self, started=None) -> None:
+        """Serve until killed, each connection from a child process of its own;
+        ``started(port)`` once listening.  Blocking, without trio: call it in a process of
+        its own (the children die with it)."""
+        listener = socket.create_server(("127.0.0.1", 0), backlog=128)
+        self.port = listener.getsockname()[1]
+        signal.signal(signal.SIGCHLD, _reap)  # (their CPU time then counts as ours: cutime)
+        if started is not None:
+            started(self.port)
+        while True:
+            conn, _ = listener.accept()
+            if os.fork() == 0:  # the child: this connection only
+                listener.close()
+                _die_with_parent()
+                try:
+                    trio.run(self._forked_connection, conn)
+                finally:
+                    os._exit(0)
+            conn.close()
+
+    async def _forked_connection(self, conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await self._connection(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
+
     async def _connection(self, stream: trio.SocketStream) -> None:
         self.connections += 1
         reader = Reader(stream)
         self.streams.append(stream)
+        state = {"qid": None, "writes": {}, "sqflow_off": False, "cntlid": 0}
         try:
             icreq = await reader.read(128)
             self.icreqs.append(icreq)
             self.hdgst, self.ddgst = bool(icreq[11] & 1), bool(icreq[11] & 2)
             await stream.send_all(self._icresp(icreq))
-            state = {"qid": None, "writes": {}, "sqflow_off": False}
             while True:
                 await self._pdu(stream, reader, state)
         except (trio.BrokenResourceError, trio.ClosedResourceError, EOFError):
             pass
         finally:
+            self._disconnected(state)
             await stream.aclose()
+
+    def _disconnected(self, state: dict) -> None:
+        """A queue's connection ended: its QID is free; an admin queue's ends the controller
+        (nvmet tears its I/O queues down with it: here their hosts find out as they use
+        them, or reconnect)."""
+        qid, cntlid = state["qid"], state["cntlid"]
+        if qid is None or cntlid != self.cntlid:
+            return
+        if qid == 0:
+            live_id, _, ever = self._controller()
+            STATE.pack_into(self._state, 0, live_id, 0, ever)
+        elif qid < MAX_QID:
+            self._state[STATE.size + qid] = 0
+
+    def _connect(self, state: dict, sqe: bytes, data: bytes) -> int:
+        """A fabrics Connect: the status, and on the admin queue a new controller."""
+        qid = struct.unpack_from("<H", sqe, 42)[0]
+        live_id, live, ever = self._controller()
+        if qid == 0:
+            live_id = live_id % 0xFFEF + 1
+            STATE.pack_into(self._state, 0, live_id, 1, 1)
+            self._state[STATE.size:] = bytes(MAX_QID)
+            state.update(qid=0, cntlid=live_id)
+            return 0
+        asked = struct.unpack_from("<H", data, 16)[0] if len(data) >= 18 else live_id
+        if ever and (asked != live_id or not live):
+            return SC_CONNECT_INVALID  # no such controller (any more)
+        if ever and qid < MAX_QID:
+            if self._state[STATE.size + qid]:
+                return SC_SEQUENCE_ERROR
+            self._state[STATE.size + qid] = 1
+        hostnqn = data[512:768].rstrip(b"\0").decode(errors="replace")
+        self.io_connects.append((qid, asked, hostnqn))
+        state.update(qid=qid, cntlid=asked)
+        return 0
 
     def _icresp(self, icreq: bytes) -> bytes:
         icresp = pdu.COMMON_HEADER.pack(pdu.ICRESP, 0, 128, 0, 128) + struct.pack(
@@ -124,7 +213,10 @@ class FakeTcpTarget:
             await self._async_event(stream, cid)
             return
         if opcode == FABRICS and sqe[4] == 0x01:
-            state["qid"] = struct.unpack_from("<H", sqe, 42)[0]  # after RECFMT
+            status = self._connect(state, sqe, inline)
+            if status:
+                await stream.send_all(self._response(cid, 0, status))
+                return
             state["sqflow_off"] = bool(sqe[46] & 0x04)  # then reads end with SUCCESS, as nvmet
             self.sqflow_off.append(state["sqflow_off"])
         admin = self._admin(sqe) if opcode == FABRICS or state["qid"] == 0 else None
@@ -188,8 +280,8 @@ class FakeTcpTarget:
         if opcode == FABRICS:
             fctype = sqe[4]
             offset = struct.unpack_from("<I", sqe, 44)[0]
-            if fctype == 0x01:  # Connect: controller ID 1
-                return 1, b""
+            if fctype == 0x01:  # Connect (checked by _connect): the controller's ID
+                return self.cntlid, b""
             if fctype == 0x04:  # Property Get
                 if offset == 0x00:  # CAP: MQES 127, TO 1 (500 ms)
                     return 127 | 1 << 24, b""
@@ -216,10 +308,10 @@ class FakeTcpTarget:
                 struct.pack_into("<QQQ", page, 0, nlb, nlb, nlb)
                 page[130] = 9  # LBA format 0: 512-byte LBAs
             return 0, bytes(page)
-        if opcode == ADMIN_SET_FEATURES:  # the I/O queues asked for, up to self.max_queues
-            asked = struct.unpack_from("<I", sqe, 44)[0] & 0xFFFF
-            granted = min(asked, self.max_queues - 1)
-            return granted | granted << 16, b""
+        if opcode == ADMIN_SET_FEATURES:  # Number of Queues: up to io_queues
+            asked = (struct.unpack_from("<I", sqe, 44)[0] & 0xFFFF) + 1
+            granted = max(2, min(asked, self.io_queues))
+            return (granted - 1) | (granted - 1) << 16, b""
         if opcode == ADMIN_KEEP_ALIVE:
             return 0, b""
         if opcode == ADMIN_GET_LOG_PAGE:
@@ -323,28 +415,56 @@ class Reader:
         return out
 
 
-async def _serve_forever(target: FakeTcpTarget) -> None:
-    async with trio.open_nursery() as nursery:
-        port = await nursery.start(target.serve)
-        print(port, flush=True)
+def _reap(signum: int, frame: object) -> None:
+    """Wait for the connection processes that ended."""
+    try:
+        while os.waitpid(-1, os.WNOHANG)[0]:
+            pass
+    except ChildProcessError:
+        pass
 
 
-def serve_like_nvmet(port_queue) -> None:
-    """A bench's target, run in a child process: 64 MiB, no MDTS and MAXH2CDATA 4 MiB, as
-    Linux nvmet-tcp (a 1 MiB write is one command answering one R2T, as in the testbed VM);
-    its port goes to ``port_queue``."""
+def _die_with_parent() -> None:
+    """A forked connection's process ends with the target's (prctl PR_SET_PDEATHSIG)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+
+def like_nvmet(size: int = 64 << 20, **kw) -> FakeTcpTarget:
+    """No MDTS and MAXH2CDATA 4 MiB, as Linux nvmet-tcp (a 1 MiB write is one command
+    answering one R2T, as in the testbed VM); companion queues to lease."""
+    return FakeTcpTarget(**{"size": size, "maxh2cdata": 1 << 22, "mdts": 0, "io_queues": 64,
+                            **kw})
+
+
+def serve_like_nvmet(port_queue, size: int = 64 << 20, single: bool = False) -> None:
+    """A bench's target (:func:`like_nvmet`), run in a child process: a process per
+    connection unless ``single``; its port goes to ``port_queue``."""
+    target = like_nvmet(size)
+    if not single:
+        target.serve_forked(port_queue.put)
+        return
+
     async def main():
-        target = FakeTcpTarget(size=64 << 20, maxh2cdata=1 << 22, mdts=0)
-        target.max_queues = 64  # FUSE workers' queues too
         async with trio.open_nursery() as nursery:
             port_queue.put(await nursery.start(target.serve))
 
     trio.run(main)
 
 
-if __name__ == "__main__":  # python tests/tcp_target.py MIB: serve until killed, print the port
+class _Printer:
+    @staticmethod
+    def put(port: int) -> None:
+        print(port, flush=True)
+
+
+if __name__ == "__main__":
+    # python tests/tcp_target.py MIB [--single]: serve until killed (a process per connection,
+    # or all on one loop), print the port
     import sys
 
-    served = FakeTcpTarget(size=int(sys.argv[1]) << 20, mdts=0, maxh2cdata=1 << 17)
-    served.max_queues = 64
-    trio.run(_serve_forever, served)
+    serve_like_nvmet(_Printer, int(sys.argv[1]) << 20, "--single" in sys.argv[2:])

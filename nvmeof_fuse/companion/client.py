@@ -41,6 +41,7 @@ from .daemon_io import DaemonIO, Placed
 from .dmabuf import DmabufCache
 from .future import IOFuture
 from .local import served_here
+from .own_staging import OwnQueueRequests
 from .protocol import CompanionError, plan_write
 from .staging import CallerMemory, Staging
 
@@ -199,6 +200,11 @@ class File:
         # collected): the budget is a plain function of the timeout.
         self._io = DaemonIO(self._channel, self.nsid, self.lba_size, self._staging,
                             self._task_size, self._executor, functools.partial(_budget, timeout))
+        # CUDA memory on our own NVMe/TCP queues: staged here, the same tasks on our queues
+        self._own_io = None if self._direct is None or not self._direct.host_memory_only else \
+            DaemonIO(OwnQueueRequests(self._direct, self._staging, self.lba_size), self.nsid,
+                     self.lba_size, self._staging, self._task_size, self._executor,
+                     functools.partial(_budget, timeout))
         channel = self._channel
         self._dmabufs = DmabufCache(self._cuda, channel.register_dmabuf, channel.forget)
         # A file dropped unclosed still lets go of its queues, registrations and connection.
@@ -230,11 +236,14 @@ class File:
         if self._mount is not None:
             shared = host = "direct: registered by this process, which serves the mount"
         elif self._direct is not None:
-            shared = host = "direct: registered with this process's own queues"
+            shared = host = f"direct: {self._own_path()}"
         else:
             shared, host = "direct: the mount daemon maps the array's pages", STAGED_HOST
         refusal = (hello.get("placement") or {}).get("dmabuf", "on")
-        if refusal != "on":
+        if self._direct is not None and self._direct.host_memory_only:
+            cuda = (f"staged: by this process over its own queues "
+                    f"({self._direct.host_memory_only})")
+        elif refusal != "on":
             self._cuda_refusal = refusal
             cuda = f"staged: {refusal}"
         else:
@@ -263,6 +272,13 @@ class File:
             self._channel.report(moved={}, placement=self._placement)
         except NVMeoFError as exc:  # the daemon is gone: transfers will say so
             log.debug("reporting placement: %s", exc)
+
+    def _own_path(self) -> str:
+        """How host memory moves on this file's own queues."""
+        assert self._direct is not None
+        if self._direct.transport_name == "tcp":
+            return "received and sent by this process's own NVMe/TCP queues"
+        return "registered with this process's own queues"
 
     def _refuse_cuda(self, reason: str) -> None:
         """CUDA memory of this file is staged from now on (never asked for again)."""
@@ -568,8 +584,10 @@ class File:
         registered here (then the daemon's path serves it)."""
         direct = self._direct
         assert direct is not None
-        caller = self._caller(mem, buf_offset, stream)
         device = mem.device
+        if device is not None and self._own_io is not None:
+            return self._own_staged(mem, buf_offset, size, file_offset, write, stream)
+        caller = self._caller(mem, buf_offset, stream)
         if device is not None:
             if self._cuda_refusal:
                 return None
@@ -630,6 +648,25 @@ class File:
                 cuda.flush_gpudirect_writes(device)
 
         return IOFuture(future, finish, self._budget(size) + direct.renew_timeout)
+
+    def _own_staged(self, mem: _Memory, buf_offset: int, size: int, file_offset: int,
+                    write: bool, stream: int | None) -> IOFuture:
+        """CUDA memory on our own NVMe/TCP queues: staged through our page-locked staging
+        memory and copied to or from the GPU here (:mod:`.own_staging`)."""
+        device = mem.device
+        assert device is not None and self._own_io is not None and self._direct is not None
+        self._pin_staging(device)
+        if write and stream is None:  # the copy out of it goes on the thread's own stream
+            self._cuda.synchronize(device, stream)
+        caller = self._caller(mem, buf_offset, stream)
+        io = self._own_io
+        transfer = (io.write_staged(caller, file_offset, size) if write else
+                    io.read_staged(caller, file_offset, size))
+        future = transfer.future
+        with self._lock:
+            self._inflight.add(future)
+        future.add_done_callback(functools.partial(_discard, self._inflight, self._lock))
+        return IOFuture(future, None, self._budget(size) + self._direct.renew_timeout)
 
     def _dmabuf_own(self, direct: DirectQueues, device: gpu.DeviceMemory
                     ) -> tuple[Any, int, Any]:

@@ -1,11 +1,14 @@
 """A companion client's own I/O queues on the mounted controller: the daemon leaves the data path.
 
 The mount daemon leases queue IDs over the companion socket (after its uid
-check).  This process connects them itself (RDMA-CM connections and a
-protection domain of its own, a Fabrics Connect carrying the mount's
-controller ID, HostNQN and HostID: :mod:`nvmeof_fuse.host.attached`), registers
-its own memory there, and moves data between the target and that memory with
-nobody in between.  One trio loop on one thread (:class:`SyncController`)
+check).  This process connects them itself (over RDMA, RDMA-CM connections and a
+protection domain of its own; over NVMe/TCP, a TCP connection per queue with its
+ICReq/ICResp; either way a Fabrics Connect carrying the mount's controller ID,
+HostNQN and HostID, and DH-HMAC-CHAP with the mount's secrets, which the lease
+reply carries: :mod:`nvmeof_fuse.host.attached`), registers its own memory there,
+and moves data between the target and that memory with nobody in between.  Over
+NVMe/TCP a socket receives into host memory only: CUDA memory is staged by this
+process (:mod:`.own_staging`).  One trio loop on one thread (:class:`SyncController`)
 completes every request's future: no thread per request.
 
 Reads never involve the daemon.  A write asks the daemon for the range lock a
@@ -86,6 +89,7 @@ class DirectQueues:
         self._dmabufs: DmabufCache | None = None  # made on the first CUDA transfer
         self._dmabufs_lock = threading.Lock()
         self._ctrl: Any = None  # the AttachedController, once connected (loop-owned)
+        self._transport: Any = None  # made on the loop, with the connection
         self._bridge = SyncController(options, connect=self._attach)
         try:
             ctrl = self._bridge.controller  # connected, or its error raised here
@@ -93,6 +97,16 @@ class DirectQueues:
         except BaseException:
             self._bridge.close()
             raise
+
+    @property
+    def host_memory_only(self) -> str:
+        """Why our transport cannot place data in GPU memory (NVMe/TCP); empty if it can
+        try (RDMA: dma-bufs)."""
+        return getattr(self._transport, "dmabuf_refusal", "")
+
+    @property
+    def transport_name(self) -> str:
+        return getattr(self._transport, "name", "")
 
     @property
     def live(self) -> bool:
@@ -108,8 +122,8 @@ class DirectQueues:
 
         Registrations go after the requests in flight drained, before the PD goes.
         """
-        async with attach(options, self._lease, make_transport(options),
-                          polled=POLLED_QUEUES) as ctrl:
+        self._transport = make_transport(options)
+        async with attach(options, self._lease, self._transport, polled=POLLED_QUEUES) as ctrl:
             self._ctrl = self.polled.ctrl = ctrl
             self._registrations = Registrations(ctrl.transport.register)
             token = trio.lowlevel.current_trio_token()

@@ -99,6 +99,7 @@ class CompanionServer:
                 "delegations_granted": self.delegations.granted,
                 "delegations_recalled": self.delegations.recalled,
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
+                              "lease_transport": s.lease_transport if s.qids else "",
                               **s.counts, "placement": s.placement}
                              for s in self.sessions if s.worker is None]}
 
@@ -418,6 +419,7 @@ class CompanionServer:
             log.info("companion: %s leases queues %s", session.peer,
                      ",".join(map(str, session.qids)))
         opts = ctrl.options
+        session.lease_transport = ctrl.transport.name
         return {
             "qids": session.qids, "cntlid": ctrl.cntlid, "transport": ctrl.transport.name,
             "traddr": opts.traddr, "trsvcid": opts.trsvcid, "host_traddr": opts.host_traddr,

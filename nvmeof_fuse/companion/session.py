@@ -118,6 +118,7 @@ class Session:
         self.worker: dict | None = None  # a FUSE worker's last report (it is one)
         self.lessor: Any = None  # with several paths: the path's controller they are on
         self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
+        self.lease_transport = ""  # what its own queues run over (rdma, tcp)
         self.write_locks: dict[int, trio.Event] = {}  # token -> set to release the lock
         self.next_token = 0
         self._waits: set[trio.CancelScope] = set()  # lease and lock waits under way
@@ -223,7 +224,7 @@ class Session:
         ns = self.controller.namespaces.get(nsid)
         if ns is None:
             raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
-        if getattr(ns, "unavailable", ""):
+        if ns.unavailable:
             raise NamespaceUnavailable(f"namespace n{nsid} is unavailable: {ns.unavailable}")
         return ns
 

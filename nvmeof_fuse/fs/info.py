@@ -16,6 +16,7 @@ class NamespaceLike(Protocol):
     lba_size: int
     nlb: int
     size: int
+    unavailable: str  # why we cannot serve it ('' when we can): opening it fails
     identify: Any  # .to_dict()
     stats: IoStats
 

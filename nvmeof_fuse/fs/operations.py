@@ -377,7 +377,7 @@ class NamespaceFS:
             raise FUSEError(errno.EACCES)
         if writable and self.options.read_only:
             raise FUSEError(errno.EROFS)
-        if isinstance(node, _NsFile) and getattr(node.ns, "unavailable", ""):
+        if isinstance(node, _NsFile) and node.ns.unavailable:
             raise FUSEError(errno.ENXIO)  # values we cannot serve: shown with size 0
         fh = next(self._fh)
         if self.shared_handles:

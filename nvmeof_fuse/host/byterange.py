@@ -530,8 +530,8 @@ class LbaIO:
         raises the error).  It must not raise.  False, with nothing sent, when the read
         needs more than one command, the namespace is gone, no buffer is free, or the path
         is not live or its queue has no slot for it (``start_io``).  The caller checked
-        the range."""
-        if self.removed or self.unavailable or nlb > self.per_command():
+        the range (an unavailable namespace has no LBAs, so none is in range)."""
+        if self.removed or nlb > self.per_command():
             return False
         io = self.io
         pool = io.bounce
@@ -565,7 +565,7 @@ class LbaIO:
         (as :meth:`start_lend`).  The caller checked the range."""
         length = len(data)
         nlb = length // self.lba_size
-        if self.removed or self.unavailable or nlb > self.per_command():
+        if self.removed or nlb > self.per_command():
             return False
         io = self.io
         pool = io.bounce

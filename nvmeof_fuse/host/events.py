@@ -65,6 +65,7 @@ class ScannedNamespace(Protocol):
     """What a rescan changes of a namespace it knows."""
 
     size: int
+    unavailable: str
 
     def resize(self, identify: nvme.IdentifyNamespace) -> int | None: ...
 
@@ -124,9 +125,9 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
             ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
             changes.append(NamespaceChange("added", nsid, 0, ns.size))
         else:
-            was = getattr(ns, "unavailable", "")
+            was = ns.unavailable
             old = ns.resize(ident)
-            now = getattr(ns, "unavailable", "")
+            now = ns.unavailable
             if now and now != was:  # values we cannot serve now: say why, once
                 log.warning("%s: namespace n%d is unavailable: %s", ctrl.options.nqn, nsid, now)
             if old is not None:

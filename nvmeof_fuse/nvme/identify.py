@@ -255,10 +255,10 @@ class IdentifyNamespace:
         """Why we cannot serve this namespace, in a few words; '' when we can: FLBAS past
         the LBA formats, an LBA size outside 512 B to 64 KiB (:data:`LBADS_SERVED`), a size
         past 2^63 - 1 bytes (:data:`SIZE_SERVED`)."""
-        index = self.format_index
-        if index >= len(self.lbaf):
-            return f"FLBAS selects LBA format {index}, only {len(self.lbaf)} exist"
-        lbads = self.lbaf[index].lbads
+        try:
+            lbads = self.current_format.lbads
+        except ValueError as exc:  # FLBAS past the LBA formats
+            return str(exc)
         if lbads not in LBADS_SERVED:
             return (f"its LBA size 2^{lbads} bytes (LBADS {lbads}) is outside 512 B to "
                     "64 KiB")

@@ -34,7 +34,9 @@ class TcpTransport:
 
     name = "tcp"
     needs_keyed_sgls = False
-    places_in_other_processes = False  # a client's own queues would gain it nothing
+    places_in_other_processes = True
+    """A companion client connects queues of its own (a connection each, with the mount's
+    controller ID) and receives into its own host memory: the daemon leaves the data path."""
     dmabuf_refusal = HOST_MEMORY_ONLY
     """Why dma-bufs (GPU memory) are not registered here."""
 

@@ -4,7 +4,8 @@
                                          [--json]
   python scripts/benches/bench.py nvmeof -a ADDR -n NQN [-s PORT] [--nsid 2] [--seconds 5]
                                          [--json]
-  python scripts/benches/bench.py companion --file MOUNT/nN [--seconds 5] [--processes 1] [--json]
+  python scripts/benches/bench.py companion --file MOUNT/nN [--seconds 5] [--processes 1]
+      [--queues N] [--json]
   python scripts/benches/bench.py fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
                                          [--image F] [--fuse builtin|pyfuse3] [--workers N]
   python scripts/benches/bench.py table --kernel F --core F --nvmeof F --fuse F --companion F \
@@ -309,8 +310,11 @@ def run_companion(args: argparse.Namespace) -> dict:
     jobs = [j for j in JOBS if args.jobs is None or j.key in args.jobs]
     results: dict = {"initiator": "companion", "metrics": {}, "errors": {},
                      "cpu_us_per_io": {}, "sys_us_per_io": {}}
-    with nvmeof_fuse.File(args.file) as f:
+    queues = getattr(args, "queues", None)
+    kwargs = {} if queues is None else {"queues": queues}
+    with nvmeof_fuse.File(args.file, **kwargs) as f:
         results["own_queues"] = list(f.own_queues)
+        results["placement"] = f.placement["shared"]
         bufs = nvmeof_fuse.empty((16, MIB))
         if args.start_at:  # line up with the other processes of one measurement
             time.sleep(max(0.0, args.start_at - time.time()))
@@ -365,6 +369,8 @@ def _companion_processes(args: argparse.Namespace) -> dict:
            "--seconds", str(args.seconds), "--json", "--start-at", str(start_at)]
     if args.jobs:
         cmd += ["--jobs", ",".join(args.jobs)]
+    if getattr(args, "queues", None) is not None:
+        cmd += ["--queues", str(args.queues)]
     children = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                  text=True) for _ in range(args.processes)]
     limit = start_at - time.time() + (args.seconds + 60) * len(JOBS) + 60
@@ -705,6 +711,9 @@ def parser() -> argparse.ArgumentParser:
                    help=f"run only these jobs (of {', '.join(METRICS)})")
     c.add_argument("--processes", type=int, default=1,
                    help="run this many client processes at once and add up (default 1)")
+    c.add_argument("--queues", type=int, default=None,
+                   help="queues of its own each File leases (0: the mount daemon's queues; "
+                        "default: nvmeof_fuse.File's)")
     c.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     r = sub.add_parser("fuse-ram", help="mount a namespace kept in RAM (MOUNTPOINT/n1)")
     r.add_argument("mountpoint")

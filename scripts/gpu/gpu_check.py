@@ -1,6 +1,6 @@
 """The checks behind scripts/gpu-check: the companion API's CUDA path on a machine with a GPU.
 
-A fake NVMe/TCP target (tests/tcp_target.py, in a process of its own) on
+A fake NVMe/TCP target (tests/tcp_target.py, a process per connection) on
 loopback is mounted through the real daemon and FUSE.  Then, each from threads
 that never touched CUDA: the CUDA driver calls in the memory's own context;
 what ``File.placement`` says; CUDA tensors read and written byte-exactly at
@@ -110,11 +110,26 @@ class Mounted:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of process ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def cpu_seconds(pid: int, children: bool = False) -> float:
+    """User and system CPU seconds of process ``pid`` (all its threads) so far; with
+    ``children``, also those of its children, live or waited for (the fake target serves
+    each connection from a child process)."""
+    def fields_of(p: int | str) -> list[str]:
+        with open(f"/proc/{p}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+
+    fields = fields_of(pid)
+    ticks = int(fields[11]) + int(fields[12])
+    if children:
+        ticks += int(fields[13]) + int(fields[14])
+        for entry in os.listdir("/proc"):
+            try:
+                child = fields_of(entry) if entry.isdigit() else None
+                if child is not None and int(child[1]) == pid:
+                    ticks += int(child[11]) + int(child[12])
+            except (OSError, ValueError, IndexError):
+                continue
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def aligned(nbytes: int) -> mmap.mmap:
@@ -235,8 +250,13 @@ def run_checks(mounted: Mounted, state: dict) -> None:
         import nvmeof_fuse
 
         with nvmeof_fuse.File(path) as f:
-            placement = f.placement
-        assert placement["cuda"].startswith("staged: NVMe/TCP receives data into host memory")
+            placement, own = f.placement, f.own_queues
+        with nvmeof_fuse.File(path, queues=0) as f:
+            via_daemon = f.placement
+        assert own, "no NVMe/TCP queues of its own"
+        assert placement["cuda"].startswith("staged: by this process over its own queues "
+                                            "(NVMe/TCP receives data into host memory")
+        assert via_daemon["cuda"].startswith("staged: NVMe/TCP receives data into host memory")
         return f"cuda: {placement['cuda'][:60]}...; shared: {placement['shared']}"
 
     @check("CUDA tensors from fresh threads: unaligned reads and writes, byte-exact")
@@ -327,8 +347,10 @@ def run_checks(mounted: Mounted, state: dict) -> None:
         companion = mounted.stats()["companion"]
         assert companion["errors"] == 0, f"{companion['errors']} companion errors"
         assert companion["dmabuf_refused"] == 0, "the client asked for what TCP cannot do"
-        return (f"requests {companion['requests']}, errors 0, dma-buf refused 0, staged "
-                f"{companion['staged_read_bytes'] >> 20} MiB read, "
+        return (f"requests {companion['requests']}, errors 0, dma-buf refused 0; on the "
+                f"clients' own queues {companion['client_queue_read_bytes'] >> 20} MiB read, "
+                f"{companion['client_queue_write_bytes'] >> 20} MiB written; staged by the "
+                f"daemon {companion['staged_read_bytes'] >> 20} MiB read, "
                 f"{companion['staged_write_bytes'] >> 20} MiB written")
 
 
@@ -349,13 +371,13 @@ def run_bench(mounted: Mounted, args: argparse.Namespace) -> None:
     busy: dict[str, dict[str, list[float]]] = {}
 
     def timed(name: str, run: Callable[[float], int]) -> float:
-        cpu = {who: cpu_seconds(pid) for who, pid in pids.items()}
+        cpu = {who: cpu_seconds(pid, who == "target") for who, pid in pids.items()}
         started = time.perf_counter()
         moved = run(started + args.seconds)
         took = time.perf_counter() - started
         for who, pid in pids.items():  # share of one core each process kept busy
             busy.setdefault(name, {}).setdefault(who, []).append(
-                (cpu_seconds(pid) - cpu[who]) / took)
+                (cpu_seconds(pid, who == "target") - cpu[who]) / took)
         return moved / took / 1e9
 
     def offsets(chunk: int) -> Callable[[], int]:

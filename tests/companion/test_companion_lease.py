@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import threading
 import uuid
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -68,8 +69,9 @@ def test_queues_run_out_then_come_back_when_a_client_goes(served):
 
 @pytest.mark.parametrize(("queues", "transport", "why"), [
     (0, "rdma", "queue leasing is off on this mount (--companion-queues 0)"),
-    (2, "tcp", "the mount's tcp transport gives no direct placement into another "
-               "process's memory"),
+    (0, "tcp", "queue leasing is off on this mount (--companion-queues 0)"),
+    (2, "loop", "the mount's loop transport gives no direct placement into another "
+                "process's memory"),
 ])
 def test_no_lease_says_why(tmp_path, queues, transport, why):
     with serving(LeasingController(queues, transport), tmp_path) as (server, _):
@@ -148,6 +150,20 @@ def test_bad_locks_are_one_line(served, fields, message):
     finally:
         ch.close()
 
+
+
+def test_a_lock_on_an_unavailable_namespace_is_refused_by_name(served):
+    ctrl, server = served
+    why = "its LBA size 2^63 bytes (LBADS 63) is outside 512 B to 64 KiB"
+    ctrl.namespaces[2].resize(SimpleNamespace(lba_size=1 << 63, nsze=1, unusable=why))
+    ch = channel(server)
+    try:
+        with pytest.raises(CompanionError) as exc:
+            ch.call("lock", nsid=2, offset=0, length=4096, hold_s=5)
+        assert str(exc.value) == f"namespace n2 is unavailable: {why}"
+        assert exc.value.errno == errno.ENXIO
+    finally:
+        ch.close()
 
 
 def test_a_lease_carries_the_mounts_dhchap_secrets_so_the_clients_queues_authenticate(

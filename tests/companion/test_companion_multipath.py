@@ -71,3 +71,37 @@ def test_paths_change_on_request_and_refusals_are_errors():
         assert [p.index for p in head.paths] == [0]
 
     run(test, port, paths=1)
+
+
+def test_a_lease_moves_only_to_a_path_of_its_own_transport():
+    """A client's queues keep the transport they were connected with: on a mount over RDMA
+    and NVMe/TCP paths, a lease on the lost RDMA path waits for an RDMA path."""
+    port = Port()
+
+    async def main() -> None:
+        opts = [options(addr, companion_queues=4, ctrl_loss_tmo=-1)
+                for addr in list(port.targets)[:2]]
+        opts[1].transport = "tcp"
+        async with multipath.connect(opts, connect_path=port.connect) as head:
+            for path in head.paths:
+                path.ctrl.lease_qids, path.ctrl.io_queue_size = [3, 4], lambda: 32
+            server = CompanionServer(head)
+            session = server.new_session("pid 2 uid 0")
+            first = await server.lease(session, 2)
+            assert first["traddr"] == "192.0.2.1" and first["transport"] == "rdma"
+            port[0].go_away()
+            port[0].fail_queues()
+            for _ in range(2):
+                await head.namespaces[1].read(0, 512)
+            with trio.move_on_after(30) as waited:
+                await server.lease(session, 2)
+            assert waited.cancelled_caught  # not moved to the TCP path
+
+            def leasable(ctrl):
+                ctrl.lease_qids, ctrl.io_queue_size = [3, 4], lambda: 32
+            port.on_connect = leasable
+            port[0].come_back()
+            again = await server.lease(session, 2)
+            assert again["traddr"] == "192.0.2.1" and again["transport"] == "rdma"
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

@@ -29,11 +29,8 @@ def test_workers_lease_the_last_queue_ids_on_any_transport(tmp_path, transport):
         try:
             assert worker.call("lease", want=1, worker=True)["qids"] == [5]
             assert other.call("lease", want=1, worker=True)["qids"] == [6]
-            if transport == "rdma":  # companion clients get the others, never the workers'
-                assert client.call("lease", want=4)["qids"] == [3, 4]
-            else:  # over TCP clients still go through the daemon
-                with pytest.raises(CompanionError, match="no direct placement"):
-                    client.call("lease", want=1)
+            # companion clients get the others, never the workers'
+            assert client.call("lease", want=4)["qids"] == [3, 4]
             third = channel(server)
             try:
                 with pytest.raises(CompanionError, match="FUSE workers are taken"):

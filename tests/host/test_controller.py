@@ -574,3 +574,17 @@ def test_a_log_page_past_mdts_is_read_in_pieces_and_one_past_the_cap_is_refused(
         assert len(queue.asked) == 3
 
     run(test)
+
+
+@pytest.mark.parametrize("entries, maxcmd, said", [(1, 128, "CAP.MQES 0, MAXCMD 128"),
+                                                    (128, 1, "CAP.MQES 127, MAXCMD 1")])
+def test_queues_of_one_entry_are_refused_in_one_line(entries, maxcmd, said):
+    async def test(ctrl: Controller) -> None:
+        ctrl.cap = SimpleNamespace(max_queue_entries=entries)
+        ctrl.identify = SimpleNamespace(maxcmd=maxcmd)
+        with pytest.raises(ConnectError) as refused:
+            ctrl.io_queue_size()
+        assert str(refused.value) == (f"rdma 192.0.2.1:4420: the controller allows I/O queues "
+                                      f"of 1 entry ({said}); at least 2 are needed")
+
+    run(test)

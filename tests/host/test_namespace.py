@@ -497,6 +497,10 @@ def test_a_namespace_we_cannot_serve_is_unavailable_with_no_lbas_until_it_is_fix
         ns.check_range(0, 1)
     with pytest.raises(NamespaceUnavailable):
         trio.run(ns.read_lbas, 0, 1)
+    # no LBAs, so the started (callback) paths send nothing either
+    assert not ns.start_read_lent(0, 512, lambda view: None)
+    assert not ns.start_write(0, memoryview(bytes(512)), lambda landed: None)
+    assert controller.bounce.available == 4
     assert ns.resize(SimpleNamespace(lba_size=512, nsze=64, unusable="")) == 0
     assert not ns.unavailable and ns.size == 64 * 512
     assert trio.run(ns.read_lbas, 0, 1) == controller.disk[:512]

@@ -7,6 +7,7 @@ import struct
 
 from hostile_target import (
     LID_ANA,
+    LID_CHANGED_NS,
     LID_DISCOVERY,
     Fault,
     HostileTarget,
@@ -258,7 +259,7 @@ class ChangedNamespaceListForged(Fault):
             await target.complete(stream, cid, 0x04 << 16 | 0x00 << 8 | 0x2)  # notice: NS attr
 
     def log_page(self, target, lid, offset, length, page):
-        if lid == 0x04:
+        if lid == LID_CHANGED_NS:
             page = struct.pack("<1024I", 0xFFFFFFFF, *range(2, 1025))
         return super().log_page(target, lid, offset, length, page)
 

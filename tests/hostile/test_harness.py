@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from hostile_harness import DD_BOUND, UNMOUNT_BOUND
 from hostile_target import FAULTS, Fault, HostileTarget, fault
 
 
 def test_a_good_target_reads_and_writes(hostile):
     for direction in ("read", "write"):
         out = hostile.run("none", direction).check("ok")
-        assert out.dd_seconds < 30 and out.unmount_seconds < 20
+        assert out.dd_seconds < DD_BOUND and out.unmount_seconds < UNMOUNT_BOUND
 
 
 def test_a_fault_name_is_registered_once():

@@ -140,7 +140,17 @@ def test_mount_over_tcp_authenticates(testbed, tmp_path):
             with open(f"{MNT}/n1", "rb", buffering=0) as f:
                 f.seek(4096)
                 assert f.read(len(data)) == data
-            assert "sha256, ffdhe2048" in open(log).read()
+            # a companion client's own NVMe/TCP queues authenticate too (the lease carries
+            # the secret; it shows in neither process's log)
+            child = subprocess.run([sys.executable, CHILD, "roundtrip", f"{MNT}/n1",
+                                    str((1 << 20) + 5), str(1 << 20), "numpy"],
+                                   capture_output=True, text=True, timeout=TIMEOUT)
+            assert child.returncode == 0, child.stderr
+            result = json.loads(child.stdout.splitlines()[-1])
+            assert result["equal"] and result["own_queues"], (result, child.stderr)
+            text = open(log).read()
+            assert "sha256, ffdhe2048" in text
+            assert key not in text and key not in child.stderr + child.stdout
         finally:
             unmount()
 

@@ -1,6 +1,7 @@
 """NVMe/TCP: the ICReq/ICResp handshake, the probe, and queues against a fake target."""
 
 import math
+import os
 import random
 import re
 import socket
@@ -1110,3 +1111,57 @@ def test_a_receiver_thread_waiting_for_the_send_lock_ends_when_its_queue_fails()
         assert queue._threads == 0 and not queue._send_lock.locked()
 
     with_target(test, maxh2cdata=1 << 20)
+
+
+def test_the_forked_target_serves_each_queue_from_a_process_of_its_own():
+    """tests/tcp_target.py's bench mode: one namespace, shared by every connection's process,
+    and one controller, whose ID each I/O queue's Connect must name (as nvmet)."""
+    import multiprocessing
+
+    from tcp_target import NQN, serve_like_nvmet
+
+    from nvmeof_fuse.host.controller import ConnectOptions, connect
+
+    ports = multiprocessing.get_context("fork").Queue()
+    child = multiprocessing.get_context("fork").Process(
+        target=serve_like_nvmet, args=(ports, 4 << 20), daemon=True)
+    child.start()
+    try:
+        port = ports.get(timeout=30)
+
+        async def main():
+            options = ConnectOptions("127.0.0.1", NQN, transport="tcp", trsvcid=port,
+                                     reconnect_delay=1, keep_alive_tmo=0, nr_io_queues=4)
+            with trio.fail_after(HANG_GUARD):
+                async with connect(options) as ctrl:
+                    assert len(ctrl.io_queues) == 4 and ctrl.lease_qids  # to lease
+                    ns = ctrl.namespaces[1]
+                    data = random.Random(11).randbytes(64 * LBA)
+                    await ns.write_lbas(0, data)  # spread over the queues' processes
+
+                    async def check(i):
+                        assert await ns.read_lbas(i * 8, 8) == data[i * 8 * LBA:(i + 1) * 8 * LBA]
+
+                    async with trio.open_nursery() as nursery:
+                        for i in range(8):
+                            nursery.start_soon(check, i)
+                    pids = _children(child.pid)
+                    assert len(pids) == 5, pids  # the admin queue and four I/O queues
+
+        trio.run(main)
+    finally:
+        child.terminate()
+        child.join(10)
+
+
+def _children(parent: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
