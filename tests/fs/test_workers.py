@@ -366,7 +366,8 @@ def test_a_worker_killed_under_load_is_replaced_and_its_queues_come_back(mounted
     assert all(isinstance(e, OSError) and e.errno == errno.ECONNABORTED for e in errors), errors
     wait_for(lambda: len(m.serving()) >= 2, "a replacement worker", detail=m.text)
     assert "killed by signal 9" in m.text()
-    wait_for(lambda: [w["pid"] for w in m.stats()["workers"][1:]] not in ([], [first["pid"]]),
+    wait_for(lambda: [w["pid"] for w in m.stats().get("workers", [])[1:]]
+             not in ([], [first["pid"]]),
              "the replacement's report")
     second = m.stats()["workers"][1]
     assert second["qids"] == first["qids"]  # its queue IDs came back and were leased again
