@@ -35,6 +35,10 @@ def workers_mnt(fabric, testbed):
     sh(*mount_args(fabric, "--daemon", "--log-file", log, "--workers", "2", MNT))
     try:
         wait_for_workers(log, 2)
+        deadline = time.monotonic() + TIMEOUT  # and its first report (one a second)
+        while len(stats(MNT).get("workers", [])) < 2:
+            assert time.monotonic() < deadline, "no report from the worker"
+            time.sleep(0.5)
         yield MNT, log
     finally:
         sh("fusermount3", "-u", MNT, check=False)
