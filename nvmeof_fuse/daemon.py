@@ -112,6 +112,9 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 ready(ctrl, companion)
                 if stop is not None:
                     await stop.wait()  # cancelled instead when unmounted from outside
+                    stop_retrying = getattr(ctrl, "stop_retrying", None)
+                    if stop_retrying is not None:  # no command caught retrying holds us
+                        stop_retrying(f"{mountpoint} is being unmounted")
                     if pool is None:
                         inner.cancel_scope.cancel()
                     else:  # the filesystem drains, then its workers, then the rest stops

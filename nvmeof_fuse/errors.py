@@ -32,6 +32,9 @@ class TransportError(NVMeoFError):
     """The transport failed (a failed work completion, a lost connection)."""
 
     errno = _errno.EIO
+    sent = True
+    """Whether the command it failed was in flight (False: its queue had failed before it
+    was sent, so it costs no try of the command's retry budget)."""
 
 
 class TargetProtocolError(NVMeoFError):

@@ -41,6 +41,11 @@ def stats(mnt: str) -> dict:
         return json.load(f)
 
 
+def moved(mnt: str, name: str) -> int:
+    """Bytes read and written on namespace ``name`` so far."""
+    return sum(op["bytes"] for op in stats(mnt)[name]["ops"].values())
+
+
 def count(path: str, text: str) -> int:
     with open(path) as f:
         return f.read().count(text)
@@ -91,6 +96,9 @@ def main() -> int:
         print("  " + " ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
 
     try:
+        # WARM_UP s of load, from fio's first bytes: under TCG, fio and the client may take
+        # longer than WARM_UP to start, and an RSS taken before any I/O is no "before"
+        wait_for(lambda: moved(MNT, "n1") > 0, 120)
         time.sleep(WARM_UP)
         rss_before = rss_kib(daemon)
         sample("warmed up")

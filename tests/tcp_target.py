@@ -20,12 +20,14 @@ shared memory), so that a bench measures the host's side, not the target's one c
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import signal
 import socket
 import struct
+import threading
 
 import trio
 
@@ -96,11 +98,12 @@ class FakeTcpTarget:
         signal.signal(signal.SIGCHLD, _reap)  # (their CPU time then counts as ours: cutime)
         if started is not None:
             started(self.port)
+        target = os.getpid()
         while True:
             conn, _ = listener.accept()
             if os.fork() == 0:  # the child: this connection only
                 listener.close()
-                _die_with_parent()
+                _die_with_parent(target)
                 try:
                     trio.run(self._forked_connection, conn)
                 finally:
@@ -415,6 +418,29 @@ class Reader:
         return out
 
 
+@contextlib.contextmanager
+def served_in_thread(**kw):
+    """``(target, token)``: a :class:`FakeTcpTarget` (``kw``) served on a trio loop of a
+    thread of its own, and that loop's token (a test calls into the target's loop with it)."""
+    target, state, ready = FakeTcpTarget(**kw), {}, threading.Event()
+
+    async def main() -> None:
+        state["token"] = trio.lowlevel.current_trio_token()
+        with trio.CancelScope() as state["scope"]:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(target.serve)
+                ready.set()
+
+    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
+    thread.start()
+    assert ready.wait(10), "the fake target did not start"
+    try:
+        yield target, state["token"]
+    finally:
+        trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
+        thread.join(10)
+
+
 def _reap(signum: int, frame: object) -> None:
     """Wait for the connection processes that ended."""
     try:
@@ -424,14 +450,17 @@ def _reap(signum: int, frame: object) -> None:
         pass
 
 
-def _die_with_parent() -> None:
-    """A forked connection's process ends with the target's (prctl PR_SET_PDEATHSIG)."""
+def _die_with_parent(parent: int) -> None:
+    """This process ends with ``parent`` (prctl PR_SET_PDEATHSIG), also if that ended
+    before the prctl took hold."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)
     except (OSError, AttributeError):
         pass
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def like_nvmet(size: int = 64 << 20, **kw) -> FakeTcpTarget:
@@ -443,7 +472,9 @@ def like_nvmet(size: int = 64 << 20, **kw) -> FakeTcpTarget:
 
 def serve_like_nvmet(port_queue, size: int = 64 << 20, single: bool = False) -> None:
     """A bench's target (:func:`like_nvmet`), run in a child process: a process per
-    connection unless ``single``; its port goes to ``port_queue``."""
+    connection unless ``single``; its port goes to ``port_queue``.  It ends with the process
+    that started it (a test or bench killed outright leaves no target behind)."""
+    _die_with_parent(os.getppid())
     target = like_nvmet(size)
     if not single:
         target.serve_forked(port_queue.put)

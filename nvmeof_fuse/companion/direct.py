@@ -90,6 +90,7 @@ class DirectQueues:
         self._dmabufs_lock = threading.Lock()
         self._ctrl: Any = None  # the AttachedController, once connected (loop-owned)
         self._transport: Any = None  # made on the loop, with the connection
+        self._at_loop_end: list[Any] = []  # called on the loop as it ends (nothing starts after)
         self._bridge = SyncController(options, connect=self._attach)
         try:
             ctrl = self._bridge.controller  # connected, or its error raised here
@@ -107,6 +108,11 @@ class DirectQueues:
     @property
     def transport_name(self) -> str:
         return getattr(self._transport, "name", "")
+
+    def at_loop_end(self, fn: Any) -> None:
+        """Call ``fn()`` on the loop once it has ended its jobs: a job submitted and not
+        started by then never starts."""
+        self._at_loop_end.append(fn)
 
     @property
     def live(self) -> bool:
@@ -137,6 +143,8 @@ class DirectQueues:
             finally:
                 self.writes.nursery = None
                 self._channel.on_event = None
+                for ended in self._at_loop_end:
+                    ended()
                 self._registrations.close()
                 with self._dmabufs_lock:
                     dmabufs, self._dmabufs = self._dmabufs, None

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import threading
 from typing import Any
 
 from ..errors import TransportError
 from .protocol import Piece
 from .staging import Staging
+
+CLOSED = "our own queues were closed"
+NOT_STARTED = "our own queues were closed before this request started"
 
 
 class OwnQueueRequests:
@@ -27,6 +31,10 @@ class OwnQueueRequests:
         self._direct = direct
         self._staging = staging
         self._lba = lba_size
+        self._lock = threading.Lock()  # guards _pending and _ended
+        self._pending: set[concurrent.futures.Future] = set()  # submitted, not yet ended
+        self._ended = False  # our queues' loop has ended: nothing submitted starts now
+        direct.at_loop_end(self._loop_ended)
 
     def _region(self, at: int, nbytes: int) -> tuple[Any, int, Any]:
         """``(region, offset, release)`` of staging memory at ``at`` in our queues' memory."""
@@ -59,20 +67,47 @@ class OwnQueueRequests:
         """``job(*args)`` on our queues' loop: a future its callbacks can wait on (the
         loop's own futures are waited for, not called back)."""
         future: concurrent.futures.Future = concurrent.futures.Future()
-        self._direct.start(functools.partial(_completing, future, job), *args)
+        with self._lock:
+            if self._ended:
+                raise TransportError(NOT_STARTED)
+            self._pending.add(future)
+        try:
+            self._direct.start(functools.partial(self._completing, future, job), *args)
+        except BaseException:
+            with self._lock:
+                self._pending.discard(future)
+            raise
         return future
 
+    async def _completing(self, future: concurrent.futures.Future, job: Any, *args: Any
+                          ) -> Any:
+        """Run ``job(*args)`` and complete ``future`` with its end, whatever it is."""
+        try:
+            result = await job(*args)
+        except BaseException as exc:
+            self._settle(future, exc if isinstance(exc, Exception) else TransportError(CLOSED))
+            raise
+        self._settle(future, None, result)
+        return result
 
-async def _completing(future: concurrent.futures.Future, job: Any, *args: Any) -> Any:
-    """Run ``job(*args)`` and complete ``future`` with its end, whatever it is."""
-    try:
-        result = await job(*args)
-    except BaseException as exc:
-        future.set_exception(exc if isinstance(exc, Exception) else
-                             TransportError("our own queues were closed"))
-        raise
-    future.set_result(result)
-    return result
+    def _settle(self, future: concurrent.futures.Future, error: BaseException | None,
+                result: Any = None) -> None:
+        with self._lock:
+            if future not in self._pending:
+                return  # failed already, as the loop ended
+            self._pending.discard(future)
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def _loop_ended(self) -> None:
+        """Fail the requests the ended loop will never start (their tasks' callers wait)."""
+        with self._lock:
+            self._ended = True
+            pending, self._pending = self._pending, set()
+        for future in pending:
+            future.set_exception(TransportError(NOT_STARTED))
 
 
 def _whole_lbas(at: int, data: Any) -> None:

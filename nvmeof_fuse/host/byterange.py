@@ -510,6 +510,7 @@ class LbaIO:
                 view[:length] = host
                 sqe = cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL)
             else:
+                pool.for_read(view, length)
                 sqe = cmd.read(self.nsid, slba, nlb, nvme.NULL_SGL)
             # returns or raises only once the target can no longer reach the buffer
             await io.io_command(sqe, DataRef(region, 0, length), to_controller=write)
@@ -538,6 +539,7 @@ class LbaIO:
         region = pool.take_nowait() if pool is not None else None
         if region is None:
             return False
+        pool.for_read(region.view, nlb * self.lba_size)  # type: ignore[arg-type]
         sent_in = pool.generation
 
         def finished(request: Finished) -> None:

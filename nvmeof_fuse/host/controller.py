@@ -39,6 +39,7 @@ from ..nvme import command as cmd
 from ..nvme.status import SCT_PATH
 from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
+from ..transport.overdue import OverdueWatch
 from . import auth
 from .events import AsyncEvents
 from .hostid import host_identity
@@ -57,7 +58,11 @@ SPREAD_BYTES = 64 * 1024
 BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
-IO_RETRIES = 5  # nvme_max_retries: tries of a command that fails with a status or times out
+IO_RETRIES = 5
+"""nvme_max_retries: tries of a command that fails with a status, times out, or was in
+flight when its connection failed."""
+PROBE_LOOKS = 4
+"""Looks for an overdue command per the transport's ``probe_after``."""
 RETRY_DELAY_MAX = 10.0
 """Seconds: the longest Command Retry Delay honoured, were retry delays enabled (ACRE)."""
 LOG_PAGE_MAX = 4 << 20
@@ -73,6 +78,16 @@ def reconnect_attempts(ctrl_loss_tmo: float, reconnect_delay: float) -> float:
     if ctrl_loss_tmo < 0:
         return math.inf
     return math.ceil(ctrl_loss_tmo / reconnect_delay)
+
+
+def out_of_tries(sqe: bytearray, tries: int, failure: BaseException) -> TransportError:
+    """The error of a command whose connection failed under each of its ``tries``
+    (``failure``: the last), logged once: it names the target's fault."""
+    name = nvme.command.command_name(sqe, admin=False)
+    error = TransportError(f"{name} failed: its connection failed under each of its {tries} "
+                           f"tries (the last: {failure})")
+    log.error("%s", error)
+    return error
 
 
 def make_transport(options: ConnectOptions) -> Transport:
@@ -120,6 +135,7 @@ class Controller:
         self._lost_reason = ""
         self._dead_reason = ""
         self._failing_io = ""  # set while I/O fails fast during a reconnect
+        self._stopping = ""  # set once commands whose connection fails are not run again
         self.events = AsyncEvents(self, self.new_namespace)  # AERs and rescans, once live
         self.losses = 0  # connections lost
         self.reconnects = 0  # of them, regained
@@ -127,6 +143,8 @@ class Controller:
         """Times the queues were torn down: a command sent before the n-th teardown, that
         is while this was below n, can no longer be reached by the target after it."""
         self._live_since = 0.0  # trio time of the last change to live
+        self._outage_since = 0.0
+        """When the connection was lost and did not hold since (see :meth:`_outage_start`)."""
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -260,11 +278,13 @@ class Controller:
         ``failure`` is its completion with an error status, or the error its queue failed
         with; ``sent_in`` is :attr:`teardowns` when it was sent.
 
-        - Its connection was lost under it (TransportError): once reconnected, as the
-          kernel's multipath fails such a command over to the path that comes back.  Only
-          ``--ctrl-loss-tmo`` or ``--fast-io-fail-tmo`` end that (ControllerLost).
-        - It timed out (CommandTimeout), which also costs the connection: once
-          reconnected, up to ``IO_RETRIES`` tries (``nvme_max_retries``).
+        - Its connection was lost under it (TransportError) or it timed out
+          (CommandTimeout), which also costs the connection: once reconnected, up to
+          ``IO_RETRIES`` tries (``nvme_max_retries``: the kernel counts a command aborted
+          with its connection too), so that a command that breaks the connection each time
+          (a target's protocol violation) ends in EIO.  A command that never went out (its
+          queue had failed before) costs no try.  ``--ctrl-loss-tmo`` or
+          ``--fast-io-fail-tmo`` end it sooner (ControllerLost).
         - A status with Do Not Retry is final.  Any other is tried again, up to
           ``IO_RETRIES`` tries: once reconnected if the controller is no longer live (its
           connection is going away), after ``reconnect_delay`` (or a change of state) for
@@ -287,6 +307,10 @@ class Controller:
                 if isinstance(failure, CommandTimeout):
                     if tries >= IO_RETRIES:
                         raise failure
+                    tries += 1
+                elif failure.sent:
+                    if tries >= IO_RETRIES:
+                        raise out_of_tries(sqe, tries, failure) from None
                     tries += 1
             await self.wait_live()
             queue = self.pick_queue(nbytes)
@@ -361,7 +385,8 @@ class Controller:
         """The bounce buffers of this controller's namespaces (see :class:`BouncePool`)."""
         return BouncePool(self.transport.register, chunk, count,
                           timeout=BOUNCE_WAIT_FACTOR * self.options.timeout,
-                          patient=self.bounce_wait_expected)
+                          patient=self.bounce_wait_expected,
+                          clear_reads=not getattr(self.transport, "counts_read_data", False))
 
     async def next_state(self) -> str:
         """Wait for the next change of state; the new state."""
@@ -376,9 +401,16 @@ class Controller:
         while self.state is not LIVE:
             if self.state in (DELETING, DEAD):
                 raise ControllerLost(self._dead_reason)
-            if self._failing_io and fail_fast:
-                raise ControllerLost(self._failing_io)
+            if fail_fast and (self._failing_io or self._stopping):
+                raise ControllerLost(self._failing_io or self._stopping)
             await self._states.wait_changed()
+
+    def stop_retrying(self, why: str) -> None:
+        """The mount stops: I/O that waits for a reconnect fails now (ControllerLost(why)),
+        so that no command caught retrying keeps the unmount waiting; commands on a live
+        connection still run (the final flush)."""
+        self._stopping = why
+        self._states.wake()
 
     async def wait_connected(self) -> bool:
         """Wait until live (True) or gone for good (False); --fast-io-fail-tmo aside."""
@@ -447,12 +479,26 @@ class Controller:
             self.bounce.reclaim()
         self._states.wake()  # (commands wait for this in _torn_down)
 
+    def _outage_start(self) -> float:
+        """When the outage that a loss now is part of began: now, unless the connection it
+        ends was lost before within a command timeout of its reconnect.  A connection that a
+        command (a target's protocol violation) breaks again each time it is retried is one
+        outage, so that ``--ctrl-loss-tmo`` bounds it as it bounds a target that is gone."""
+        now = trio.current_time()
+        if not (self.reconnects and now - self._live_since < self.options.timeout):
+            self._outage_since = now
+        return self._outage_since
+
     async def _reconnect(self, reason: str) -> None:
-        """Tear the queues down, then rebuild them every reconnect_delay until ctrl_loss_tmo."""
+        """Tear the queues down, then rebuild them every reconnect_delay until ctrl_loss_tmo
+        has passed since the outage began (:meth:`_outage_start`)."""
         opts = self.options
-        lost_at = trio.current_time()
+        lost_at = self._outage_start()
         await self._drop_queues()  # commands in flight fail now, and wait for the outcome
         attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
+        if opts.ctrl_loss_tmo > 0:  # what is left of it (of the outage's whole length)
+            left = opts.ctrl_loss_tmo - (trio.current_time() - lost_at)
+            attempts = reconnect_attempts(left, opts.reconnect_delay) if left > 0 else 0
         tried, refused = 0, ""
         if attempts and not self._change_state(CONNECTING):
             return  # closed meanwhile
@@ -706,6 +752,9 @@ class Controller:
         await self._connect_io_queues()
         if opts.keep_alive_tmo:
             self._nursery.start_soon(self._keep_alive, opts.keep_alive_tmo)
+        probe_after = getattr(self.transport, "probe_after", 0)
+        if probe_after:
+            self._nursery.start_soon(self._probe_when_overdue, probe_after)
         self.bounce = self.new_bounce_pool(self.max_transfer, BOUNCE_BUFFERS)
         await self._identify_namespaces()
         await self._nursery.start(self.supervise)
@@ -735,16 +784,43 @@ class Controller:
         """
         while True:
             await trio.sleep(kato / 2)
-            admin = self.admin
-            if self.state is not LIVE or admin is None:
+            await self._send_keep_alive(kato, "keep-alive")
+
+    async def _send_keep_alive(self, timeout: float, why: str) -> None:
+        """One Keep Alive; its failure is a lost connection (named by ``why``)."""
+        admin = self.admin
+        if self.state is not LIVE or admin is None:
+            return
+        try:
+            completion = await admin.execute(cmd.keep_alive(), timeout=timeout)
+        except (TransportError, CommandTimeout) as exc:
+            self.connection_lost(admin, CommandTimeout(f"{why}: {exc}"))
+            return
+        if not completion.ok and self.state is LIVE and why == "keep-alive":
+            log.error("keep-alive failed: %s", completion.status_name())
+
+    async def _probe_when_overdue(self, after: float) -> None:
+        """Send a Keep Alive at once while an I/O command has waited ``after`` s, at most
+        one per ``after`` s (the transport's ``probe_after``).
+
+        Over RDMA the target's disconnect does not reach us, and the commands it dropped
+        had their SENDs acknowledged already: nothing fails until a SEND goes
+        unacknowledged, which a probe brings at once instead of at the next keep-alive.
+        A probe is answered by a target that is merely slow, so it never fails over by
+        itself; only its transport's retry limit or the keep-alive timeout does.
+        """
+        watch = OverdueWatch(after)
+        timeout = self.options.keep_alive_tmo or self.options.timeout
+        last = -math.inf
+        while True:
+            await trio.sleep(after / PROBE_LOOKS)
+            if self.state is not LIVE:
                 continue
-            try:
-                completion = await admin.execute(cmd.keep_alive(), timeout=kato)
-            except (TransportError, CommandTimeout) as exc:
-                self.connection_lost(admin, CommandTimeout(f"keep-alive: {exc}"))
-                continue
-            if not completion.ok and self.state is LIVE:
-                log.error("keep-alive failed: %s", completion.status_name())
+            now = trio.current_time()
+            if watch.overdue(self.io_queues, now) and now - last >= after:
+                last = now
+                self._nursery.start_soon(self._send_keep_alive, timeout,
+                                         f"probe after a command waited {after:g} s")
 
     async def shutdown(self, why: str = "") -> None:
         """Deleting: no new keep-alives or I/O (they get ``why``); then CC.SHN, and wait

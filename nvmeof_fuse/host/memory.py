@@ -82,8 +82,14 @@ class BouncePool:
     """
 
     def __init__(self, register: Register, chunk: int, count: int,
-                 timeout: float = 30.0, patient: Callable[[], bool] | None = None) -> None:
+                 timeout: float = 30.0, patient: Callable[[], bool] | None = None,
+                 clear_reads: bool = True) -> None:
         self.chunk = chunk
+        self.clear_reads = clear_reads
+        """Whether a read's buffer is cleared before the read goes out (:meth:`for_read`):
+        where the transport cannot tell that a successful read moved all its data, the
+        buffer must not hold the bytes of a request before it."""
+        self._zeros = memoryview(bytes(chunk))
         self.timeout = timeout
         self.patient = patient
         self._free = [host_buffer(register, chunk) for _ in range(count)]
@@ -142,6 +148,12 @@ class BouncePool:
         except trio.WouldBlock:
             return None
         return self._free.pop()
+
+    def for_read(self, view: memoryview, length: int) -> None:
+        """A read of ``length`` bytes goes into ``view`` (a buffer of this pool): cleared
+        first where :attr:`clear_reads`."""
+        if self.clear_reads:
+            view[:length] = self._zeros[:length]
 
     def give(self, region: Region) -> None:
         """Return a buffer from :meth:`take` (never one the target may still reach)."""

@@ -56,6 +56,7 @@ from .controller import (
     IO_RETRIES,
     SCRATCH_BYTES,
     Controller,
+    out_of_tries,
 )
 from .controller import connect as connect_controller
 from .events import NamespaceChange
@@ -116,6 +117,7 @@ class MultipathController:
         self._scratch_lock = trio.Lock()
         self._changed = trio.Event()
         self._closed = ""
+        self._stopping = ""  # why commands whose connection fails are not run again
         self._admit_lock = trio.Lock()
         self.failovers = 0
         self._generation = 0  # of what is known of the paths: see _usable
@@ -342,7 +344,9 @@ class MultipathController:
         if self.bounce is None:
             self.bounce = BouncePool(self._register, self.max_transfer, BOUNCE_BUFFERS,
                                      timeout=BOUNCE_WAIT_FACTOR * ctrl.options.timeout,
-                                     patient=self.bounce_wait_expected)
+                                     patient=self.bounce_wait_expected, clear_reads=False)
+        if not getattr(ctrl.transport, "counts_read_data", False):
+            self.bounce.clear_reads = True  # a path that cannot count a read's data joined
         if ctrl.bounce is not None and not isinstance(ctrl.bounce, HeadPool):
             ctrl.bounce.close()  # the path's own buffers: the head's serve instead
         ctrl.bounce = HeadPool(lambda: self.bounce)  # type: ignore[assignment]
@@ -556,6 +560,16 @@ class MultipathController:
             return str(LIVE)
         return str(states[0]) if states else ("dead" if self._closed else "connecting")
 
+    def stop_retrying(self, why: str) -> None:
+        """The mount stops: a command whose connection fails from now on, or that waits for
+        a path, fails (ControllerLost) instead of waiting for a reconnect, so that no
+        command caught retrying keeps the unmount waiting."""
+        self._stopping = why
+        for path in self.paths:
+            if path.ctrl is not None:
+                path.ctrl.stop_retrying(why)
+        self._wake()
+
     async def wait_live(self, *, fail_fast: bool = True) -> None:
         while not self.live:
             self._check_servable()
@@ -570,6 +584,8 @@ class MultipathController:
         up (or fails I/O fast meanwhile), or the head is closed."""
         if self._closed:
             raise ControllerLost(self._closed)
+        if self._stopping:
+            raise ControllerLost(self._stopping)
         reasons = []
         for path in self.paths:
             ctrl = path.ctrl
@@ -628,7 +644,7 @@ class MultipathController:
         nsid = int.from_bytes(sqe[4:8], "little")
         nbytes = data.length if data is not None else 0
         skip: set[int] = set()  # paths that failed this command with a path status
-        tries = 1  # status retries and timeouts, as Controller.io_command counts them
+        tries = 1  # status retries, timeouts and lost connections, as Controller.io_command
         failovers = 0
         waited_since: float | None = None
         last: Completion | None = None
@@ -658,10 +674,16 @@ class MultipathController:
                 failovers += 1
                 self.selector.forget(path)
                 log.debug("%s: command failed (%s): failing over", path.name, exc)
-                if isinstance(exc, CommandTimeout):
+                if isinstance(exc, CommandTimeout) or exc.sent:
+                    # Counted across paths: a command that breaks each connection it goes
+                    # on (a target's protocol violation) must not take every path down in turn.
                     tries += 1
                     if tries > IO_RETRIES:
-                        raise
+                        if isinstance(exc, CommandTimeout):
+                            raise
+                        raise out_of_tries(sqe, tries - 1, exc) from None
+                if self._stopping:
+                    raise ControllerLost(f"{self._stopping} ({exc})") from None
                 continue
             path.outstanding -= 1
             if completion.ok:

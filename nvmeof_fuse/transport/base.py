@@ -58,7 +58,10 @@ class Finished(Protocol):
 class Transport(Protocol):
     """Connects a controller's queues; owns the fabric resources they share.
 
-    Optional, where a transport has it: ``take_over(queue, timeout)``, which hands a
+    Optional, where a transport has it: ``probe_after`` (seconds), after which a command
+    still waiting has the controller send a Keep Alive at once, for a transport whose lost
+    peer shows only when a SEND fails (RDMA); its queues then offer ``oldest_command()``
+    (:mod:`.overdue`).  And ``take_over(queue, timeout)``, which hands a
     connected queue to callers' threads to drive themselves (polled; None if it cannot).
     """
 
@@ -68,6 +71,10 @@ class Transport(Protocol):
     """Whether the controller must support keyed SGL data blocks (NVMe/RDMA does)."""
 
     places_in_other_processes: bool
+    counts_read_data: bool
+    """Whether a read's success means all its data arrived (NVMe/TCP counts each read's
+    C2HData bytes; a target's RDMA writes cannot be counted, so a read's bounce buffer is
+    cleared before it goes out: no reply carries another request's bytes)."""
     """Whether a process other than the mount's can connect queues of the controller and
     have data placed in its own memory (companion clients' leased queues)."""
 

@@ -85,3 +85,11 @@ def for_caller(error: Exception) -> Exception:
     """A copy of a queue's shared ``error`` for one caller to raise: raised itself, it would
     gather every caller's frames on its traceback, and with them the memory they refer to."""
     return copy.copy(error)
+
+
+def unsent(error: Exception) -> Exception:
+    """:func:`for_caller` for a command that failed before it was sent (its queue had
+    failed): it costs the command no try."""
+    error = copy.copy(error)
+    error.sent = False  # type: ignore[attr-defined]
+    return error

@@ -41,12 +41,14 @@ from ..concurrency import tasks_runnable
 from ..errors import CommandTimeout, ConnectError, TransportError
 from ..nvme import Completion
 from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
+from .cids import CommandIds
 from .parking import (
     Watchdog,
     closed_for_timeout,
     for_caller,
     time_out,
     timeout_error,
+    unsent,
 )
 from .pollbudget import PollBudget
 from .region import DataRef, Region, host_buffer
@@ -62,6 +64,19 @@ POLL_MAX = 0.002
 (but for a probe now and then: :mod:`.pollbudget`); below, its caller polls for twice that."""
 YIELD_EVERY = POLL_MAX
 """Seconds a caller polling for its command alone may go on without a scheduler pass."""
+ACK_TIMEOUT = 16
+"""The QP's local ACK timeout, as the exponent n of 4.096 us * 2**n (about 0.27 s): a SEND
+the target's device has not acknowledged by then is sent again."""
+RETRY_COUNT = 2
+"""Resends of an unacknowledged SEND before it fails with "transport retry counter exceeded":
+a queue whose peer is gone fails (RETRY_COUNT + 1) ACK timeouts after a SEND, about 0.8 s.
+A target that is merely slow still acknowledges at once (its device does, not its software).
+Not 7, RDMA-CM's default: Soft-RoCE takes 7 as "forever", and a device that counts takes
+eight timeouts."""
+PROBE_AFTER = 0.5
+"""Seconds a command may wait before the controller sends a Keep Alive at once: commands
+whose SENDs were acknowledged before the peer went away wait on without a SEND to fail, and
+a probe brings one."""
 _SEND, _RECV = 1 << 62, 1 << 61
 _INDEX = (1 << 32) - 1
 _CID = struct.Struct("<H")  # the command ID, bytes 2..3 of a capsule
@@ -101,11 +116,14 @@ class Request:
     :meth:`RdmaQueue.start`, a callback (``done``).
     """
 
-    __slots__ = ("cid", "data", "inline", "sent", "completion", "error", "finished",
+    __slots__ = ("cid", "slot", "data", "inline", "sent", "completion", "error", "finished",
                  "task", "done", "deadline", "timeout")
 
-    def __init__(self, cid: int, data: DataRef | None) -> None:
+    def __init__(self, cid: int, slot: int, data: DataRef | None) -> None:
         self.cid = cid
+        """Its command ID: ``slot`` and the slot's generation (:mod:`.cids`)."""
+        self.slot = slot
+        """Its capsule, response and send work request."""
         self.data = data
         self.inline = False
         self.sent = False
@@ -119,14 +137,21 @@ class Request:
         self.timeout = 0.0
 
 
-class CommandSlots:
-    """Command IDs of one queue and the requests holding them (no I/O)."""
+class CommandSlots(CommandIds):
+    """Command IDs of one queue and the requests holding them (no I/O).
+
+    A response is matched by its whole command ID, the slot's generation included: one
+    for an earlier use of a slot is not in flight (a protocol error, never the answer of
+    the command using the slot now).
+    """
+
+    __slots__ = ("size", "pending", "awaiting_send")
 
     def __init__(self, size: int) -> None:
+        super().__init__(size - 1)  # an SQ of N entries holds N-1 commands
         self.size = size
-        self.free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
-        """Free command IDs (read on the hot path, where a property call costs)."""
         self.pending: dict[int, Request] = {}
+        """The requests in flight, by slot."""
         self.awaiting_send = 0
         """Requests answered whose SEND completion has not been seen yet."""
 
@@ -135,17 +160,21 @@ class CommandSlots:
         return len(self.free)
 
     def allocate(self, data: DataRef | None) -> Request:
-        request = Request(self.free.pop(), data)
-        self.pending[request.cid] = request
+        slot = self.free.pop()  # (CommandIds.take, inline: this is the hot path)
+        last = self.last
+        cid = last[slot] = (last[slot] + self.step) & 0xFFFF
+        request = self.pending[slot] = Request(cid, slot, data)
         return request
 
     def release(self, request: Request) -> None:
         """Give back a request's slot without finishing it (it was never sent)."""
-        del self.pending[request.cid]
-        self.free.append(request.cid)
+        del self.pending[request.slot]
+        self.free.append(request.slot)
 
-    def send_completed(self, cid: int) -> None:
-        request = self.pending.get(cid) or self._unknown(cid, "send completion")
+    def send_completed(self, slot: int) -> None:
+        request = self.pending.get(slot)
+        if request is None:
+            raise TransportError(f"send completion for slot {slot}, which holds no command")
         request.sent = True
         if request.completion is not None:
             self.awaiting_send -= 1
@@ -155,7 +184,9 @@ class CommandSlots:
 
     def response(self, completion: Completion) -> None:
         cid = completion.command_id
-        request = self.pending.get(cid) or self._unknown(cid, "response")
+        request = self.pending.get(cid & self.mask)
+        if request is None or request.cid != cid:
+            self._unknown(cid, "response")
         if request.completion is not None:
             raise TransportError(f"second response for command ID {request.cid}")
         request.completion = completion
@@ -183,8 +214,8 @@ class CommandSlots:
 
     def _retire(self, request: Request) -> None:
         """Both halves are done: the slot may carry a new command."""
-        del self.pending[request.cid]
-        self.free.append(request.cid)
+        del self.pending[request.slot]
+        self.free.append(request.slot)
 
     @staticmethod
     def finish(request: Request) -> None:
@@ -296,8 +327,13 @@ class RdmaTransport:
     name = "rdma"
     needs_keyed_sgls = True
     places_in_other_processes = True
+    counts_read_data = False  # the target's RDMA writes land unseen
     dmabuf_refusal = ""
     """Empty: dma-bufs may be registered (the device or its driver may still refuse one)."""
+    probe_after = PROBE_AFTER
+    """Seconds a command may wait before the controller probes the connection: an RDMA-CM
+    disconnect from the target does not reach us, so a lost path shows only when a SEND goes
+    unacknowledged (see ACK_TIMEOUT)."""
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0) -> None:
@@ -494,7 +530,7 @@ class RdmaQueue:
         def connect():
             return self.cm.connect(request,
                                     responder_resources=min(255, device.max_qp_rd_atom),
-                                    initiator_depth=0)
+                                    initiator_depth=0, retry_count=RETRY_COUNT)
 
         self.qp.post_recv(self._recvs)
         where = f"{self.transport.traddr}:{self.transport.trsvcid}"
@@ -513,6 +549,25 @@ class RdmaQueue:
         if crqsize < self.size - 1:
             raise ConnectError(f"{where} accepted a receive queue of {crqsize} entries for "
                                f"{self.name}, fewer than the {self.size - 1} commands we send")
+        self._shorten_ack_timeout()
+
+    def _shorten_ack_timeout(self) -> None:
+        """Lower the QP's local ACK timeout to ACK_TIMEOUT where RDMA-CM chose a longer one
+        (or none).  A device that refuses the change (RTS to RTS) keeps RDMA-CM's: a lost
+        peer then shows after RETRY_COUNT + 1 of its timeouts instead."""
+        try:
+            current = self.qp.query()[0]["timeout"]
+            if current == 0 or current > ACK_TIMEOUT:
+                self.qp.modify(int(self._ib.QPAttrMask.TIMEOUT), timeout=ACK_TIMEOUT)
+        except (OSError, KeyError, TypeError):
+            pass
+
+    def oldest_command(self) -> Request | None:
+        """The command in flight the longest, or None (``pending`` keeps the order commands
+        were allocated in): what :mod:`.overdue` looks at."""
+        for request in self._slots.pending.values():
+            return request
+        return None
 
     def _send_wr(self, cid: int, sg_list: list):
         ib = self._ib
@@ -541,7 +596,7 @@ class RdmaQueue:
 
     async def _allocate(self, data: DataRef | None, timeout: float) -> Request:
         if self._failed:
-            raise for_caller(self._failed)
+            raise unsent(self._failed)
         self._slot_wanted += 1  # start() leaves freed slots to us meanwhile
         try:
             with trio.move_on_after(timeout):
@@ -550,7 +605,7 @@ class RdmaQueue:
         finally:
             self._slot_wanted -= 1
         if self._failed:
-            raise for_caller(self._failed)
+            raise unsent(self._failed)
         if not self._slots.available:
             raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
         return self._slots.allocate(data)
@@ -618,16 +673,16 @@ class RdmaQueue:
                       to_controller: bool) -> list:
         """Write ``sqe`` into ``request``'s registered capsule, with its command ID and
         data pointer; the send work requests that post it."""
-        cid = request.cid
-        offset = cid * SQE_BYTES
+        slot = request.slot
+        offset = slot * SQE_BYTES
         capsule = self.capsules.view
         capsule[offset:offset + SQE_BYTES] = sqe
-        _CID.pack_into(capsule, offset + 2, cid)
+        _CID.pack_into(capsule, offset + 2, request.cid)
         extra = self._place_data(capsule, offset + 24, data, to_controller)
         if extra:
             request.inline = True
-            return [self._send_wr(cid, [self._capsule_sges[cid], *extra])]
-        return self._sends[cid]
+            return [self._send_wr(slot, [self._capsule_sges[slot], *extra])]
+        return self._sends[slot]
 
     def _post_soon(self, request: Request, wrs: list) -> None:
         """Queue ``wrs`` for the poster.  With others in flight, other callers likely post in

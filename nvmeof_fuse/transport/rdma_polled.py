@@ -139,8 +139,8 @@ class PolledQueue:
         ``sqe``, or a Read of ``read`` (``(nsid, slba, nlb)``)."""
         q = self.queue
         request = self._slots.allocate(ref)
-        cid = request.cid
-        offset = cid * SQE_BYTES
+        cid, slot = request.cid, request.slot
+        offset = slot * SQE_BYTES
         capsule = q.capsules.view
         if read is None:
             capsule[offset:offset + SQE_BYTES] = sqe
@@ -152,7 +152,7 @@ class PolledQueue:
                 raise
         _CID.pack_into(capsule, offset + 2, cid)
         q._place_data(capsule, offset + 24, ref, False)
-        self._unposted.extend(q._sends[cid])
+        self._unposted.extend(q._sends[slot])
         self._held[cid] = keep
         return request
 

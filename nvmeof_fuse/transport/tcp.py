@@ -37,6 +37,7 @@ class TcpTransport:
     places_in_other_processes = True
     """A companion client connects queues of its own (a connection each, with the mount's
     controller ID) and receives into its own host memory: the daemon leaves the data path."""
+    counts_read_data = True  # a read succeeds only with all its C2HData (tcp_reader)
     dmabuf_refusal = HOST_MEMORY_ONLY
     """Why dma-bufs (GPU memory) are not registered here."""
 

@@ -38,8 +38,9 @@ from ..nvme import tcp_pdu as pdu
 from ..nvme.command import CONNECT_DISABLE_SQFLOW
 from ..nvme.sgl import in_capsule_data
 from ..nvme.tcp_pdu import ICResp
+from .cids import CommandIds
 from .mailbox import Mailbox
-from .parking import Watchdog, closed_for_timeout, for_caller, timeout_error
+from .parking import Watchdog, closed_for_timeout, for_caller, timeout_error, unsent
 from .region import DataRef
 from .splice import Splicer, open_splicer
 from .tcp_data import (
@@ -120,7 +121,8 @@ class TcpQueue:
         self.maxh2cdata = resp.maxh2cdata
         self.header_digest = resp.header_digest
         self.data_digest = resp.data_digest
-        self._free = list(range(size - 1))  # an SQ of N entries holds N-1 commands
+        self._ids = CommandIds(size - 1)  # an SQ of N entries holds N-1 commands
+        self._free = self._ids.free  # its free slots (the hot path reads them)
         self._pending: dict[int, Request] = {}
         self._slot_waiters = trio.lowlevel.ParkingLot()
         self._slot_wanted = 0  # callers waiting for a slot, parked or woken and not yet run
@@ -171,15 +173,15 @@ class TcpQueue:
             finally:
                 self._slot_wanted -= 1
         if self._failed is not None:
-            raise for_caller(self._failed)
+            raise unsent(self._failed)
         if not self._free:
             raise CommandTimeout(f"{self.name} stayed full for {timeout:g} s")
-        return self._free.pop()
+        return self._ids.take()
 
     def _release(self, request: Request) -> None:
         if self._pending.get(request.cid) is request:
             del self._pending[request.cid]
-            self._free.append(request.cid)
+            self._ids.give_back(request.cid)
             if self._slot_waiters:
                 self._slot_waiters.unpark()
 
@@ -192,7 +194,7 @@ class TcpQueue:
         if (self._failed is not None or not self._free or self._slot_wanted
                 or self._sender is None):
             return False
-        request = self._send_command(self._free.pop(), sqe, data, to_controller, batch=True)
+        request = self._send_command(self._ids.take(), sqe, data, to_controller, batch=True)
         request.done = done
         self._watchdog.watch(request, timeout)
         return True
@@ -200,7 +202,7 @@ class TcpQueue:
     async def execute(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False, timeout: float) -> Completion:
         if self._failed is None and self._free:
-            cid = self._free.pop()
+            cid = self._ids.take()
         else:
             cid = await self._allocate(timeout)
         # With others in flight, other callers likely submit in this trio batch too: the
@@ -635,7 +637,7 @@ class TcpQueue:
                 request.error = self._failed
             request.unsent = 0
         self._held.extend(pending)
-        self._free = []
+        self._free.clear()
         self._slot_waiters.unpark_all()
         if not self.closed:
             self.closed = True

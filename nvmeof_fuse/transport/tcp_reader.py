@@ -162,7 +162,9 @@ class PduReader:
 
     def _lookup(self, cid: int, what: str) -> Request:
         """The request in flight under ``cid``: sent, not answered yet (as far as the
-        reader knows; the trio thread releases it only once the answer is handed over)."""
+        reader knows; the trio thread releases it only once the answer is handed over).
+        A command ID carries its slot's generation (:mod:`.cids`): one of an earlier use
+        of the slot is not in flight."""
         request = self._pending.get(cid)
         if request is None or self._answered.get(cid) == request.serial:
             raise TransportError(f"{self._owner.name}: {what} for command ID {cid}, "
@@ -179,7 +181,17 @@ class PduReader:
         request = self._pending.get(cid)
         if request is not None and self._answered.get(cid) == request.serial:
             raise TransportError(f"{self._owner.name}: second response for command ID {cid}")
-        self._answer(self._lookup(cid, "CapsuleResp"), completion)
+        request = self._lookup(cid, "CapsuleResp")
+        data = request.data
+        if data is not None and not request.to_controller and completion.ok:
+            # A read succeeds only with all its data: else its buffer holds what it held.
+            so_far = self._progress.get(cid)
+            received = so_far[1] if so_far is not None and so_far[0] is request else 0
+            if received != data.length:
+                raise TransportError(f"{self._owner.name}: CapsuleResp for command {cid} "
+                                     f"claims success after {received} of {data.length} "
+                                     "bytes of C2HData")
+        self._answer(request, completion)
 
     def _data_request(self, header: pdu.Header, what: str, to_controller: bool) -> Request:
         """The command a C2HData or R2T names: in flight, moving data that way, with

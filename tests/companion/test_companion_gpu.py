@@ -9,16 +9,13 @@ its "dma-buf" is that memfd, which the fake transport maps.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import logging
 import os
-import threading
 
 import numpy as np
 import pytest
-import trio
 from companion_fakes import AddressController, serving, wait_for
-from tcp_target import NQN, FakeTcpTarget
+from tcp_target import NQN, served_in_thread
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import gpu
@@ -365,28 +362,6 @@ def test_a_cuda_array_must_be_contiguous_and_stream_handles_are_checked(cuda):
     assert gpu.stream_handle(CupyStream()) == 99
 
 
-@contextlib.contextmanager
-def tcp_target():
-    """The fake NVMe/TCP target on 127.0.0.1, served from a thread of its own."""
-    target, state, ready = FakeTcpTarget(), {}, threading.Event()
-
-    async def main() -> None:
-        state["token"] = trio.lowlevel.current_trio_token()
-        with trio.CancelScope() as state["scope"]:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(target.serve)
-                ready.set()
-
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    thread.start()
-    assert ready.wait(10), "the fake target did not start"
-    try:
-        yield target
-    finally:
-        trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
-        thread.join(10)
-
-
 def test_in_process_over_tcp_a_cuda_tensor_is_staged_not_received_in_place(cuda, tmp_path):
     """The mount's own process: a device address must never reach ``recv_into``."""
     if not os.path.exists("/dev/fuse"):
@@ -395,7 +370,7 @@ def test_in_process_over_tcp_a_cuda_tensor_is_staged_not_received_in_place(cuda,
     mnt.mkdir()
     data = random_bytes(20_000)
     cuda.export = unmappable
-    with tcp_target() as target, nvmeof_fuse.mount(
+    with served_in_thread() as (target, _), nvmeof_fuse.mount(
             str(mnt), traddr="127.0.0.1", nqn=NQN, transport="tcp", trsvcid=target.port,
             keep_alive_tmo=0) as m:
         tensor = cuda.tensor(20_000)

@@ -6,13 +6,12 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import threading
 
 import numpy as np
 import pytest
 import trio
 from companion_fakes import wait_for
-from tcp_target import NQN, FakeTcpTarget
+from tcp_target import NQN, FakeTcpTarget, served_in_thread
 
 import nvmeof_fuse
 from nvmeof_fuse.companion import client
@@ -39,23 +38,8 @@ class Target:
 
 @contextlib.contextmanager
 def tcp_target(**kw):
-    target, state, ready = FakeTcpTarget(io_queues=32, **kw), {}, threading.Event()
-
-    async def main() -> None:
-        state["token"] = trio.lowlevel.current_trio_token()
-        with trio.CancelScope() as state["scope"]:
-            async with trio.open_nursery() as nursery:
-                await nursery.start(target.serve)
-                ready.set()
-
-    thread = threading.Thread(target=trio.run, args=(main,), daemon=True)
-    thread.start()
-    assert ready.wait(10), "the fake target did not start"
-    try:
-        yield Target(target, state["token"])
-    finally:
-        trio.from_thread.run_sync(state["scope"].cancel, trio_token=state["token"])
-        thread.join(10)
+    with served_in_thread(io_queues=32, **kw) as (target, token):
+        yield Target(target, token)
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ admin and I/O queue connects are stand-ins, and trio's clock jumps over the dela
 
 from __future__ import annotations
 
+import errno
 import struct
 from types import SimpleNamespace
 
@@ -31,6 +32,7 @@ from nvmeof_fuse.host.memory import BouncePool
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
 from nvmeof_fuse.nvme import Completion, NVMeStatusError
 from nvmeof_fuse.nvme import command as cmd
+from nvmeof_fuse.transport.parking import unsent
 
 OK = Completion(0, 0, 1, 0, 0, True)
 
@@ -263,23 +265,87 @@ def test_a_path_related_status_waits_for_the_path_before_it_runs_again():
     run(test)
 
 
-def test_a_command_whose_connection_keeps_failing_waits_for_each_reconnect():
-    """Lost connections are not counted against the retries (the kernel fails such a
-    command over): only --ctrl-loss-tmo or --fast-io-fail-tmo end its wait."""
+def test_a_command_whose_connection_keeps_failing_gives_up_after_nvme_max_retries(caplog):
+    """A lost connection counts a try, as the kernel counts a command aborted with its
+    connection: a command that breaks the connection each time it goes out (a target's
+    protocol violation) ends in EIO, logged once with the target's fault."""
     async def test(ctrl: Controller) -> None:
-        lost = TransportError("work request failed: retry counter exceeded")
+        lost = TransportError("I/O queue 1: C2HData for command 125 names bytes 4096+4096, "
+                              "past its 4096-byte buffer")
+        ran = []
+
+        async def connect_io_queues() -> None:
+            ctrl.io_queues = [FakeQueue(1, lost)]
+            ran.append(ctrl.io_queues[0])
+
+        Target().attach(ctrl)
+        ctrl._connect_io_queues = connect_io_queues
+        with pytest.raises(TransportError) as info:
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert info.value.errno == errno.EIO
+        assert str(info.value) == (
+            f"Read failed: its connection failed under each of its {IO_RETRIES} tries (the "
+            f"last: {lost})")
+        assert sum(q.ran for q in ran) == IO_RETRIES - 1  # and once on the first queue
+        assert [r.message for r in caplog.records if "Read failed" in r.message] == [
+            str(info.value)]
+        assert await ctrl.wait_connected()  # the mount goes on
+
+    run(test)
+
+
+def test_a_command_that_never_went_out_costs_no_try():
+    async def test(ctrl: Controller) -> None:
         rounds = []
 
         async def connect_io_queues() -> None:
             rounds.append(len(rounds))
-            ctrl.io_queues = [FakeQueue(1, lost if len(rounds) <= IO_RETRIES + 1 else None)]
+            fail = len(rounds) <= IO_RETRIES + 1
+            ctrl.io_queues = [FakeQueue(1, unsent(TransportError("I/O queue 1 is closed"))
+                                        if fail else None)]
 
         Target().attach(ctrl)
+        ctrl.io_queues = [FakeQueue(1, unsent(TransportError("I/O queue 1 is closed")))]
         ctrl._connect_io_queues = connect_io_queues
         assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
         assert ctrl.reconnects == IO_RETRIES + 2
 
     run(test)
+
+
+def test_a_connection_that_keeps_failing_right_after_each_reconnect_is_one_outage():
+    """Each good reconnect restarted --ctrl-loss-tmo, so a target that broke the connection
+    again each time was reconnected to for ever: the outage's whole length counts."""
+    async def test(ctrl: Controller) -> None:
+        lost = TransportError("I/O queue 1: the controller ended the connection with a "
+                              "C2HTermReq")
+
+        async def connect_io_queues() -> None:
+            ctrl.io_queues = [FakeQueue(1, lost)]
+
+        Target().attach(ctrl)
+        ctrl._connect_io_queues = connect_io_queues
+        start = trio.current_time()
+        with pytest.raises(ControllerLost, match=r"gave up after .* \(--ctrl-loss-tmo 25\)"):
+            for _ in range(10):  # commands of several callers, one after another
+                with pytest.raises(TransportError):
+                    await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert ctrl.state is DEAD
+        assert trio.current_time() - start < 25 + 2 * 10  # its last reconnect delay at most
+
+    run(test, ctrl_loss_tmo=25)
+
+
+def test_a_connection_that_held_starts_a_new_outage():
+    async def test(ctrl: Controller) -> None:
+        for _ in range(4):  # 4 losses, 10 s each, 60 s apart: more than --ctrl-loss-tmo 25
+            Target().attach(ctrl)
+            ctrl.io_queues = [FakeQueue(1, TransportError("gone"))]
+            assert (await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))).ok
+            await trio.sleep(60)
+        assert ctrl.state is LIVE and ctrl.reconnects == 4
+
+    run(test, ctrl_loss_tmo=25)
 
 
 def test_a_command_that_keeps_timing_out_gives_up_after_nvme_max_retries():
@@ -542,6 +608,29 @@ def test_secret_files_are_read_again_at_each_connect(tmp_path):
             assert not final_failure(info.value)
 
     trio.run(main)
+
+
+def test_once_the_mount_stops_a_command_waiting_for_a_reconnect_fails_at_once():
+    """SIGTERM waited 62 s on a command caught retrying: stop_retrying ends its wait."""
+    async def test(ctrl: Controller) -> None:
+        Target(refusals=100).attach(ctrl)  # each reconnect fails: the command would wait
+        failed = []
+
+        async def reader() -> None:
+            try:
+                await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+            except ControllerLost as exc:
+                failed.append((trio.current_time(), str(exc)))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await trio.sleep(25)
+            assert not failed and ctrl.state is CONNECTING
+            stopped = trio.current_time()
+            ctrl.stop_retrying("/mnt is being unmounted")
+        assert failed == [(stopped, "/mnt is being unmounted")]
+
+    run(test)
 
 
 class LogQueue(FakeQueue):

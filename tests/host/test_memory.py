@@ -328,3 +328,20 @@ def test_counts_show_free_lent_held_and_waiters():
         assert pool.counts() == {"free": 1, "lent": 1, "held": 0, "waiters": 0}
 
     trio.run(main)
+
+
+def test_a_read_buffer_is_cleared_where_the_transport_cannot_count_its_data():
+    """Over RDMA a target that answers a read with success and writes nothing would hand on
+    what the buffer held: another request's bytes.  Cleared, it hands on zeros."""
+    async def main() -> None:
+        for clear, expect in ((True, bytes(4096)), (False, b"s" * 4096)):
+            pool = BouncePool(FakeRegister(), 8192, 1, clear_reads=clear)
+            region = await pool.take()
+            region.view[:] = b"s" * 8192  # an earlier request's data
+            pool.for_read(region.view, 4096)
+            assert bytes(region.view[:4096]) == expect
+            assert bytes(region.view[4096:]) == b"s" * 4096  # only what the read covers
+            pool.give(region)
+            pool.close()
+
+    trio.run(main)

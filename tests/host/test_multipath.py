@@ -378,3 +378,37 @@ def test_the_first_path_must_connect():
 
     with pytest.raises(ConnectError, match="192.0.2.1 refused"):
         run(test, port)
+
+
+def test_a_command_that_breaks_every_path_it_goes_on_counts_its_tries_across_paths():
+    """A poison command (a target's protocol violation on every port) must not take every
+    path down in turn for ever: its tries are counted across paths, and it ends in EIO."""
+    from nvmeof_fuse.errors import TransportError
+    from nvmeof_fuse.host.controller import IO_RETRIES
+
+    port = Port()
+    poison_lba = 7 * LBA // 512  # the fake disk's LBAs are 512 bytes
+    sent = []
+    for target in port.targets.values():
+        good_run = target.run
+
+        def poisoned(sqe, data, admin=False, target=target, good_run=good_run):
+            if not admin and sqe[0] == 0x02 and int.from_bytes(sqe[40:48], "little") == \
+                    poison_lba:
+                sent.append(target)
+                target.fail_queues()  # as a protocol violation closes the connection
+            return good_run(sqe, data, admin)
+
+        target.run = poisoned
+
+    async def test(head: MultipathController) -> None:
+        ns = head.namespaces[1]
+        with pytest.raises(TransportError, match=f"failed under each of its {IO_RETRIES} "
+                                                 "tries"):
+            await ns.read(7 * LBA, LBA)
+        assert len(sent) == IO_RETRIES
+        assert {id(t) for t in sent} == {id(t) for t in port.targets.values()}  # both paths
+        await head.wait_live()
+        assert await ns.read(0, LBA) == bytes(port[0].disk[:LBA])  # the mount goes on
+
+    run(test, port, ctrl_loss_tmo=60)

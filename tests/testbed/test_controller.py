@@ -107,6 +107,42 @@ def test_a_thousand_concurrent_reads_each_get_their_own_block(fabric):
     assert wrong == []
 
 
+def test_command_ids_carry_generations_under_load_and_every_read_gets_its_own_data(fabric):
+    """Issue #49 item 2 against nvmet: command IDs carry their slot's generation in the bits
+    above it (the kernel's nvme_cid).  Thousands of reads at a queue depth of hundreds reuse
+    every slot many times; each must land its own block, and the IDs the queues used must
+    have gone through several generations (nvmet echoes them; a mismatch would fail the
+    queue, and a read would come back from the wrong block)."""
+    count = 3000
+
+    def block(i: int) -> bytes:
+        return (i * 2654435761 & 0xFFFFFFFF).to_bytes(4, "little") * 1024
+
+    async def main():
+        async with connect(fabric.options()) as ctrl:
+            ns = ctrl.namespaces[2]
+            await ns.write_lbas(0, b"".join(block(i) for i in range(count)))
+            wrong = []
+
+            async def read_one(i: int) -> None:
+                if await ns.read_lbas(i, 1) != block(i):
+                    wrong.append(i)
+
+            for _ in range(2):
+                async with trio.open_nursery() as nursery:
+                    for i in random.Random(2).sample(range(count), count):
+                        nursery.start_soon(read_one, i)
+            generations = []
+            for queue in ctrl.io_queues:
+                ids = getattr(queue, "_ids", None) or queue._slots  # TCP, RDMA
+                generations.append(max(cid // (ids.mask + 1) for cid in ids.last))
+            return wrong, generations, ctrl.losses
+
+    wrong, generations, losses = run(main)
+    assert wrong == [] and losses == 0
+    assert max(generations) >= 3, generations
+
+
 def test_keep_alive_holds_an_idle_controller(fabric):
     async def main():
         async with connect(fabric.options(keep_alive_tmo=2)) as ctrl:

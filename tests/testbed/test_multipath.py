@@ -224,14 +224,16 @@ def test_the_target_takes_a_new_nguid_for_a_namespace(testbed):
 
 @pytest.fixture(scope="module")
 def mp(testbed, tmp_path_factory):
-    """RDMA as path 0, TCP as ``--path``; iopolicy queue-depth (the default).
+    """RDMA as path 0, TCP as ``--path``; iopolicy queue-depth (the default), and the
+    default keep-alive (5 s).
 
-    Keep-alive 1 s: nvmet drops an unlinked port's RDMA connections with an RDMA-CM
-    disconnect, which our synchronous CM endpoint does not see, so a lost RDMA path is
-    noticed by keep-alive (within 1.5 times the timeout) or by a failed work request."""
+    nvmet drops an unlinked port's RDMA connections with an RDMA-CM disconnect, which our
+    synchronous CM endpoint does not see: a lost RDMA path shows when a SEND goes
+    unacknowledged past the QP's short retry limit, and a command that waits past the
+    transport's ``probe_after`` has a Keep Alive sent at once to bring such a SEND."""
     log = str(tmp_path_factory.mktemp("mp") / "daemon.log")
     with mounted(MNT, log, uri(testbed, "rdma"), "--path", uri(testbed, "tcp"),
-                 "-k", "1", "-c", "1", "-l", "120"):
+                 "-c", "1", "-l", "120"):
         yield MNT, log
     text = log_text(log)
     assert "Traceback" not in text, text
@@ -248,8 +250,8 @@ def test_both_paths_are_live_and_shown(mp, testbed):
             ("live", True, 1, "optimized"), p
         assert isinstance(p["cntlid"], int), p
     # Two controllers.  Not checked after a loss: under TCG the daemon's loop has stalled
-    # past -k 1 while connecting path 1, nvmet expired path 0's controller and gave its
-    # CNTLID to path 1's before path 0's keep-alive noticed.
+    # past a short keep-alive while connecting path 1, nvmet expired path 0's controller and
+    # gave its CNTLID to path 1's before path 0's keep-alive noticed.
     if not any(p["losses"] for p in listed):
         assert listed[0]["cntlid"] != listed[1]["cntlid"], listed
     with open(f"{mnt}/.nvmeof/paths") as f:
@@ -335,14 +337,34 @@ def test_fio_verify_and_a_companion_reader_ride_out_the_rdma_port_going_away(
     """Acceptances 1 and 5: the RDMA port goes away for OUTAGE s while fio writes n1 with
     crc32c verify and a companion client re-reads a pattern on n2.  The commands carry on
     over TCP at once: no verify error, no write slower than SLOWEST_WRITE_S, no error or
-    wrong byte for the client; the RDMA path comes back by itself."""
+    wrong byte for the client; the RDMA path comes back by itself.  Default options: the
+    loss is noticed by the RDMA transport's own means, not a short keep-alive."""
+    record("outage: slowest write, s", ride_out_an_rdma_outage(mp, testbed, tmp_path, "outage"))
+
+
+@pytest.mark.slow
+def test_five_rdma_outages_each_keep_every_write_under_the_bound(mp, testbed, tmp_path):
+    """Issue #49, acceptance: the outage above five times over; each run's slowest write
+    is recorded (``outage x5: slowest writes, s``) and under SLOWEST_WRITE_S."""
+    slowest = []
+    for run in range(5):
+        slowest.append(ride_out_an_rdma_outage(mp, testbed, tmp_path / f"run{run}",
+                                               f"outage{run}"))
+        record("outage x5: slowest writes, s", slowest)
+
+
+def ride_out_an_rdma_outage(mp, testbed, tmp_path, name: str) -> float:
+    """One outage of the RDMA port under fio and a companion reader (see the test above,
+    which asserts what this checks); fio's slowest write, in s."""
     mnt, log = mp
+    tmp_path.mkdir(parents=True, exist_ok=True)
     reader, out, stop = companion_reader(mnt, tmp_path)
+    losses = paths(mnt)[0]["losses"]
     try:
         assert wait_for(lambda: rounds_done(out) > 0, 120), open(f"{out}.err").read()
         timeline = Timeline(log)
         timeline.mark("fio starts")
-        writer = fio(f"--write_lat_log={testbed.out}/outage", "--name=outage",
+        writer = fio(f"--write_lat_log={testbed.out}/{name}", f"--name={name}",
                      f"--filename={mnt}/n1", "--rw=randwrite",
                      "--bssplit=4k/50:64k/50", "--iodepth=8", "--size=16M", "--rate=2m",
                      "--time_based", f"--runtime={OUTAGE + 8}", "--verify=crc32c",
@@ -363,15 +385,16 @@ def test_fio_verify_and_a_companion_reader_ride_out_the_rdma_port_going_away(
         assert wait_for(lambda: rounds_done(out) > rounds + 1, 120)  # it read on meanwhile
     finally:
         summary = reader_summary(reader, out, stop)
-    record("outage: slowest write, s", clat_max_s(job, "write"))
-    record("outage: ios by path before, during, after", [before, during, ios(mnt)])
-    assert clat_max_s(job, "write") < SLOWEST_WRITE_S, (job["write"]["clat_ns"], str(timeline))
+    slowest = clat_max_s(job, "write")
+    record(f"{name}: ios by path before, during, after", [before, during, ios(mnt)])
+    assert slowest < SLOWEST_WRITE_S, (job["write"]["clat_ns"], str(timeline))
     assert summary["errors"] == [] and summary["mismatches"] == 0, summary
     assert during[1] > before[1], (before, during)  # the TCP path carried on
     assert wait_for(lambda: paths(mnt)[0]["state"] == "live", 120), paths(mnt)
     rdma_path = paths(mnt)[0]
-    assert rdma_path["losses"] >= 1 and rdma_path["reconnects"] >= 1, rdma_path
+    assert rdma_path["losses"] > losses and rdma_path["reconnects"] >= 1, rdma_path
     assert "Traceback" not in log_text(log)
+    return slowest
 
 
 def test_io_leaves_a_path_whose_ana_group_goes_inaccessible_and_comes_back(mp):

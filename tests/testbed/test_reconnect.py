@@ -120,6 +120,55 @@ def test_fio_verify_writes_at_depth_ride_out_an_outage(testbed, tmp_path, transp
         assert counters.get("callback_reads", 0) > 0, counters
 
 
+def record(name: str, value) -> None:
+    """Keep a measured figure in TESTBED_OUT/reconnect-figures.json (it comes back to the
+    host), for docs/; the tests assert on their own."""
+    out = os.environ.get("TESTBED_OUT")
+    if not out:
+        return
+    path = os.path.join(out, "reconnect-figures.json")
+    figures = json.load(open(path)) if os.path.exists(path) else {}
+    figures.setdefault(name, []).append(value)
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=1)
+
+
+def test_one_rdma_path_notices_a_loss_at_depth_by_its_transport_with_default_options(
+        testbed, tmp_path):
+    """Issue #49, item 5: with the default keep-alive (5 s), a single RDMA path whose port
+    goes away under fio at depth sees the loss through the RDMA transport itself (a SEND,
+    fio's or a probe's, past the QP's retry limit), not through a keep-alive timeout, and
+    starts reconnecting; fio's verify passes.  The seconds from the unlink to the log's
+    "lost the connection" go to reconnect-figures.json."""
+    log = str(tmp_path / "daemon.log")
+    with mounted(testbed, log, "-c", "1", "-l", "120") as mnt:
+        fio = subprocess.Popen(
+            ["fio", "--name=depth", f"--filename={mnt}/n2", "--rw=randwrite",
+             "--bssplit=4k/50:64k/50", "--iodepth=8", "--ioengine=libaio", "--direct=1",
+             "--size=16M", "--time_based", f"--runtime={OUTAGE + 12}", "--verify=crc32c",
+             "--verify_backlog=64", "--verify_fatal=1", "--output-format=terse"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert wait_for(lambda: written(mnt, "n2") > 1 << 20, 120), "fio wrote nothing"
+            with target_away(testbed.nqn, NVMET_PORTS["rdma"]):
+                unlinked = time.monotonic()
+                assert wait_for(lambda: log_has(log, "lost the connection"), 60), \
+                    open(log).read()
+                noticed = time.monotonic() - unlinked
+                time.sleep(OUTAGE)  # the outage itself, not a wait for a condition
+            out, err = fio.communicate(timeout=600)
+        finally:
+            if fio.poll() is None:
+                fio.kill()
+        text = open(log).read()
+        (lost,) = [line for line in text.splitlines() if "lost the connection" in line][:1]
+        record("single rdma path: unlink to 'lost the connection', s", round(noticed, 2))
+        record("single rdma path: the loss as logged", lost)
+        assert fio.returncode == 0, out[-2000:] + err[-2000:] + text
+        assert "retry counter exceeded" in lost, lost
+        assert "reconnected to" in text and "Traceback" not in text, text
+
+
 @pytest.mark.parametrize("transport", ["rdma", pytest.param("tcp", marks=pytest.mark.slow)])
 def test_fio_verify_with_two_workers_rides_out_an_outage(testbed, tmp_path, transport):
     """Issue #50: as above with ``--workers 2``: the worker process's leased queues are

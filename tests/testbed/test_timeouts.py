@@ -31,6 +31,7 @@ STALL_MIB = 16
 HANG_GUARD = 300  # seconds: a hang fails the test instead of stalling the suite
 SLBA, NLB = 8, 8  # the read: 32 KiB on 4 KiB LBAs
 TIMEOUT = 2.0  # the command timeout under test, in seconds
+HOLD = 6.0  # seconds the target holds a read it will answer (a dozen probe intervals)
 
 
 @dataclasses.dataclass
@@ -93,6 +94,45 @@ def test_a_read_the_target_never_answers_times_out_and_lands_after_the_reconnect
         losses, reconnects, got = run_guarded(main, hang_guard=HANG_GUARD)
     assert got == data
     assert losses >= 1 and reconnects >= 1
+
+
+def test_a_command_the_target_holds_is_probed_and_not_taken_for_a_lost_connection(testbed):
+    """Issue #49, item 5, slow is not dead: a read the target holds for HOLD s (its device
+    suspended) has Keep Alives sent as probes while it waits; nvmet answers them, so the
+    connection stays (no loss), and the read completes once the device resumes."""
+    fabric, data = make_fabric(testbed, "rdma"), os.urandom(NLB * 4096)
+    probes: list[str] = []
+
+    async def main():
+        options = dataclasses.replace(stall_options(fabric), timeout=120)
+        async with connect(options) as ctrl:
+            send_keep_alive = ctrl._send_keep_alive
+
+            async def counted(timeout: float, why: str) -> None:
+                probes.append(why)
+                await send_keep_alive(timeout, why)
+
+            ctrl._send_keep_alive = counted
+            ns = ctrl.namespaces[1]
+            await ns.write_lbas(SLBA, data)
+            stall.suspend()
+            async with trio.open_nursery() as nursery:
+                got: list[bytes] = []
+
+                async def read() -> None:
+                    got.append(await ns.read_lbas(SLBA, NLB))
+
+                nursery.start_soon(read)
+                await trio.sleep(HOLD)  # the hold itself, not a wait for a condition
+                held = ctrl.losses
+                await trio.to_thread.run_sync(stall.resume)
+            return held, ctrl.losses, got[0]
+
+    with stalling_subsystem() as stall:
+        held, losses, got = run_guarded(main, hang_guard=HANG_GUARD)
+    assert held == 0 and losses == 0, (held, losses, probes)
+    assert any(why.startswith("probe") for why in probes), probes
+    assert got == data
 
 
 def test_a_timed_out_read_that_failed_never_writes_into_the_buffer_later(fabric, caplog):

@@ -41,8 +41,7 @@ class InstantQP(QP):
 
     def post_send(self, wrs) -> None:
         super().post_send(wrs)
-        for wr in wrs:
-            cid = wr.wr_id & rdma._INDEX
+        for cid in self.last_posted:
             self.send_done(cid)
             self.respond(cid)
 

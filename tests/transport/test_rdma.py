@@ -65,8 +65,9 @@ def test_parse_cm_accept_bad_recfmt():
 def test_slots_hold_size_minus_one():
     slots = CommandSlots(4)
     assert slots.available == 3
-    cids = {slots.allocate(None).cid for _ in range(3)}
-    assert cids == {0, 1, 2}
+    requests = [slots.allocate(None) for _ in range(3)]
+    assert {r.slot for r in requests} == {0, 1, 2}
+    assert all(r.cid & slots.mask == r.slot for r in requests)
     assert slots.available == 0
     with pytest.raises(IndexError):
         slots.allocate(None)
@@ -75,7 +76,7 @@ def test_slots_hold_size_minus_one():
 def test_send_then_response_finishes():
     slots = CommandSlots(8)
     request = slots.allocate(None)
-    slots.send_completed(request.cid)
+    slots.send_completed(request.slot)
     assert request.sent and not request.finished
     assert slots.available == 6
     slots.response(completion(request.cid))
@@ -90,7 +91,7 @@ def test_response_finishes_before_send_but_keeps_the_slot():
     slots.response(completion(request.cid))
     assert request.finished  # the caller may go on: the target answered
     assert slots.available == 6 and slots.awaiting_send == 1  # the SEND still owns the slot
-    slots.send_completed(request.cid)
+    slots.send_completed(request.slot)
     assert slots.available == 7 and slots.awaiting_send == 0 and not slots.pending
 
 
@@ -100,7 +101,7 @@ def test_in_capsule_data_waits_for_its_send():
     request.inline = True  # the HCA reads the caller's memory until the SEND completes
     slots.response(completion(request.cid))
     assert not request.finished and slots.awaiting_send == 1
-    slots.send_completed(request.cid)
+    slots.send_completed(request.slot)
     assert request.finished and slots.available == 7 and slots.awaiting_send == 0
 
 
@@ -115,10 +116,35 @@ def test_second_response_is_a_transport_error():
 def test_finished_slot_is_reused():
     slots = CommandSlots(2)
     first = slots.allocate(None)
-    slots.send_completed(first.cid)
+    slots.send_completed(first.slot)
     slots.response(completion(first.cid))
     second = slots.allocate(None)
-    assert second.cid == first.cid and second is not first
+    assert second.slot == first.slot and second is not first
+    assert second.cid != first.cid  # a new generation of the slot
+
+
+def test_late_response_of_an_earlier_generation_is_not_in_flight():
+    # The kernel's nvme_cid: a duplicate answer after the slot was reused must never
+    # complete the command using it now.
+    slots = CommandSlots(2)
+    first = slots.allocate(None)
+    slots.send_completed(first.slot)
+    slots.response(completion(first.cid))
+    second = slots.allocate(None)
+    with pytest.raises(TransportError, match=f"command ID {first.cid}, which is not in flight"):
+        slots.response(completion(first.cid))
+    assert not second.finished and second.completion is None
+
+
+def test_every_generation_of_a_slot_differs_until_the_counter_wraps():
+    slots = CommandSlots(128)  # 7 bits of slot, 9 of generation
+    seen = []
+    for _ in range(512):
+        request = slots.allocate(None)
+        seen.append(request.cid)
+        slots.send_completed(request.slot)
+        slots.response(completion(request.cid))
+    assert len(set(seen)) == 512 and all(cid < 1 << 16 for cid in seen)
 
 
 def test_release_returns_unsent_slot():
@@ -132,7 +158,7 @@ def test_release_returns_unsent_slot():
 def test_fail_all_finishes_everything_with_the_error():
     slots = CommandSlots(8)
     requests = [slots.allocate(None) for _ in range(3)]
-    slots.send_completed(requests[0].cid)
+    slots.send_completed(requests[0].slot)
     error = TransportError("gone")
     slots.fail_all(error)
     assert all(r.finished and r.error is error for r in requests)
@@ -141,7 +167,7 @@ def test_fail_all_finishes_everything_with_the_error():
 
 def test_unknown_cid_is_a_transport_error():
     slots = CommandSlots(8)
-    with pytest.raises(TransportError, match="send completion for command ID 5"):
+    with pytest.raises(TransportError, match="send completion for slot 5"):
         slots.send_completed(5)
     with pytest.raises(TransportError, match="response for command ID 6, which is not in flight"):
         slots.response(completion(6))

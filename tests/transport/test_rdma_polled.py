@@ -79,10 +79,10 @@ def test_a_read_submitted_alone_is_the_capsule_a_list_of_one_writes(queue, memor
     ((sqe, ref),) = reads(memory, 1)
     listed = polled.submit([(sqe, ref)])[0]
     capsule = queue.capsules.view
-    at = listed.cid * 64
+    at = listed.slot * 64
     expected = bytes(capsule[at:at + 64])
     alone = polled.submit_read(1, 0, 1, ref)
-    at = alone.cid * 64
+    at = alone.slot * 64
     assert alone.cid != listed.cid and bytes(capsule[at + 4:at + 64]) == expected[4:]
     assert int.from_bytes(capsule[at + 2:at + 4], "little") == alone.cid
     for request in (listed, alone):

@@ -41,7 +41,7 @@ class FakeWR:
 FAKE_VERBS = SimpleNamespace(
     SGE=FakeSGE, SendWR=FakeWR, RecvWR=FakeWR, QPInitAttr=lambda **kw: SimpleNamespace(**kw),
     QPType=SimpleNamespace(RC=2), WROpcode=SimpleNamespace(SEND=2),
-    SendFlags=SimpleNamespace(SIGNALED=2),
+    SendFlags=SimpleNamespace(SIGNALED=2), QPAttrMask=SimpleNamespace(TIMEOUT=512),
     AccessFlags=SimpleNamespace(LOCAL_WRITE=1, REMOTE_WRITE=2, REMOTE_READ=4))
 
 
@@ -101,20 +101,45 @@ class CQ:
 class QP:
     def __init__(self, attr) -> None:
         self.send_cq, self.recv_cq = attr.send_cq, attr.recv_cq
-        self.sent: dict[int, FakeWR] = {}  # cid -> capsule SEND
+        self.sent: dict[int, FakeWR] = {}  # command ID -> capsule SEND
+        self.last_posted: list[int] = []  # the command IDs of the last post_send
+        self._cid_fields: dict[int, ctypes.c_uint16] = {}
         self.recvs: collections.deque = collections.deque()
         self.posts: list[int] = []  # WRs per post_send call
         self.fail_posts = False
+        self.attrs = {"qp_state": 3, "timeout": 17, "retry_cnt": 7}  # as RDMA-CM left it
+        self.refuse_modify = False
 
     def post_send(self, wrs) -> None:
         if self.fail_posts:
             raise OSError(errno.ENOMEM, "send queue full")
         self.posts.append(len(wrs))
-        for wr in wrs:
-            self.sent[wr.wr_id & rdma._INDEX] = wr
+        sent, cids = self.sent, []
+        for wr in wrs:  # by the command ID in its capsule (slot and generation)
+            cid = self.cid_of(wr)
+            sent[cid] = wr
+            cids.append(cid)
+        self.last_posted = cids
+
+    def cid_of(self, wr) -> int:
+        """The command ID in the capsule a SEND work request carries."""
+        addr = wr.sg_list[0].addr
+        field = self._cid_fields.get(addr)
+        if field is None:  # a capsule's place never changes: read it through one object
+            field = self._cid_fields[addr] = ctypes.c_uint16.from_address(addr + 2)
+        return field.value
 
     def post_recv(self, wrs) -> None:
         self.recvs.extend(wrs)
+
+    def query(self):
+        return dict(self.attrs), None
+
+    def modify(self, attr_mask: int, **fields) -> None:
+        if self.refuse_modify:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        assert attr_mask == FAKE_VERBS.QPAttrMask.TIMEOUT and set(fields) == {"timeout"}
+        self.attrs.update(fields)
 
     def close(self) -> None:
         pass
@@ -122,6 +147,11 @@ class QP:
     # -- the target's side --
     def send_done(self, cid: int, status: int = 0) -> None:
         self.send_cq.add(WC(self.sent[cid].wr_id, status))
+
+    def flush_receives(self) -> None:
+        """The QP went to the error state: every posted receive completes, flushed."""
+        while self.recvs:
+            self.recv_cq.add(WC(self.recvs.popleft().wr_id, status=5))
 
     def respond(self, cid: int, status_word: int = 0) -> None:
         recv = self.recvs.popleft()
@@ -483,8 +513,8 @@ def answer_at_once(queue, status: int = 0) -> None:
     def post_send(wrs) -> None:
         post(wrs)
         for wr in wrs:
-            qp.send_done(wr.wr_id & rdma._INDEX, status)
-            qp.respond(wr.wr_id & rdma._INDEX)
+            qp.send_done(qp.cid_of(wr), status)
+            qp.respond(qp.cid_of(wr))
 
     qp.post_send = post_send
 
@@ -513,7 +543,7 @@ async def test_a_send_completion_after_a_polled_response_still_frees_its_slot(qu
     def post_send(wrs) -> None:  # the target answers at once; the SEND completes later
         post(wrs)
         for wr in wrs:
-            qp.respond(wr.wr_id & rdma._INDEX)
+            qp.respond(qp.cid_of(wr))
 
     qp.post_send = post_send
     async with trio.open_nursery() as nursery:
@@ -768,8 +798,10 @@ async def test_start_leaves_a_freed_slot_to_a_caller_waiting_for_one(queue):
         assert not start_recording(queue, ends)  # the slot is the waiter's
         await trio.testing.wait_all_tasks_blocked()
         assert queue.available == 0  # the waiter took it, and its read went out
-        queue.qp.send_done(cid)
-        queue.qp.respond(cid)
+        reused = list(queue.qp.sent)[-1]  # the slot's next generation
+        assert reused != cid and reused & queue._slots.mask == cid & queue._slots.mask
+        queue.qp.send_done(reused)
+        queue.qp.respond(reused)
         await trio.testing.wait_all_tasks_blocked()
         assert len(results) == 1 and results[0].ok
         nursery.cancel_scope.cancel()
@@ -803,3 +835,103 @@ def test_a_command_issued_as_the_reaper_is_cancelled_fails_with_the_queue(in_fli
     results = trio.run(functools.partial(cancelled_with_a_command_issued_in_the_same_batch,
                                          queue, in_flight=in_flight))
     assert [str(r) for r in results] == ["I/O queue 1: stopped"] * (in_flight + 1)
+
+
+# --- a lost peer: the QP's retry limit, and the oldest command for an overdue check -------
+
+class Endpoint:
+    """RDMA-CM's side of connect(): what it was asked, and an accept of 127 entries."""
+
+    def __init__(self, queue) -> None:
+        self.asked: dict = {}
+        self.context = SimpleNamespace(query_device=lambda: SimpleNamespace(max_qp_rd_atom=4))
+        self.connected = False
+        queue.cm = self
+        queue.transport.connect_timeout = 10.0
+
+    def connect(self, private_data: bytes, **kw) -> bytes:
+        self.asked = kw
+        self.connected = True
+        return struct.pack("<HH28x", 0, 127)
+
+    def disconnect(self) -> None:
+        self.connected = False
+
+
+@pytest.mark.parametrize("cm_timeout, ours", [(17, rdma.ACK_TIMEOUT), (0, rdma.ACK_TIMEOUT),
+                                              (14, 14)])
+def test_connect_asks_for_a_short_retry_limit_and_lowers_a_longer_ack_timeout(
+        queue, cm_timeout, ours):
+    """A SEND nobody acknowledges fails after RETRY_COUNT resends of ACK_TIMEOUT each: RDMA-CM's
+    7 resends are "forever" on Soft-RoCE, and its timeout (or none, 0) may be longer."""
+    cm = Endpoint(queue)
+    queue.qp.attrs["timeout"] = cm_timeout
+    trio.run(queue.connect, 0)
+    assert cm.asked["retry_count"] == rdma.RETRY_COUNT < 7
+    assert queue.qp.attrs["timeout"] == ours
+
+
+def test_a_device_that_keeps_its_ack_timeout_still_connects(queue):
+    Endpoint(queue)
+    queue.qp.refuse_modify = True
+    trio.run(queue.connect, 0)
+    assert queue.qp.attrs["timeout"] == 17
+
+
+def test_the_retry_limit_bounds_how_long_a_lost_peer_goes_unnoticed():
+    """(RETRY_COUNT + 1) ACK timeouts of 4.096 us * 2**ACK_TIMEOUT: under a second, so a
+    probe sent PROBE_AFTER into a wait fails well within 2 s of the loss."""
+    limit = (rdma.RETRY_COUNT + 1) * 4.096e-6 * 2 ** rdma.ACK_TIMEOUT
+    assert 0.5 < limit < 1.0
+    assert rdma.PROBE_AFTER + limit < 1.5
+
+
+@in_trio
+async def test_a_send_past_its_retry_limit_fails_every_command_on_the_queue(queue):
+    """The peer is gone: two commands were acknowledged and wait for answers that never
+    come; the next SEND exceeds its retries, the QP flushes its receives, and all three
+    fail with the device's reason, without a timeout."""
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results: list = []
+        for _ in range(2):
+            nursery.start_soon(read_recording, queue, results)
+        await trio.testing.wait_all_tasks_blocked()
+        for cid in list(queue.qp.sent):
+            queue.qp.send_done(cid)  # acknowledged by the target's device
+        await trio.testing.wait_all_tasks_blocked()
+        acknowledged = set(queue.qp.sent)
+        nursery.start_soon(read_recording, queue, results)  # a probe, as it were
+        await trio.testing.wait_all_tasks_blocked()
+        (probe,) = set(queue.qp.sent) - acknowledged
+        queue.qp.send_cq.wcs.append(WC(queue.qp.sent[probe].wr_id, status=12))
+        queue.qp.send_cq.wcs[-1].status_str = "transport retry counter exceeded"
+        queue.qp.flush_receives()  # wakes the reaper through the armed receive CQ
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(results) == 3
+        assert all(isinstance(r, TransportError) for r in results), results
+        assert all("retry counter exceeded" in str(r) for r in results), results
+        nursery.cancel_scope.cancel()
+
+
+@in_trio
+async def test_the_oldest_command_is_the_one_in_flight_the_longest(queue):
+    assert queue.oldest_command() is None
+    async with trio.open_nursery() as nursery:
+        await started(queue, nursery)
+        results: list = []
+        for _ in range(3):
+            nursery.start_soon(read_recording, queue, results)
+            await trio.testing.wait_all_tasks_blocked()
+        first, second, _third = list(queue.qp.sent)
+        assert queue.oldest_command().cid == first
+        queue.qp.send_done(first)
+        queue.qp.respond(first)
+        await trio.testing.wait_all_tasks_blocked()
+        assert queue.oldest_command().cid == second
+        for cid in list(queue.qp.sent)[1:]:
+            queue.qp.send_done(cid)
+            queue.qp.respond(cid)
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(results) == 3 and queue.oldest_command() is None
+        nursery.cancel_scope.cancel()

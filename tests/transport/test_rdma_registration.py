@@ -198,7 +198,10 @@ def test_the_ibverbs_api_we_rely_on_is_there():
                        (ibverbs.Context, ("alloc_pd", "create_comp_channel", "create_cq",
                                           "query_device")),
                        (ibverbs.PD, ("reg_mr", "reg_dmabuf_mr", "close")),
-                       (ibverbs.MR, ("lkey", "rkey", "close"))):
+                       (ibverbs.MR, ("lkey", "rkey", "close")),
+                       (ibverbs.QP, ("query", "modify"))):
         missing = [name for name in names if not hasattr(cls, name)]
         assert not missing, f"ibverbs.{cls.__name__} lacks {missing}"
     assert "PD pd" in ibverbs.CMID.create_qp.__doc__
+    assert "retry_count" in ibverbs.CMID.connect.__doc__  # the short retry limit (issue #49)
+    assert hasattr(ibverbs.QPAttrMask, "TIMEOUT")

@@ -185,6 +185,24 @@ async def read(queue, transport, slba: int, length: int) -> tuple[bytes, object]
     return bytes(buf.view), completion
 
 
+def test_a_reused_slot_carries_a_new_command_id_and_a_late_answer_for_the_old_one_fails():
+    """Command IDs with a generation (the kernel's nvme_cid): a duplicate CapsuleResp of an
+    earlier command, after its slot was reused, names an ID not in flight."""
+    async def test(target, transport, queue):
+        cids = []
+        for _ in range(3):
+            _, completion = await read(queue, transport, 0, LBA)
+            cids.append(completion.command_id)
+        mask = queue._ids.mask
+        assert len(set(cids)) == 3 and len({cid & mask for cid in cids}) == 1
+        await target.streams[-1].send_all(target._response(cids[-1], 0))
+        with pytest.raises(TransportError, match=f"CapsuleResp for command ID {cids[-1]}, "
+                                                 "which is not in flight"):
+            await read(queue, transport, 0, LBA)
+
+    with_target(test)
+
+
 DIGESTS = [{}, {"header_digest": True}, {"data_digest": True},
            {"header_digest": True, "data_digest": True}]
 
@@ -200,7 +218,7 @@ def test_writes_inline_and_by_r2t_read_back(digests):
         assert target.h2c_lengths == [8192] * 5  # the large one by R2T, split at MAXH2CDATA
         assert target.data[:4096] == small and target.data[100 * LBA:][:len(large)] == large
         got, completion = await read(queue, transport, 100, len(large))
-        assert got == large and completion.ok and completion.command_id < 31
+        assert got == large and completion.ok and completion.command_id & queue._ids.mask < 31
         assert (target.hdgst, target.ddgst) == (bool(digests.get("header_digest")),
                                                 bool(digests.get("data_digest")))
 

@@ -121,6 +121,40 @@ def test_data_past_the_end_of_a_commands_buffer_fails_by_name(pair, command, wir
     assert not any(command.memory)  # nothing was written into the caller's memory
 
 
+def response_with(cid: int, status: int) -> bytes:
+    return (pdu.COMMON_HEADER.pack(pdu.CAPSULE_RESP, 0, 24, 0, 24)
+            + struct.pack("<QHHHH", 0, 0, 1, cid, status << 1))
+
+
+@pytest.mark.parametrize(("wire", "message"), [
+    (response(2), r"^I/O queue 3: CapsuleResp for command 2 claims success after 0 of 8192 "
+                  r"bytes of C2HData$"),
+    (c2h_data(2, 0, bytes(4096), success=False) + response(2),
+     r"^I/O queue 3: CapsuleResp for command 2 claims success after 4096 of 8192 bytes"),
+], ids=["no data", "half the data"])
+def test_a_read_succeeds_only_with_all_its_data(pair, wire, message):
+    # Else the caller's buffer (a bounce buffer: another request's bytes) would be its data.
+    ours, theirs = pair
+    reader, _ = reader_for(ours, request(2, 8192))
+    theirs.sendall(wire)
+    with pytest.raises(TransportError, match=message):
+        while True:
+            reader.one_pdu()
+
+
+def test_a_read_that_fails_or_got_its_data_is_answered(pair):
+    ours, theirs = pair
+    failed, whole = request(2, 8192), request(3, 4096)
+    reader, _ = reader_for(ours, failed, whole)
+    theirs.sendall(response_with(2, 0x81) + c2h_data(3, 0, b"x" * 4096, success=False)
+                   + response(3))
+    for _ in range(3):
+        reader.one_pdu()
+    [(first, error), (second, ok)] = reader.take_inbox()
+    assert first is failed and not error.ok and second is whole and ok.ok
+    assert whole.memory == b"x" * 4096
+
+
 def test_a_large_payload_lands_in_the_callers_memory_in_order(pair):
     ours, theirs = pair
     size = 4 * DIRECT_RECV_BYTES
