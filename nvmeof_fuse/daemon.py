@@ -7,6 +7,7 @@ cancelled, then flush every namespace and disconnect.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -68,22 +69,39 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     """
     from nvmeof_fuse.companion.server import CompanionServer
     from nvmeof_fuse.fs.mount import check_fuse_server, check_mountpoint_async, serve
+    from nvmeof_fuse.workers import FuseWorkers, worker_queues
 
     if connect is None:
         connect = paths_connect(mopts)
     path = await check_mountpoint_async(mountpoint)  # fail before connecting
     check_fuse_server(mopts.fuse)
+    workers = getattr(mopts, "worker_processes", 1)
+    if workers > 1:  # queue IDs for the workers to lease, beside the companion clients'
+        conn = dataclasses.replace(conn, companion_queues=conn.companion_queues
+                                   + worker_queues(workers))
     async with connect(conn) as ctrl:
         try:
             async with trio.open_nursery() as inner:
                 companion = CompanionServer(ctrl, read_only=mopts.read_only)
+                companion.worker_queues = worker_queues(workers)
                 await inner.start(companion.serve)
+                fs_scope = trio.CancelScope()
+                pool: FuseWorkers | None = None
 
                 async def filesystem(task_status: trio.TaskStatus[Any]) -> None:
-                    await serve(ctrl, path, mopts, companion=companion, task_status=task_status)
+                    with fs_scope:
+                        await serve(ctrl, path, mopts, companion=companion,
+                                    task_status=task_status)
+                    if pool is not None:  # their descriptors end with the mount: they drain
+                        await pool.stop()
                     inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
 
                 fs = await inner.start(filesystem)
+                if workers > 1:
+                    pool = FuseWorkers(fs.kernel, fs, companion, workers,
+                                       read_only=mopts.read_only, timeout=conn.timeout,
+                                       debug=mopts.debug)
+                    await inner.start(pool.run)
                 companion.on_write = fs.drop_cached  # companion writes bypass the page cache
                 companion.delegations.files_open = fs.file_open
                 fs.before_open = companion.delegations.wait_returned
@@ -97,6 +115,9 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                     stop_retrying = getattr(ctrl, "stop_retrying", None)
                     if stop_retrying is not None:  # no command caught retrying holds us
                         stop_retrying(f"{mountpoint} is being unmounted")
-                    inner.cancel_scope.cancel()
+                    if pool is None:
+                        inner.cancel_scope.cancel()
+                    else:  # the filesystem drains, then its workers, then the rest stops
+                        fs_scope.cancel()
         finally:
             await flush_all(ctrl)

@@ -40,6 +40,7 @@ log = logging.getLogger(PROG)
 
 def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
     """``mount``'s arguments; the actions, from which :func:`daemon_command` rebuilds a line."""
+    from nvmeof_fuse.fs.options import DEFAULT_WORKERS
     from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY as DEFAULT_IOPOLICY
     from nvmeof_fuse.host.iopolicy import POLICIES as IOPOLICIES
     from nvmeof_fuse.host.options import DEFAULT_COMPANION_QUEUES, QUEUES_PER_CLIENT
@@ -70,8 +71,11 @@ def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--iopolicy", choices=list(IOPOLICIES),
             help=f"how I/O spreads over the paths (default {DEFAULT_IOPOLICY}); "
                  "-o iopolicy=..."),
+        add("--workers", metavar="N",
+            help="processes serving READ and WRITE, each on queues of its own (default "
+                 f"{DEFAULT_WORKERS}; builtin FUSE server only); -o workers=N"),
         add("-o", dest="options", action="append", default=[],
-            metavar="allow_other,fuse=SERVER,path=URI,iopolicy=POLICY"),
+            metavar="allow_other,fuse=SERVER,path=URI,iopolicy=POLICY,workers=N"),
         add("--fuse", metavar="SERVER",
             help="what serves FUSE: builtin (default; our own /dev/fuse session) or pyfuse3 "
                  "(pip install 'nvmeof-fuse[pyfuse3]')"),

@@ -57,6 +57,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "fuse": ("--fuse", True),
     "path": ("--path", True),  # repeatable: a further path to the subsystem (multipath)
     "iopolicy": ("--iopolicy", True),
+    "workers": ("--workers", True),
     "uid": ("--uid", True),
     "gid": ("--gid", True),
     "mode": ("--mode", True),

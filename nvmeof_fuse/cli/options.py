@@ -81,11 +81,12 @@ def mount_flags(values: list[str]) -> set[str]:
     flags = {f.strip() for v in values for f in v.split(",") if f.strip()}
     for flag in flags:
         refuse_secret_option(flag, on_command_line=True)
-    known = {"allow_other", "fuse", "path", "iopolicy"}
+    known = {"allow_other", "fuse", "path", "iopolicy", "workers"}
     unknown = {f.partition("=")[0] for f in flags} - known  # values unsaid
     if unknown:
         raise UsageError(f"unsupported -o option(s): {', '.join(sorted(unknown))} "
-                         "(known: allow_other, fuse=SERVER, path=URI, iopolicy=POLICY)")
+                         "(known: allow_other, fuse=SERVER, path=URI, iopolicy=POLICY, "
+                         "workers=N)")
     return flags
 
 
@@ -126,6 +127,23 @@ def _iopolicy(args: argparse.Namespace) -> str:
     if policy not in POLICIES:
         raise UsageError(f"unknown iopolicy {policy!r} (known: {', '.join(POLICIES)})")
     return policy
+
+
+MAX_WORKERS = 256
+
+
+def _workers(args: argparse.Namespace) -> int:
+    """``--workers`` or ``-o workers=`` (default DEFAULT_WORKERS), checked."""
+    from nvmeof_fuse.fs.options import DEFAULT_WORKERS
+
+    named = set(_flag_values(args, "workers"))
+    if getattr(args, "workers", None) is not None:
+        named.add(args.workers)
+    if len(named) > 1:
+        raise UsageError(f"conflicting worker counts: {', '.join(sorted(named))}")
+    if not named:
+        return DEFAULT_WORKERS
+    return _int("--workers", named.pop(), 1, MAX_WORKERS)
 
 
 def _fuse_server(args: argparse.Namespace) -> str:
@@ -199,6 +217,7 @@ def mount_options(args: argparse.Namespace) -> Any:
         fuse=_fuse_server(args),
         paths=mount_paths(args),
         iopolicy=_iopolicy(args),
+        workers=_workers(args),
     )
 
 

@@ -40,6 +40,8 @@ class SocketChannel:
         self._broken: NVMeoFError | None = None
         self.on_event: Any = None
         """Called on the reader thread with each event the daemon sends unasked."""
+        self.on_closed: Any = None
+        """Called on the reader thread once the connection is gone (the daemon closed it)."""
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
         self._sock.settimeout(timeout)
         try:
@@ -63,7 +65,9 @@ class SocketChannel:
                 data = self._sock.recv(protocol.MAX_MESSAGE)
                 if not data:
                     break
-                header, _ = protocol.decode(data)
+                header, payload = protocol.decode(data)
+                if payload:  # bytes of a reply (a forwarded FUSE request's)
+                    header["_payload"] = payload
                 if header.get("event") and self.on_event is not None:
                     self.on_event(header)  # news the daemon sends unasked
                     continue
@@ -83,6 +87,8 @@ class SocketChannel:
             pending, self._pending = self._pending, {}
         for future in pending.values():
             future.set_exception(self._broken)
+        if self.on_closed is not None:
+            self.on_closed()
 
     def call_future(self, op: str, *, fds: tuple[int, ...] = (), payload: bytes = b"",
                     **fields: Any) -> concurrent.futures.Future:

@@ -77,6 +77,12 @@ class CompanionServer:
         # which the write went around.
         self.on_write: Callable[[int, int, int], Awaitable[None]] | None = None
         self._locked: dict[trio.Event, tuple[int, int, int]] = {}  # lock -> nsid, its bytes
+        self._keep_cache: set[trio.Event] = set()  # locks of FUSE workers' writes
+        self.worker_queues = 0
+        """Queue IDs of the leasable ones kept for FUSE workers (the last ones)."""
+        self.on_fuse: Callable[[dict, bytes], Awaitable[dict[str, Any]]] | None = None
+        """Answers the FUSE requests a FUSE worker forwards (``fuse``): set by the daemon
+        when the mount has workers."""
         self.delegations = Delegations(self._written)
 
     def info(self) -> dict[str, Any]:
@@ -94,7 +100,17 @@ class CompanionServer:
                 "delegations_recalled": self.delegations.recalled,
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
                               "lease_transport": s.lease_transport if s.qids else "",
-                              **s.counts, "placement": s.placement} for s in self.sessions]}
+                              **s.counts, "placement": s.placement}
+                             for s in self.sessions if s.worker is None]}
+
+    def has_client(self, pid: int) -> bool:
+        """Whether process ``pid`` still has a session (its queue IDs are still its own)."""
+        return any(s.peer.startswith(f"pid {pid} ") for s in self.sessions)
+
+    def worker_stats(self) -> list[dict[str, Any]]:
+        """What each FUSE worker last reported (its index, pid, queues, namespaces' stats)."""
+        return sorted(({**s.worker, "qids": s.qids} for s in self.sessions
+                       if s.worker is not None), key=lambda w: w.get("index", 0))
 
     def new_session(self, peer: str) -> Session:
         session = Session(self.controller, self.stats, peer, read_only=self.read_only,
@@ -129,7 +145,7 @@ class CompanionServer:
             listener.listen(64)
             task_status.started()
             async with trio.open_nursery() as nursery:
-                if not self.leasing():
+                if not (self.leasing() and self.leasing(worker=True)):
                     nursery.start_soon(self._revoke_leases_on_loss)
                 while True:
                     conn, _ = await listener.accept()
@@ -207,7 +223,8 @@ class CompanionServer:
             self.stats.requests += 1
             result = await self.dispatch(session, header, payload, fds)
             fds = []  # dispatch took them
-            reply = protocol.reply_ok(request_id, **result)
+            data = result.pop("_payload", b"")  # bytes back: a forwarded FUSE reply
+            reply = protocol.encode({"id": request_id, "ok": True, **result}, data)
         except protocol.PlacementRefused as exc:  # expected: counted as such, not an error
             reply = protocol.reply_error(request_id, exc)
         except NVMeoFError as exc:
@@ -264,7 +281,12 @@ class CompanionServer:
             session.unregister(f(header, "region"))
             return {}
         if op == "lease":
-            return await self.lease(session, f(header, "want"))
+            return await self.lease(session, f(header, "want"),
+                                    worker=header.get("worker") is True)
+        if op == "fuse":
+            if self.on_fuse is None:
+                raise ProtocolError("this mount has no FUSE workers")
+            return await self.on_fuse(header, payload)
         if op in ("add_path", "remove_path"):
             return await self.change_path(op, str(f(header, "uri", str)))
         if op == "unlease":
@@ -273,13 +295,16 @@ class CompanionServer:
         if op == "lock":
             return await self.lock(session, f(header, "nsid"), f(header, "offset"),
                                    f(header, "length"), f(header, "hold_s"),
-                                   delegate=header.get("delegate") is True)
+                                   delegate=header.get("delegate") is True,
+                                   keep_cache=header.get("keep_cache") is True)
         if op == "unlock":
             session.report(header.get("moved") or {})
             await self.unlock(session, f(header, "token"), f(header, "nsid"))
             return {}
         if op == "report":  # also renews the client's delegations: those still its own
             session.report(header.get("moved") or {}, header.get("placement"))
+            if isinstance(header.get("worker"), dict):  # a FUSE worker's counts
+                session.worker = header["worker"]
             return {"delegated": self.delegations.live_tokens(session)}
         if op == "stats":
             session.report(header.get("moved") or {}, header.get("placement"))
@@ -305,11 +330,14 @@ class CompanionServer:
 
     # -- queues of a client's own ----------------------------------------------------------
 
-    def leasing(self) -> str:
-        """Why clients cannot have queues of their own here; empty when they can."""
+    def leasing(self, worker: bool = False) -> str:
+        """Why clients cannot have queues of their own here; empty when they can.  A FUSE
+        worker (``worker``) moves data through memory of its own on any transport."""
         ctrl = self.controller
         options = getattr(ctrl, "options", None)
-        if options is None or not options.companion_queues:
+        if worker:
+            return "" if self.worker_queues else "this mount has no FUSE workers"
+        if options is None or options.companion_queues <= self.worker_queues:
             return "queue leasing is off on this mount (--companion-queues 0)"
         if not getattr(ctrl.transport, "places_in_other_processes", False):
             return (f"the mount's {ctrl.transport.name} transport gives no direct placement "
@@ -352,20 +380,20 @@ class CompanionServer:
                     session.lessor = None  # told once; the next lease names the path
                     await session.notify({"event": "revoked", "state": lessor.state})
 
-    async def lease(self, session: Session, want: int) -> dict[str, Any]:
+    async def lease(self, session: Session, want: int, worker: bool = False) -> dict[str, Any]:
         """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting).
 
         A session keeps its queue IDs until it ends; asking again (after its queues
         failed) waits for the controller to be live and names its controller ID.
         """
-        why = self.leasing()
+        why = self.leasing(worker)
         if why:
             raise NoLease(why)
         ctrl = self.controller
         choose = getattr(ctrl, "lease_controller", None)  # a multipath head: pick a path
         with session.waiting() as wait:
             if choose is not None:
-                ctrl = await choose(session.lease_place)
+                ctrl = await choose(session.lease_place, any_transport=worker)
             else:
                 await ctrl.wait_live(fail_fast=False)
         if wait.cancelled_caught:
@@ -376,7 +404,12 @@ class CompanionServer:
             session.lease_place = (opts.transport, opts.traddr, opts.trsvcid)
         if not session.qids:
             taken = {q for s in self.sessions for q in s.qids}
-            free = [q for q in ctrl.lease_qids if q not in taken]
+            split = max(0, len(ctrl.lease_qids) - self.worker_queues)  # workers': the last
+            pool = ctrl.lease_qids[split:] if worker else ctrl.lease_qids[:split]
+            free = [q for q in pool if q not in taken]
+            if not free and worker:
+                raise NoLease(f"all {len(pool)} queue IDs of this mount's FUSE workers are "
+                              "taken")
             if not free:
                 self.stats.lease_refusals += 1
                 raise NoLease(f"all {len(ctrl.lease_qids)} companion queues of this mount are "
@@ -419,12 +452,15 @@ class CompanionServer:
         return found
 
     async def lock(self, session: Session, nsid: int, offset: int, length: int,
-                   timeout: float, delegate: bool = False) -> dict[str, Any]:
+                   timeout: float, delegate: bool = False,
+                   keep_cache: bool = False) -> dict[str, Any]:
         """Hold the range lock of a write the client makes on its own queues: its token.
 
         Held until :meth:`unlock`, the client's end, or ``timeout`` plus a grace.  With
         ``delegate``, the whole namespace instead when nobody else uses it (``delegated``
-        in the reply; :mod:`~nvmeof_fuse.companion.delegation`).
+        in the reply; :mod:`~nvmeof_fuse.companion.delegation`).  ``keep_cache``: a FUSE
+        worker's write, which the kernel's page cache saw (its pages stay, and are locked
+        while the write runs: dropping them would wait for the write).
         """
         if self.read_only:
             raise ReadOnly("the namespace is mounted read-only")
@@ -451,14 +487,20 @@ class CompanionServer:
                         await release.wait()
                     finally:
                         self._locked.pop(release, None)
+                        self._keep_cache.discard(release)
             if held.cancelled_caught:
                 log.warning("companion: %s held a write lock on n%d for over %g s; released",
                             session.peer, nsid, limit)
 
         with session.waiting():
             await session.nursery.start(hold)
+            if session.ended:  # it went as the lock came: end_waits() could not release it
+                release.set()
+                raise NoLease("the client went away while waiting for a write lock")
             session.next_token += 1
             session.write_locks[session.next_token] = release
+            if keep_cache:
+                self._keep_cache.add(release)
             return {"token": session.next_token}
         raise NoLease("the client went away while waiting for a write lock")
 
@@ -473,7 +515,8 @@ class CompanionServer:
         if release is None:
             raise InvalidArgument(f"write lock {token} is not held")
         try:
-            await self._written(*self._locked.get(release, (nsid, 0, 0)))
+            if release not in self._keep_cache:
+                await self._written(*self._locked.get(release, (nsid, 0, 0)))
         finally:
             release.set()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -130,12 +131,56 @@ def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
     doc: dict[str, Any] = {
         f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())
     }
+    workers = worker_reports(companion)
+    if workers:  # FUSE workers: the namespaces' figures summed, and each process's own
+        main = {"index": 0, "pid": os.getpid(), "namespaces": doc}
+        doc = _with_workers(doc, workers)
+        doc["workers"] = [main, *workers]
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         doc["connection"] = connection()
     if companion is not None:
         doc["companion"] = companion.snapshot()
     return doc
+
+
+def _with_workers(main: dict[str, Any], workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The main process's namespace statistics summed with each worker's report (counts;
+    latency means weighted, maxima and percentiles the largest)."""
+    total = {}
+    for name, ns in main.items():
+        total[name] = {**ns, "ops": {op: dict(st) for op, st in ns.get("ops", {}).items()},
+                       "counters": dict(ns.get("counters", {}))}
+    for worker in workers:
+        for name, ns in (worker.get("namespaces") or {}).items():
+            if not isinstance(ns, dict) or name not in total:
+                continue
+            into = total[name]
+            for op, st in (ns.get("ops") or {}).items():
+                into["ops"][op] = _sum_op(into["ops"].get(op), st)
+            for counter, n in (ns.get("counters") or {}).items():
+                if isinstance(n, int):
+                    into["counters"][counter] = into["counters"].get(counter, 0) + n
+    return total
+
+
+def _sum_op(a: dict | None, b: dict) -> dict:
+    if a is None:
+        return dict(b)
+    ops = a.get("ops", 0) + b.get("ops", 0)
+    lat_a, lat_b = a.get("latency_us", {}), b.get("latency_us", {})
+    latency = {k: max(lat_a.get(k, 0), lat_b.get(k, 0)) for k in {*lat_a, *lat_b}}
+    if ops:
+        latency["mean"] = (lat_a.get("mean", 0) * a.get("ops", 0)
+                           + lat_b.get("mean", 0) * b.get("ops", 0)) / ops
+    return {"ops": ops, "bytes": a.get("bytes", 0) + b.get("bytes", 0),
+            "errors": a.get("errors", 0) + b.get("errors", 0), "latency_us": latency}
+
+
+def worker_reports(companion: CompanionLike | None) -> list[dict[str, Any]]:
+    """What each FUSE worker process last reported (none without workers)."""
+    reports = getattr(companion, "worker_stats", None)
+    return reports() if reports is not None else []
 
 
 def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:
@@ -145,9 +190,19 @@ def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:
 
 def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> bytes:
     parts = []
+    workers = worker_reports(companion)
     for n, ns in sorted(ctrl.namespaces.items()):
         body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
-        parts.append(f"n{n}:\n  {body}\n")
+        title = f"n{n} (the main process; stats.json sums the workers)" if workers else f"n{n}"
+        parts.append(f"{title}:\n  {body}\n")
+    for worker in workers:  # each FUSE worker: where it serves and how much
+        fields = {"pid": worker.get("pid"), "queues": worker.get("qids"),
+                  "state": worker.get("state"), "reconnects": worker.get("reconnects")}
+        for name, ns in sorted((worker.get("namespaces") or {}).items()):
+            for op, st in sorted((ns.get("ops") or {}).items()):
+                fields[f"{name} {op}"] = (f"{st.get('ops', 0)} ops, {st.get('bytes', 0)} bytes, "
+                                          f"{st.get('errors', 0)} errors")
+        parts.append(_section(f"FUSE worker {worker.get('index')}", fields))
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         parts.append(_section("connection", connection()))

@@ -222,7 +222,7 @@ async def start_server(ops: NamespaceFS, path: str, options: MountOptions) -> Fu
         fd = await trio.to_thread.run_sync(_mount, path, options)
         return FuseSession(ops, fd,
                            InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
-                           debug=options.debug)
+                           debug=options.debug, shared=options.worker_processes > 1)
     libfuse_options = sorted(fuse_options(options)) + (["debug"] if options.debug else [])
     try:
         server = await trio.to_thread.run_sync(pyfuse3_server.Pyfuse3Server, ops, path,
@@ -253,7 +253,11 @@ async def serve(
     """
     path = await check_mountpoint_async(mountpoint)
     check_nsid(controller, options.nsid)
-    ops = NamespaceFS(controller, options, companion)
+    ops = NamespaceFS(controller, options, companion,
+                      shared_handles=options.worker_processes > 1)
+    if options.workers > 1 and options.worker_processes == 1:
+        log.warning("pyfuse3 serves one /dev/fuse descriptor: one process serves this mount, "
+                    "not %d workers", options.workers)
     fuse = await start_server(ops, path, options)
     ops.kernel = fuse
     session = _Session(ops, fuse, path, drain_timeout)

@@ -81,6 +81,43 @@ class _Handle:
     content: bytes = b""  # info files: rendered once at open
 
 
+NSID_BITS = 32
+
+
+def pack_fh(serial: int, nsid: int, writable: bool) -> int:
+    """A file handle that says what it opened: any process serving the mount (a FUSE worker)
+    can read a namespace file's nsid and access mode out of it (0: not a namespace)."""
+    return serial << (NSID_BITS + 1) | nsid << 1 | int(writable)
+
+
+def unpack_fh(fh: int) -> tuple[int, bool]:
+    """``(nsid, writable)`` of a :func:`pack_fh` handle (nsid 0: not a namespace file)."""
+    return fh >> 1 & (1 << NSID_BITS) - 1, bool(fh & 1)
+
+
+class _SharedHandles(dict):
+    """Open handles where other processes open files too: a namespace file's handle that
+    this process did not open is read out of its number (:func:`pack_fh`)."""
+
+    def __init__(self, fs: NamespaceFS) -> None:
+        super().__init__()
+        self._fs = fs
+
+    def __missing__(self, fh: int) -> _Handle:
+        nsid, writable = unpack_fh(fh)
+        inode = self._fs.ns_inodes.get(nsid)
+        node = self._fs.nodes.get(inode) if inode is not None else None
+        if not isinstance(node, _NsFile):
+            raise KeyError(fh)
+        return _Handle(node, writable)
+
+    def get(self, fh: int, default: object = None) -> object:  # type: ignore[override]
+        try:
+            return self[fh]
+        except KeyError:
+            return default
+
+
 def _fuse_error(exc: NVMeoFError, what: str) -> FUSEError:
     """The FUSEError(errno) for ``exc``, after logging its one-line message."""
     log.warning("%s: %s", what, exc)
@@ -104,10 +141,13 @@ class NamespaceFS:
     """One file ``n<NSID>`` per active namespace and ``.nvmeof/`` with reports.
 
     ``kernel`` is set by the session once mounted (None before: nothing is cached then).
+    ``shared_handles``: other processes serve this mount too (FUSE workers), so each handle
+    says what it opened (:func:`pack_fh`).
     """
 
     def __init__(self, controller: ControllerLike, options: MountOptions | None = None,
-                 companion: info.CompanionLike | None = None) -> None:
+                 companion: info.CompanionLike | None = None,
+                 shared_handles: bool = False) -> None:
         self.kernel: Kernel | None = None
         self.controller = controller
         self.companion = companion  # reported in .nvmeof/ (stats, companion.json)
@@ -117,7 +157,8 @@ class NamespaceFS:
         self.mount_ns = time.time_ns()
         self.nodes: dict[int, _Node] = {}
         self.ns_inodes: dict[int, int] = {}  # nsid -> inode of n<nsid>
-        self.handles: dict[int, _Handle] = {}
+        self.shared_handles = shared_handles
+        self.handles: dict[int, _Handle] = _SharedHandles(self) if shared_handles else {}
         self.before_open: Callable[[int], Awaitable[None]] | None = None
         """Awaited with the nsid when a namespace file is opened, before the open is
         answered (the companion server recalls a write delegation of it)."""
@@ -339,6 +380,8 @@ class NamespaceFS:
         if isinstance(node, _NsFile) and node.ns.unavailable:
             raise FUSEError(errno.ENXIO)  # values we cannot serve: shown with size 0
         fh = next(self._fh)
+        if self.shared_handles:
+            fh = pack_fh(fh, node.ns.nsid if isinstance(node, _NsFile) else 0, writable)
         if self._idle.is_set():
             self._idle = trio.Event()
         if isinstance(node, _InfoFile):

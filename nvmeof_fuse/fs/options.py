@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 DEFAULT_MODE = 0o660
+DEFAULT_WORKERS = 1
+"""FUSE worker processes of a mount unless told (``--workers``): see README, Mounting."""
 FUSE_SERVERS = ("builtin", "pyfuse3")
 """What can serve the FUSE requests: our own session on /dev/fuse (the default), or pyfuse3
 (an optional extra)."""
@@ -25,3 +27,9 @@ class MountOptions:
     fuse: str = "builtin"  # the FUSE server, one of FUSE_SERVERS
     paths: tuple[str, ...] = ()  # further paths to the subsystem (URIs): --path, -o path=
     iopolicy: str = "queue-depth"  # how commands spread over the paths (host.iopolicy)
+    workers: int = 1  # processes serving READ/WRITE, the main one included (nvmeof_fuse.workers)
+
+    @property
+    def worker_processes(self) -> int:
+        """How many processes serve (pyfuse3 serves one descriptor: one)."""
+        return self.workers if self.fuse == "builtin" else 1

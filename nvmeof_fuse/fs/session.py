@@ -22,10 +22,13 @@ one that fails goes back to the workers and runs as above.
 from __future__ import annotations
 
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import select
 import socket
+import struct
 import subprocess
 import time
 from collections import deque
@@ -59,6 +62,27 @@ def receive_buffer(size: int) -> mmap.mmap:
     mapping), so that the kernel's copy of WRITE data runs page onto page; into a bytearray
     (16 bytes off a cache line) it cost far more CPU (docs/performance-history.md)."""
     return mmap.mmap(-1, size)
+
+
+FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t): <linux/fuse.h>
+DEV_FUSE = "/dev/fuse"
+
+Forward = Callable[[int, int, int, bytes], Awaitable[bytes]]
+"""``forward(opcode, unique, nodeid, request)``: the reply of a request another process
+answers (a FUSE worker's metadata goes to the main process)."""
+
+
+def clone_fd(session_fd: int) -> int:
+    """Another /dev/fuse descriptor on ``session_fd``'s connection (FUSE_DEV_IOC_CLONE): the
+    kernel hands each request to whichever descriptor reads it, and a request read from a
+    descriptor must be answered on that one.  Raises OSError (an old kernel: ENOTTY)."""
+    fd = os.open(DEV_FUSE, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, FUSE_DEV_IOC_CLONE, struct.pack("I", session_fd))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 class FuseMountError(Exception):
@@ -323,8 +347,12 @@ class FuseSession:
     """
 
     def __init__(self, ops: Any, fd: int, params: wire.InitParams | None = None,
-                 debug: bool = False) -> None:
+                 debug: bool = False, forward: Forward | None = None,
+                 shared: bool = False) -> None:
         self.ops = ops
+        self.forward = forward
+        """Set in a FUSE worker: what answers the requests other than READ and WRITE (the
+        main process, which holds the handles and the ``.nvmeof`` reports)."""
         # Where ops can start I/O with a callback (NamespaceFS over a Controller; not over
         # RAM, whose I/O answers in its task): else no request pays for trying.
         starts = getattr(ops, "starts_io", False)
@@ -332,6 +360,13 @@ class FuseSession:
         self._start_write_op = ops.start_write if starts else None
         self._in_flight = 0  # READs and WRITEs read and not yet answered
         self.fd = fd
+        # ``shared``: other processes read this connection too (FUSE workers).  Each parks
+        # on an epoll of its own that waits on the descriptor exclusively (EPOLLEXCLUSIVE),
+        # so that a request wakes one of them, not all.
+        self._exclusive: select.epoll | None = None
+        if shared:
+            self._exclusive = select.epoll()
+            self._exclusive.register(fd, select.EPOLLIN | select.EPOLLEXCLUSIVE)
         self.params = params = params or wire.InitParams()
         self.debug = debug
         self.negotiated: wire.Negotiated | None = None
@@ -359,7 +394,8 @@ class FuseSession:
             return
         try:
             async with trio.open_nursery() as nursery:
-                self._workers = _Workers(nursery, self.fd, self._next_request)
+                park = self.fd if self._exclusive is None else self._exclusive.fileno()
+                self._workers = _Workers(nursery, park, self._next_request)
                 self._workers.start()
         finally:
             self._workers = None
@@ -539,12 +575,26 @@ class FuseSession:
     async def _meta(self, opcode: int, unique: int, nodeid: int, request: bytes) -> None:
         if self.debug:
             log.debug("FUSE opcode %d unique %d node %d", opcode, unique, nodeid)
-        try:
-            reply = await self._dispatch(opcode, unique, nodeid, request)
-        except Exception as exc:  # noqa: BLE001
-            self._fail(unique, exc, f"FUSE opcode {opcode}")
+        if self.forward is not None:
+            try:
+                reply = await self.forward(opcode, unique, nodeid, request)
+            except Exception as exc:  # noqa: BLE001 -- the main process is gone: EIO
+                log.warning("FUSE opcode %d: the main process did not answer: %s", opcode, exc)
+                reply = wire.error_reply(unique, errno.EIO)
+            self._send(reply)
             return
-        self._send(reply)
+        self._send(await self.answer(opcode, unique, nodeid, request))
+
+    async def answer(self, opcode: int, unique: int, nodeid: int, request: bytes) -> bytes:
+        """The reply to a request other than READ and WRITE (also one a worker forwarded):
+        an error reply when it fails."""
+        try:
+            return await self._dispatch(opcode, unique, nodeid, request)
+        except FUSEError as exc:
+            return wire.error_reply(unique, exc.errno)
+        except Exception as exc:  # noqa: BLE001
+            log.error("FUSE opcode %d failed", opcode, exc_info=exc)
+            return wire.error_reply(unique, errno.EIO)
 
     async def _dispatch(self, opcode: int, unique: int, nodeid: int, request: bytes) -> bytes:
         ops = self.ops
@@ -607,6 +657,9 @@ class FuseSession:
         await self.notify(wire.inval_entry(parent, name))
 
     def close(self) -> None:
+        if self._exclusive is not None:
+            self._exclusive.close()
+            self._exclusive = None
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1

@@ -94,9 +94,10 @@ class AttachedController(Controller):
     """I/O queues of our own on a controller another process owns (see the module)."""
 
     def __init__(self, options: ConnectOptions, transport, nursery: trio.Nursery,
-                 lease_source: LeaseSource, polled: int = 0) -> None:
+                 lease_source: LeaseSource, polled: int = 0, bounce_buffers: int = 0) -> None:
         super().__init__(options, transport, nursery)
         self._lease_source = lease_source
+        self._bounce_buffers = bounce_buffers
         self.lease: Lease | None = None
         self._polled = polled
         self.polled_queues: list = []
@@ -109,7 +110,11 @@ class AttachedController(Controller):
         self.max_transfer = lease.max_transfer
         await self._connect_leased(lease)
         largest = max((ns.lba_size for ns in lease.namespaces), default=4096)
-        self.bounce = self.new_bounce_pool(largest, EDGE_BUFFERS)
+        if self._bounce_buffers:  # whole transfers go through them (a FUSE worker's)
+            self.bounce = self.new_bounce_pool(max(largest, lease.max_transfer),
+                                               self._bounce_buffers)
+        else:
+            self.bounce = self.new_bounce_pool(largest, EDGE_BUFFERS)
         for shape in lease.namespaces:
             self.namespaces[shape.nsid] = Namespace(self, shape.nsid, shape)
         await self._nursery.start(self.supervise)  # runs _reconnect after each loss
@@ -229,12 +234,13 @@ class AttachedController(Controller):
 
 @contextlib.asynccontextmanager
 async def attach(options: ConnectOptions, lease_source: LeaseSource,
-                 transport: Transport | None = None, polled: int = 0
-                 ) -> AsyncIterator[AttachedController]:
+                 transport: Transport | None = None, polled: int = 0,
+                 bounce_buffers: int = 0) -> AsyncIterator[AttachedController]:
     """Connect leased I/O queues; on exit disconnect them and release every resource.
 
     ``polled`` of them (RDMA, when more than that are leased) are driven by callers'
-    threads: ``controller.polled_queues``.
+    threads: ``controller.polled_queues``.  ``bounce_buffers``: a bounce pool of that many
+    buffers of a whole transfer each (else one-LBA buffers for the edges of placed I/O).
     """
     if transport is None:
         transport = make_transport(options)
@@ -243,7 +249,7 @@ async def attach(options: ConnectOptions, lease_source: LeaseSource,
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
                 controller = AttachedController(options, transport, nursery, lease_source,
-                                                polled)
+                                                polled, bounce_buffers)
                 try:
                     await controller.start()
                     yield controller

@@ -521,15 +521,17 @@ class MultipathController:
     def transport(self) -> PathsTransport:
         return PathsTransport(self._transports, self._register)
 
-    async def lease_controller(self, prefer: tuple[str, str, int] | None = None
-                               ) -> Controller:
-        """A live path whose transport lets companion clients connect queues of their own:
-        ``prefer`` (transport, traddr, trsvcid: where the client's queues were) if it is
-        live, else another of the same transport (the client's queues keep theirs); waits
-        while none is; ControllerLost once none can be."""
+    async def lease_controller(self, prefer: tuple[str, str, int] | None = None,
+                               any_transport: bool = False) -> Controller:
+        """A live path whose transport lets companion clients connect queues of their own
+        (``any_transport``: any live path, for a FUSE worker, which moves data through memory
+        of its own): ``prefer`` (transport, traddr, trsvcid: where the client's queues were)
+        if it is live, else another of the same transport (the client's queues keep theirs);
+        waits while none is; ControllerLost once none can be."""
         while True:
             leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
-                        and getattr(p.ctrl.transport, "places_in_other_processes", False)
+                        and (any_transport or getattr(p.ctrl.transport,
+                                                      "places_in_other_processes", False))
                         and (prefer is None or p.options.transport == prefer[0])]
             if leasable:
                 first = min(self.namespaces, default=None)

@@ -7,7 +7,7 @@
   python scripts/benches/bench.py companion --file MOUNT/nN [--seconds 5] [--processes 1]
       [--queues N] [--json]
   python scripts/benches/bench.py fuse-ram MOUNTPOINT [--size-mib 256] [--lba-size 4096]
-                                         [--image F] [--fuse builtin|pyfuse3]
+                                         [--image F] [--fuse builtin|pyfuse3] [--workers N]
   python scripts/benches/bench.py table --kernel F --core F --nvmeof F --fuse F --companion F \
       --companion2 F --fuse-ram F [--kernel-tcp F --core-tcp F --fuse-tcp F]
       [--core-tcp-host F --fuse-tcp-host F] [--out DIR]
@@ -20,8 +20,10 @@ figures (MB = 10^6 bytes);
 in :data:`FIO_JOBS`).  ``fuse-ram`` mounts a namespace kept in RAM (``MOUNTPOINT/n1``) through
 the same FUSE layer until it is unmounted: fio on it shows the best the FUSE file can do with
 no NVMe behind it (``--fuse pyfuse3``: with pyfuse3 as the FUSE server, as the host bench
-sets the two servers side by side).  A missing input file, or one with a ``.err`` file beside
-it, shows as ``n/a`` with the reason.  Nothing is asserted.
+sets the two servers side by side; ``--workers N``: N processes serve it, each on a cloned
+/dev/fuse descriptor over the same bytes, as a mount's FUSE workers do).  A missing input
+file, or one with a ``.err`` file beside it, shows as ``n/a`` with the reason.  Nothing is
+asserted.
 """
 
 from __future__ import annotations
@@ -390,13 +392,63 @@ def _companion_processes(args: argparse.Namespace) -> dict:
 
 # -- the table ------------------------------------------------------------------------------------
 
-def serve_ram(args: argparse.Namespace) -> int:
-    """Mount a RAM namespace at ``args.mountpoint`` until it is unmounted or signalled."""
+def _shared_ram(args: argparse.Namespace) -> None:
+    """Back ``--workers`` with bytes every worker maps: a memfd, unless an image is given."""
+    if args.image or args.workers <= 1:
+        return
+    fd = os.memfd_create("nvmeof-fuse-bench-ram")  # inherited by the workers
+    os.ftruncate(fd, args.size_mib * MIB)
+    args.image = f"/dev/fd/{fd}"
+    args.image_fd = fd
+
+
+def _ram_workers(session: object, args: argparse.Namespace) -> list:
+    """Start ``args.workers - 1`` processes serving the mount on cloned descriptors."""
+    import subprocess
+
+    from nvmeof_fuse.fs.session import clone_fd
+
+    procs = []
+    keep = (getattr(args, "image_fd", None),)
+    for index in range(1, args.workers):
+        fd = clone_fd(session.fd)  # type: ignore[attr-defined]
+        try:
+            procs.append(subprocess.Popen(
+                [sys.executable, str(Path(__file__)), "fuse-ram-worker", "--fd", str(fd),
+                 "--image", args.image, "--lba-size", str(args.lba_size), "--index",
+                 str(index)], pass_fds=tuple(f for f in (fd, *keep) if f is not None)))
+        finally:
+            os.close(fd)
+    return procs
+
+
+def serve_ram_worker(args: argparse.Namespace) -> int:
+    """One more process serving a ``fuse-ram --workers`` mount on its cloned descriptor:
+    READ and WRITE over the shared bytes, and the metadata too (the tree is fixed, and
+    handles say what they opened), until the mount ends."""
     import trio
 
-    from nvmeof_fuse.concurrency import unwrap_groups
-    from nvmeof_fuse.fs.mount import MountError, MountOptions, serve
+    from nvmeof_fuse.fs.mount import MAX_BACKGROUND, MAX_WRITE
+    from nvmeof_fuse.fs.operations import NamespaceFS
+    from nvmeof_fuse.fs.session import FuseSession
+    from nvmeof_fuse.fs.wire import InitParams
 
+    ctrl = _ram_controller(args)
+    if ctrl is None:
+        return 1
+    session = FuseSession(NamespaceFS(ctrl, shared_handles=True), args.fd,
+                          InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
+                          shared=True)
+    try:
+        trio.run(session.run)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        session.close()
+    return 0
+
+
+def _ram_controller(args: argparse.Namespace):  # noqa: ANN202 - ramdisk's, from tests/
     if str(TESTS) not in sys.path:
         sys.path.append(str(TESTS))
     from ramdisk import RamDevice, RamNamespace, ram_controller
@@ -410,21 +462,39 @@ def serve_ram(args: argparse.Namespace) -> int:
                 data = mmap.mmap(f.fileno(), 0, flags=mmap.MAP_SHARED | mmap.MAP_POPULATE)
         except (OSError, ValueError) as e:
             print(f"bench fuse-ram: cannot map {args.image}: {_reason(e)}", file=sys.stderr)
-            return 1
+            return None
         nlb = len(data) // args.lba_size
         if not nlb or len(data) % args.lba_size:
             print(f"bench fuse-ram: {args.image} is {len(data)} bytes, not a positive "
                   f"multiple of the {args.lba_size} B LBA size", file=sys.stderr)
-            return 1
+            return None
         ctrl.namespaces[1] = RamNamespace(1, RamDevice(args.lba_size, nlb, data))
     else:
         ctrl.namespaces[1] = RamNamespace(1, RamDevice(args.lba_size,
                                                        args.size_mib * MIB // args.lba_size))
+    return ctrl
+
+
+def serve_ram(args: argparse.Namespace) -> int:
+    """Mount a RAM namespace at ``args.mountpoint`` until it is unmounted or signalled."""
+    import trio
+
+    from nvmeof_fuse.concurrency import unwrap_groups
+    from nvmeof_fuse.fs.mount import MountError, MountOptions, serve
+
+    _shared_ram(args)
+    ctrl = _ram_controller(args)
+    if ctrl is None:
+        return 1
+    procs: list = []
 
     async def main() -> None:
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
-                await nursery.start(serve, ctrl, args.mountpoint, MountOptions(fuse=args.fuse))
+                ops = await nursery.start(serve, ctrl, args.mountpoint,
+                                          MountOptions(fuse=args.fuse, workers=args.workers))
+                if args.workers > 1 and args.fuse == "builtin":
+                    procs.extend(_ram_workers(ops.kernel, args))
                 print(f"READY {args.mountpoint}/n1", flush=True)
 
     try:
@@ -434,6 +504,12 @@ def serve_ram(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         pass
+    finally:
+        for proc in procs:  # they end with the mount (ENODEV); bounded all the same
+            try:
+                proc.wait(30)
+            except Exception:  # noqa: BLE001
+                proc.kill()
     return 0
 
 
@@ -647,6 +723,13 @@ def parser() -> argparse.ArgumentParser:
                    help="serve this file's bytes (mapped shared) instead of fresh RAM")
     r.add_argument("--fuse", default="builtin", metavar="SERVER",
                    help="the FUSE server: builtin (ours, the default) or pyfuse3")
+    r.add_argument("--workers", type=int, default=1,
+                   help="processes serving it, each on a cloned /dev/fuse descriptor")
+    w = sub.add_parser("fuse-ram-worker", help=argparse.SUPPRESS)
+    w.add_argument("--fd", type=int, required=True)
+    w.add_argument("--image", required=True)
+    w.add_argument("--lba-size", type=int, default=4096)
+    w.add_argument("--index", type=int, default=1)
     t = sub.add_parser("table", help="side-by-side table of saved results")
     for c in ALL_COLUMNS:
         t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")
@@ -670,6 +753,8 @@ def main(argv: list[str] | None = None) -> int:
             print("bench: --size-mib must be positive", file=sys.stderr)
             return 2
         return serve_ram(args)
+    if args.what == "fuse-ram-worker":
+        return serve_ram_worker(args)
     if args.what == "companion":
         if args.seconds <= 0 or args.processes < 1:
             print("bench: --seconds and --processes must be positive", file=sys.stderr)

@@ -286,3 +286,9 @@ def test_paths_and_iopolicy_as_fstab_keys():
     assert argv[argv.index("--path") + 1] == uri1
     assert argv.count("--path") == 2 and uri2 in argv
     assert argv[argv.index("--iopolicy") + 1] == "round-robin"
+
+
+def test_workers_as_an_fstab_key():
+    argv = helper_argv(["nvme+tcp://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
+                        "-o", "workers=4,_netdev"])
+    assert argv[argv.index("--workers") + 1] == "4"

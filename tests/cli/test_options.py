@@ -94,7 +94,7 @@ def test_dhchap_options_follow_nvme_cli(tmp_path):
      "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
      "FILE instead"),
     (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other, "
-     "fuse=SERVER, path=URI, iopolicy=POLICY)"),
+     "fuse=SERVER, path=URI, iopolicy=POLICY, workers=N)"),
 ])
 def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
     err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
@@ -151,3 +151,28 @@ def test_the_daemon_connects_every_path_with_the_policy(host, tmp_path, monkeypa
     assert mount_cli.cmd_mount(entry.parse_args(
         [*MOUNT, "--path", P2, "--iopolicy", "failover", str(tmp_path)]), []) == 0
     assert seen == {"paths": (P2,), "policy": "failover"}
+
+
+@pytest.mark.parametrize(("argv", "workers"), [
+    ([], 1), (["--workers", "2"], 2), (["-o", "workers=4"], 4),
+    (["--workers", "3", "-o", "workers=3"], 3)])
+def test_workers_from_the_option_or_o(argv, workers):
+    from nvmeof_fuse.cli.mount import parse_mount_args
+
+    args = parse_mount_args(["mount", *argv, "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.x:y",
+                             "/mnt"])
+    assert options.mount_options(args).workers == workers
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--workers", "0"], "--workers 0 is out of range (1-256)"),
+    (["--workers", "two"], "--workers 'two' is not an integer"),
+    (["--workers", "2", "-o", "workers=3"], "conflicting worker counts: 2, 3")])
+def test_bad_workers_are_one_line(argv, error):
+    from nvmeof_fuse.cli.mount import parse_mount_args
+
+    args = parse_mount_args(["mount", *argv, "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.x:y",
+                             "/mnt"])
+    with pytest.raises(options.UsageError) as bad:
+        options.mount_options(args)
+    assert str(bad.value) == error

@@ -122,8 +122,8 @@ def test_each_write_on_own_tcp_queues_holds_the_daemons_range_lock(mounted, monk
     held: list[tuple[int, int]] = []
     lock = server.lock
 
-    async def watched(session, nsid, offset, length, timeout, delegate=False):
-        reply = await lock(session, nsid, offset, length, timeout, delegate=delegate)
+    async def watched(session, nsid, offset, length, timeout, delegate=False, **kw):
+        reply = await lock(session, nsid, offset, length, timeout, delegate=delegate, **kw)
         held.append((offset, length))
         return reply
 

@@ -2,8 +2,10 @@
 initiator over the same transport.
 
 The core of it (the mount, the standard tools, fio verify and the kernel cross-check) runs on
-both FUSE servers (``served``): our own session, and pyfuse3 (``-o fuse=pyfuse3``, a second
-mount of the same target beside the first).  The rest runs on our session only.
+both FUSE servers and with FUSE workers (``served``): our own session, pyfuse3 (``-o
+fuse=pyfuse3``, a second mount of the same target beside the first), and our session with
+``--workers 2`` (a third: the main process and a worker process on queues of its own, each
+taking requests as the kernel hands them out).  The rest runs on our session only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from nvmeof_fuse.fs.mount import read_mountinfo
 
 MNT = "/tmp/nvmeof-test"
 TIMEOUT = 120
-FUSE_SERVERS = ("builtin", "pyfuse3")
+FUSE_SERVERS = ("builtin", "pyfuse3", "workers2")
+WORKERS_READY = 300  # s for a worker process to import, lease and connect (Python under TCG)
 
 
 def sh(*cmd: str, check: bool = True, timeout: float = TIMEOUT) -> subprocess.CompletedProcess:
@@ -37,16 +40,41 @@ def mount_args(fabric, *extra: str, nqn: str | None = None, addr: str | None = N
             "-s", str(port or fabric.port), "-n", nqn or fabric.nqn, *fabric.digest_flags(), *extra]
 
 
+def wait_for_workers(log: str, workers: int, timeout: float = WORKERS_READY) -> None:
+    """Until the mount's log says each worker process serves on its own queues."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(log) as f:
+            text = f.read()
+        if text.count(" serves on queues ") >= workers - 1:
+            return
+        assert time.monotonic() < deadline, f"workers not serving after {timeout} s: {text}"
+        time.sleep(0.5)
+
+
+def worker_ops(point: str) -> list[int]:
+    """Requests each serving process (main first) has run on n1 and n2, from stats.json."""
+    with open(f"{point}/.nvmeof/stats.json") as f:
+        stats = json.load(f)
+    return [sum(op["ops"] for ns in w["namespaces"].values() for op in ns["ops"].values())
+            for w in stats["workers"]]
+
+
 def mounted(fabric, testbed, fuse: str):
-    """A daemon mount of the target, served by FUSE server ``fuse``; unmounted after."""
+    """A daemon mount of the target, served by FUSE server ``fuse`` (``workers2``: ours with
+    two workers); unmounted after."""
     ours = fuse == "builtin"  # the default: no option
     point = MNT if ours else f"{MNT}-{fuse}"
     os.makedirs(point, exist_ok=True)
     name = fabric.transport if ours else f"{fabric.transport}-{fuse}"
     log = os.path.join(testbed.out, f"test_fs-{name}.log")  # kept for post-mortems
-    sh(*mount_args(fabric, "--daemon", "--log-file", log, *([] if ours else ["-o", f"fuse={fuse}"]),
-                   point))
-    if not ours:  # really served by it
+    option = {"builtin": [], "workers2": ["--workers", "2"]}.get(fuse, ["-o", f"fuse={fuse}"])
+    sh(*mount_args(fabric, "--daemon", "--log-file", log, *option, point))
+    if fuse == "workers2":
+        wait_for_workers(log, 2)
+    elif not ours:  # really served by it
         with open(log) as f:
             assert f"(FUSE server: {fuse})" in f.read()
     yield point
@@ -64,10 +92,22 @@ def mnt_pyfuse3(fabric, testbed):
     yield from mounted(fabric, testbed, "pyfuse3")
 
 
+@pytest.fixture(scope="module")
+def mnt_workers2(fabric, testbed):
+    yield from mounted(fabric, testbed, "workers2")
+
+
 @pytest.fixture(params=FUSE_SERVERS)
 def served(request, fabric) -> str:
     """The mount on each FUSE server in turn (one mount per server and transport; ``fabric``
     named here so that pytest parametrizes the tests that take this over it)."""
+    return request.getfixturevalue("mnt" if request.param == "builtin" else
+                                   f"mnt_{request.param}")
+
+
+@pytest.fixture(params=["builtin", "workers2"])
+def ours(request, fabric) -> str:
+    """Our session's mount, alone and with two workers."""
     return request.getfixturevalue("mnt" if request.param == "builtin" else
                                    f"mnt_{request.param}")
 
@@ -146,10 +186,12 @@ def test_fio_verify_random_writes_mixed_sizes(served, name):
              "--direct=1", "--size=16M", "--verify=crc32c", "--do_verify=1",
              "--verify_fatal=1", "--output-format=terse", timeout=600, check=False)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    if served.endswith("workers2"):  # both processes took part
+        assert all(worker_ops(served)), worker_ops(served)
 
 
-def test_concurrent_writers_sharing_lbas_lose_nothing(mnt):
-    path = f"{mnt}/n1"
+def test_concurrent_writers_sharing_lbas_lose_nothing(ours):
+    path = f"{ours}/n1"
     base, piece, writers = 5 << 20, 100, 40  # 40 x 100 B ranges across ~8 shared 512 B LBAs
     chunks = [bytes([i + 1]) * piece for i in range(writers)]
     barrier = threading.Barrier(writers)

@@ -539,3 +539,42 @@ def test_a_path_to_another_subsystem_or_namespace_is_refused_in_one_line(testbed
             record("refusal: another NGUID", line)
             assert "namespace" in line and "NGUID" in line and re.search(r"\b1\b", line), line
             assert [p["transport"] for p in paths(mnt)] == ["rdma"], paths(mnt)
+
+
+@pytest.mark.slow  # (scripts/test stays under 30 minutes; -m '' runs it)
+def test_with_two_workers_fio_verify_rides_out_the_rdma_port_going_away(testbed, tmp_path):
+    """Issue #50: a mount over both ports with ``--workers 2``; the worker's queues are on
+    RDMA (path 0).  The RDMA port goes away while fio (two jobs, so both processes serve)
+    writes with crc32c verify: the worker's queues are revoked with the path, the requests
+    it takes meanwhile go to the main process (TCP carries them), and once the port is back
+    it leases and connects its queues again.  No verify error."""
+    from test_fs import wait_for_workers
+
+    log = str(tmp_path / "daemon.log")
+    with mounted(f"{MNT}-workers", log, uri(testbed, "rdma"), "--path", uri(testbed, "tcp"),
+                 "-k", "1", "-c", "1", "-l", "120", "--workers", "2") as mnt:
+        wait_for_workers(log, 2)
+        writer = fio("--name=workers", f"--filename={mnt}/n1", "--rw=randwrite",
+                     "--bssplit=4k/50:64k/50", "--iodepth=8", "--size=8M", "--numjobs=2",
+                     "--offset_increment=8M", "--rate=1m", "--time_based",
+                     f"--runtime={OUTAGE + 8}", "--verify=crc32c", "--verify_backlog=64",
+                     "--verify_fatal=1", "--group_reporting")
+        start = written(mnt, "n1")
+        assert wait_for(lambda: written(mnt, "n1") > start + (1 << 20), 120), "fio wrote nothing"
+        with target_away(testbed.nqn, RDMA_PORT):
+            assert wait_for(lambda: paths(mnt)[0]["state"] != "live", 60), paths(mnt)
+            time.sleep(OUTAGE)  # the outage itself, not a wait for a condition
+        fio_result(writer, log)
+        with open(f"{mnt}/.nvmeof/stats.json") as f:
+            worker = json.load(f)["workers"][1]
+        assert wait_for(lambda: paths(mnt)[0]["state"] == "live", 120), paths(mnt)
+
+        def worker_back() -> bool:
+            with open(f"{mnt}/.nvmeof/stats.json") as f:
+                now = json.load(f)["workers"][1]
+            return now["state"] == "live" and now["reconnects"] >= 1
+
+        assert wait_for(worker_back, 120), worker
+        ops = worker["namespaces"]["n1"]["ops"]
+        assert ops["write"]["ops"] > 0 and ops["write"]["errors"] == 0, worker
+        assert "Traceback" not in log_text(log)

@@ -169,6 +169,44 @@ def test_one_rdma_path_notices_a_loss_at_depth_by_its_transport_with_default_opt
         assert "reconnected to" in text and "Traceback" not in text, text
 
 
+@pytest.mark.parametrize("transport", ["rdma", pytest.param("tcp", marks=pytest.mark.slow)])
+def test_fio_verify_with_two_workers_rides_out_an_outage(testbed, tmp_path, transport):
+    """Issue #50: as above with ``--workers 2``: the worker process's leased queues are
+    revoked with the lost controller, leased again and connected to the new one, and fio
+    (two jobs, so both processes serve) verifies with 0 errors."""
+    from test_fs import wait_for_workers
+
+    log = str(tmp_path / "daemon.log")
+    with mounted(testbed, log, "-k", "2", "-c", "2", "-l", "120", "--workers", "2",
+                 transport=transport) as mnt:
+        wait_for_workers(log, 2)
+        fio = subprocess.Popen(
+            ["fio", "--name=outage", f"--filename={mnt}/n2", "--rw=randwrite",
+             "--bssplit=4k/50:64k/50", "--iodepth=8", "--ioengine=libaio", "--direct=1",
+             "--size=12M", "--numjobs=2", "--offset_increment=12M", "--rate=1m",
+             "--verify=crc32c", "--do_verify=1", "--verify_fatal=1", "--output-format=terse"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert wait_for(lambda: written(mnt, "n2") > 1 << 20, 120), "fio wrote nothing"
+            with target_away(testbed.nqn, NVMET_PORTS[transport]):
+                assert wait_for(lambda: log_has(log, "lost the connection"), 60), \
+                    open(log).read()
+                time.sleep(OUTAGE)  # the outage itself, not a wait for a condition
+            out, err = fio.communicate(timeout=600)
+        finally:
+            if fio.poll() is None:
+                fio.kill()
+        assert fio.returncode == 0, out[-2000:] + err[-2000:] + open(log).read()
+        text = open(log).read()
+        assert "reconnected to" in text and "Traceback" not in text, text
+        with open(f"{mnt}/.nvmeof/stats.json") as f:
+            stats = json.load(f)
+        worker = stats["workers"][1]
+        assert worker["reconnects"] >= 1 and worker["state"] == "live", worker
+        ops = worker["namespaces"]["n2"]["ops"]
+        assert ops["write"]["ops"] > 0 and ops["write"]["errors"] == 0, ops
+
+
 CHILD = os.path.join(os.path.dirname(__file__), "companion_child.py")
 
 

@@ -1,0 +1,116 @@
+"""The filesystem as a FUSE worker serves it: READ and WRITE on this process's own queues.
+
+A worker reads requests from a cloned /dev/fuse descriptor (:func:`.session.clone_fd`), and
+the kernel hands it any request, not only READ and WRITE.  Those two it serves itself, on
+the namespaces of its own controller (queues leased from the main process), with handles
+read out of their numbers (:func:`.operations.pack_fh`).  Everything else its session
+forwards to the main process, which holds the open handles and the ``.nvmeof`` reports;
+so do READs of a report and I/O on a namespace this worker does not know (added since it
+started).  Its writes hold the main process's range lock of their LBAs (``write_lock``),
+the one every FUSE and companion write of the mount holds.  While its own queues are not
+live (lost with the controller or their path, waiting to be leased again: on a multipath
+mount of two fabrics, for a path of their own fabric), it forwards READ and WRITE too, so
+that the main process serves them on whichever path is live.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractAsyncContextManager
+from typing import Any
+
+from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.fs.operations import NamespaceFS, _fuse_error
+from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.wire import FUSEError
+
+FORWARD_CHUNK = 32 << 10
+"""Bytes per forwarded READ or WRITE piece (the main process's socket carries messages of
+up to 64 KiB)."""
+
+ForwardRead = Callable[[int, int, int], Awaitable[bytes]]
+"""``read(fh, offset, size)`` in the main process: the bytes (fewer at the end)."""
+ForwardWrite = Callable[[int, int, bytes], Awaitable[int]]
+"""``write(fh, offset, data)`` in the main process: the bytes written."""
+WriteLock = Callable[[int, int, int], AbstractAsyncContextManager[Any]]
+"""``write_lock(nsid, offset, length)``: the main process's range lock of those bytes."""
+
+
+class WorkerFS(NamespaceFS):
+    """:class:`NamespaceFS` in a FUSE worker (see the module)."""
+
+    def __init__(self, controller: Any, options: MountOptions, *, forward_read: ForwardRead,
+                 forward_write: ForwardWrite, write_lock: WriteLock) -> None:
+        super().__init__(controller, options, shared_handles=True)
+        self.forwarded = 0  # READs and WRITEs the main process served for us
+        self.forward_read = forward_read
+        self.forward_write = forward_write
+        self.write_lock = write_lock
+
+    def _own(self) -> bool:
+        """Whether our queues serve now (else the main process serves our I/O)."""
+        return bool(getattr(self.controller, "live", True))
+
+    def start_read(self, fh, off, size, done):
+        return self._own() and super().start_read(fh, off, size, done)
+
+    async def read(self, fh, off, size):
+        try:
+            h = self.handles[fh]
+        except KeyError:  # a report, or a namespace we do not know: the main process's
+            return await self._read_forwarded(fh, off, size)
+        if not self._own():
+            return await self._read_forwarded(fh, off, size)
+        ns = h.node.ns
+        try:
+            return await ns.read_lent(off, size)
+        except NVMeoFError as exc:
+            raise _fuse_error(exc, f"read of {size} bytes at offset {off} of n{ns.nsid}") from None
+
+    async def _read_forwarded(self, fh: int, off: int, size: int) -> bytes:
+        self.forwarded += 1
+        parts = []
+        while size > 0:
+            part = await self.forward_read(fh, off, min(size, FORWARD_CHUNK))
+            parts.append(part)
+            if len(part) < min(size, FORWARD_CHUNK):
+                break
+            off += len(part)
+            size -= len(part)
+        return b"".join(parts)
+
+    def start_write(self, fh, off, buf, done):
+        return False  # a write first waits for the main process's range lock: in a task
+
+    async def write(self, fh, off, buf):
+        try:
+            h = self.handles[fh]
+        except KeyError:
+            return await self._write_forwarded(fh, off, buf)
+        if not self._own():
+            return await self._write_forwarded(fh, off, buf)
+        if not h.writable:
+            raise FUSEError(errno.EBADF)
+        ns = h.node.ns
+        if off >= ns.size:
+            raise FUSEError(errno.ENOSPC)
+        data = memoryview(buf)[: ns.size - off] if off + len(buf) > ns.size else buf
+        try:
+            async with self.write_lock(ns.nsid, off, len(data)):
+                return await ns.write(off, data)
+        except NVMeoFError as exc:
+            what = f"write of {len(data)} bytes at offset {off} of n{ns.nsid}"
+            raise _fuse_error(exc, what) from None
+
+    async def _write_forwarded(self, fh: int, off: int, buf: Any) -> int:
+        self.forwarded += 1
+        view = memoryview(buf)
+        done = 0
+        while done < len(view):
+            piece = bytes(view[done:done + FORWARD_CHUNK])
+            written = await self.forward_write(fh, off + done, piece)
+            done += written
+            if written < len(piece):
+                break
+        return done

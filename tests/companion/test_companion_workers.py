@@ -1,0 +1,186 @@
+"""What the companion server does for FUSE workers (the daemon side): leases on any transport
+from queue IDs kept for them, write locks that leave the kernel's pages alone, forwarded FUSE
+requests with bytes back, and their reports."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+from companion_fakes import LeasingController, serving, wait_for
+from multipath_fakes import Port, options
+
+from nvmeof_fuse.companion.channel import SocketChannel
+from nvmeof_fuse.companion.protocol import CompanionError
+from nvmeof_fuse.companion.server import CompanionServer
+from nvmeof_fuse.host import multipath
+
+
+def channel(server) -> SocketChannel:
+    return SocketChannel("\0" + server.info()["socket"][1:], 10)
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_workers_lease_the_last_queue_ids_on_any_transport(tmp_path, transport):
+    ctrl = LeasingController(companion_queues=4, transport=transport)
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 2
+        worker, other, client = channel(server), channel(server), channel(server)
+        try:
+            assert worker.call("lease", want=1, worker=True)["qids"] == [5]
+            assert other.call("lease", want=1, worker=True)["qids"] == [6]
+            # companion clients get the others, never the workers'
+            assert client.call("lease", want=4)["qids"] == [3, 4]
+            third = channel(server)
+            try:
+                with pytest.raises(CompanionError, match="FUSE workers are taken"):
+                    third.call("lease", want=1, worker=True)
+                worker.close()  # a worker that dies gives its queue IDs back
+                assert wait_for(lambda: third.call("lease", want=1, worker=True)["qids"]
+                                == [5])
+            finally:
+                third.close()
+        finally:
+            for ch in (worker, other, client):
+                ch.close()
+
+
+def test_without_workers_no_process_leases_as_one(tmp_path):
+    with serving(LeasingController(), tmp_path) as (server, _):
+        ch = channel(server)
+        try:
+            with pytest.raises(CompanionError, match="no FUSE workers"):
+                ch.call("lease", want=1, worker=True)
+            with pytest.raises(CompanionError, match="no FUSE workers"):
+                ch.call("fuse", kind="meta", opcode=3, unique=1, nodeid=1)
+        finally:
+            ch.close()
+
+
+def test_a_workers_write_lock_leaves_the_kernels_pages_alone(tmp_path):
+    """A FUSE write's pages are locked while it runs: dropping them would wait for it."""
+    with serving(LeasingController(), tmp_path) as (server, _):
+        dropped = []
+
+        async def drop(nsid, offset, length):
+            dropped.append((nsid, offset, length))
+
+        server.on_write = drop
+        ch = channel(server)
+        try:
+            token = ch.call("lock", nsid=1, offset=0, length=512, hold_s=5,
+                            keep_cache=True)["token"]
+            ch.call("unlock", token=token, nsid=1)
+            token = ch.call("lock", nsid=1, offset=512, length=512, hold_s=5)["token"]
+            ch.call("unlock", token=token, nsid=1)
+            assert dropped == [(1, 512, 512)]  # only the companion client's write
+        finally:
+            ch.close()
+
+
+def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_worker(tmp_path):
+    with serving(LeasingController(), tmp_path) as (server, _):
+        seen = []
+
+        async def on_fuse(header, payload):
+            seen.append((header["kind"], payload))
+            return {"_payload": b"\x01reply" * 100, "more": 1}
+
+        server.on_fuse = on_fuse
+        ch = channel(server)
+        try:
+            reply = ch.call("fuse", payload=b"request", kind="meta", opcode=1, unique=9,
+                            nodeid=1)
+            assert reply["_payload"] == b"\x01reply" * 100 and reply["more"] == 1
+            assert seen == [("meta", b"request")]
+            ch.call("report", worker={"index": 1, "pid": 42, "namespaces": {}})
+            assert server.worker_stats() == [{"index": 1, "pid": 42, "namespaces": {},
+                                              "qids": []}]
+            assert server.snapshot()["sessions"] == []  # a worker is no companion client
+        finally:
+            ch.close()
+
+
+def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():
+    port = Port()
+
+    async def main() -> None:
+        opts = [options(addr, companion_queues=4) for addr in list(port.targets)[:2]]
+        async with multipath.connect(opts, connect_path=port.connect) as head:
+            async with trio.open_nursery() as nursery:
+                server = CompanionServer(head)
+                server.worker_queues = 2
+                nursery.start_soon(server._revoke_leases_on_loss)
+
+                def leasable(ctrl):
+                    ctrl.lease_qids, ctrl.io_queue_size = [3, 4, 5, 6], lambda: 32
+                for path in head.paths:
+                    leasable(path.ctrl)
+                session = server.new_session("pid 3 uid 0")
+                events = []
+
+                async def notify(event):
+                    events.append(event)
+                session.notify = notify
+                first = await server.lease(session, 1, worker=True)
+                assert (first["traddr"], first["qids"]) == ("192.0.2.1", [5])
+                port[0].go_away()
+                port[0].fail_queues()
+                for _ in range(2):
+                    await head.namespaces[1].read(0, 512)
+                await trio.sleep(0.1)
+                port.on_connect = leasable
+                assert [e["event"] for e in events] == ["revoked"]
+                again = await server.lease(session, 1, worker=True)
+                assert (again["traddr"], again["qids"]) == ("192.0.2.2", [5])
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons_lock(tmp_path):
+    """A worker's side over the fake fabric: its lease, its own queues and bounce pool of
+    whole transfers, and each write under the daemon's range lock (none held after)."""
+    import argparse
+
+    from companion_fakes import FakeFabric
+
+    from nvmeof_fuse.companion.lease import lease_from, options_from
+    from nvmeof_fuse.fs.operations import pack_fh
+    from nvmeof_fuse.fs.options import MountOptions
+    from nvmeof_fuse.fs.workerfs import WorkerFS
+    from nvmeof_fuse.host.attached import attach
+    from nvmeof_fuse.workers import _Worker
+
+    ctrl = LeasingController(companion_queues=4)
+    fabric = FakeFabric(ctrl)
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 1
+        args = argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
+                                  index=1, fd=-1, read_only=False, debug=False)
+        worker = _Worker(args)
+
+        async def main():
+            first = await worker.ask("lease", want=1, worker=True)
+            options = options_from(first, 10.0)
+
+            async def lease_source():
+                return lease_from(first)
+
+            async with attach(options, lease_source, fabric(options), bounce_buffers=4) as own:
+                assert own.bounce.chunk >= own.max_transfer
+                fs = WorkerFS(own, MountOptions(), forward_read=None, forward_write=None,
+                              write_lock=worker._write_lock)
+                data = bytes(range(256)) * 40  # 10,240 bytes, unaligned at both ends
+                assert await fs.write(pack_fh(1, 2, True), 1000, data) == len(data)
+                assert bytes(await fs.read(pack_fh(2, 2, False), 1000, len(data))) == data
+                assert bytes(await fs.read(pack_fh(3, 1, False), 0, 1 << 20)) == \
+                    bytes(ctrl.disks[1][:1 << 20])
+
+        try:
+            trio.run(main)
+        finally:
+            worker.channel.close()
+        assert bytes(ctrl.disks[2][1000:1000 + 10240]) == bytes(range(256)) * 40
+        assert set(fabric.connects) == {6} and {q for _, q in fabric.commands} == {6}
+        assert wait_for(lambda: not server._locked)  # every write lock given back

@@ -1,0 +1,218 @@
+"""FUSE workers on the host: one serving process against N, over RAM and over the fake target.
+
+  .venv/bin/python tests/fs/bench_workers.py [--seconds 5] [--rounds 1] [--workers 1,2,4]
+                                             [--backends ram,tcp]       (root: fio, /dev/fuse)
+
+Over RAM, ``scripts/benches/bench.py fuse-ram --workers N`` serves a memfd every process maps
+(the FUSE layer alone); over the fake target, ``nvmeof-fuse mount --workers N`` serves
+``tests/tcp_target.py`` on 127.0.0.1 (one Python process: it moves every byte, on the same
+cores).  Each fio job runs with ``numjobs`` = N on one worker and on N workers, mounts
+alternating round by round; printed are the medians, the serving processes' CPU per request
+(the main process and its workers, not fio, not the target) and N over one.  Figures are
+printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "scripts" / "benches" / "bench.py"
+TARGET = ROOT / "tests" / "tcp_target.py"
+NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
+READY_TIMEOUT = 90.0  # s for a mount and its workers (imports included, a loaded host)
+RAM_MIB = 256
+TCP_MIB = 256
+JOBS = (("4k-randread-qd32", "4 KiB randread QD32", "randread", "4k", 32),
+        ("1m-read-qd8", "1 MiB read QD8", "read", "1m", 8))
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and the processes under it (the workers are its children)."""
+    found, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        try:
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children") as f:
+                    todo += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return found
+
+
+def _cpu_seconds(pids: list[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
+
+
+def _is_mounted(path: str) -> bool:
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path for line in f)
+
+
+def _wait(cond, what: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not cond():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} not ready after {READY_TIMEOUT:g} s")
+        time.sleep(0.1)
+
+
+class Server:
+    """One mount with ``workers`` serving processes, until :meth:`stop`."""
+
+    def __init__(self, backend: str, workers: int, mnt: str, port: int | None,
+                 log: str) -> None:
+        self.mnt, self.workers = mnt, workers
+        out = open(log, "w")  # noqa: SIM115 - the child's, closed in stop()
+        self._out = out
+        if backend == "ram":
+            cmd = [sys.executable, str(BENCH), "fuse-ram", mnt, "--size-mib", str(RAM_MIB),
+                   "--workers", str(workers)]
+        else:
+            cmd = [sys.executable, "-m", "nvmeof_fuse.cli", "mount", "-t", "tcp", "-a",
+                   "127.0.0.1", "-s", str(port), "-n", NQN, "-k", "0", "--workers",
+                   str(workers), mnt]
+        self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        _wait(lambda: _is_mounted(mnt) or self.proc.poll() is not None, "the mount")
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"the mount failed: {Path(log).read_text()[-300:]}")
+        _wait(lambda: len(_descendants(self.proc.pid)) >= workers, "the workers")
+        if backend == "tcp" and workers > 1:
+            _wait(lambda: Path(log).read_text().count(" serves on queues ") >= workers - 1,
+                  "the workers' queues")
+
+    def cpu(self) -> float:
+        return _cpu_seconds(_descendants(self.proc.pid))
+
+    def stop(self) -> None:
+        subprocess.run(["fusermount3", "-u", self.mnt], check=False, timeout=60)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(60)
+        self._out.close()
+
+
+def fio(path: str, rw: str, bs: str, qd: int, jobs: int, seconds: float) -> tuple[float, int]:
+    """fio on ``path``: bytes per second and requests done, over all ``jobs``."""
+    cmd = ["fio", "--output-format=json", f"--filename={path}", "--ioengine=libaio",
+           "--direct=1", f"--runtime={seconds}", "--time_based", "--name=w", f"--rw={rw}",
+           f"--bs={bs}", f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, check=True)
+    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]["read"]
+    return job["bw_bytes"], job["total_ios"]
+
+
+def start_target() -> tuple[subprocess.Popen, int]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen([sys.executable, str(TARGET), str(TCP_MIB)],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    got: dict = {}
+    reader = threading.Thread(target=lambda: got.setdefault("port", proc.stdout.readline()))
+    reader.start()
+    reader.join(READY_TIMEOUT)
+    if not got.get("port", "").strip().isdigit():
+        proc.kill()
+        raise RuntimeError("the fake target did not start")
+    return proc, int(got["port"])
+
+
+def run(backends: list[str], counts: list[int], seconds: float, rounds: int) -> dict:
+    """{(backend, job key, numjobs, workers): [(bytes/s, cpu us per request), ...]}"""
+    results: dict = {}
+    target, port = start_target() if "tcp" in backends else (None, None)
+    work = tempfile.mkdtemp(prefix="nvmeof-fuse-bench-workers-")
+    try:
+        for _ in range(rounds):
+            for backend in backends:
+                for workers in counts:
+                    mnt = os.path.join(work, f"{backend}{workers}")
+                    os.makedirs(mnt, exist_ok=True)
+                    server = Server(backend, workers, mnt, port,
+                                    os.path.join(work, f"{backend}{workers}.log"))
+                    try:
+                        for key, _, rw, bs, qd in JOBS:
+                            for jobs in counts:
+                                if workers not in (1, jobs):
+                                    continue
+                                before = server.cpu()
+                                rate, ios = fio(f"{mnt}/n1", rw, bs, qd, jobs, seconds)
+                                cpu = server.cpu() - before
+                                results.setdefault((backend, key, jobs, workers), []).append(
+                                    (rate, cpu / max(ios, 1) * 1e6))
+                    finally:
+                        server.stop()
+    finally:
+        if target is not None:
+            target.kill()
+            target.wait(60)
+    return results
+
+
+def table(results: dict, backends: list[str], counts: list[int]) -> str:
+    lines = ["| over | job | numjobs | 1 worker | CPU/req | N workers | CPU/req | N / 1 |",
+             "|---|---|---|---|---|---|---|---|"]
+    for backend in backends:
+        for key, title, _, bs, _ in JOBS:
+            for jobs in counts:
+                one = results.get((backend, key, jobs, 1))
+                many = results.get((backend, key, jobs, jobs))
+                if not one:
+                    continue
+
+                def fig(runs, bs=bs):
+                    rate = statistics.median(r for r, _ in runs)
+                    cpu = statistics.median(c for _, c in runs)
+                    shown = (f"{rate / 4096:,.0f} IOPS" if bs == "4k"
+                             else f"{rate / 1e6:,.0f} MB/s")
+                    return rate, shown, f"{cpu:.1f} us"
+
+                r1, s1, c1 = fig(one)
+                if jobs == 1 or not many:
+                    lines.append(f"| {backend} | {title} | {jobs} | {s1} | {c1} | - | - | - |")
+                    continue
+                rn, sn, cn = fig(many)
+                lines.append(f"| {backend} | {title} | {jobs} | {s1} | {c1} | {sn} ({jobs}) | "
+                             f"{cn} | {rn / r1:.2f}x |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--workers", default="1,2,4", help="worker counts (1 always runs)")
+    ap.add_argument("--backends", default="ram,tcp")
+    args = ap.parse_args(argv)
+    counts = sorted({1, *(int(n) for n in args.workers.split(","))})
+    backends = [b for b in args.backends.split(",") if b]
+    print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} before", flush=True)
+    results = run(backends, counts, args.seconds, args.rounds)
+    print(table(results, backends, counts))
+    print(f"load {os.getloadavg()[0]:.2f} after; CPU/req: the serving processes' user+system "
+          "CPU per fio request (main and workers; not fio, not the target)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
