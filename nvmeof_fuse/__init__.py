@@ -1,14 +1,16 @@
 """nvmeof_fuse: a userspace NVMe over Fabrics initiator on trio, with a FUSE view of namespaces.
 
 The companion API is importable from here: :func:`mount` (see :mod:`nvmeof_fuse.inprocess`),
-:class:`File` and :func:`empty` (see :mod:`nvmeof_fuse.companion`).
+:class:`File`, :func:`empty` and
+:func:`load_safetensors` (see :mod:`nvmeof_fuse.companion`).
 """
 
 from typing import Any
 
 __version__ = "0.1.0"
 
-_COMPANION = ("CompanionError", "File", "IOFuture", "empty")
+_COMPANION = ("CompanionError", "File", "FilesystemFile", "IOFuture", "empty",
+              "load_safetensors")
 _INPROCESS = ("Mount", "Registration", "mount")
 
 

@@ -8,7 +8,7 @@ STATE=${NVMEOF_FUSE_STATE:-$REPO/.testbed}
 APT_PACKAGES=(
   qemu-system-x86 busybox-static kmod udev iproute2 rdma-core ibverbs-utils
   ibverbs-providers libibverbs1 librdmacm1 rdmacm-utils perftest nvme-cli
-  fuse3 libfuse3-dev pkg-config fio e2fsprogs jq bsdextrautils procps dmsetup
+  fuse3 libfuse3-dev pkg-config fio e2fsprogs xfsprogs fdisk jq bsdextrautils procps dmsetup
 )  # libfuse3-dev and pkg-config: to build pyfuse3 (the pyfuse3 extra, which the tests run too)
 BACKPORTS_SUITE=bookworm-backports
 

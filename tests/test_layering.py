@@ -45,7 +45,9 @@ TOP = ("nvmeof_fuse.daemon", "nvmeof_fuse.inprocess", "nvmeof_fuse.cli")
 
 
 @pytest.mark.parametrize("module", ["nvmeof_fuse.companion", "nvmeof_fuse.companion.server",
-                                    "nvmeof_fuse.companion.direct", "nvmeof_fuse.fs.mount"])
+                                    "nvmeof_fuse.companion.direct", "nvmeof_fuse.companion.fsfile",
+                                    "nvmeof_fuse.companion.safetensors_load",
+                                    "nvmeof_fuse.fs.mount"])
 def test_the_filesystem_and_the_companion_load_nothing_above_them(module):
     loaded = loaded_after_import(module)
     assert [m for m in TOP if m in loaded] == []
@@ -132,6 +134,14 @@ def test_no_module_above_the_transports_names_one():
              and target.rpartition(".")[2].startswith(("rdma", "tcp"))
              and target.startswith("nvmeof_fuse.transport.")}
     assert named == set()
+
+
+@pytest.mark.parametrize("module", ["nvmeof_fuse.companion.fiemap",
+                                    "nvmeof_fuse.companion.safetensors_header"])
+def test_the_companions_formats_import_nothing_of_ours(module):
+    """FIEMAP's structures and the safetensors header are pure, as nvme/ is: the ioctls and
+    sysfs are fsmap.py's, the reads safetensors_load.py's."""
+    assert import_graph()[module] == set()
 
 
 def test_the_circle_finder_finds_one():

@@ -133,6 +133,10 @@ class _NoDirect(Exception):
     """Why CUDA memory cannot be placed directly (then it is staged)."""
 
 
+open_other: Any = None
+"""``(path, **options) -> file or None``: set by :mod:`.fsfile`, which opens a regular file
+of a filesystem on a namespace (this module does not import it: no import circle)."""
+
 STAGED_HOST = "staged: only arrays from nvmeof_fuse.empty() are shared with the mount daemon"
 
 
@@ -144,6 +148,15 @@ class File:
     ``task_size`` bytes.  ``stream=`` orders the copies into and out of a CUDA
     buffer on the caller's CUDA stream (see :mod:`nvmeof_fuse.companion.gpu`).
     """
+
+    def __new__(cls, path: str, *args: Any, **options: Any) -> Any:
+        """A namespace file; a regular file of a filesystem on one opens as
+        :class:`~.fsfile.FilesystemFile` instead."""
+        if cls is File and open_other is not None:
+            other = open_other(path, *args, **options)
+            if other is not None:
+                return other
+        return super().__new__(cls)
 
     def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT,
                  compat_mode: bool | None = None, workers: int = 4,
