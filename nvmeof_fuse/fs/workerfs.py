@@ -15,7 +15,6 @@ that the main process serves them on whichever path is live.
 
 from __future__ import annotations
 
-import errno
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -23,7 +22,6 @@ from typing import Any
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.operations import NamespaceFS, _fuse_error
 from nvmeof_fuse.fs.options import MountOptions
-from nvmeof_fuse.fs.wire import FUSEError
 
 FORWARD_CHUNK = 32 << 10
 """Bytes per forwarded READ or WRITE piece (the main process's socket carries messages of
@@ -84,24 +82,13 @@ class WorkerFS(NamespaceFS):
         return False  # a write first waits for the main process's range lock: in a task
 
     async def write(self, fh, off, buf):
-        try:
-            h = self.handles[fh]
-        except KeyError:
+        if self.handles.get(fh) is None or not self._own():  # see read
             return await self._write_forwarded(fh, off, buf)
-        if not self._own():
-            return await self._write_forwarded(fh, off, buf)
-        if not h.writable:
-            raise FUSEError(errno.EBADF)
-        ns = h.node.ns
-        if off >= ns.size:
-            raise FUSEError(errno.ENOSPC)
-        data = memoryview(buf)[: ns.size - off] if off + len(buf) > ns.size else buf
-        try:
-            async with self.write_lock(ns.nsid, off, len(data)):
-                return await ns.write(off, data)
-        except NVMeoFError as exc:
-            what = f"write of {len(data)} bytes at offset {off} of n{ns.nsid}"
-            raise _fuse_error(exc, what) from None
+        return await super().write(fh, off, buf)
+
+    async def _write_ns(self, ns, off, data):
+        async with self.write_lock(ns.nsid, off, len(data)):
+            return await ns.write(off, data)
 
     async def _write_forwarded(self, fh: int, off: int, buf: Any) -> int:
         self.forwarded += 1
