@@ -96,6 +96,17 @@ def _flag_values(args: argparse.Namespace, key: str) -> list[str]:
             for k, _, value in [f.strip().partition("=")] if k == key]
 
 
+def _one_value(args: argparse.Namespace, key: str, what: str) -> str | None:
+    """The one value ``--KEY`` and ``-o KEY=`` name (None: neither); two different ones are
+    refused as conflicting ``what``."""
+    named = set(_flag_values(args, key))
+    if getattr(args, key, None) is not None:
+        named.add(getattr(args, key))
+    if len(named) > 1:
+        raise UsageError(f"conflicting {what}: {', '.join(sorted(named))}")
+    return named.pop() if named else None
+
+
 def mount_paths(args: argparse.Namespace) -> tuple[str, ...]:
     """The further paths of ``--path`` and ``-o path=``, checked (each an NVMe URI of a
     subsystem, without a namespace; none twice)."""
@@ -118,12 +129,9 @@ def _iopolicy(args: argparse.Namespace) -> str:
     """``--iopolicy`` or ``-o iopolicy=`` (default queue-depth), checked."""
     from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY, POLICIES
 
-    named = set(_flag_values(args, "iopolicy"))
-    if getattr(args, "iopolicy", None) is not None:
-        named.add(args.iopolicy)
-    if len(named) > 1:
-        raise UsageError(f"conflicting iopolicies: {', '.join(sorted(named))}")
-    policy = named.pop() if named else DEFAULT_POLICY
+    policy = _one_value(args, "iopolicy", "iopolicies")
+    if policy is None:
+        policy = DEFAULT_POLICY
     if policy not in POLICIES:
         raise UsageError(f"unknown iopolicy {policy!r} (known: {', '.join(POLICIES)})")
     return policy
@@ -136,14 +144,10 @@ def _workers(args: argparse.Namespace) -> int:
     """``--workers`` or ``-o workers=`` (default DEFAULT_WORKERS), checked."""
     from nvmeof_fuse.fs.options import DEFAULT_WORKERS
 
-    named = set(_flag_values(args, "workers"))
-    if getattr(args, "workers", None) is not None:
-        named.add(args.workers)
-    if len(named) > 1:
-        raise UsageError(f"conflicting worker counts: {', '.join(sorted(named))}")
-    if not named:
+    named = _one_value(args, "workers", "worker counts")
+    if named is None:
         return DEFAULT_WORKERS
-    return _int("--workers", named.pop(), 1, MAX_WORKERS)
+    return _int("--workers", named, 1, MAX_WORKERS)
 
 
 def _fuse_server(args: argparse.Namespace) -> str:
