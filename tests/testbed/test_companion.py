@@ -471,7 +471,10 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
     fabric = make_fabric(testbed, transport)
     mnt, log = str(tmp_path / "mnt"), str(tmp_path / "daemon.log")
     os.makedirs(mnt)
-    qps_before, mrs_before = rdma_objects("qp"), rdma_objects("mr")
+    def ours(kind: str) -> int:
+        return rdma_objects(kind, processes_only=True)
+
+    qps_before, mrs_before = ours("qp"), ours("mr")
     sh("nvmeof-fuse", "mount", "-t", transport, "-a", fabric.addr, "-s", str(fabric.port),
        "-n", testbed.nqn, "-k", "2", "-c", "2", "-l", loss_tmo, "--daemon", "--log-file", log,
        mnt)
@@ -480,6 +483,8 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
         # whole LBAs, read back small and large: the polled queues, from the client's thread
         aligned = Churn(f"{mnt}/n1", 4 << 20, 5 * POLLED_MAX_BYTES // 2, tmp_path)
         assert churn.own_queues and aligned.own_queues
+        if transport == "rdma":  # the count sees our processes' queue pairs
+            assert ours("qp") > qps_before, sh("rdma", "resource", "show", "qp")
         churn.rounds(2)
         aligned.rounds(2)
         with target_away(testbed.nqn, NVMET_PORTS[transport]):
@@ -501,7 +506,9 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
         assert any("--ctrl-loss-tmo 3" in r["error"] for r in errors), errors
     else:
         assert not errors, errors
-    assert wait_for(lambda: rdma_objects("qp") <= qps_before and rdma_objects("mr") <= mrs_before)
+    assert wait_for(lambda: ours("qp") <= qps_before and ours("mr") <= mrs_before), \
+        (qps_before, mrs_before, sh("rdma", "resource", "show", "qp"),
+         sh("rdma", "resource", "show", "mr"))
 
 
 def test_a_batch_of_small_reads_lands_in_place_from_the_callers_thread(cmnt):

@@ -42,10 +42,12 @@ def run_guarded(fn, *args, hang_guard: float):
     return trio.run(guarded)
 
 
-def rdma_objects(kind: str) -> int:
-    """How many RDMA resources of ``kind`` (qp, mr, cq, ...) exist in the VM right now."""
+def rdma_objects(kind: str, *, processes_only: bool = False) -> int:
+    """How many RDMA resources of ``kind`` (qp, mr, cq, ...) exist in the VM right now
+    (``processes_only``: those of user processes, which ``rdma`` shows with their pid, not
+    nvmet's, whose teardown runs on in the kernel after a test)."""
     return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
-                if line.strip()])
+                if line.strip() and (not processes_only or " pid " in line)])
 
 
 @contextlib.contextmanager
