@@ -45,7 +45,8 @@ CHECK_TIMEOUT = 10.0  # s for stat()s of the mountpoint: a hung FUSE mount block
 DRAIN_TIMEOUT = 30.0  # s for in-flight requests to finish once asked to stop
 # Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us (INIT's max_background).
 # The kernel's default of 12 (FUSE_DEFAULT_MAX_BACKGROUND) holds back a queue depth of 16.
-# 32 matches the controller's bounce buffers, which each request in flight holds.
+# 32 matches the controller's bounce buffers, which each request in flight holds; with FUSE
+# workers each process has its own, so a mount allows 32 per serving process.
 MAX_BACKGROUND = 32
 MAX_WRITE = 1 << 20  # bytes per READ/WRITE request (FUSE_MAX_PAGES)
 FUSECTL = "/sys/fs/fuse/connections"
@@ -220,9 +221,10 @@ async def start_server(ops: NamespaceFS, path: str, options: MountOptions) -> Fu
     pyfuse3_server = check_fuse_server(options.fuse)
     if pyfuse3_server is None:  # ours
         fd = await trio.to_thread.run_sync(_mount, path, options)
-        return FuseSession(ops, fd,
-                           InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
-                           debug=options.debug, shared=options.worker_processes > 1)
+        serving = options.worker_processes
+        return FuseSession(ops, fd, InitParams(max_write=MAX_WRITE,
+                                               max_background=MAX_BACKGROUND * serving),
+                           debug=options.debug, shared=serving > 1)
     libfuse_options = sorted(fuse_options(options)) + (["debug"] if options.debug else [])
     try:
         server = await trio.to_thread.run_sync(pyfuse3_server.Pyfuse3Server, ops, path,

@@ -63,6 +63,15 @@ def _cpu_seconds(pids: list[int]) -> float:
     return total
 
 
+def _host_busy() -> tuple[float, float]:
+    """(busy, all) CPU seconds of the whole host since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        ticks = [int(v) for v in f.readline().split()[1:]]
+    idle = ticks[3] + ticks[4]  # idle, iowait
+    hz = os.sysconf("SC_CLK_TCK")
+    return (sum(ticks[:8]) - idle) / hz, sum(ticks[:8]) / hz
+
+
 def _is_mounted(path: str) -> bool:
     with open("/proc/self/mountinfo") as f:
         return any(line.split()[4] == path for line in f)
@@ -138,7 +147,8 @@ def start_target() -> tuple[subprocess.Popen, int]:
 
 
 def run(backends: list[str], counts: list[int], seconds: float, rounds: int) -> dict:
-    """{(backend, job key, numjobs, workers): [(bytes/s, cpu us per request), ...]}"""
+    """{(backend, job key, numjobs, workers): [(bytes/s, serving CPU us per request, host
+    CPU us per request, host busy fraction), ...]}"""
     results: dict = {}
     target, port = start_target() if "tcp" in backends else (None, None)
     work = tempfile.mkdtemp(prefix="nvmeof-fuse-bench-workers-")
@@ -155,11 +165,14 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int) -> 
                             for jobs in counts:
                                 if workers not in (1, jobs):
                                     continue
-                                before = server.cpu()
+                                before, (busy0, all0) = server.cpu(), _host_busy()
                                 rate, ios = fio(f"{mnt}/n1", rw, bs, qd, jobs, seconds)
                                 cpu = server.cpu() - before
+                                busy1, all1 = _host_busy()
+                                ios = max(ios, 1)
                                 results.setdefault((backend, key, jobs, workers), []).append(
-                                    (rate, cpu / max(ios, 1) * 1e6))
+                                    (rate, cpu / ios * 1e6, (busy1 - busy0) / ios * 1e6,
+                                     (busy1 - busy0) / max(all1 - all0, 1e-9)))
                     finally:
                         server.stop()
     finally:
@@ -170,8 +183,9 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int) -> 
 
 
 def table(results: dict, backends: list[str], counts: list[int]) -> str:
-    lines = ["| over | job | numjobs | 1 worker | CPU/req | N workers | CPU/req | N / 1 |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| over | job | numjobs | 1 worker | CPU/req | host CPU/req | host busy "
+             "| N workers | CPU/req | host CPU/req | host busy | N / 1 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for backend in backends:
         for key, title, _, bs, _ in JOBS:
             for jobs in counts:
@@ -181,19 +195,20 @@ def table(results: dict, backends: list[str], counts: list[int]) -> str:
                     continue
 
                 def fig(runs, bs=bs):
-                    rate = statistics.median(r for r, _ in runs)
-                    cpu = statistics.median(c for _, c in runs)
+                    rate = statistics.median(r[0] for r in runs)
+                    cpu, host, busy = (statistics.median(r[i] for r in runs) for i in (1, 2, 3))
                     shown = (f"{rate / 4096:,.0f} IOPS" if bs == "4k"
                              else f"{rate / 1e6:,.0f} MB/s")
-                    return rate, shown, f"{cpu:.1f} us"
+                    return rate, (f"{shown} | {cpu:.1f} us | {host:.1f} us | "
+                                  f"{busy * 100:.0f}%")
 
-                r1, s1, c1 = fig(one)
+                r1, s1 = fig(one)
                 if jobs == 1 or not many:
-                    lines.append(f"| {backend} | {title} | {jobs} | {s1} | {c1} | - | - | - |")
+                    lines.append(f"| {backend} | {title} | {jobs} | {s1} | - | - | - | - | - |")
                     continue
-                rn, sn, cn = fig(many)
-                lines.append(f"| {backend} | {title} | {jobs} | {s1} | {c1} | {sn} ({jobs}) | "
-                             f"{cn} | {rn / r1:.2f}x |")
+                rn, sn = fig(many)
+                lines.append(f"| {backend} | {title} | {jobs} | {s1} | {sn} ({jobs}) | "
+                             f"{rn / r1:.2f}x |")
     return "\n".join(lines)
 
 
@@ -210,7 +225,9 @@ def main(argv: list[str] | None = None) -> int:
     results = run(backends, counts, args.seconds, args.rounds)
     print(table(results, backends, counts))
     print(f"load {os.getloadavg()[0]:.2f} after; CPU/req: the serving processes' user+system "
-          "CPU per fio request (main and workers; not fio, not the target)")
+          "CPU per fio request (main and workers; not fio, not the target); host CPU/req: the "
+          "whole host's busy CPU per request (fio, the kernel and the target too); host busy: "
+          "the share of all CPUs busy during the job")
     return 0
 
 
