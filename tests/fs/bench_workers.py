@@ -1,12 +1,15 @@
 """FUSE workers on the host: one serving process against N, over RAM and over the fake target.
 
   .venv/bin/python tests/fs/bench_workers.py [--seconds 5] [--rounds 1] [--workers 1,2,4]
-                                             [--backends ram,tcp] [--iodepth 32]
+                                             [--backends ram,libfuse,tcp] [--iodepth 32]
                                              [--target nvme+rdma://ADDR:PORT/NQN/NSID]
                                                                         (root: fio, /dev/fuse)
 
 Over RAM, ``scripts/benches/bench.py fuse-ram --workers N`` serves a memfd every process maps
-(the FUSE layer alone); over the fake target, ``nvmeof-fuse mount --workers N`` serves
+(the FUSE layer alone); beside it the peer, ``peer_fuse_ram.c``: the same RAM file served by
+libfuse in C with N threads on cloned descriptors (what more serving threads buy on this host
+when the server is native code; built with gcc at run time, left out where it cannot be);
+over the fake target, ``nvmeof-fuse mount --workers N`` serves
 ``tests/tcp_target.py`` on 127.0.0.1 (a process per connection, on the same cores); with
 ``--target``, a real target instead (the testbed's, in the VM: part "workers" of
 ``scripts/bench``), the backend named by its transport.  Each fio job runs with ``numjobs`` = N
@@ -32,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "benches" / "bench.py"
 TARGET = ROOT / "tests" / "tcp_target.py"
+PEER = Path(__file__).with_name("peer_fuse_ram.c")
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
 READY_TIMEOUT = 90.0  # s for a mount and its workers (imports included, a loaded host)
 RAM_MIB = 256
@@ -104,6 +108,8 @@ class Server:
         if backend == "ram":
             cmd = [sys.executable, str(BENCH), "fuse-ram", mnt, "--size-mib", str(RAM_MIB),
                    "--workers", str(workers)]
+        elif backend == "libfuse":  # source: the peer's binary; its threads are the workers
+            cmd = [str(source), mnt, str(RAM_MIB), str(workers)]
         else:
             cmd = [sys.executable, "-m", "nvmeof_fuse.cli", "mount", "-k", "0", "--workers",
                    str(workers), str(source), mnt]
@@ -111,8 +117,9 @@ class Server:
         _wait(lambda: _is_mounted(mnt) or self.proc.poll() is not None, "the mount")
         if self.proc.poll() is not None:
             raise RuntimeError(f"the mount failed: {Path(log).read_text()[-300:]}")
-        _wait(lambda: len(_descendants(self.proc.pid)) >= workers, "the workers")
-        if backend != "ram" and workers > 1:
+        if backend != "libfuse":
+            _wait(lambda: len(_descendants(self.proc.pid)) >= workers, "the workers")
+        if backend not in ("ram", "libfuse") and workers > 1:
             _wait(lambda: Path(log).read_text().count(" serves on queues ") >= workers - 1,
                   "the workers' queues")
 
@@ -137,6 +144,21 @@ def fio(path: str, rw: str, bs: str, qd: int, jobs: int, seconds: float) -> tupl
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, check=True)
     job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]["read"]
     return job["bw_bytes"], job["total_ios"]
+
+
+def build_peer(work: str) -> str | None:
+    """The libfuse peer (``peer_fuse_ram.c``) built into ``work``; None, saying why, where
+    gcc or libfuse3's headers are missing."""
+    binary = os.path.join(work, "peer_fuse_ram")
+    try:
+        flags = subprocess.run(["pkg-config", "fuse3", "--cflags", "--libs"], check=True,
+                               capture_output=True, text=True, timeout=60).stdout.split()
+        subprocess.run(["gcc", "-O2", "-o", binary, str(PEER), *flags], check=True,
+                       capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"the libfuse peer is left out: cannot build it ({exc})", flush=True)
+        return None
+    return binary
 
 
 def start_target() -> tuple[subprocess.Popen, int]:
@@ -166,13 +188,17 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iod
         target, port = start_target()
         source = f"nvme+tcp://127.0.0.1:{port}/{NQN}"
     work = tempfile.mkdtemp(prefix="nvmeof-fuse-bench-workers-")
+    peer = build_peer(work) if "libfuse" in backends else None
+    if "libfuse" in backends and peer is None:
+        backends.remove("libfuse")
     try:
         for _ in range(rounds):
             for backend in backends:
                 for workers in counts:
                     mnt = os.path.join(work, f"{backend}{workers}")
                     os.makedirs(mnt, exist_ok=True)
-                    server = Server(backend, workers, mnt, source,
+                    server = Server(backend, workers, mnt,
+                                    peer if backend == "libfuse" else source,
                                     os.path.join(work, f"{backend}{workers}.log"))
                     try:
                         for key, _, rw, bs, qd in fio_jobs(iodepth):
@@ -231,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--workers", default="1,2,4", help="worker counts (1 always runs)")
-    ap.add_argument("--backends", default="ram,tcp")
+    ap.add_argument("--backends", default="ram,libfuse,tcp",
+                    help="ram, libfuse (the native peer over RAM), tcp (the fake target)")
     ap.add_argument("--iodepth", type=int, default=32, help="of the 4 KiB job")
     ap.add_argument("--target", help="a real target's URI (nvme+rdma://... or nvme+tcp://, "
                     "/NSID at the end), served instead of RAM and the fake target")
