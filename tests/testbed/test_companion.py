@@ -22,7 +22,7 @@ import time
 import pytest
 from fabrics import make_fabric
 from kernel_initiator import connected, pread_direct
-from vm import NVMET_PORTS, rdma_objects, sh, target_away, wait_for
+from vm import NVMET_PORTS, process_tree, rdma_objects, sh, target_away, wait_for
 
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.direct import POLLED_MAX_BYTES
@@ -459,9 +459,7 @@ def test_in_process_mount_places_reads_in_registered_memory(testbed, tmp_path):
 
 
 @pytest.mark.parametrize("transport, loss_tmo", [
-    ("rdma", "120"), pytest.param("rdma", "3", marks=pytest.mark.slow),
-    # slow: it failed twice after the tests before it in full runs, never alone (cause open)
-    pytest.param("tcp", "120", marks=pytest.mark.slow)])
+    ("rdma", "120"), pytest.param("rdma", "3", marks=pytest.mark.slow), ("tcp", "120")])
 def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path, transport,
                                                               loss_tmo):
     """Acceptance 2: the port is gone ~8 s while a client writes and reads in a loop.
@@ -473,10 +471,13 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
     fabric = make_fabric(testbed, transport)
     mnt, log = str(tmp_path / "mnt"), str(tmp_path / "daemon.log")
     os.makedirs(mnt)
-    def ours(kind: str) -> int:
-        return rdma_objects(kind, processes_only=True)
+    ours: set[int] = set()  # this test's processes: the mount's daemon (and its), the clients
 
-    qps_before, mrs_before = ours("qp"), ours("mr")
+    def held(kind: str) -> int:
+        """RDMA objects our processes hold (not the module's mounts': after the RDMA
+        outage before, that one may still be reconnecting while this test runs)."""
+        return rdma_objects(kind, pids=ours)
+
     sh("nvmeof-fuse", "mount", "-t", transport, "-a", fabric.addr, "-s", str(fabric.port),
        "-n", testbed.nqn, "-k", "2", "-c", "2", "-l", loss_tmo, "--daemon", "--log-file", log,
        mnt)
@@ -485,8 +486,11 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
         # whole LBAs, read back small and large: the polled queues, from the client's thread
         aligned = Churn(f"{mnt}/n1", 4 << 20, 5 * POLLED_MAX_BYTES // 2, tmp_path)
         assert churn.own_queues and aligned.own_queues
+        with open(f"{mnt}/.nvmeof/companion.json") as f:
+            ours |= process_tree(json.load(f)["pid"])
+        ours |= {churn.proc.pid, aligned.proc.pid}
         if transport == "rdma":  # the count sees our processes' queue pairs
-            assert ours("qp") > qps_before, sh("rdma", "resource", "show", "qp")
+            assert held("qp") > 0, sh("rdma", "resource", "show", "qp")
         churn.rounds(2)
         aligned.rounds(2)
         with target_away(testbed.nqn, NVMET_PORTS[transport]):
@@ -508,9 +512,8 @@ def test_a_client_on_its_own_queues_rides_out_a_target_outage(testbed, tmp_path,
         assert any("--ctrl-loss-tmo 3" in r["error"] for r in errors), errors
     else:
         assert not errors, errors
-    assert wait_for(lambda: ours("qp") <= qps_before and ours("mr") <= mrs_before), \
-        (qps_before, mrs_before, sh("rdma", "resource", "show", "qp"),
-         sh("rdma", "resource", "show", "mr"))
+    assert wait_for(lambda: held("qp") == 0 and held("mr") == 0), \
+        (sorted(ours), sh("rdma", "resource", "show", "qp"), sh("rdma", "resource", "show", "mr"))
 
 
 def test_a_batch_of_small_reads_lands_in_place_from_the_callers_thread(cmnt):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import time
+from collections.abc import Collection
 
 NVMET = "/sys/kernel/config/nvmet"
 RDMA_PORT = 1  # scripts/vm/testbed-guest: port 1 is rdma, port 2 tcp
@@ -42,12 +44,37 @@ def run_guarded(fn, *args, hang_guard: float):
     return trio.run(guarded)
 
 
-def rdma_objects(kind: str, *, processes_only: bool = False) -> int:
+def rdma_objects(kind: str, *, pids: Collection[int] | None = None) -> int:
     """How many RDMA resources of ``kind`` (qp, mr, cq, ...) exist in the VM right now
-    (``processes_only``: those of user processes, which ``rdma`` shows with their pid, not
-    nvmet's, whose teardown runs on in the kernel after a test)."""
-    return len([line for line in sh("rdma", "resource", "show", kind).splitlines()
-                if line.strip() and (not processes_only or " pid " in line)])
+    (``pids``: those of these processes only, which ``rdma`` shows with their pid: not
+    nvmet's, whose teardown runs on in the kernel after a test, nor another mount's, which
+    may be reconnecting meanwhile)."""
+    count = 0
+    for line in sh("rdma", "resource", "show", kind).splitlines():
+        pid = re.search(r"\bpid (\d+)\b", line)
+        if line.strip() and (pids is None or (pid is not None and int(pid.group(1)) in pids)):
+            count += 1
+    return count
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and its descendants alive now."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    tree, todo = set(), [pid]
+    while todo:
+        member = todo.pop()
+        tree.add(member)
+        todo += children.get(member, [])
+    return tree
 
 
 @contextlib.contextmanager
