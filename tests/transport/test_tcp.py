@@ -195,6 +195,9 @@ def test_a_reused_slot_carries_a_new_command_id_and_a_late_answer_for_the_old_on
             cids.append(completion.command_id)
         mask = queue._ids.mask
         assert len(set(cids)) == 3 and len({cid & mask for cid in cids}) == 1
+        # The target's own send of that answer may not have returned yet (its bytes are
+        # already here): once every task waits, its stream is free for ours.
+        await trio.testing.wait_all_tasks_blocked()
         await target.streams[-1].send_all(target._response(cids[-1], 0))
         with pytest.raises(TransportError, match=f"CapsuleResp for command ID {cids[-1]}, "
                                                  "which is not in flight"):
