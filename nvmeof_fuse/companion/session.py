@@ -30,6 +30,7 @@ from ..errors import (
     NamespaceUnavailable,
     NVMeoFError,
     TransportError,
+    unavailable_line,
 )
 from ..host.byterange import NoSpace
 from ..host.memory import Region
@@ -225,7 +226,7 @@ class Session:
         if ns is None:
             raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
         if ns.unavailable:
-            raise NamespaceUnavailable(f"namespace n{nsid} is unavailable: {ns.unavailable}")
+            raise NamespaceUnavailable(unavailable_line(nsid, ns.unavailable))
         return ns
 
     async def _using(self, reg: Registered, job: Callable[[], Any]) -> None:

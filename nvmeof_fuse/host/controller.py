@@ -33,6 +33,7 @@ from ..errors import (
     NVMeoFError,
     TargetProtocolError,
     TransportError,
+    unavailable_line,
 )
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
@@ -766,8 +767,7 @@ class Controller:
         Identify data we cannot serve is unavailable, and says why here, once."""
         ns = Namespace(self, nsid, identify)
         if ns.unavailable:
-            log.warning("%s: namespace n%d is unavailable: %s", self.options.nqn, nsid,
-                        ns.unavailable)
+            log.warning("%s: %s", self.options.nqn, unavailable_line(nsid, ns.unavailable))
         return ns
 
     async def _identify_namespaces(self) -> None:

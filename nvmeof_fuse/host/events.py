@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import trio
 
 from .. import nvme
-from ..errors import CommandTimeout, NVMeoFError, TransportError
+from ..errors import CommandTimeout, NVMeoFError, TransportError, unavailable_line
 from ..nvme import Cns, FeatureId
 from ..nvme import command as cmd
 from ..nvme.events import (
@@ -129,7 +129,7 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
             old = ns.resize(ident)
             now = ns.unavailable
             if now and now != was:  # values we cannot serve now: say why, once
-                log.warning("%s: namespace n%d is unavailable: %s", ctrl.options.nqn, nsid, now)
+                log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
     for change in changes:

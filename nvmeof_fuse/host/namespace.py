@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import NamespaceRemoved, NamespaceUnavailable
+from ..errors import NamespaceRemoved, NamespaceUnavailable, unavailable_line
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO, Edge, LbaIO
 from .io import CommandIssuer
@@ -55,9 +55,8 @@ class Namespace:
         else:
             self.lba_size, self.nlb = identify.lba_size, identify.nsze
         if not self.removed:  # a removed namespace stays removed
-            lbas.refusal = (NamespaceUnavailable(
-                f"namespace n{self.nsid} is unavailable: {self.unavailable}")
-                if self.unavailable else None)
+            lbas.refusal = (NamespaceUnavailable(unavailable_line(self.nsid, self.unavailable))
+                            if self.unavailable else None)
         lbas.lba_size, lbas.nlb = self.lba_size, self.nlb
         self.size = self.nlb * self.lba_size
 
