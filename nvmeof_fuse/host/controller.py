@@ -64,6 +64,10 @@ IO_RETRIES = 5
 flight when its connection failed."""
 PROBE_LOOKS = 4
 """Looks for an overdue command per the transport's ``probe_after``."""
+PROBES_IN_FLIGHT = 2
+"""The most probes unanswered at once: a slow target answers them late, and they must not
+pile up on the admin queue; more than one, as a fresh SEND is what notices a target that
+acknowledged the one before and then went away."""
 RETRY_DELAY_MAX = 10.0
 """Seconds: the longest Command Retry Delay honoured, were retry delays enabled (ACRE)."""
 LOG_PAGE_MAX = 4 << 20
@@ -807,20 +811,31 @@ class Controller:
         had their SENDs acknowledged already: nothing fails until a SEND goes
         unacknowledged, which a probe brings at once instead of at the next keep-alive.
         A probe is answered by a target that is merely slow, so it never fails over by
-        itself; only its transport's retry limit or the keep-alive timeout does.
+        itself; only its transport's retry limit or the keep-alive timeout does.  At most
+        ``PROBES_IN_FLIGHT`` are unanswered at once.
         """
         watch = OverdueWatch(after)
         timeout = self.options.keep_alive_tmo or self.options.timeout
+        why = f"probe after a command waited {after:g} s"
         last = -math.inf
+        in_flight = 0
+
+        async def probe() -> None:
+            nonlocal in_flight
+            try:
+                await self._send_keep_alive(timeout, why)
+            finally:
+                in_flight -= 1
+
         while True:
             await trio.sleep(after / PROBE_LOOKS)
-            if self.state is not LIVE:
+            if self.state is not LIVE or in_flight >= PROBES_IN_FLIGHT:
                 continue
             now = trio.current_time()
             if watch.overdue(self.io_queues, now) and now - last >= after:
                 last = now
-                self._nursery.start_soon(self._send_keep_alive, timeout,
-                                         f"probe after a command waited {after:g} s")
+                in_flight += 1
+                self._nursery.start_soon(probe)
 
     async def shutdown(self, why: str = "") -> None:
         """Deleting: no new keep-alives or I/O (they get ``why``); then CC.SHN, and wait
