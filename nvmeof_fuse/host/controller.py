@@ -42,7 +42,7 @@ from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
 from . import auth
-from .events import AsyncEvents
+from .events import AsyncEvents, active_nsids
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
@@ -775,8 +775,7 @@ class Controller:
         return ns
 
     async def _identify_namespaces(self) -> None:
-        nsids = nvme.parse_active_ns_list(await self.identify_raw(Cns.ACTIVE_NS_LIST))
-        for nsid in nsids:
+        for nsid in await active_nsids(self):
             ident = nvme.IdentifyNamespace.from_bytes(await self.identify_raw(Cns.NAMESPACE, nsid))
             if ident.nsze:
                 self.namespaces[nsid] = self.new_namespace(nsid, ident)
