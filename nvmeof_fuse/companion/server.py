@@ -415,6 +415,7 @@ class CompanionServer:
                 raise NoLease(f"all {len(ctrl.lease_qids)} companion queues of this mount are "
                               "leased (--companion-queues)")
             session.qids = free[:max(1, want)]
+            session.fuse_worker = worker
             self.stats.leases += 1
             log.info("companion: %s leases queues %s", session.peer,
                      ",".join(map(str, session.qids)))
@@ -428,9 +429,20 @@ class CompanionServer:
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
-            "namespaces": [[n, ns.lba_size, ns.nlb] for n, ns in sorted(ctrl.namespaces.items())],
+            "namespaces": self.namespace_shapes(),
             **self._secrets(opts),
         }
+
+    def namespace_shapes(self) -> list[list[int]]:
+        """``[nsid, lba_size, nlb]`` of each namespace, as a lease names them (a client
+        addresses them by these)."""
+        return [[n, ns.lba_size, ns.nlb] for n, ns in sorted(self.controller.namespaces.items())]
+
+    async def tell_workers(self, event: dict[str, Any]) -> None:
+        """Send ``event`` to every FUSE worker's session."""
+        for session in list(self.sessions):
+            if session.fuse_worker and session.notify is not None:
+                await session.notify(event)
 
     @staticmethod
     def _secrets(opts: Any) -> dict[str, str]:

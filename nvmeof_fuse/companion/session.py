@@ -117,6 +117,7 @@ class Session:
         self.placement: dict[str, str] = {}  # kind of memory -> how the client moves it
         self.qids: list[int] = []  # leased queue IDs
         self.worker: dict | None = None  # a FUSE worker's last report (it is one)
+        self.fuse_worker = False  # a FUSE worker's session (it leased a worker's queues)
         self.lessor: Any = None  # with several paths: the path's controller they are on
         self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
         self.lease_transport = ""  # what its own queues run over (rdma, tcp)
