@@ -49,14 +49,16 @@ class ReadOnly(NVMeoFError):
 class CompanionStats:
     """Counters shown in ``.nvmeof/stats.json`` under ``companion``."""
 
-    clients: int = 0
+    clients: int = 0  # companion clients connected now (FUSE workers apart)
     clients_total: int = 0
+    fuse_workers: int = 0  # the mount's FUSE worker processes connected now
+    fuse_workers_total: int = 0
     refused: int = 0
     regions: int = 0
     requests: int = 0
     errors: int = 0
     dmabuf_refused: int = 0  # dma-bufs the transport could not take: the client stages
-    leases: int = 0  # clients holding queue IDs of their own
+    leases: int = 0  # clients holding queue IDs of their own (FUSE workers apart)
     lease_refusals: int = 0
     client_queue_read_bytes: int = 0  # moved over the clients' own queues (daemon not involved)
     client_queue_write_bytes: int = 0
