@@ -1,14 +1,18 @@
 """FUSE workers on the host: one serving process against N, over RAM and over the fake target.
 
   .venv/bin/python tests/fs/bench_workers.py [--seconds 5] [--rounds 1] [--workers 1,2,4]
-                                             [--backends ram,tcp]       (root: fio, /dev/fuse)
+                                             [--backends ram,tcp] [--iodepth 32]
+                                             [--target nvme+rdma://ADDR:PORT/NQN/NSID]
+                                                                        (root: fio, /dev/fuse)
 
 Over RAM, ``scripts/benches/bench.py fuse-ram --workers N`` serves a memfd every process maps
 (the FUSE layer alone); over the fake target, ``nvmeof-fuse mount --workers N`` serves
-``tests/tcp_target.py`` on 127.0.0.1 (one Python process: it moves every byte, on the same
-cores).  Each fio job runs with ``numjobs`` = N on one worker and on N workers, mounts
-alternating round by round; printed are the medians, the serving processes' CPU per request
-(the main process and its workers, not fio, not the target) and N over one.  Figures are
+``tests/tcp_target.py`` on 127.0.0.1 (a process per connection, on the same cores); with
+``--target``, a real target instead (the testbed's, in the VM: part "workers" of
+``scripts/bench``), the backend named by its transport.  Each fio job runs with ``numjobs`` = N
+on one worker and on N workers, mounts alternating round by round; printed are the medians,
+the serving processes' CPU per request (the main process and its workers, not fio, not the
+target), the whole host's, the share of the host's CPUs busy, and N over one.  Figures are
 printed, never asserted.
 """
 
@@ -34,8 +38,12 @@ NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
 READY_TIMEOUT = 90.0  # s for a mount and its workers (imports included, a loaded host)
 RAM_MIB = 256
 TCP_MIB = 256
-JOBS = (("4k-randread-qd32", "4 KiB randread QD32", "randread", "4k", 32),
-        ("1m-read-qd8", "1 MiB read QD8", "read", "1m", 8))
+
+
+def fio_jobs(iodepth: int) -> tuple[tuple[str, str, str, str, int], ...]:
+    """(key, title, rw, bs, iodepth) of the fio jobs."""
+    return ((f"4k-randread-qd{iodepth}", f"4 KiB randread QD{iodepth}", "randread", "4k",
+             iodepth), ("1m-read-qd8", "1 MiB read QD8", "read", "1m", 8))
 
 
 def _descendants(pid: int) -> list[int]:
@@ -88,7 +96,7 @@ def _wait(cond, what: str) -> None:
 class Server:
     """One mount with ``workers`` serving processes, until :meth:`stop`."""
 
-    def __init__(self, backend: str, workers: int, mnt: str, port: int | None,
+    def __init__(self, backend: str, workers: int, mnt: str, source: str | None,
                  log: str) -> None:
         self.mnt, self.workers = mnt, workers
         out = open(log, "w")  # noqa: SIM115 - the child's, closed in stop()
@@ -97,15 +105,14 @@ class Server:
             cmd = [sys.executable, str(BENCH), "fuse-ram", mnt, "--size-mib", str(RAM_MIB),
                    "--workers", str(workers)]
         else:
-            cmd = [sys.executable, "-m", "nvmeof_fuse.cli", "mount", "-t", "tcp", "-a",
-                   "127.0.0.1", "-s", str(port), "-n", NQN, "-k", "0", "--workers",
-                   str(workers), mnt]
+            cmd = [sys.executable, "-m", "nvmeof_fuse.cli", "mount", "-k", "0", "--workers",
+                   str(workers), str(source), mnt]
         self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
         _wait(lambda: _is_mounted(mnt) or self.proc.poll() is not None, "the mount")
         if self.proc.poll() is not None:
             raise RuntimeError(f"the mount failed: {Path(log).read_text()[-300:]}")
         _wait(lambda: len(_descendants(self.proc.pid)) >= workers, "the workers")
-        if backend == "tcp" and workers > 1:
+        if backend != "ram" and workers > 1:
             _wait(lambda: Path(log).read_text().count(" serves on queues ") >= workers - 1,
                   "the workers' queues")
 
@@ -146,11 +153,18 @@ def start_target() -> tuple[subprocess.Popen, int]:
     return proc, int(got["port"])
 
 
-def run(backends: list[str], counts: list[int], seconds: float, rounds: int) -> dict:
+def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iodepth: int,
+        target_uri: str | None) -> dict:
     """{(backend, job key, numjobs, workers): [(bytes/s, serving CPU us per request, host
     CPU us per request, host busy fraction), ...]}"""
     results: dict = {}
-    target, port = start_target() if "tcp" in backends else (None, None)
+    target, source, nsid = None, target_uri, 1
+    if target_uri:
+        tail = target_uri.rstrip("/").rsplit("/", 1)[-1]
+        nsid = int(tail) if tail.isdigit() else 1
+    elif "tcp" in backends:
+        target, port = start_target()
+        source = f"nvme+tcp://127.0.0.1:{port}/{NQN}"
     work = tempfile.mkdtemp(prefix="nvmeof-fuse-bench-workers-")
     try:
         for _ in range(rounds):
@@ -158,19 +172,19 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int) -> 
                 for workers in counts:
                     mnt = os.path.join(work, f"{backend}{workers}")
                     os.makedirs(mnt, exist_ok=True)
-                    server = Server(backend, workers, mnt, port,
+                    server = Server(backend, workers, mnt, source,
                                     os.path.join(work, f"{backend}{workers}.log"))
                     try:
-                        for key, _, rw, bs, qd in JOBS:
-                            for jobs in counts:
-                                if workers not in (1, jobs):
+                        for key, _, rw, bs, qd in fio_jobs(iodepth):
+                            for numjobs in counts:
+                                if workers not in (1, numjobs):
                                     continue
                                 before, (busy0, all0) = server.cpu(), _host_busy()
-                                rate, ios = fio(f"{mnt}/n1", rw, bs, qd, jobs, seconds)
+                                rate, ios = fio(f"{mnt}/n{nsid}", rw, bs, qd, numjobs, seconds)
                                 cpu = server.cpu() - before
                                 busy1, all1 = _host_busy()
                                 ios = max(ios, 1)
-                                results.setdefault((backend, key, jobs, workers), []).append(
+                                results.setdefault((backend, key, numjobs, workers), []).append(
                                     (rate, cpu / ios * 1e6, (busy1 - busy0) / ios * 1e6,
                                      (busy1 - busy0) / max(all1 - all0, 1e-9)))
                     finally:
@@ -182,12 +196,12 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int) -> 
     return results
 
 
-def table(results: dict, backends: list[str], counts: list[int]) -> str:
+def table(results: dict, backends: list[str], counts: list[int], iodepth: int) -> str:
     lines = ["| over | job | numjobs | 1 worker | CPU/req | host CPU/req | host busy "
              "| N workers | CPU/req | host CPU/req | host busy | N / 1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for backend in backends:
-        for key, title, _, bs, _ in JOBS:
+        for key, title, _, bs, _ in fio_jobs(iodepth):
             for jobs in counts:
                 one = results.get((backend, key, jobs, 1))
                 many = results.get((backend, key, jobs, jobs))
@@ -218,12 +232,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--workers", default="1,2,4", help="worker counts (1 always runs)")
     ap.add_argument("--backends", default="ram,tcp")
+    ap.add_argument("--iodepth", type=int, default=32, help="of the 4 KiB job")
+    ap.add_argument("--target", help="a real target's URI (nvme+rdma://... or nvme+tcp://, "
+                    "/NSID at the end), served instead of RAM and the fake target")
     args = ap.parse_args(argv)
     counts = sorted({1, *(int(n) for n in args.workers.split(","))})
     backends = [b for b in args.backends.split(",") if b]
+    if args.target:
+        backends = [args.target.split("://", 1)[0].removeprefix("nvme+")]
     print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} before", flush=True)
-    results = run(backends, counts, args.seconds, args.rounds)
-    print(table(results, backends, counts))
+    results = run(backends, counts, args.seconds, args.rounds, args.iodepth, args.target)
+    print(table(results, backends, counts, args.iodepth))
     print(f"load {os.getloadavg()[0]:.2f} after; CPU/req: the serving processes' user+system "
           "CPU per fio request (main and workers; not fio, not the target); host CPU/req: the "
           "whole host's busy CPU per request (fio, the kernel and the target too); host busy: "
