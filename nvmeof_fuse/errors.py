@@ -63,6 +63,11 @@ class NamespaceUnavailable(NVMeoFError):
     errno = _errno.ENXIO
 
 
+def unavailable_line(nsid: int, why: str) -> str:
+    """The one line that says namespace ``nsid`` is unavailable (NamespaceUnavailable), and why."""
+    return f"namespace n{nsid} is unavailable: {why}"
+
+
 class NamespaceRemoved(NVMeoFError):
     """The namespace was removed from the subsystem (detached or disabled on the target)."""
 

@@ -173,6 +173,12 @@ class FuseWorkers:
                         proc.kill()
                     await proc.wait()
 
+    async def follow(self, changes: list) -> None:
+        """Namespaces added, removed or resized on the target (a listener of host.events):
+        send every worker the namespaces' sizes now (:meth:`WorkerFS.follow`)."""
+        await self.companion.tell_workers({"event": "namespaces",
+                                           "namespaces": self.companion.namespace_shapes()})
+
     # -- what workers forward ------------------------------------------------------------
 
     async def on_fuse(self, header: dict, payload: bytes) -> dict[str, Any]:
@@ -224,6 +230,8 @@ class _Worker:
         self.channel = SocketChannel(address, args.timeout)
         self.session: Any = None
         self.ctrl: Any = None
+        self.fs: Any = None
+        self.shapes: dict[int, tuple[int, int]] | None = None  # heard before self.fs was made
         self.lost = trio.Event()  # the main process went away
 
     async def ask(self, op: str, timeout: float | None = None, payload: bytes = b"",
@@ -247,6 +255,8 @@ class _Worker:
 
         token = trio.lowlevel.current_trio_token()
         self.channel.on_closed = lambda: token.run_sync_soon(self._main_gone)
+        # from the lease on: a rescan's sizes are kept until our filesystem takes them
+        self.channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)
         first = await self.ask("lease", want=WORKER_QUEUES, worker=True)
         options = options_from(first, self.timeout)
         leases = [lease_from(first)]
@@ -260,7 +270,6 @@ class _Worker:
         async with attach(options, lease_source, make_transport(options),
                           bounce_buffers=WORKER_BOUNCE_BUFFERS) as ctrl:
             self.ctrl = ctrl
-            self.channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)
             await self.ask("fuse", kind="ready", index=self.index, pid=os.getpid(),
                            qids=list(first["qids"]))
             await self._serve_fuse(ctrl)
@@ -272,9 +281,11 @@ class _Worker:
         from nvmeof_fuse.fs.wire import InitParams
         from nvmeof_fuse.fs.workerfs import WorkerFS
 
-        fs = WorkerFS(ctrl, MountOptions(read_only=self.args.read_only),
-                      forward_read=self._forward_read, forward_write=self._forward_write,
-                      write_lock=self._write_lock)
+        self.fs = fs = WorkerFS(
+            ctrl, MountOptions(read_only=self.args.read_only), forward_read=self._forward_read,
+            forward_write=self._forward_write, write_lock=self._write_lock)
+        if self.shapes is not None:  # the main process rescanned while we connected
+            self._follow(self.shapes)
         self.session = session = FuseSession(
             fs, self.args.fd, InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
             debug=self.args.debug, forward=self._forward_meta, shared=True)
@@ -300,9 +311,19 @@ class _Worker:
                 return
 
     def _on_event(self, event: dict) -> None:
-        """The main process lost the controller (or our path): reconnect our queues."""
+        """The main process rescanned the namespaces (take their sizes), or lost the
+        controller or our path (reconnect our queues)."""
         from nvmeof_fuse.errors import TransportError
 
+        if event.get("event") == "namespaces":
+            shapes = _shapes(event.get("namespaces"))
+            if shapes is None:
+                return
+            if self.fs is None:
+                self.shapes = shapes
+            else:
+                self._follow(shapes)
+            return
         ctrl = self.ctrl
         if event.get("event") != "revoked" or ctrl is None or not ctrl.io_queues:
             return
@@ -310,6 +331,12 @@ class _Worker:
                  "our queues", self.index, event.get("state"))
         ctrl.connection_lost(ctrl.io_queues[0], TransportError(
             "the main process lost the controller; our queues were revoked"))
+
+    def _follow(self, shapes: dict[int, tuple[int, int]]) -> None:
+        self.fs.follow(shapes)
+        log.info("FUSE worker %d: namespaces now %s", self.index, ", ".join(
+            f"n{nsid} {lba_size * nlb} bytes" for nsid, (lba_size, nlb) in sorted(shapes.items()))
+            or "none")
 
     async def _report(self, ctrl: Any, fs: Any) -> None:
         while True:
@@ -381,6 +408,20 @@ class _Worker:
             self.session.close()
         else:
             os.close(self.args.fd)
+
+
+def _shapes(value: Any) -> dict[int, tuple[int, int]] | None:
+    """``{nsid: (lba_size, nlb)}`` out of a ``namespaces`` event's list of ``[nsid,
+    lba_size, nlb]`` (:meth:`CompanionServer.namespace_shapes`); None when it is not one."""
+    if not isinstance(value, list):
+        return None
+    shapes = {}
+    for item in value:
+        if (not isinstance(item, list) or len(item) != 3
+                or not all(type(v) is int and v >= 0 for v in item) or not item[1]):
+            return None
+        shapes[item[0]] = (item[1], item[2])
+    return shapes
 
 
 async def _serve_worker(args: argparse.Namespace) -> int:

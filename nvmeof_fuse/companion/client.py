@@ -185,7 +185,7 @@ class File:
         self._stale: list[int] = []  # regions of freed allocations, unregistered on next use
         self._lock = threading.Lock()  # guards _regions, _stale and _inflight
         self._register_lock = threading.Lock()  # one registration per allocation
-        self._inflight: set[concurrent.futures.Future] = set()  # transfers via the daemon
+        self._inflight: set[concurrent.futures.Future] = set()  # staged or via the daemon
         self._closed = False
         self._cuda_refusal = ""  # why CUDA memory is staged; empty: placed directly
         self._cuda_peer = False  # in-process: CUDA memory registered by address instead
@@ -559,37 +559,52 @@ class File:
     def _via_daemon(self, write: bool, mem: _Memory, buf_offset: int, size: int,
                     file_offset: int, stream: int | None) -> IOFuture:
         """A transfer over the mount daemon's queues: placed in registered memory, or staged."""
-        caller = self._caller(mem, buf_offset, stream)
         placed = self._placed(mem, buf_offset, size)
+        if placed is None:
+            return self._staged(self._io, mem, buf_offset, size, file_offset, write, stream)
+        caller = self._caller(mem, buf_offset, stream)
         device, io = mem.device, self._io
         try:
-            if device is not None:
-                if placed is None:
-                    self._pin_staging(device)
-                if write and (placed is not None or stream is None):
-                    self._cuda.synchronize(device, stream)  # what produces it is done
+            if device is not None and write:
+                self._cuda.synchronize(device, stream)  # what produces it is done
         except BaseException:
-            if placed is not None and placed.release is not None:
+            if placed.release is not None:
                 placed.release()
             raise
         if write:
-            transfer = (io.write_placed(caller, placed, file_offset, size) if placed else
-                        io.write_staged(caller, file_offset, size))
-        elif placed is not None:
+            transfer = io.write_placed(caller, placed, file_offset, size)
+        else:
             after = None  # the target wrote GPU memory: made visible to CUDA after
             if device is not None:
                 after = functools.partial(self._cuda.flush_gpudirect_writes, device)
             transfer = io.read_placed(caller, placed, file_offset, size, after)
-        else:
-            transfer = io.read_staged(caller, file_offset, size)
         future = transfer.future
-        if placed is not None and placed.release is not None:
+        if placed.release is not None:
             release = placed.release
             future.add_done_callback(lambda _: release())
+        return self._tracked(future, self._budget(size))
+
+    def _staged(self, io: Any, mem: _Memory, buf_offset: int, size: int, file_offset: int,
+                write: bool, stream: int | None, extra: float = 0.0) -> IOFuture:
+        """A transfer staged through ``io``'s staging memory (the daemon's queues, or our
+        own NVMe/TCP queues: :mod:`.own_staging`) and copied to or from the caller's memory
+        here; ``extra`` seconds are added to its wait."""
+        device = mem.device
+        if device is not None:
+            self._pin_staging(device)
+            if write and stream is None:  # the copy out of it goes on the thread's own stream
+                self._cuda.synchronize(device, stream)
+        caller = self._caller(mem, buf_offset, stream)
+        transfer = (io.write_staged(caller, file_offset, size) if write else
+                    io.read_staged(caller, file_offset, size))
+        return self._tracked(transfer.future, self._budget(size) + extra)
+
+    def _tracked(self, future: Any, budget: float) -> IOFuture:
+        """``future`` counted in flight (:meth:`close` waits for it) until it is done."""
         with self._lock:
             self._inflight.add(future)
         future.add_done_callback(functools.partial(_discard, self._inflight, self._lock))
-        return IOFuture(future, None, self._budget(size))
+        return IOFuture(future, None, budget)
 
     def _own_queues(self, mem: _Memory, buf_offset: int, size: int, file_offset: int,
                     write: bool, post: bool, stream: int | None) -> IOFuture | None:
@@ -599,7 +614,8 @@ class File:
         assert direct is not None
         device = mem.device
         if device is not None and self._own_io is not None:
-            return self._own_staged(mem, buf_offset, size, file_offset, write, stream)
+            return self._staged(self._own_io, mem, buf_offset, size, file_offset, write,
+                                stream, direct.renew_timeout)
         caller = self._caller(mem, buf_offset, stream)
         if device is not None:
             if self._cuda_refusal:
@@ -661,25 +677,6 @@ class File:
                 cuda.flush_gpudirect_writes(device)
 
         return IOFuture(future, finish, self._budget(size) + direct.renew_timeout)
-
-    def _own_staged(self, mem: _Memory, buf_offset: int, size: int, file_offset: int,
-                    write: bool, stream: int | None) -> IOFuture:
-        """CUDA memory on our own NVMe/TCP queues: staged through our page-locked staging
-        memory and copied to or from the GPU here (:mod:`.own_staging`)."""
-        device = mem.device
-        assert device is not None and self._own_io is not None and self._direct is not None
-        self._pin_staging(device)
-        if write and stream is None:  # the copy out of it goes on the thread's own stream
-            self._cuda.synchronize(device, stream)
-        caller = self._caller(mem, buf_offset, stream)
-        io = self._own_io
-        transfer = (io.write_staged(caller, file_offset, size) if write else
-                    io.read_staged(caller, file_offset, size))
-        future = transfer.future
-        with self._lock:
-            self._inflight.add(future)
-        future.add_done_callback(functools.partial(_discard, self._inflight, self._lock))
-        return IOFuture(future, None, self._budget(size) + self._direct.renew_timeout)
 
     def _dmabuf_own(self, direct: DirectQueues, device: gpu.DeviceMemory
                     ) -> tuple[Any, int, Any]:

@@ -101,7 +101,7 @@ class CompanionServer:
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
                               "lease_transport": s.lease_transport if s.qids else "",
                               **s.counts, "placement": s.placement}
-                             for s in self.sessions if s.worker is None]}
+                             for s in self.sessions if not s.fuse_worker]}
 
     def has_client(self, pid: int) -> bool:
         """Whether process ``pid`` still has a session (its queue IDs are still its own)."""
@@ -125,7 +125,10 @@ class CompanionServer:
         session.close()
         self._unlease(session)
         self.sessions.discard(session)
-        self.stats.clients -= 1
+        if session.fuse_worker:
+            self.stats.fuse_workers -= 1
+        else:
+            self.stats.clients -= 1
 
     def close(self) -> None:
         for session in list(self.sessions):
@@ -305,6 +308,7 @@ class CompanionServer:
             session.report(header.get("moved") or {}, header.get("placement"))
             if isinstance(header.get("worker"), dict):  # a FUSE worker's counts
                 session.worker = header["worker"]
+                self._count_as_worker(session)
             return {"delegated": self.delegations.live_tokens(session)}
         if op == "stats":
             session.report(header.get("moved") or {}, header.get("placement"))
@@ -326,7 +330,20 @@ class CompanionServer:
     def _unlease(self, session: Session) -> None:
         if session.qids:
             session.qids = []
-            self.stats.leases -= 1
+            if not session.fuse_worker:
+                self.stats.leases -= 1
+
+    def _count_as_worker(self, session: Session) -> None:
+        """A session that leases a FUSE worker's queues (or reports as one) is one of the
+        mount's own processes: counted under ``fuse_workers``, not ``clients``."""
+        if session.fuse_worker:
+            return
+        session.fuse_worker = True
+        stats = self.stats
+        stats.clients -= 1
+        stats.clients_total -= 1
+        stats.fuse_workers += 1
+        stats.fuse_workers_total += 1
 
     # -- queues of a client's own ----------------------------------------------------------
 
@@ -389,6 +406,8 @@ class CompanionServer:
         why = self.leasing(worker)
         if why:
             raise NoLease(why)
+        if worker:
+            self._count_as_worker(session)
         ctrl = self.controller
         choose = getattr(ctrl, "lease_controller", None)  # a multipath head: pick a path
         with session.waiting() as wait:
@@ -415,7 +434,8 @@ class CompanionServer:
                 raise NoLease(f"all {len(ctrl.lease_qids)} companion queues of this mount are "
                               "leased (--companion-queues)")
             session.qids = free[:max(1, want)]
-            self.stats.leases += 1
+            if not worker:
+                self.stats.leases += 1
             log.info("companion: %s leases queues %s", session.peer,
                      ",".join(map(str, session.qids)))
         opts = ctrl.options
@@ -428,9 +448,20 @@ class CompanionServer:
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
-            "namespaces": [[n, ns.lba_size, ns.nlb] for n, ns in sorted(ctrl.namespaces.items())],
+            "namespaces": self.namespace_shapes(),
             **self._secrets(opts),
         }
+
+    def namespace_shapes(self) -> list[list[int]]:
+        """``[nsid, lba_size, nlb]`` of each namespace, as a lease names them (a client
+        addresses them by these)."""
+        return [[n, ns.lba_size, ns.nlb] for n, ns in sorted(self.controller.namespaces.items())]
+
+    async def tell_workers(self, event: dict[str, Any]) -> None:
+        """Send ``event`` to every FUSE worker's session."""
+        for session in list(self.sessions):
+            if session.fuse_worker and session.notify is not None:
+                await session.notify(event)
 
     @staticmethod
     def _secrets(opts: Any) -> dict[str, str]:

@@ -30,6 +30,7 @@ from ..errors import (
     NamespaceUnavailable,
     NVMeoFError,
     TransportError,
+    unavailable_line,
 )
 from ..host.byterange import NoSpace
 from ..host.memory import Region
@@ -48,14 +49,16 @@ class ReadOnly(NVMeoFError):
 class CompanionStats:
     """Counters shown in ``.nvmeof/stats.json`` under ``companion``."""
 
-    clients: int = 0
+    clients: int = 0  # companion clients connected now (FUSE workers apart)
     clients_total: int = 0
+    fuse_workers: int = 0  # the mount's FUSE worker processes connected now
+    fuse_workers_total: int = 0
     refused: int = 0
     regions: int = 0
     requests: int = 0
     errors: int = 0
     dmabuf_refused: int = 0  # dma-bufs the transport could not take: the client stages
-    leases: int = 0  # clients holding queue IDs of their own
+    leases: int = 0  # clients holding queue IDs of their own (FUSE workers apart)
     lease_refusals: int = 0
     client_queue_read_bytes: int = 0  # moved over the clients' own queues (daemon not involved)
     client_queue_write_bytes: int = 0
@@ -116,6 +119,7 @@ class Session:
         self.placement: dict[str, str] = {}  # kind of memory -> how the client moves it
         self.qids: list[int] = []  # leased queue IDs
         self.worker: dict | None = None  # a FUSE worker's last report (it is one)
+        self.fuse_worker = False  # a FUSE worker's session (it leased a worker's queues)
         self.lessor: Any = None  # with several paths: the path's controller they are on
         self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
         self.lease_transport = ""  # what its own queues run over (rdma, tcp)
@@ -225,7 +229,7 @@ class Session:
         if ns is None:
             raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
         if ns.unavailable:
-            raise NamespaceUnavailable(f"namespace n{nsid} is unavailable: {ns.unavailable}")
+            raise NamespaceUnavailable(unavailable_line(nsid, ns.unavailable))
         return ns
 
     async def _using(self, reg: Registered, job: Callable[[], Any]) -> None:

@@ -7,10 +7,12 @@ read out of their numbers (:func:`.operations.pack_fh`).  Everything else its se
 forwards to the main process, which holds the open handles and the ``.nvmeof`` reports;
 so do READs of a report and I/O on a namespace this worker does not know (added since it
 started).  Its writes hold the main process's range lock of their LBAs (``write_lock``),
-the one every FUSE and companion write of the mount holds.  While its own queues are not
-live (lost with the controller or their path, waiting to be leased again: on a multipath
-mount of two fabrics, for a path of their own fabric), it forwards READ and WRITE too, so
-that the main process serves them on whichever path is live.
+the one every FUSE and companion write of the mount holds.  When the main process rescans
+the namespaces it sends their sizes (:meth:`WorkerFS.follow`): ours take the new size, and
+one gone is dropped (its I/O forwarded, which the main process refuses).  While its own
+queues are not live (lost with the controller or their path, waiting to be leased again:
+on a multipath mount of two fabrics, for a path of their own fabric), it forwards READ and
+WRITE too, so that the main process serves them on whichever path is live.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.operations import NamespaceFS, _fuse_error
 from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.host.attached import NamespaceShape
 
 FORWARD_CHUNK = 32 << 10
 """Bytes per forwarded READ or WRITE piece (the main process's socket carries messages of
@@ -45,6 +48,21 @@ class WorkerFS(NamespaceFS):
         self.forward_read = forward_read
         self.forward_write = forward_write
         self.write_lock = write_lock
+
+    def follow(self, shapes: dict[int, tuple[int, int]]) -> None:
+        """The main process's namespaces after a rescan, ``{nsid: (lba_size, nlb)}``: each
+        of ours takes its new size; one not there any more is dropped from our controller
+        and tree, so that its I/O is forwarded (and refused by the main process).  One new
+        to us is forwarded too (see the module)."""
+        namespaces = self.controller.namespaces
+        for nsid, ns in list(namespaces.items()):
+            shape = shapes.get(nsid)
+            if shape is None:
+                del namespaces[nsid]
+                ns.remove(f"namespace n{nsid} was removed")
+                self._remove_namespace(nsid)
+            else:
+                ns.resize(NamespaceShape(nsid, *shape))
 
     def _own(self) -> bool:
         """Whether our queues serve now (else the main process serves our I/O)."""

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import InvalidArgument, NamespaceRemoved, NamespaceUnavailable, NVMeoFError
+from ..errors import InvalidArgument, NVMeoFError
 from ..nvme import command as cmd
 from .memory import DataRef
 from .rangelock import LbaRangeLock
@@ -379,14 +379,18 @@ class LbaIO:
         self.nsid = nsid
         self.lba_size = lba_size
         self.nlb = nlb
-        self.removed = ""  # why, once the namespace is gone: every I/O fails with it
-        self.unavailable = ""  # why we cannot serve it (host.namespace): every I/O fails
+        self.refusal: NVMeoFError | None = None
+        """Why the namespace cannot serve I/O (it was removed, or we cannot serve its
+        values: host.namespace): every I/O fails with an error like it; None serves."""
+
+    def check_served(self) -> None:
+        """Raise (a fresh copy of) :attr:`refusal`, if there is one."""
+        refusal = self.refusal
+        if refusal is not None:
+            raise type(refusal)(*refusal.args)
 
     def check_range(self, slba: int, nlb: int) -> None:
-        if self.removed:
-            raise NamespaceRemoved(self.removed)
-        if self.unavailable:
-            raise NamespaceUnavailable(self.unavailable)
+        self.check_served()
         if nlb <= 0:
             raise InvalidArgument(f"an I/O needs at least one LBA, got {nlb}")
         if slba < 0 or slba + nlb > self.nlb:
@@ -529,10 +533,10 @@ class LbaIO:
         answered (the LBAs are its first bytes; lent for that call only), or with None when
         the command failed (read again with :meth:`lend_lbas`, which retries, reconnects or
         raises the error).  It must not raise.  False, with nothing sent, when the read
-        needs more than one command, the namespace is gone, no buffer is free, or the path
+        needs more than one command, the namespace cannot serve I/O, no buffer is free, or the path
         is not live or its queue has no slot for it (``start_io``).  The caller checked
         the range (an unavailable namespace has no LBAs, so none is in range)."""
-        if self.removed or nlb > self.per_command():
+        if self.refusal is not None or nlb > self.per_command():
             return False
         io = self.io
         pool = io.bounce
@@ -567,7 +571,7 @@ class LbaIO:
         (as :meth:`start_lend`).  The caller checked the range."""
         length = len(data)
         nlb = length // self.lba_size
-        if self.removed or nlb > self.per_command():
+        if self.refusal is not None or nlb > self.per_command():
             return False
         io = self.io
         pool = io.bounce

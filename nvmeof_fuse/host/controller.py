@@ -33,6 +33,7 @@ from ..errors import (
     NVMeoFError,
     TargetProtocolError,
     TransportError,
+    unavailable_line,
 )
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
@@ -41,7 +42,7 @@ from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
 from . import auth
-from .events import AsyncEvents
+from .events import AsyncEvents, active_nsids
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
@@ -63,6 +64,10 @@ IO_RETRIES = 5
 flight when its connection failed."""
 PROBE_LOOKS = 4
 """Looks for an overdue command per the transport's ``probe_after``."""
+PROBES_IN_FLIGHT = 2
+"""The most probes unanswered at once: a slow target answers them late, and they must not
+pile up on the admin queue; more than one, as a fresh SEND is what notices a target that
+acknowledged the one before and then went away."""
 RETRY_DELAY_MAX = 10.0
 """Seconds: the longest Command Retry Delay honoured, were retry delays enabled (ACRE)."""
 LOG_PAGE_MAX = 4 << 20
@@ -766,13 +771,11 @@ class Controller:
         Identify data we cannot serve is unavailable, and says why here, once."""
         ns = Namespace(self, nsid, identify)
         if ns.unavailable:
-            log.warning("%s: namespace n%d is unavailable: %s", self.options.nqn, nsid,
-                        ns.unavailable)
+            log.warning("%s: %s", self.options.nqn, unavailable_line(nsid, ns.unavailable))
         return ns
 
     async def _identify_namespaces(self) -> None:
-        nsids = nvme.parse_active_ns_list(await self.identify_raw(Cns.ACTIVE_NS_LIST))
-        for nsid in nsids:
+        for nsid in await active_nsids(self):
             ident = nvme.IdentifyNamespace.from_bytes(await self.identify_raw(Cns.NAMESPACE, nsid))
             if ident.nsze:
                 self.namespaces[nsid] = self.new_namespace(nsid, ident)
@@ -807,20 +810,31 @@ class Controller:
         had their SENDs acknowledged already: nothing fails until a SEND goes
         unacknowledged, which a probe brings at once instead of at the next keep-alive.
         A probe is answered by a target that is merely slow, so it never fails over by
-        itself; only its transport's retry limit or the keep-alive timeout does.
+        itself; only its transport's retry limit or the keep-alive timeout does.  At most
+        ``PROBES_IN_FLIGHT`` are unanswered at once.
         """
         watch = OverdueWatch(after)
         timeout = self.options.keep_alive_tmo or self.options.timeout
+        why = f"probe after a command waited {after:g} s"
         last = -math.inf
+        in_flight = 0
+
+        async def probe() -> None:
+            nonlocal in_flight
+            try:
+                await self._send_keep_alive(timeout, why)
+            finally:
+                in_flight -= 1
+
         while True:
             await trio.sleep(after / PROBE_LOOKS)
-            if self.state is not LIVE:
+            if self.state is not LIVE or in_flight >= PROBES_IN_FLIGHT:
                 continue
             now = trio.current_time()
             if watch.overdue(self.io_queues, now) and now - last >= after:
                 last = now
-                self._nursery.start_soon(self._send_keep_alive, timeout,
-                                         f"probe after a command waited {after:g} s")
+                in_flight += 1
+                self._nursery.start_soon(probe)
 
     async def shutdown(self, why: str = "") -> None:
         """Deleting: no new keep-alives or I/O (they get ``why``); then CC.SHN, and wait

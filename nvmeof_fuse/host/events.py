@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import trio
 
 from .. import nvme
-from ..errors import CommandTimeout, NVMeoFError, TransportError
+from ..errors import CommandTimeout, NVMeoFError, TransportError, unavailable_line
 from ..nvme import Cns, FeatureId
 from ..nvme import command as cmd
 from ..nvme.events import (
@@ -39,6 +39,10 @@ from ..transport.base import Queue
 from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)
+
+ACTIVE_NS_PAGES_MAX = 64
+"""Pages of the active namespace list read at the most (65536 namespaces): a target that
+says there are more, page after page, is not followed further."""
 
 
 @dataclass(frozen=True)
@@ -100,12 +104,29 @@ class EventSource(Protocol):
     async def set_features(self, fid: int, cdw11: int) -> int: ...
 
 
+async def active_nsids(ctrl: EventSource) -> list[int]:
+    """The active NSIDs (Identify CNS 02h), ascending: page after page, each of those above
+    the last one of the page before, until a page is not full (or goes back); at most
+    ACTIVE_NS_PAGES_MAX pages (then one line says the list was cut there)."""
+    nsids: list[int] = []
+    for _ in range(ACTIVE_NS_PAGES_MAX):
+        after = nsids[-1] if nsids else 0
+        page = nvme.parse_active_ns_list(await ctrl.identify_raw(Cns.ACTIVE_NS_LIST, after))
+        new = [nsid for nsid in page if nsid > after]
+        nsids += new
+        if len(page) < nvme.ACTIVE_NS_PER_PAGE or len(new) < len(page):
+            return nsids
+    log.warning("%s: the active namespace list goes on past %d pages; serving its first %d "
+                "namespaces", ctrl.options.nqn, ACTIVE_NS_PAGES_MAX, len(nsids))
+    return nsids
+
+
 async def rescan(ctrl: EventSource, nsids: list[int] | None,
                  new_namespace: NewNamespace) -> list[NamespaceChange]:
     """Look at ``nsids`` (all of them: None) again; apply and return what changed.
 
     A namespace found anew is made by ``new_namespace``."""
-    active = set(nvme.parse_active_ns_list(await ctrl.identify_raw(Cns.ACTIVE_NS_LIST)))
+    active = set(await active_nsids(ctrl))
     wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
     changes = []
     for nsid in wanted:
@@ -129,7 +150,7 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
             old = ns.resize(ident)
             now = ns.unavailable
             if now and now != was:  # values we cannot serve now: say why, once
-                log.warning("%s: namespace n%d is unavailable: %s", ctrl.options.nqn, nsid, now)
+                log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
     for change in changes:

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import NamespaceRemoved
+from ..errors import NamespaceRemoved, NamespaceUnavailable, unavailable_line
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO, Edge, LbaIO
 from .io import CommandIssuer
@@ -41,7 +41,6 @@ class Namespace:
         self.stats = IoStats()
         self.lbas = LbaIO(controller, nsid, UNAVAILABLE_LBA_SIZE, 0)
         self._bytes = ByteRangeIO(self.lbas, self.stats)
-        self.removed = ""  # why, once the namespace is gone from the subsystem
         self._take(identify)
 
     def _take(self, identify: nvme.IdentifyNamespace) -> None:
@@ -52,11 +51,12 @@ class Namespace:
         self.unavailable = getattr(identify, "unusable", "")
         lbas = self.lbas
         if self.unavailable:
-            lbas.unavailable = f"namespace n{self.nsid} is unavailable: {self.unavailable}"
             self.lba_size, self.nlb = UNAVAILABLE_LBA_SIZE, 0
         else:
-            lbas.unavailable = ""
             self.lba_size, self.nlb = identify.lba_size, identify.nsze
+        if not self.removed:  # a removed namespace stays removed
+            lbas.refusal = (NamespaceUnavailable(unavailable_line(self.nsid, self.unavailable))
+                            if self.unavailable else None)
         lbas.lba_size, lbas.nlb = self.lba_size, self.nlb
         self.size = self.nlb * self.lba_size
 
@@ -71,9 +71,14 @@ class Namespace:
         self._take(identify)
         return old if self.size != old else None
 
+    @property
+    def removed(self) -> bool:
+        """Whether the namespace is gone from the subsystem (:meth:`remove`)."""
+        return isinstance(self.lbas.refusal, NamespaceRemoved)
+
     def remove(self, reason: str) -> None:
         """The namespace is gone: every I/O from now on fails with NamespaceRemoved."""
-        self.removed = self.lbas.removed = reason
+        self.lbas.refusal = NamespaceRemoved(reason)
 
     def check_range(self, slba: int, nlb: int) -> None:
         """Raise unless ``nlb`` LBAs at ``slba`` lie inside the namespace (and it is there)."""
@@ -152,8 +157,10 @@ class Namespace:
     # -- other commands --------------------------------------------------------------------------
 
     async def flush(self) -> None:
+        """Flush; one of a removed namespace fails (one we cannot serve still asks the
+        target: the final flush of every namespace, at unmount, must stay quiet)."""
         if self.removed:
-            raise NamespaceRemoved(self.removed)
+            self.lbas.check_served()
         await self.controller.io_command(cmd.flush(self.nsid))
 
     async def write_zeroes(self, slba: int, nlb: int, deallocate: bool = False) -> None:

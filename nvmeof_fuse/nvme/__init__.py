@@ -31,6 +31,7 @@ from .fabrics import (
     decode_version,
 )
 from .identify import (
+    ACTIVE_NS_PER_PAGE,
     IdentifyController,
     IdentifyNamespace,
     LbaFormat,
@@ -42,6 +43,7 @@ from .sgl import NULL_SGL, in_capsule_data, keyed_data_block
 from .status import NVMeStatusError, connect_invalid_parameter, status_errno, status_name
 
 __all__ = [
+    "ACTIVE_NS_PER_PAGE",
     "CNTLID_DYNAMIC",
     "DISCOVERY_NQN",
     "NSID_ALL",

@@ -287,11 +287,17 @@ class IdentifyNamespace:
         return d
 
 
+ACTIVE_NS_PER_PAGE = 1024
+"""NSIDs one page of the Active Namespace ID list holds (4096 bytes); a full page may have
+more after it: the next page lists those above its last (the NSID of the command)."""
+
+
 def parse_active_ns_list(data: BytesLike) -> list[int]:
     """Active Namespace ID list (CNS 02h): ascending NSIDs, ended by the first zero.
 
     What breaks the order (a repeat, a smaller NSID) and the broadcast NSID 0xFFFFFFFF,
-    which names no namespace, are skipped: at most 1024 distinct NSIDs come back."""
+    which names no namespace, are skipped: at most ACTIVE_NS_PER_PAGE distinct NSIDs come
+    back."""
     v = _view("active namespace list", data)
     nsids: list[int] = []
     for (nsid,) in struct.iter_unpack("<I", v):

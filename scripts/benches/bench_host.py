@@ -33,6 +33,8 @@ from pathlib import Path
 
 from bench import IDLE_SECONDS, MIB, fio_command, fio_job_figure, fio_json, name_list
 
+from nvmeof_fuse.procstat import cpu_seconds
+
 HERE = Path(__file__).resolve().parent
 FUSECTL = "/sys/fs/fuse/connections"
 MAX_BACKGROUND = 32  # the same for every FUSE server (ours sets it itself, at INIT)
@@ -136,13 +138,6 @@ def _wait(cond, what: str, timeout: float = READY_TIMEOUT) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what} not ready after {timeout:g} s")
         time.sleep(0.05)
-
-
-def _cpu_seconds(pid: int) -> float:
-    """User+system CPU of process ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _set_max_background(path: str) -> str:
@@ -287,7 +282,7 @@ def run(seconds: float, size_mib: int, only: list[str], log=print) -> dict:
         for job in JOBS:  # job by job, each on every server in turn
             for c, (target, pid) in targets.items():
                 try:
-                    before = _cpu_seconds(pid) if pid else 0.0
+                    before = cpu_seconds(pid) if pid else 0.0
                     data = fio(target, job, seconds)
                     value = fio_figure(job, data)
                 except Exception as e:  # noqa: BLE001 - one failed job shows as n/a
@@ -297,16 +292,16 @@ def run(seconds: float, size_mib: int, only: list[str], log=print) -> dict:
                 if pid:
                     side = data["jobs"][0]["write" if "write" in job.rw else "read"]
                     if side["total_ios"]:
-                        used = _cpu_seconds(pid) - before
+                        used = cpu_seconds(pid) - before
                         results["cpu_us"].setdefault(c, {})[job.key] = \
                             used / side["total_ios"] * 1e6
                 log(f"{job.label:22} {COLUMNS[c]:30} {_fmt(value):>10} {job.unit}")
         # A server that polls must not burn a CPU once its client stops: its CPU over a
         # quiet interval right after the last job.
-        idle = {c: _cpu_seconds(pid) for c, (_, pid) in targets.items() if pid}
+        idle = {c: cpu_seconds(pid) for c, (_, pid) in targets.items() if pid}
         time.sleep(IDLE_SECONDS)
         for c, before in idle.items():
-            percent = (_cpu_seconds(targets[c][1]) - before) / IDLE_SECONDS * 100
+            percent = (cpu_seconds(targets[c][1]) - before) / IDLE_SECONDS * 100
             notes.append(f"{COLUMNS[c]}: {percent:.1f}% of a CPU while idle "
                          f"({IDLE_SECONDS:g} s after the last job)")
     results["loadavg_after"] = os.getloadavg()[0]

@@ -110,28 +110,6 @@ class Mounted:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-def cpu_seconds(pid: int, children: bool = False) -> float:
-    """User and system CPU seconds of process ``pid`` (all its threads) so far; with
-    ``children``, also those of its children, live or waited for (the fake target serves
-    each connection from a child process)."""
-    def fields_of(p: int | str) -> list[str]:
-        with open(f"/proc/{p}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-
-    fields = fields_of(pid)
-    ticks = int(fields[11]) + int(fields[12])
-    if children:
-        ticks += int(fields[13]) + int(fields[14])
-        for entry in os.listdir("/proc"):
-            try:
-                child = fields_of(entry) if entry.isdigit() else None
-                if child is not None and int(child[1]) == pid:
-                    ticks += int(child[11]) + int(child[12])
-            except (OSError, ValueError, IndexError):
-                continue
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def aligned(nbytes: int) -> mmap.mmap:
     """Page-aligned host memory (O_DIRECT wants it)."""
     return mmap.mmap(-1, nbytes)
@@ -362,6 +340,7 @@ def run_bench(mounted: Mounted, args: argparse.Namespace) -> None:
         RESULTS.append(("bench", "SKIP", str(exc)))
         return
     import nvmeof_fuse
+    from nvmeof_fuse.procstat import cpu_seconds
 
     path, size = mounted.path, args.size_mib * MIB
     depth, gpu_buf = 16, torch.empty(64 * MIB, dtype=torch.uint8, device="cuda")
@@ -371,13 +350,13 @@ def run_bench(mounted: Mounted, args: argparse.Namespace) -> None:
     busy: dict[str, dict[str, list[float]]] = {}
 
     def timed(name: str, run: Callable[[float], int]) -> float:
-        cpu = {who: cpu_seconds(pid, who == "target") for who, pid in pids.items()}
+        cpu = {who: cpu_seconds(pid, with_children=who == "target") for who, pid in pids.items()}
         started = time.perf_counter()
         moved = run(started + args.seconds)
         took = time.perf_counter() - started
         for who, pid in pids.items():  # share of one core each process kept busy
             busy.setdefault(name, {}).setdefault(who, []).append(
-                (cpu_seconds(pid, who == "target") - cpu[who]) / took)
+                (cpu_seconds(pid, with_children=who == "target") - cpu[who]) / took)
         return moved / took / 1e9
 
     def offsets(chunk: int) -> Callable[[], int]:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
-import os
 import shutil
 import subprocess
 import sys
@@ -31,33 +30,9 @@ sys.path[:0] = [str(HERE.parent)]
 
 from tcp_target import NQN, serve_like_nvmet  # noqa: E402
 
+from nvmeof_fuse.procstat import cpu_seconds  # noqa: E402
+
 MODES = {"own": 4, "daemon": 0}  # queues each File leases
-
-
-def cpu_seconds(pid: int) -> float:
-    """User and system CPU seconds of ``pid`` (all its threads) so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def children_cpu(parent: int) -> float:
-    """CPU seconds of ``parent``'s children (the target's connection processes): those
-    live, and those it waited for."""
-    with open(f"/proc/{parent}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    total = (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            if int(fields[1]) == parent:
-                total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-        except (OSError, ValueError, IndexError):
-            continue
-    return total
 
 
 def run_mode(path: str, queues: int, job: str, args: argparse.Namespace, daemon: int,
@@ -66,9 +41,9 @@ def run_mode(path: str, queues: int, job: str, args: argparse.Namespace, daemon:
     cmd = [sys.executable, str(REPO / "scripts" / "benches" / "bench.py"), "companion",
            "--file", path, "--seconds", str(args.seconds), "--json", "--queues", str(queues),
            "--jobs", job, "--processes", str(args.processes)]
-    d0, t0 = cpu_seconds(daemon), children_cpu(target)
+    d0, t0 = cpu_seconds(daemon), cpu_seconds(target, with_children=True)
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=600).stdout
-    d1, t1 = cpu_seconds(daemon), children_cpu(target)
+    d1, t1 = cpu_seconds(daemon), cpu_seconds(target, with_children=True)
     result = json.loads(out)
     result["daemon_cpu_s"], result["target_cpu_s"] = d1 - d0, t1 - t0
     return result

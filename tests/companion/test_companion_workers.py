@@ -45,6 +45,28 @@ def test_workers_lease_the_last_queue_ids_on_any_transport(tmp_path, transport):
                 ch.close()
 
 
+def test_stats_count_fuse_workers_apart_from_companion_clients(tmp_path):
+    ctrl = LeasingController(companion_queues=4, transport="tcp")
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 1
+        worker, client = channel(server), channel(server)
+        try:
+            worker.call("lease", want=1, worker=True)
+            client.call("lease", want=1)
+            counts = {k: server.snapshot()[k] for k in
+                      ("clients", "clients_total", "fuse_workers", "fuse_workers_total", "leases")}
+            assert counts == {"clients": 1, "clients_total": 1, "fuse_workers": 1,
+                              "fuse_workers_total": 1, "leases": 1}
+            assert [s["qids"] for s in server.snapshot()["sessions"]] == [[3]]
+            worker.close()
+            assert wait_for(lambda: server.snapshot()["fuse_workers"] == 0)
+            assert server.snapshot()["clients"] == 1 and server.snapshot()["leases"] == 1
+        finally:
+            worker.close()
+            client.close()
+    assert server.snapshot()["clients"] == 0
+
+
 def test_without_workers_no_process_leases_as_one(tmp_path):
     with serving(LeasingController(), tmp_path) as (server, _):
         ch = channel(server)

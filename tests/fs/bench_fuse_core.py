@@ -118,7 +118,7 @@ def main() -> None:
     if args.serve:
         serve(args.serve, args.queues)
         return
-    from bench_host import _cpu_seconds
+    from nvmeof_fuse.procstat import cpu_seconds
 
     work = tempfile.mkdtemp(prefix="bench-fuse-core-")
     servers = {}
@@ -135,9 +135,9 @@ def main() -> None:
             cpu: dict[str, list[float]] = {"core": [], "ram": []}
             for _ in range(args.rounds):
                 for name, (proc, target, _) in servers.items():
-                    before = _cpu_seconds(proc.pid)
+                    before = cpu_seconds(proc.pid)
                     rate = _fio(target, rw, qd, args.seconds)
-                    cpu[name].append((_cpu_seconds(proc.pid) - before) / (rate * args.seconds))
+                    cpu[name].append((cpu_seconds(proc.pid) - before) / (rate * args.seconds))
                     iops[name].append(rate)
             core, ram = (statistics.median(iops[n]) for n in ("core", "ram"))
             cells = [f"{statistics.median(iops[n]):,.0f} IOPS "

@@ -32,6 +32,8 @@ import threading
 import time
 from pathlib import Path
 
+from nvmeof_fuse.procstat import cpu_seconds
+
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "benches" / "bench.py"
 TARGET = ROOT / "tests" / "tcp_target.py"
@@ -67,11 +69,9 @@ def _cpu_seconds(pids: list[int]) -> float:
     total = 0.0
     for pid in pids:
         try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
+            total += cpu_seconds(pid)
+        except OSError:  # gone meanwhile
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return total
 
 

@@ -19,6 +19,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import trio
@@ -184,6 +185,69 @@ def test_while_its_queues_are_not_live_a_worker_forwards_its_io():
         assert forwarded == [] and fs.forwarded == 2
 
     trio.run(main)
+
+
+def test_a_worker_takes_the_sizes_of_a_rescan_and_forwards_a_namespace_gone():
+    from nvmeof_fuse.host.attached import NamespaceShape
+    from nvmeof_fuse.host.namespace import Namespace
+
+    issuer = SimpleNamespace()  # no I/O here: sizes only
+    ctrl = SimpleNamespace(live=True, namespaces={
+        n: Namespace(issuer, n, NamespaceShape(n, 512, 64)) for n in (1, 2)})
+    kept = ctrl.namespaces[1]
+    locks, forwarded = [], []
+    fs = _worker_fs(ctrl, locks, forwarded)
+    fs.follow({1: (512, 128), 3: (4096, 8)})  # n1 grew, n2 is gone, n3 is new
+    assert ctrl.namespaces == {1: kept} and (kept.nlb, kept.size) == (128, 128 * 512)
+    assert fs.handles[pack_fh(1, 1, False)].node.ns is kept  # open handles see the new size
+    assert sorted(fs.ns_inodes) == [1]
+
+    async def main():
+        for nsid in (2, 3):  # the main process's to serve (or refuse)
+            assert await fs.read(pack_fh(1, nsid, False), 0, 512) == b"r" * 512
+        assert [f[1] for f in forwarded] == [pack_fh(1, 2, False), pack_fh(1, 3, False)]
+
+    trio.run(main)
+    fs.follow({1: (512, 32)})  # and shrank
+    assert kept.size == 32 * 512
+
+
+def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
+    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.workers import FuseWorkers
+
+    ctrl = ram_controller((1, 512, 64), (2, 4096, 16))
+    server = CompanionServer(ctrl)
+    told: dict[str, list] = {}
+    for peer, worker in (("worker", True), ("client", False)):
+        session = server.new_session(peer)
+        session.fuse_worker = worker
+
+        async def notify(event, peer=peer):
+            told.setdefault(peer, []).append(event)
+
+        session.notify = notify
+    pool = FuseWorkers(None, None, server, 2)
+    trio.run(pool.follow, [])
+    assert told == {"worker": [{"event": "namespaces",
+                                "namespaces": [[1, 512, 64], [2, 4096, 16]]}]}
+
+
+def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
+    from nvmeof_fuse.workers import _Worker
+
+    worker = _Worker.__new__(_Worker)  # its channel to the main process is not needed here
+    worker.index, worker.fs, worker.shapes, worker.ctrl = 1, None, None, None
+    good = {"event": "namespaces", "namespaces": [[1, 512, 128]]}
+    for bad in ("x", [[1, 0, 8]], [[1, 512]], [[1, 512, -1]], [["1", 512, 8]]):
+        worker._on_event({"event": "namespaces", "namespaces": bad})
+        assert worker.shapes is None, bad
+    worker._on_event(good)
+    assert worker.shapes == {1: (512, 128)}
+    followed = []
+    worker.fs = SimpleNamespace(follow=followed.append)
+    worker._on_event({**good, "namespaces": [[1, 512, 256]]})
+    assert followed == [{1: (512, 256)}]
 
 
 # --- through the kernel --------------------------------------------------------------------

@@ -11,7 +11,13 @@ import pytest
 import trio
 
 from nvmeof_fuse.errors import NamespaceRemoved
-from nvmeof_fuse.host.events import AsyncEvents, NamespaceChange, rescan
+from nvmeof_fuse.host.events import (
+    ACTIVE_NS_PAGES_MAX,
+    AsyncEvents,
+    NamespaceChange,
+    active_nsids,
+    rescan,
+)
 from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.host.state import DELETING, LIVE
 from nvmeof_fuse.nvme import Cns, Completion, IdentifyNamespace, NVMeStatusError
@@ -24,16 +30,21 @@ def identify_namespace(nlb: int, lba_shift: int = 9) -> bytes:
     return bytes(data)
 
 
+def active_ns_page(ids: list[int]) -> bytes:
+    return struct.pack(f"<{len(ids)}I", *ids) + bytes(4096 - 4 * len(ids))
+
+
 class Target:
     """Active namespaces as ``{nsid: nlb}`` (512-byte LBAs)."""
 
     def __init__(self, namespaces: dict[int, int]) -> None:
         self.namespaces = dict(namespaces)
+        self.list_pages = 0  # Active Namespace ID list pages read
 
     async def identify_raw(self, cns: int, nsid: int = 0) -> bytes:
-        if cns == Cns.ACTIVE_NS_LIST:
-            ids = sorted(self.namespaces)
-            return struct.pack(f"<{len(ids)}I", *ids) + bytes(4096 - 4 * len(ids))
+        if cns == Cns.ACTIVE_NS_LIST:  # those above nsid, a page at most
+            self.list_pages += 1
+            return active_ns_page([n for n in sorted(self.namespaces) if n > nsid][:1024])
         return identify_namespace(self.namespaces.get(nsid, 0))
 
 
@@ -160,3 +171,44 @@ def test_a_failed_rescan_warns_only_while_the_controller_is_live(caplog, state):
                                    "Error (sct 0x0, sc 0x0c, dnr)"]
     else:
         assert caplog.messages == []
+
+
+def test_rescan_reads_the_active_namespace_list_page_after_page():
+    target = Target({nsid: 8 for nsid in range(1, 2500)} | {5000: 8})
+    ctrl = controller(target, {})
+    changes = trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert len(changes) == 2500 and sorted(ctrl.namespaces)[-2:] == [2499, 5000]
+    assert target.list_pages == 3  # 1024 + 1024 + 452: the third is not full
+
+
+def test_a_list_of_exactly_full_pages_ends_with_an_empty_one():
+    target = Target({nsid: 8 for nsid in range(1, 2049)})
+    assert trio.run(active_nsids, controller(target, {})) == list(range(1, 2049))
+    assert target.list_pages == 3
+
+
+def test_a_target_whose_list_never_ends_is_read_to_a_bound_and_says_so(caplog):
+    class Endless(Target):
+        async def identify_raw(self, cns, nsid=0):
+            self.list_pages += 1
+            return active_ns_page(list(range(nsid + 1, nsid + 1025)))
+
+    target = Endless({})
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
+        nsids = trio.run(active_nsids, controller(target, {}))
+    assert target.list_pages == ACTIVE_NS_PAGES_MAX
+    assert nsids == list(range(1, ACTIVE_NS_PAGES_MAX * 1024 + 1))
+    assert caplog.messages == [f"nqn.2014-08.org.example:t: the active namespace list goes on "
+                               f"past {ACTIVE_NS_PAGES_MAX} pages; serving its first "
+                               f"{len(nsids)} namespaces"]
+
+
+def test_a_full_page_that_goes_back_ends_the_list():
+    class Repeating(Target):
+        async def identify_raw(self, cns, nsid=0):
+            self.list_pages += 1
+            return active_ns_page(list(range(1, 1025)))  # the first page, whatever we ask
+
+    target = Repeating({})
+    assert trio.run(active_nsids, controller(target, {})) == list(range(1, 1025))
+    assert target.list_pages == 2

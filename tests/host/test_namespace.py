@@ -504,3 +504,18 @@ def test_a_namespace_we_cannot_serve_is_unavailable_with_no_lbas_until_it_is_fix
     assert ns.resize(SimpleNamespace(lba_size=512, nsze=64, unusable="")) == 0
     assert not ns.unavailable and ns.size == 64 * 512
     assert trio.run(ns.read_lbas, 0, 1) == controller.disk[:512]
+
+
+def test_a_removed_namespace_stays_removed_whatever_identify_says_next():
+    from nvmeof_fuse.errors import NamespaceRemoved
+
+    controller = FakeController(512, 64, 2048, 4)
+    ns = Namespace(controller, 1, SimpleNamespace(lba_size=512, nsze=64, unusable=""))
+    ns.remove("namespace n1 was removed from nqn")
+    assert ns.removed
+    ns.resize(SimpleNamespace(lba_size=512, nsze=128, unusable=""))
+    for io in (lambda: ns.read_lbas(0, 1), ns.flush):
+        with pytest.raises(NamespaceRemoved, match="n1 was removed"):
+            trio.run(io)
+    assert not ns.start_read_lent(0, 512, lambda view: None)
+    assert controller.bounce.available == 4

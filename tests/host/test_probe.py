@@ -17,7 +17,7 @@ import trio.testing
 from fabric_fakes import FakeQueue, FakeTarget, FakeTransport
 
 from nvmeof_fuse.errors import TransportError
-from nvmeof_fuse.host.controller import ConnectOptions, Controller
+from nvmeof_fuse.host.controller import PROBES_IN_FLIGHT, ConnectOptions, Controller
 from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.host.state import CONNECTING, LIVE
 
@@ -158,6 +158,37 @@ def test_an_idle_controller_sends_no_probe():
             await trio.sleep(30)
             assert target.admin_opcodes.count(KEEP_ALIVE) == 0
             assert ctrl.losses == 0
+            nursery.cancel_scope.cancel()
+
+    run(main)
+
+
+def test_a_slow_target_holds_at_most_probes_in_flight_and_more_than_one():
+    target = RcTarget()
+    target.delay = 10.0  # each probe waits as long as the read: without a cap ~20 would pile up
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            ctrl = await live_controller(nursery, target, kato=0)  # only probes send Keep Alive
+            most = 0
+
+            async def watch_admin() -> None:
+                nonlocal most
+                while True:
+                    waiting = sum(1 for request in ctrl.admin.pending.values()
+                                  if request.sqe[0] == KEEP_ALIVE)
+                    most = max(most, waiting)
+                    await trio.sleep(0.05)
+
+            nursery.start_soon(watch_admin)
+            data = await ctrl.namespaces[1].read(0, 4096)
+            assert len(data) == 4096
+            assert most == PROBES_IN_FLIGHT > 1, most
+            assert target.admin_opcodes.count(KEEP_ALIVE) == PROBES_IN_FLIGHT
+            target.delay = 0.001
+            await trio.sleep(15)  # the probes are answered, and no more go out when idle
+            assert ctrl.losses == 0 and ctrl.state is LIVE
+            assert not any(request.sqe[0] == KEEP_ALIVE for request in ctrl.admin.pending.values())
             nursery.cancel_scope.cancel()
 
     run(main)

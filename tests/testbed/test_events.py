@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
+import mmap
 import os
 import subprocess
+import threading
 
 import pytest
 from kernel_initiator import connected, pwrite_direct
@@ -50,11 +53,11 @@ def file_namespace(nqn: str, nsid: int, size: int):
 
 
 @contextlib.contextmanager
-def mounted(testbed, log: str):
+def mounted(testbed, log: str, *extra: str):
     os.makedirs(MNT, exist_ok=True)
     started = subprocess.run(
         ["nvmeof-fuse", "mount", "-t", "rdma", "-a", testbed.rdma_addr, "-s", str(testbed.port),
-         "-n", testbed.nqn, "--daemon", "--log-file", log, "-k", "2", MNT],
+         "-n", testbed.nqn, "--daemon", "--log-file", log, "-k", "2", *extra, MNT],
         capture_output=True, text=True, timeout=600)
     assert started.returncode == 0, started.stderr + open(log).read()
     try:
@@ -118,3 +121,64 @@ def test_a_namespace_grown_on_the_target_shows_its_new_size(testbed, tmp_path):
         with open(f"{mnt}/n4", "rb") as f:
             f.seek(40 * MIB)
             assert f.read(4096) == bytes(4096)  # the new space reads back
+
+
+def test_a_namespace_grown_while_fuse_workers_serve_is_read_whole_by_each(testbed, tmp_path):
+    """The main process sends its workers the new size: a worker's read past the old end
+    returns the new space's data, not a short read at the old end.  n5 is there before the
+    mount, so that the worker serves it (one added later it forwards to the main process)."""
+    from test_fs import wait_for_workers
+
+    log = str(tmp_path / "daemon.log")
+    data = os.urandom(MIB)
+    with file_namespace(testbed.nqn, 5, 32 * MIB) as (ns, backing):
+        write(f"{ns}/enable", "1")
+        with mounted(testbed, log, "--workers", "2") as mnt:
+            wait_for_workers(log, 2)
+            assert size_of(f"{mnt}/n5") == 32 * MIB, open(log).read()
+            grow_and_read_through_the_worker(mnt, log, ns, backing, data)
+
+
+def grow_and_read_through_the_worker(mnt: str, log: str, ns: str, backing: str,
+                                     data: bytes) -> None:
+    """Grow n5 from 32 to 48 MiB with ``data`` at 40 MiB; read it back from several threads
+    until the worker served some of the reads (the kernel picks who serves which)."""
+    with open(backing, "r+b") as f:
+        f.truncate(48 * MIB)
+        f.seek(40 * MIB)
+        f.write(data)
+    write(f"{ns}/revalidate_size", "1")
+    # the workers hear the new size before the mount's file shows it (listeners' order)
+    assert wait_for(lambda: size_of(f"{mnt}/n5") == 48 * MIB, 60), open(log).read()
+
+    def worker_reads() -> int:
+        with open(f"{mnt}/.nvmeof/stats.json") as f:
+            workers = json.load(f).get("workers", [])
+        return sum(w.get("namespaces", {}).get("n5", {}).get("ops", {}).get("read", {})
+                   .get("ops", 0) for w in workers if w.get("index"))
+
+    bad: list = []
+
+    def reader(t: int) -> None:
+        fd = os.open(f"{mnt}/n5", os.O_RDONLY | os.O_DIRECT)
+        buf = mmap.mmap(-1, 64 * 1024)
+        try:
+            for i in range(16):
+                at = ((t * 16 + i) % 16) * 64 * 1024
+                got = os.preadv(fd, [buf], 40 * MIB + at)
+                if got != len(buf) or buf[:] != data[at:at + len(buf)]:
+                    bad.append((t, i, got))
+        finally:
+            os.close(fd)
+
+    for _ in range(20):  # until the worker served some of them (the kernel picks)
+        threads = [threading.Thread(target=reader, args=(t,)) for t in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(600)
+        assert not bad, bad
+        if wait_for(lambda: worker_reads() > 0, 3):
+            break
+    assert worker_reads() > 0, open(log).read()
+    assert "Traceback" not in open(log).read()

@@ -24,7 +24,7 @@ from nvmet import null_blk, subsystem
 from vm import NVMET_PORTS, run_guarded, sh
 
 from nvmeof_fuse.errors import ControllerLost
-from nvmeof_fuse.host.controller import connect
+from nvmeof_fuse.host.controller import PROBES_IN_FLIGHT, connect
 
 STALL_NQN = "nqn.2026-11.io.nvmeof-fuse:stall"
 STALL_MIB = 16
@@ -99,9 +99,11 @@ def test_a_read_the_target_never_answers_times_out_and_lands_after_the_reconnect
 def test_a_command_the_target_holds_is_probed_and_not_taken_for_a_lost_connection(testbed):
     """Issue #49, item 5, slow is not dead: a read the target holds for HOLD s (its device
     suspended) has Keep Alives sent as probes while it waits; nvmet answers them, so the
-    connection stays (no loss), and the read completes once the device resumes."""
+    connection stays (no loss), and the read completes once the device resumes.  No more
+    than PROBES_IN_FLIGHT are unanswered at once."""
     fabric, data = make_fabric(testbed, "rdma"), os.urandom(NLB * 4096)
     probes: list[str] = []
+    in_flight = [0, 0]  # now, most
 
     async def main():
         options = dataclasses.replace(stall_options(fabric), timeout=120)
@@ -110,7 +112,13 @@ def test_a_command_the_target_holds_is_probed_and_not_taken_for_a_lost_connectio
 
             async def counted(timeout: float, why: str) -> None:
                 probes.append(why)
-                await send_keep_alive(timeout, why)
+                probe = why.startswith("probe")
+                in_flight[0] += probe
+                in_flight[1] = max(in_flight)
+                try:
+                    await send_keep_alive(timeout, why)
+                finally:
+                    in_flight[0] -= probe
 
             ctrl._send_keep_alive = counted
             ns = ctrl.namespaces[1]
@@ -132,6 +140,7 @@ def test_a_command_the_target_holds_is_probed_and_not_taken_for_a_lost_connectio
         held, losses, got = run_guarded(main, hang_guard=HANG_GUARD)
     assert held == 0 and losses == 0, (held, losses, probes)
     assert any(why.startswith("probe") for why in probes), probes
+    assert in_flight[1] <= PROBES_IN_FLIGHT, in_flight
     assert got == data
 
 

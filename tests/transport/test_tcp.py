@@ -1,7 +1,6 @@
 """NVMe/TCP: the ICReq/ICResp handshake, the probe, and queues against a fake target."""
 
 import math
-import os
 import random
 import re
 import socket
@@ -18,6 +17,7 @@ from nvmeof_fuse.errors import CommandTimeout, ConnectError, TransportError
 from nvmeof_fuse.host.memory import host_buffer
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
+from nvmeof_fuse.procstat import children
 from nvmeof_fuse.transport.tcp import (
     ICResp,
     TcpTransport,
@@ -1166,7 +1166,7 @@ def test_the_forked_target_serves_each_queue_from_a_process_of_its_own():
                     async with trio.open_nursery() as nursery:
                         for i in range(8):
                             nursery.start_soon(check, i)
-                    pids = _children(child.pid)
+                    pids = children(child.pid)
                     assert len(pids) == 5, pids  # the admin queue and four I/O queues
 
         trio.run(main)
@@ -1175,14 +1175,3 @@ def test_the_forked_target_serves_each_queue_from_a_process_of_its_own():
         child.join(10)
 
 
-def _children(parent: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    if int(f.read().rsplit(")", 1)[1].split()[1]) == parent:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found

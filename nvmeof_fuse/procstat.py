@@ -1,0 +1,45 @@
+"""CPU seconds of processes from ``/proc/PID/stat``, for the benches and checks that show what
+each side (client, daemon, target) costs.  It imports nothing of the package: any layer, the
+tests and the scripts may use it."""
+
+from __future__ import annotations
+
+import os
+
+# fields after the command name in /proc/PID/stat (proc(5), counted from "state" as 0)
+_PPID, _UTIME, _STIME, _CUTIME, _CSTIME = 1, 11, 12, 13, 14
+
+
+def _fields(pid: int | str) -> list[str]:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ")"
+
+
+def children(parent: int) -> list[int]:
+    """The live processes whose parent is ``parent``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if int(_fields(entry)[_PPID]) == parent:
+                    found.append(int(entry))
+            except (OSError, ValueError, IndexError):  # gone meanwhile, or not a process
+                pass
+    return found
+
+
+def cpu_seconds(pid: int, with_children: bool = False) -> float:
+    """User and system CPU seconds of process ``pid`` (all its threads) so far; with
+    ``with_children``, also those of its children, live or waited for (a target that
+    serves each connection from a child process).  OSError when ``pid`` is gone."""
+    fields = _fields(pid)
+    ticks = int(fields[_UTIME]) + int(fields[_STIME])
+    if with_children:
+        ticks += int(fields[_CUTIME]) + int(fields[_CSTIME])
+        for child in children(pid):
+            try:
+                child_fields = _fields(child)
+            except OSError:  # waited for meanwhile: counted in ours next time
+                continue
+            ticks += int(child_fields[_UTIME]) + int(child_fields[_STIME])
+    return ticks / os.sysconf("SC_CLK_TCK")

@@ -1,0 +1,27 @@
+import os
+import subprocess
+import sys
+import time
+
+from nvmeof_fuse.procstat import children, cpu_seconds
+
+
+def test_our_cpu_seconds_grow_as_we_compute():
+    before = cpu_seconds(os.getpid())
+    end = time.process_time() + 0.05
+    while time.process_time() < end:
+        pass
+    assert cpu_seconds(os.getpid()) > before >= 0
+
+
+def test_a_child_is_found_and_its_cpu_counts_with_children_once_waited_for():
+    spin = ("import sys, time; sys.stdin.read(); end = time.process_time() + 0.1\n"
+            "while time.process_time() < end: pass")
+    child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE)
+    try:
+        assert child.pid in children(os.getpid())
+    finally:
+        child.communicate(b"", timeout=60)
+    assert child.pid not in children(os.getpid())
+    alone = cpu_seconds(os.getpid())
+    assert cpu_seconds(os.getpid(), with_children=True) > alone
