@@ -41,13 +41,14 @@ class InstantQP(QP):
 
     def post_send(self, wrs) -> None:
         """Answer each capsule as it is posted, without the base class's records that only
-        tests read (``posts``, ``last_posted``): the fake target's own cost is not ours."""
-        sent, cid_of, send_cq, respond = self.sent, self.cid_of, self.send_cq, self.respond
+        tests read (``posts``, ``last_posted``, ``sent``): the fake target's own cost is not
+        ours.  (``sent`` is keyed by command ID, generation included: kept here, it held a
+        work request of each in-capsule write for every ID ever used, up to 64 Ki objects
+        that the garbage collector then walked, and writes looked 13% dearer.)"""
+        cid_of, send_cq, respond = self.cid_of, self.send_cq, self.respond
         for wr in wrs:
-            cid = cid_of(wr)
-            sent[cid] = wr
             send_cq.add(WC(wr.wr_id, 0))
-            respond(cid)
+            respond(cid_of(wr))
 
 
 def make_queue(transport, qid: int, size: int = 128) -> rdma.RdmaQueue:
