@@ -107,7 +107,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 fs.before_open = companion.delegations.wait_returned
                 listeners = getattr(getattr(ctrl, "events", None), "listeners", [])
                 listeners.append(companion.delegations.follow)  # namespaces that change
-                if pool is not None:  # the workers take the new sizes before the files show them
+                if pool is not None:  # workers are sent the new sizes before the files show them
                     listeners.insert(0, pool.follow)
                 names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
                 log.info("mounted %s at %s", names or "no namespaces", path)

@@ -51,6 +51,10 @@ STOP_TIMEOUT = 30.0  # s for a worker to drain and exit once asked
 RESTART_LIMIT = 3
 """Deaths in a row, each before the worker served, after which no more are started."""
 MAX_REPORTED_NAMESPACES = 64
+MAX_FOLLOWED_NAMESPACES = 1024
+"""Namespaces whose sizes a rescan sends the workers in one message (any sizes fit the
+companion socket's 64 KiB); past them the workers are sent none, so they forward all I/O."""
+LOGGED_NAMESPACES = 8  # named in a worker's line after a rescan; the others are counted
 
 
 def worker_queues(workers: int) -> int:
@@ -78,6 +82,7 @@ class FuseWorkers:
         self.replaced = 0
         self.ready: dict[int, int] = {}  # index -> pid of a worker that connected its queues
         self.stopping = False
+        self.too_many_said = False  # the line that the workers forward all I/O was logged
         companion.on_fuse = self.on_fuse
         companion.worker_queues = worker_queues(count)
 
@@ -176,8 +181,15 @@ class FuseWorkers:
     async def follow(self, changes: list) -> None:
         """Namespaces added, removed or resized on the target (a listener of host.events):
         send every worker the namespaces' sizes now (:meth:`WorkerFS.follow`)."""
-        await self.companion.tell_workers({"event": "namespaces",
-                                           "namespaces": self.companion.namespace_shapes()})
+        shapes = self.companion.namespace_shapes()
+        if len(shapes) > MAX_FOLLOWED_NAMESPACES:
+            if not self.too_many_said:
+                log.warning("FUSE workers: %d namespaces are more than the %d whose sizes they "
+                            "are sent; they forward their I/O to the main process",
+                            len(shapes), MAX_FOLLOWED_NAMESPACES)
+                self.too_many_said = True
+            shapes = []
+        await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes})
 
     # -- what workers forward ------------------------------------------------------------
 
@@ -334,9 +346,11 @@ class _Worker:
 
     def _follow(self, shapes: dict[int, tuple[int, int]]) -> None:
         self.fs.follow(shapes)
-        log.info("FUSE worker %d: namespaces now %s", self.index, ", ".join(
-            f"n{nsid} {lba_size * nlb} bytes" for nsid, (lba_size, nlb) in sorted(shapes.items()))
-            or "none")
+        named = sorted(shapes.items())[:LOGGED_NAMESPACES]
+        more = len(shapes) - len(named)
+        log.info("FUSE worker %d: namespaces now %s%s", self.index, ", ".join(
+            f"n{nsid} {lba_size * nlb} bytes" for nsid, (lba_size, nlb) in named) or "none",
+            f" and {more} more" if more else "")
 
     async def _report(self, ctrl: Any, fs: Any) -> None:
         while True:

@@ -182,8 +182,8 @@ class CompanionServer:
                     with trio.move_on_after(1):  # a client that reads nothing is not waited for
                         try:
                             await conn.send(protocol.encode({"id": 0, "ok": True, **event}))
-                        except OSError:
-                            pass
+                        except (OSError, NVMeoFError) as exc:  # gone, or too large to send
+                            log.debug("companion: an event for pid %d not sent: %s", pid, exc)
 
             session.notify = notify
             log.info("companion: client pid %d connected", pid)

@@ -43,6 +43,7 @@ log = logging.getLogger(__name__)
 ACTIVE_NS_PAGES_MAX = 64
 """Pages of the active namespace list read at the most (65536 namespaces): a target that
 says there are more, page after page, is not followed further."""
+LAST_NSID = 0xFFFFFFFE  # the highest valid NSID (0xFFFFFFFF is the broadcast value)
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,8 @@ async def active_nsids(ctrl: EventSource) -> list[int]:
         page = nvme.parse_active_ns_list(await ctrl.identify_raw(Cns.ACTIVE_NS_LIST, after))
         new = [nsid for nsid in page if nsid > after]
         nsids += new
-        if len(page) < nvme.ACTIVE_NS_PER_PAGE or len(new) < len(page):
+        if (len(page) < nvme.ACTIVE_NS_PER_PAGE or len(new) < len(page)
+                or nsids[-1] >= LAST_NSID):  # none can follow (and asking past it is invalid)
             return nsids
     log.warning("%s: the active namespace list goes on past %d pages; serving its first %d "
                 "namespaces", ctrl.options.nqn, ACTIVE_NS_PAGES_MAX, len(nsids))

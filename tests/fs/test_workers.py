@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import random
 import shutil
@@ -231,6 +232,36 @@ def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
     trio.run(pool.follow, [])
     assert told == {"worker": [{"event": "namespaces",
                                 "namespaces": [[1, 512, 64], [2, 4096, 16]]}]}
+
+
+def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_once(caplog):
+    """More namespaces than fit the companion socket's 64 KiB: the workers drop theirs and
+    forward their I/O, and the main process says why once (it used to die on the send)."""
+    from nvmeof_fuse.companion import protocol
+    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.workers import MAX_FOLLOWED_NAMESPACES, FuseWorkers
+
+    biggest = [[0xFFFFFFFE, 4096, (1 << 64) - 1]] * MAX_FOLLOWED_NAMESPACES
+    assert len(protocol.encode({"id": 0, "ok": True, "event": "namespaces",
+                                "namespaces": biggest})) < protocol.MAX_MESSAGE
+    ctrl = ram_controller(*((nsid, 512, 8) for nsid in range(1, MAX_FOLLOWED_NAMESPACES + 2)))
+    server = CompanionServer(ctrl)
+    session = server.new_session("worker")
+    session.fuse_worker = True
+    told: list = []
+
+    async def notify(event):
+        told.append(event)
+
+    session.notify = notify
+    pool = FuseWorkers(None, None, server, 2)
+    with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+        trio.run(pool.follow, [])
+        trio.run(pool.follow, [])
+    assert told == [{"event": "namespaces", "namespaces": []}] * 2
+    assert caplog.messages == [f"FUSE workers: {MAX_FOLLOWED_NAMESPACES + 1} namespaces are more "
+                               f"than the {MAX_FOLLOWED_NAMESPACES} whose sizes they are sent; "
+                               "they forward their I/O to the main process"]
 
 
 def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():

@@ -212,3 +212,11 @@ def test_a_full_page_that_goes_back_ends_the_list():
     target = Repeating({})
     assert trio.run(active_nsids, controller(target, {})) == list(range(1, 1025))
     assert target.list_pages == 2
+
+
+def test_a_full_page_that_ends_at_the_last_nsid_ends_the_list():
+    """No NSID follows 0xFFFFFFFE, and asking for those above it is invalid."""
+    last = list(range(0xFFFFFFFE - 1023, 0xFFFFFFFF))
+    target = Target({nsid: 8 for nsid in last})
+    assert trio.run(active_nsids, controller(target, {})) == last
+    assert target.list_pages == 1
