@@ -15,17 +15,34 @@ def _fields(pid: int | str) -> list[str]:
         return f.read().rsplit(")", 1)[1].split()  # the name may hold spaces and ")"
 
 
-def children(parent: int) -> list[int]:
-    """The live processes whose parent is ``parent``."""
-    found = []
+def _parents() -> dict[int, int]:
+    """``{pid: parent pid}`` of the live processes."""
+    found = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                if int(_fields(entry)[_PPID]) == parent:
-                    found.append(int(entry))
+                found[int(entry)] = int(_fields(entry)[_PPID])
             except (OSError, ValueError, IndexError):  # gone meanwhile, or not a process
                 pass
     return found
+
+
+def children(parent: int) -> list[int]:
+    """The live processes whose parent is ``parent``."""
+    return [pid for pid, ppid in _parents().items() if ppid == parent]
+
+
+def process_tree(pid: int) -> set[int]:
+    """``pid`` and its descendants alive now."""
+    below: dict[int, list[int]] = {}
+    for child, parent in _parents().items():
+        below.setdefault(parent, []).append(child)
+    tree, todo = set(), [pid]
+    while todo:
+        member = todo.pop()
+        tree.add(member)
+        todo += below.get(member, [])
+    return tree
 
 
 def cpu_seconds(pid: int, with_children: bool = False) -> float:

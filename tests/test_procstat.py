@@ -3,7 +3,7 @@ import subprocess
 import sys
 import time
 
-from nvmeof_fuse.procstat import children, cpu_seconds
+from nvmeof_fuse.procstat import children, cpu_seconds, process_tree
 
 
 def test_our_cpu_seconds_grow_as_we_compute():
@@ -20,6 +20,8 @@ def test_a_child_is_found_and_its_cpu_counts_with_children_once_waited_for():
     child = subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE)
     try:
         assert child.pid in children(os.getpid())
+        assert {os.getpid(), child.pid} <= process_tree(os.getpid())
+        assert process_tree(child.pid) == {child.pid}
     finally:
         child.communicate(b"", timeout=60)
     assert child.pid not in children(os.getpid())

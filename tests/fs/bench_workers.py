@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from nvmeof_fuse.procstat import cpu_seconds
+from nvmeof_fuse.procstat import cpu_seconds, process_tree
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "benches" / "bench.py"
@@ -50,22 +50,7 @@ def fio_jobs(iodepth: int) -> tuple[tuple[str, str, str, str, int], ...]:
              iodepth), ("1m-read-qd8", "1 MiB read QD8", "read", "1m", 8))
 
 
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and the processes under it (the workers are its children)."""
-    found, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        found.append(p)
-        try:
-            for task in os.listdir(f"/proc/{p}/task"):
-                with open(f"/proc/{p}/task/{task}/children") as f:
-                    todo += [int(c) for c in f.read().split()]
-        except OSError:
-            pass
-    return found
-
-
-def _cpu_seconds(pids: list[int]) -> float:
+def _cpu_seconds(pids: set[int]) -> float:
     total = 0.0
     for pid in pids:
         try:
@@ -118,13 +103,13 @@ class Server:
         if self.proc.poll() is not None:
             raise RuntimeError(f"the mount failed: {Path(log).read_text()[-300:]}")
         if backend != "libfuse":
-            _wait(lambda: len(_descendants(self.proc.pid)) >= workers, "the workers")
+            _wait(lambda: len(process_tree(self.proc.pid)) >= workers, "the workers")
         if backend not in ("ram", "libfuse") and workers > 1:
             _wait(lambda: Path(log).read_text().count(" serves on queues ") >= workers - 1,
                   "the workers' queues")
 
     def cpu(self) -> float:
-        return _cpu_seconds(_descendants(self.proc.pid))
+        return _cpu_seconds(process_tree(self.proc.pid))
 
     def stop(self) -> None:
         subprocess.run(["fusermount3", "-u", self.mnt], check=False, timeout=60)

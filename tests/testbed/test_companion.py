@@ -22,11 +22,12 @@ import time
 import pytest
 from fabrics import make_fabric
 from kernel_initiator import connected, pread_direct
-from vm import NVMET_PORTS, process_tree, rdma_objects, sh, target_away, wait_for
+from vm import NVMET_PORTS, rdma_objects, sh, target_away, wait_for
 
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.direct import POLLED_MAX_BYTES
 from nvmeof_fuse.companion.protocol import CompanionError
+from nvmeof_fuse.procstat import process_tree
 
 MNT = "/tmp/nvmeof-companion"
 TCP_MNT = "/tmp/nvmeof-companion-tcp"

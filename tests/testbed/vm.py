@@ -57,26 +57,6 @@ def rdma_objects(kind: str, *, pids: Collection[int] | None = None) -> int:
     return count
 
 
-def process_tree(pid: int) -> set[int]:
-    """``pid`` and its descendants alive now."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):  # gone meanwhile
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    tree, todo = set(), [pid]
-    while todo:
-        member = todo.pop()
-        tree.add(member)
-        todo += children.get(member, [])
-    return tree
-
-
 @contextlib.contextmanager
 def target_away(nqn: str, *ports: int):
     """The subsystem is off ``ports`` (default: the RDMA port) while inside: nvmet deletes
