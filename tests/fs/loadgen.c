@@ -106,7 +106,7 @@ static void *run_job(void *arg) {
     for (int i = 0; i < iodepth; i++)
         batch[queued++] = &cbs[i];
     while (queued || inflight) {
-        for (int i = 0; i < queued; i++) { /* the next offsets, then one io_submit */
+        for (int i = 0; i < queued; i++) {
             uint64_t block;
             if (random_offsets) {
                 rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17; /* xorshift64 */
@@ -116,11 +116,10 @@ static void *run_job(void *arg) {
             }
             batch[i]->aio_offset = (int64_t)(block * bs);
         }
-        for (int done = 0; done < queued;) {
-            long n = syscall(SYS_io_submit, ctx, (long)(queued - done), batch + done);
-            if (n <= 0)
+        for (int i = 0; i < queued; i++) { /* one io_submit a read, as fio's iodepth_batch=1 */
+            long n = syscall(SYS_io_submit, ctx, 1L, batch + i);
+            if (n != 1)
                 fail("io_submit: %s", n < 0 ? strerror(errno) : "took none");
-            done += (int)n;
         }
         inflight += queued;
         queued = 0;
