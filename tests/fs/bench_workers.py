@@ -207,10 +207,11 @@ def start_target() -> tuple[subprocess.Popen, int]:
     return proc, int(got["port"])
 
 
-def run(gen: Generator, backends: list[str], counts: list[int], seconds: float, rounds: int,
-        iodepth: int, target_uri: str | None, work: str) -> dict:
+def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iodepth: int,
+        target_uri: str | None, gen: Generator | None = None) -> dict:
     """{(backend, job key, numjobs, workers): [(bytes/s, serving CPU us per request, host
-    CPU us per request, host busy fraction), ...]}"""
+    CPU us per request, host busy fraction), ...]}; without ``gen``, the load generator is
+    chosen (:func:`load_generator`) and named in a line."""
     results: dict = {}
     target, source, nsid = None, target_uri, 1
     if target_uri:
@@ -219,6 +220,10 @@ def run(gen: Generator, backends: list[str], counts: list[int], seconds: float, 
     elif "tcp" in backends:
         target, port = start_target()
         source = f"nvme+tcp://127.0.0.1:{port}/{NQN}"
+    work = tempfile.mkdtemp(prefix="nvmeof-fuse-bench-workers-")
+    if gen is None:
+        gen = load_generator(None, work)
+        print(f"load generator: {gen.name} ({gen.binary})", flush=True)
     peer = build_peer(work) if "libfuse" in backends else None
     if "libfuse" in backends and peer is None:
         backends.remove("libfuse")
@@ -301,12 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b for b in args.backends.split(",") if b]
     if args.target:
         backends = [args.target.split("://", 1)[0].removeprefix("nvme+")]
-    work = tempfile.mkdtemp(prefix="nvmeof-fuse-bench-workers-")
-    gen = load_generator(args.loadgen, work)
+    gen = load_generator(args.loadgen, tempfile.mkdtemp(prefix="nvmeof-fuse-loadgen-"))
     print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} before; load generator: "
           f"{gen.name} ({gen.binary})", flush=True)
-    results = run(gen, backends, counts, args.seconds, args.rounds, args.iodepth, args.target,
-                  work)
+    results = run(backends, counts, args.seconds, args.rounds, args.iodepth, args.target, gen)
     print(table(results, backends, counts, args.iodepth))
     print(f"load {os.getloadavg()[0]:.2f} after; CPU/req: the serving processes' user+system "
           "CPU per request (main and workers; not the load generator, not the target); host "
