@@ -3,20 +3,22 @@
   .venv/bin/python tests/fs/bench_workers.py [--seconds 5] [--rounds 1] [--workers 1,2,4]
                                              [--backends ram,libfuse,tcp] [--iodepth 32]
                                              [--target nvme+rdma://ADDR:PORT/NQN/NSID]
-                                                                        (root: fio, /dev/fuse)
+                                             [--loadgen fio|loadgen]    (root, /dev/fuse)
 
 Over RAM, ``scripts/benches/bench.py fuse-ram --workers N`` serves a memfd every process maps
 (the FUSE layer alone); beside it the peer, ``peer_fuse_ram.c``: the same RAM file served by
 libfuse in C with N threads on cloned descriptors (what more serving threads buy on this host
-when the server is native code; built with gcc at run time, left out where it cannot be);
-over the fake target, ``nvmeof-fuse mount --workers N`` serves
+when the server is native code; ``peer_fuse_ram`` from PATH, else built with gcc at run time,
+left out where it cannot be); over the fake target, ``nvmeof-fuse mount --workers N`` serves
 ``tests/tcp_target.py`` on 127.0.0.1 (a process per connection, on the same cores); with
 ``--target``, a real target instead (the testbed's, in the VM: part "workers" of
-``scripts/bench``), the backend named by its transport.  Each fio job runs with ``numjobs`` = N
+``scripts/bench``), the backend named by its transport.  The load generator is fio where it is
+on PATH, else ``loadgen`` (``loadgen.c``: fio's libaio engine as a small static C program) from
+PATH or built with gcc; ``--loadgen`` forces one.  Each job runs with ``numjobs`` = N
 on one worker and on N workers, mounts alternating round by round; printed are the medians,
-the serving processes' CPU per request (the main process and its workers, not fio, not the
-target), the whole host's, the share of the host's CPUs busy, and N over one.  Figures are
-printed, never asserted.
+the serving processes' CPU per request (the main process and its workers, not the load
+generator, not the target), the whole host's, the share of the host's CPUs busy, and N over
+one.  Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -31,6 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 from nvmeof_fuse.procstat import cpu_seconds, process_tree
 
@@ -38,14 +42,15 @@ ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "benches" / "bench.py"
 TARGET = ROOT / "tests" / "tcp_target.py"
 PEER = Path(__file__).with_name("peer_fuse_ram.c")
+LOADGEN = Path(__file__).with_name("loadgen.c")
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"
 READY_TIMEOUT = 90.0  # s for a mount and its workers (imports included, a loaded host)
 RAM_MIB = 256
 TCP_MIB = 256
 
 
-def fio_jobs(iodepth: int) -> tuple[tuple[str, str, str, str, int], ...]:
-    """(key, title, rw, bs, iodepth) of the fio jobs."""
+def load_jobs(iodepth: int) -> tuple[tuple[str, str, str, str, int], ...]:
+    """(key, title, rw, bs, iodepth) of the jobs."""
     return ((f"4k-randread-qd{iodepth}", f"4 KiB randread QD{iodepth}", "randread", "4k",
              iodepth), ("1m-read-qd8", "1 MiB read QD8", "read", "1m", 8))
 
@@ -121,29 +126,71 @@ class Server:
         self._out.close()
 
 
-def fio(path: str, rw: str, bs: str, qd: int, jobs: int, seconds: float) -> tuple[float, int]:
-    """fio on ``path``: bytes per second and requests done, over all ``jobs``."""
-    cmd = ["fio", "--output-format=json", f"--filename={path}", "--ioengine=libaio",
-           "--direct=1", f"--runtime={seconds}", "--time_based", "--name=w", f"--rw={rw}",
-           f"--bs={bs}", f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120, check=True)
-    job = json.loads(out.stdout[out.stdout.index("{"):])["jobs"][0]["read"]
-    return job["bw_bytes"], job["total_ios"]
+class Generator(NamedTuple):
+    """The load generator: ``name`` (fio or loadgen) and its binary."""
+
+    name: str
+    binary: str
+
+
+def _build(source: Path, work: str, flags: list[str]) -> str:
+    binary = os.path.join(work, source.stem)
+    subprocess.run(["gcc", "-O2", "-o", binary, str(source), *flags], check=True,
+                   capture_output=True, text=True, timeout=120)
+    return binary
+
+
+def load_generator(forced: str | None, work: str) -> Generator:
+    """fio where it is on PATH (unless ``forced`` is loadgen), else ``loadgen`` from PATH,
+    else built from ``loadgen.c`` into ``work``; SystemExit with one line where none can run."""
+    if forced != "loadgen" and (fio_binary := shutil.which("fio")):
+        return Generator("fio", fio_binary)
+    if forced == "fio":
+        sys.exit("bench_workers: --loadgen fio, but there is no fio on PATH")
+    if prebuilt := shutil.which("loadgen"):
+        return Generator("loadgen", prebuilt)
+    try:
+        return Generator("loadgen", _build(LOADGEN, work, ["-pthread"]))
+    except (OSError, subprocess.SubprocessError) as exc:
+        sys.exit(f"bench_workers: no load generator: no fio or loadgen on PATH, and "
+                 f"{LOADGEN.name} does not build ({exc})")
+
+
+def _json_of(cmd: list[str], seconds: float) -> dict:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
+    if out.returncode:
+        last = (out.stderr.strip().splitlines() or [f"exit {out.returncode}"])[-1]
+        raise RuntimeError(f"{Path(cmd[0]).name} failed: {last}")
+    return json.loads(out.stdout[out.stdout.index("{"):])
+
+
+def read_load(gen: Generator, path: str, rw: str, bs: str, qd: int, jobs: int,
+              seconds: float) -> tuple[float, int]:
+    """``jobs`` readers of ``path``, ``qd`` each in flight, O_DIRECT through Linux AIO:
+    bytes per second and requests done, over all jobs."""
+    if gen.name == "loadgen":
+        got = _json_of([gen.binary, path, rw, bs, str(qd), str(jobs), str(seconds)], seconds)
+    else:
+        got = _json_of([gen.binary, "--output-format=json", f"--filename={path}",
+                        "--ioengine=libaio", "--direct=1", f"--runtime={seconds}",
+                        "--time_based", "--name=w", f"--rw={rw}", f"--bs={bs}",
+                        f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting"],
+                       seconds)["jobs"][0]["read"]
+    return got["bw_bytes"], got["total_ios"]
 
 
 def build_peer(work: str) -> str | None:
-    """The libfuse peer (``peer_fuse_ram.c``) built into ``work``; None, saying why, where
-    gcc or libfuse3's headers are missing."""
-    binary = os.path.join(work, "peer_fuse_ram")
+    """The libfuse peer: ``peer_fuse_ram`` from PATH, else built from ``peer_fuse_ram.c`` into
+    ``work``; None, saying why, where gcc or libfuse3's headers are missing."""
+    if prebuilt := shutil.which("peer_fuse_ram"):
+        return prebuilt
     try:
         flags = subprocess.run(["pkg-config", "fuse3", "--cflags", "--libs"], check=True,
                                capture_output=True, text=True, timeout=60).stdout.split()
-        subprocess.run(["gcc", "-O2", "-o", binary, str(PEER), *flags], check=True,
-                       capture_output=True, text=True, timeout=120)
+        return _build(PEER, work, flags)
     except (OSError, subprocess.SubprocessError) as exc:
         print(f"the libfuse peer is left out: cannot build it ({exc})", flush=True)
         return None
-    return binary
 
 
 def start_target() -> tuple[subprocess.Popen, int]:
@@ -161,9 +208,10 @@ def start_target() -> tuple[subprocess.Popen, int]:
 
 
 def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iodepth: int,
-        target_uri: str | None) -> dict:
+        target_uri: str | None, gen: Generator | None = None) -> dict:
     """{(backend, job key, numjobs, workers): [(bytes/s, serving CPU us per request, host
-    CPU us per request, host busy fraction), ...]}"""
+    CPU us per request, host busy fraction), ...]}; without ``gen``, the load generator is
+    chosen (:func:`load_generator`) and named in a line."""
     results: dict = {}
     target, source, nsid = None, target_uri, 1
     if target_uri:
@@ -173,6 +221,9 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iod
         target, port = start_target()
         source = f"nvme+tcp://127.0.0.1:{port}/{NQN}"
     work = tempfile.mkdtemp(prefix="nvmeof-fuse-bench-workers-")
+    if gen is None:
+        gen = load_generator(None, work)
+        print(f"load generator: {gen.name} ({gen.binary})", flush=True)
     peer = build_peer(work) if "libfuse" in backends else None
     if "libfuse" in backends and peer is None:
         backends.remove("libfuse")
@@ -186,12 +237,13 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iod
                                     peer if backend == "libfuse" else source,
                                     os.path.join(work, f"{backend}{workers}.log"))
                     try:
-                        for key, _, rw, bs, qd in fio_jobs(iodepth):
+                        for key, _, rw, bs, qd in load_jobs(iodepth):
                             for numjobs in counts:
                                 if workers not in (1, numjobs):
                                     continue
                                 before, (busy0, all0) = server.cpu(), _host_busy()
-                                rate, ios = fio(f"{mnt}/n{nsid}", rw, bs, qd, numjobs, seconds)
+                                rate, ios = read_load(gen, f"{mnt}/n{nsid}", rw, bs, qd,
+                                                      numjobs, seconds)
                                 cpu = server.cpu() - before
                                 busy1, all1 = _host_busy()
                                 ios = max(ios, 1)
@@ -212,7 +264,7 @@ def table(results: dict, backends: list[str], counts: list[int], iodepth: int) -
              "| N workers | CPU/req | host CPU/req | host busy | N / 1 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for backend in backends:
-        for key, title, _, bs, _ in fio_jobs(iodepth):
+        for key, title, _, bs, _ in load_jobs(iodepth):
             for jobs in counts:
                 one = results.get((backend, key, jobs, 1))
                 many = results.get((backend, key, jobs, jobs))
@@ -245,6 +297,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="ram,libfuse,tcp",
                     help="ram, libfuse (the native peer over RAM), tcp (the fake target)")
     ap.add_argument("--iodepth", type=int, default=32, help="of the 4 KiB job")
+    ap.add_argument("--loadgen", choices=("fio", "loadgen"),
+                    help="the load generator (default: fio if on PATH, else loadgen)")
     ap.add_argument("--target", help="a real target's URI (nvme+rdma://... or nvme+tcp://, "
                     "/NSID at the end), served instead of RAM and the fake target")
     args = ap.parse_args(argv)
@@ -252,12 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     backends = [b for b in args.backends.split(",") if b]
     if args.target:
         backends = [args.target.split("://", 1)[0].removeprefix("nvme+")]
-    print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} before", flush=True)
-    results = run(backends, counts, args.seconds, args.rounds, args.iodepth, args.target)
+    gen = load_generator(args.loadgen, tempfile.mkdtemp(prefix="nvmeof-fuse-loadgen-"))
+    print(f"host: {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f} before; load generator: "
+          f"{gen.name} ({gen.binary})", flush=True)
+    results = run(backends, counts, args.seconds, args.rounds, args.iodepth, args.target, gen)
     print(table(results, backends, counts, args.iodepth))
     print(f"load {os.getloadavg()[0]:.2f} after; CPU/req: the serving processes' user+system "
-          "CPU per fio request (main and workers; not fio, not the target); host CPU/req: the "
-          "whole host's busy CPU per request (fio, the kernel and the target too); host busy: "
+          "CPU per request (main and workers; not the load generator, not the target); host "
+          "CPU/req: the whole host's busy CPU per request (the load generator, the kernel and "
+          "the target too); host busy: "
           "the share of all CPUs busy during the job")
     return 0
 
