@@ -49,7 +49,7 @@ def _bench_workers():
 def workers_part(counts: list[int], backends: list[str], seconds: float, rounds: int) -> None:
     bench = _bench_workers()
     counts = sorted({1, *counts})
-    print(f"\nFUSE workers: {', '.join(map(str, counts))} serving processes, fio's jobs "
+    print(f"\nFUSE workers: {', '.join(map(str, counts))} serving processes, the bench's jobs "
           f"(numjobs = workers), {rounds} round(s) of {seconds:g} s, medians", flush=True)
     results = bench.run(list(backends), counts, seconds, rounds, 32, None)
     print(bench.table(results, backends, counts, 32))

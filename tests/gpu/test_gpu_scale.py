@@ -39,7 +39,8 @@ def test_companion_processes_read_over_tcp_on_queues_of_their_own():
 
 
 @needs_fuse
-@pytest.mark.skipif(shutil.which("fio") is None, reason="needs fio")
+@pytest.mark.skipif(shutil.which("fio") is None and shutil.which("gcc") is None,
+                    reason="needs fio, or gcc to build the load generator")
 def test_the_workers_part_prints_one_against_n_over_ram():
     run = scale("--parts", "workers", "--workers", "2", "--backends", "ram",
                 "--seconds", "0.5")
