@@ -38,6 +38,7 @@ from typing import Any
 
 import trio
 
+from nvmeof_fuse.companion.protocol import MAX_NAMED_NAMESPACES
 from nvmeof_fuse.errors import NVMeoFError
 
 log = logging.getLogger("nvmeof-fuse")
@@ -51,9 +52,9 @@ STOP_TIMEOUT = 30.0  # s for a worker to drain and exit once asked
 RESTART_LIMIT = 3
 """Deaths in a row, each before the worker served, after which no more are started."""
 MAX_REPORTED_NAMESPACES = 64
-MAX_FOLLOWED_NAMESPACES = 1024
-"""Namespaces whose sizes a rescan sends the workers in one message (any sizes fit the
-companion socket's 64 KiB); past them the workers are sent none, so they forward all I/O."""
+MAX_FOLLOWED_NAMESPACES = MAX_NAMED_NAMESPACES
+"""Namespaces whose sizes a worker's lease and a rescan send the workers in one message;
+past them the workers are sent none, so they forward all I/O."""
 LOGGED_NAMESPACES = 8  # named in a worker's line after a rescan; the others are counted
 
 
@@ -181,15 +182,21 @@ class FuseWorkers:
     async def follow(self, changes: list) -> None:
         """Namespaces added, removed or resized on the target (a listener of host.events):
         send every worker the namespaces' sizes now (:meth:`WorkerFS.follow`)."""
-        shapes = self.companion.namespace_shapes()
-        if len(shapes) > MAX_FOLLOWED_NAMESPACES:
-            if not self.too_many_said:
-                log.warning("FUSE workers: %d namespaces are more than the %d whose sizes they "
-                            "are sent; they forward their I/O to the main process",
-                            len(shapes), MAX_FOLLOWED_NAMESPACES)
-                self.too_many_said = True
-            shapes = []
+        shapes = [] if self._too_many() else self.companion.namespace_shapes()
         await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes})
+
+    def _too_many(self) -> bool:
+        """Whether the mount has more namespaces than the workers are sent (then they
+        forward their I/O: said once)."""
+        count = len(self.companion.controller.namespaces)
+        if count <= MAX_FOLLOWED_NAMESPACES:
+            return False
+        if not self.too_many_said:
+            log.warning("FUSE workers: %d namespaces are more than the %d whose sizes they "
+                        "are sent; they forward their I/O to the main process",
+                        count, MAX_FOLLOWED_NAMESPACES)
+            self.too_many_said = True
+        return True
 
     # -- what workers forward ------------------------------------------------------------
 
@@ -206,6 +213,7 @@ class FuseWorkers:
             self.ready[index] = pid
             log.info("FUSE worker %d (pid %d) serves on queues %s", index, pid,
                      ",".join(map(str, header.get("qids") or [])))
+            self._too_many()  # its lease named no namespaces then
             return {}
         if kind == "meta":
             reply = await self.session.answer(field(header, "opcode"), field(header, "unique"),
@@ -269,6 +277,8 @@ class _Worker:
         self.channel.on_closed = lambda: token.run_sync_soon(self._main_gone)
         # from the lease on: a rescan's sizes are kept until our filesystem takes them
         self.channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)
+        # asks for no nsids: names all namespaces while the mount has at most
+        # MAX_FOLLOWED_NAMESPACES, else none (and we forward their I/O)
         first = await self.ask("lease", want=WORKER_QUEUES, worker=True)
         options = options_from(first, self.timeout)
         leases = [lease_from(first)]

@@ -186,8 +186,9 @@ def wait_for(predicate: Any, timeout: float = 10.0) -> bool:
 class LeasingController(AddressController):
     """The fake controller with what leasing reads: options, QIDs, identity, liveness."""
 
-    def __init__(self, companion_queues: int = 3, transport: str = "rdma") -> None:
-        super().__init__()
+    def __init__(self, companion_queues: int = 3, transport: str = "rdma",
+                 specs=((1, 512, 16384), (2, 4096, 512))) -> None:
+        super().__init__(specs)
         self.options = ConnectOptions("10.0.0.1", "nqn.2026-11.io.x:sub",
                                       companion_queues=companion_queues)
         self.transport.name = transport

@@ -145,8 +145,11 @@ class SocketChannel:
 
     # -- the channel calls ---------------------------------------------------------------
 
-    def hello(self) -> dict:
-        return self.call("hello", version=protocol.VERSION)
+    def hello(self, nsid: int | None = None) -> dict:
+        """The mount's hello; with ``nsid`` it describes that namespace alone."""
+        if nsid is None:
+            return self.call("hello", version=protocol.VERSION)
+        return self.call("hello", version=protocol.VERSION, nsid=nsid)
 
     def register_shared(self, mem: SharedMemory, staging: bool = False) -> int:
         return self.call("register", fds=(mem.fd,), kind="memfd", length=len(mem),
@@ -239,8 +242,8 @@ class LocalChannel:
         except trio.TooSlowError:
             raise NoAnswer(f"the mount did not finish within {limit:g} s") from None
 
-    def hello(self) -> dict:
-        return self.mount.run_sync(self.mount.server.hello)
+    def hello(self, nsid: int | None = None) -> dict:
+        return self.mount.run_sync(self.mount.server.hello, nsid)
 
     def _registered(self, rid: int) -> int:
         self._owned.add(rid)

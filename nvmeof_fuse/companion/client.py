@@ -192,7 +192,7 @@ class File:
         self._peer_error = ""  # why the in-process dma-buf failed
         self._pin_failure = ""
         try:
-            hello = self._channel.hello()
+            hello = self._channel.hello(self.nsid)
             ns = hello["namespaces"].get(str(self.nsid))
             if ns is None:
                 raise CompanionError(f"{path}: namespace {self.nsid} is not on this mount",
@@ -234,7 +234,7 @@ class File:
         if why == "on":
             from .direct import open_direct
 
-            direct, why = open_direct(self._channel, self.timeout, queues)
+            direct, why = open_direct(self._channel, self.timeout, queues, self.nsid)
             if direct is not None:
                 return direct
         _warn_once(f"lease:{why}", f"nvmeof_fuse: {why}; moving data over the mount "

@@ -32,10 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from .protocol import MAX_NAMED_NAMESPACES
+
 if TYPE_CHECKING:
     from .session import Session
 
 log = logging.getLogger(__name__)
+
+MAX_SESSION_DELEGATIONS = MAX_NAMED_NAMESPACES
+"""Delegations one session holds at most (a ``report`` reply lists their tokens); past
+them it takes range locks."""
 
 
 @dataclass(eq=False)
@@ -82,13 +88,14 @@ class Delegations:
 
     async def grant(self, session: Session, ns: Any, nsid: int, limit: float) -> int | None:
         """Delegate ``ns`` to ``session`` (or confirm it holds it, its writes now bounded
-        by ``limit``): the token, or None when somebody else uses the namespace or it was
-        recalled (the caller takes a range lock instead)."""
+        by ``limit``): the token, or None when somebody else uses the namespace, it was
+        recalled or the session holds the most it may (the caller takes a range lock
+        instead)."""
         d = self._by_nsid.get(nsid)
         claimed = d is None
         if d is None:
             if (self.files_open(nsid) or len(ns.write_lock) or session.nursery is None
-                    or session.ended):
+                    or session.ended or self._count(session) >= MAX_SESSION_DELEGATIONS):
                 return None
             # Claimed before any await: asks that arrive meanwhile find it (and wait below).
             session.next_token += 1
@@ -105,6 +112,9 @@ class Delegations:
             return None  # (recalled as it was granted: its client hands it back at once)
         d.limit = max(d.limit, limit)
         return d.token
+
+    def _count(self, session: Session) -> int:
+        return sum(d.session is session for d in self._by_nsid.values())
 
     async def _hold(self, ns: Any, d: Delegation) -> None:
         lock = ns.write_lock

@@ -75,6 +75,7 @@ class DirectQueues:
         self._timeout = timeout
         self._first: Lease | None = lease_from(reply)
         self.qids: tuple[int, ...] = self._first.qids
+        self._nsids = [shape.nsid for shape in self._first.namespaces]  # asked for again
         self._moved = {"client_queue_read_bytes": 0, "client_queue_write_bytes": 0}
         self._reported = dict(self._moved)
         self.writes = LockedWrites(self._ask, self.moved, timeout)
@@ -194,7 +195,8 @@ class DirectQueues:
         if self._first is not None:
             lease, self._first = self._first, None
             return lease
-        return lease_from(await self._ask("lease", self.renew_timeout, want=len(self.qids)))
+        return lease_from(await self._ask("lease", self.renew_timeout, want=len(self.qids),
+                                          nsids=self._nsids))
 
     async def _report_now_and_then(self) -> None:
         """Report our byte counts each second when they changed; while we hold delegations,
@@ -338,10 +340,12 @@ def _no_edges(keep: Any, at: int, data: Any) -> None:
     raise AssertionError("a read of whole LBAs has no partial LBAs to copy")
 
 
-def open_direct(channel: Any, timeout: float, queues: int) -> tuple[DirectQueues | None, str]:
-    """This process's own queues on the mount, or None and why not (use the daemon's)."""
+def open_direct(channel: Any, timeout: float, queues: int, nsid: int
+                ) -> tuple[DirectQueues | None, str]:
+    """This process's own queues on the mount for namespace ``nsid`` (the one the lease
+    names), or None and why not (use the daemon's)."""
     try:
-        reply = channel.call("lease", want=queues)
+        reply = channel.call("lease", want=queues, nsids=[nsid])
     except NVMeoFError as exc:
         return None, str(exc)
     try:

@@ -21,6 +21,13 @@ from ..errors import InvalidArgument, NVMeoFError
 VERSION = 1
 MAX_MESSAGE = 64 << 10  # bytes; the largest payload is two partial LBAs
 MAX_FDS = 4
+MAX_NAMED_NAMESPACES = 1024
+"""Namespaces a ``lease`` reply or a ``namespaces`` event names at most, as ``[nsid,
+lba_size, nlb]`` (any values fit MAX_MESSAGE): a lease names those it wants (``nsids``), or
+gets all while there are no more, else none."""
+MAX_DESCRIBED_NAMESPACES = 512
+"""Namespaces a ``hello`` reply describes at most (size, LBA size and count of each): a
+hello names the one it wants (``nsid``), or gets all while there are no more, else none."""
 _HEADER = struct.Struct("!I")
 
 OPS = ("hello", "register", "unregister", "read", "write", "stats", "lease", "unlease",
@@ -109,6 +116,28 @@ def field(header: dict, name: str, kind: type = int) -> object:
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise ProtocolError(f"companion request {header.get('op')!r}: field {name!r} "
                             f"must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def nsids_field(header: dict) -> list[int] | None:
+    """The ``nsids`` a request names (at most :data:`MAX_NAMED_NAMESPACES` NSIDs), or None
+    when it names none; raises :class:`ProtocolError` in one line when malformed."""
+    value = header.get("nsids")
+    if value is None:
+        return None
+    why = ""
+    if not isinstance(value, list):
+        why = f"got {type(value).__name__}"
+    elif len(value) > MAX_NAMED_NAMESPACES:
+        why = f"got {len(value)}"
+    else:
+        bad = [v for v in value if type(v) is not int or not 0 < v < 0xFFFFFFFF]
+        if bad:
+            why = f"got {repr(bad[0])[:20]}"
+    if why:
+        raise ProtocolError(f"companion request {header.get('op')!r}: field 'nsids' must be a "
+                            f"list of at most {MAX_NAMED_NAMESPACES} NSIDs (1 to 0xFFFFFFFE), "
+                            f"{why}")
     return value
 
 

@@ -266,7 +266,7 @@ class CompanionServer:
             os.close(fd)
         fds.clear()
         if op == "hello":
-            return self.hello()
+            return self.hello(f(header, "nsid") if "nsid" in header else None)
         if op == "read":
             pieces = [Piece.from_list(p) for p in f(header, "pieces", list)]
             await session.read(f(header, "nsid"), pieces)
@@ -285,7 +285,8 @@ class CompanionServer:
             return {}
         if op == "lease":
             return await self.lease(session, f(header, "want"),
-                                    worker=header.get("worker") is True)
+                                    worker=header.get("worker") is True,
+                                    nsids=protocol.nsids_field(header))
         if op == "fuse":
             if self.on_fuse is None:
                 raise ProtocolError("this mount has no FUSE workers")
@@ -397,11 +398,13 @@ class CompanionServer:
                     session.lessor = None  # told once; the next lease names the path
                     await session.notify({"event": "revoked", "state": lessor.state})
 
-    async def lease(self, session: Session, want: int, worker: bool = False) -> dict[str, Any]:
+    async def lease(self, session: Session, want: int, worker: bool = False,
+                    nsids: list[int] | None = None) -> dict[str, Any]:
         """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting).
 
         A session keeps its queue IDs until it ends; asking again (after its queues
-        failed) waits for the controller to be live and names its controller ID.
+        failed) waits for the controller to be live and names its controller ID.  The
+        reply names the namespaces ``nsids`` names (:meth:`named_nsids`).
         """
         why = self.leasing(worker)
         if why:
@@ -448,14 +451,26 @@ class CompanionServer:
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
-            "namespaces": self.namespace_shapes(),
+            "namespaces": self.namespace_shapes(nsids),
+            "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
         }
 
-    def namespace_shapes(self) -> list[list[int]]:
-        """``[nsid, lba_size, nlb]`` of each namespace, as a lease names them (a client
-        addresses them by these)."""
-        return [[n, ns.lba_size, ns.nlb] for n, ns in sorted(self.controller.namespaces.items())]
+    def named_nsids(self, nsids: list[int] | None = None,
+                    limit: int = protocol.MAX_NAMED_NAMESPACES) -> list[int]:
+        """The mount's namespaces a reply names: those of ``nsids`` that are here, or
+        without ``nsids`` all while they are at most ``limit``, else none (so that a reply
+        always fits the socket)."""
+        namespaces = self.controller.namespaces
+        if nsids is None:
+            return sorted(namespaces) if len(namespaces) <= limit else []
+        return sorted(n for n in set(nsids) if n in namespaces)
+
+    def namespace_shapes(self, nsids: list[int] | None = None) -> list[list[int]]:
+        """``[nsid, lba_size, nlb]`` of the namespaces :meth:`named_nsids` names, as a lease
+        names them (a client addresses them by these)."""
+        namespaces = self.controller.namespaces
+        return [[n, namespaces[n].lba_size, namespaces[n].nlb] for n in self.named_nsids(nsids)]
 
     async def tell_workers(self, event: dict[str, Any]) -> None:
         """Send ``event`` to every FUSE worker's session."""
@@ -562,8 +577,13 @@ class CompanionServer:
         refusal = getattr(self.controller.transport, "dmabuf_refusal", "")
         return {"memfd": "on", "dmabuf": refusal or "on"}
 
-    def hello(self) -> dict[str, Any]:
+    def hello(self, nsid: int | None = None) -> dict[str, Any]:
+        """What the mount is and offers; ``namespaces`` names namespace ``nsid`` (when it is
+        here), or without it those :meth:`named_nsids` names, and ``namespace_count`` counts
+        all of them."""
         ctrl = self.controller
+        named = self.named_nsids(None if nsid is None else [nsid],
+                                 protocol.MAX_DESCRIBED_NAMESPACES)
         return {
             "version": protocol.VERSION,
             "read_only": self.read_only,
@@ -571,5 +591,6 @@ class CompanionServer:
             "leasing": self.leasing() or "on",
             "placement": self.placement(),
             "namespaces": {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
-                           for n, ns in sorted(ctrl.namespaces.items())},
+                           for n in named for ns in [ctrl.namespaces[n]]},
+            "namespace_count": len(ctrl.namespaces),
         }

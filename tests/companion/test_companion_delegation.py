@@ -211,3 +211,27 @@ def test_a_delegation_recalled_as_it_is_granted_still_reaches_its_client():
         assert len(ns.write_lock) == 0
 
     trio.run(main)
+
+
+def test_a_session_holds_a_bounded_number_of_delegations_then_takes_range_locks(
+        tmp_path, monkeypatch):
+    """A report lists a session's delegations: bounded, however many namespaces it writes."""
+    from nvmeof_fuse.companion import delegation, protocol
+
+    biggest = [(1 << 64) - 1] * delegation.MAX_SESSION_DELEGATIONS
+    assert len(protocol.reply_ok(1 << 62, delegated=biggest)) < protocol.MAX_MESSAGE
+    monkeypatch.setattr(delegation, "MAX_SESSION_DELEGATIONS", 2)
+    ctrl = LeasingController(specs=[(n, 512, 8) for n in (1, 2, 3)])
+    with serving(ctrl, tmp_path) as (server, _):
+        ch = channel(server)
+        try:
+            replies = [ch.call("lock", nsid=n, offset=0, length=512, hold_s=5, delegate=True)
+                       for n in (1, 2, 3)]
+            assert [r.get("delegated", False) for r in replies] == [True, True, False]
+            assert ch.call("report", moved={})["delegated"] == [r["token"] for r in replies[:2]]
+            ch.call("unlock", token=replies[2]["token"], nsid=3)
+            ch.call("unlock", token=replies[0]["token"], nsid=1)  # one handed back: room again
+            assert ch.call("lock", nsid=3, offset=0, length=512, hold_s=5,
+                           delegate=True).get("delegated")
+        finally:
+            ch.close()

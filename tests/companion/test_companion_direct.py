@@ -509,3 +509,23 @@ def test_while_its_queues_wait_for_a_lease_reads_go_through_the_daemon(served, m
         assert len(fabric.commands) == before  # none on the client's own queues
         assert f.stats()["staged_read_bytes"] == 8192 + 4096
     assert bytes(out[:4096]) == bytes(ctrl.disks[1][:4096])
+
+
+def test_a_file_opens_and_moves_data_on_a_mount_of_more_namespaces_than_a_reply_names(
+        tmp_path, monkeypatch):
+    """Its hello and lease name its own namespace alone: all 5000 would not fit a message."""
+    ctrl = LeasingController(companion_queues=4,
+                             specs=[(n, 512, 8) for n in range(1, 5001)])
+    fabric = FakeFabric(ctrl)
+    monkeypatch.setattr(direct, "make_transport", fabric)
+    with serving(ctrl, tmp_path) as (server, mnt):
+        assert server.hello()["namespaces"] == {}  # asking for all: too many
+        with File(str(mnt / "n4321")) as f:
+            assert f.own_queues == OWN and f.nbytes == 8 * 512
+            assert list(f._direct._bridge.controller.namespaces) == [4321]  # as leased
+            data = np.arange(1000, dtype=np.uint8)
+            assert f.write(data, file_offset=100) == 1000
+            out = np.zeros(1000, dtype=np.uint8)
+            assert f.read(out, file_offset=100) == 1000
+    assert bytes(out) == bytes(data) == bytes(ctrl.disks[4321][100:1100])
+    assert {qid for _, qid in fabric.commands} <= set(OWN)

@@ -11,9 +11,11 @@ import pytest
 import trio
 from companion_fakes import LeasingController, serving, wait_for
 
+from nvmeof_fuse.companion import protocol
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.direct import lease_from, options_from
 from nvmeof_fuse.companion.protocol import CompanionError
+from nvmeof_fuse.companion.server import CompanionServer
 
 
 def channel(server) -> SocketChannel:
@@ -200,3 +202,64 @@ def test_a_lease_refuses_an_insecure_secret_file_by_name_without_the_secret(tmp_
         finally:
             ch.close()
     assert secret[10:] not in str(info.value) and secret[10:] not in caplog.text
+
+
+MANY = 5000  # namespaces: all of them in one reply would exceed the socket's message
+
+
+@pytest.fixture
+def many(tmp_path):
+    ctrl = LeasingController(specs=[(n, 512, n % 7 + 1) for n in range(1, MANY + 1)])
+    with serving(ctrl, tmp_path) as (server, _):
+        ch = channel(server)
+        try:
+            yield ch
+        finally:
+            ch.close()
+
+
+def test_on_a_mount_of_many_namespaces_a_hello_and_a_lease_name_the_ones_asked_for(many):
+    hello = many.hello(4321)
+    assert hello["namespaces"] == {"4321": {"size": 512 * 3, "lba_size": 512, "nlb": 3}}
+    assert hello["namespace_count"] == MANY and hello["leasing"] == "on"
+    assert many.hello(MANY + 1)["namespaces"] == {}  # not here: the client says so
+    lease = lease_from(many.call("lease", want=1, nsids=[4321, 7, 4321, MANY + 1]))
+    assert [(n.nsid, n.lba_size, n.nsze) for n in lease.namespaces] == [(7, 512, 1),
+                                                                        (4321, 512, 3)]
+    assert many.call("lease", want=1, nsids=[])["namespaces"] == []
+
+
+def test_on_a_mount_of_many_namespaces_a_hello_or_lease_asking_for_all_names_none(many):
+    """Past the bound a reply names no namespace rather than some (or fail), and counts all."""
+    hello = many.hello()
+    assert hello["namespaces"] == {} and hello["namespace_count"] == MANY
+    reply = many.call("lease", want=1)
+    assert reply["namespaces"] == [] and reply["namespace_count"] == MANY
+
+
+@pytest.mark.parametrize(("nsids", "why"), [
+    ("all", "got str"), ([1, -1], "got -1"), (list(range(1, 2000)), "got 1999")])
+def test_a_lease_naming_bad_nsids_is_refused_in_one_line(many, nsids, why):
+    with pytest.raises(CompanionError) as refused:
+        many.call("lease", want=1, nsids=nsids)
+    assert str(refused.value).endswith(f"NSIDs (1 to 0xFFFFFFFE), {why}")
+    assert refused.value.errno == errno.EPROTO
+    assert many.call("lease", want=1, nsids=[1])["qids"] == [3]  # the session goes on
+
+
+def test_replies_naming_the_most_namespaces_of_the_largest_values_fit_a_message():
+    ctrl = LeasingController()
+    ctrl.options.dhchap_secret = ctrl.options.dhchap_ctrl_secret = None
+    top = 0xFFFFFFFE
+    for count in (protocol.MAX_DESCRIBED_NAMESPACES, protocol.MAX_NAMED_NAMESPACES):
+        ctrl.namespaces = {top - i: SimpleNamespace(lba_size=1 << 16, nlb=(1 << 47) - 1,
+                                                    size=(1 << 63) - (1 << 16))
+                           for i in range(count)}
+        server = CompanionServer(ctrl)
+        hello = server.hello()
+        described = count <= protocol.MAX_DESCRIBED_NAMESPACES
+        assert len(hello["namespaces"]) == (count if described else 0)
+        protocol.reply_ok(1 << 62, **hello)  # raises past MAX_MESSAGE
+        lease = trio.run(server.lease, server.new_session("pid 1 uid 0"), 1)
+        assert len(lease["namespaces"]) == count
+        protocol.reply_ok(1 << 62, **lease)

@@ -50,3 +50,30 @@ def test_pieces_are_checked_when_decoded():
     for bad in ([1, 2, 3], [1, 2, 3, "4"], [1, 2, 3, True], "x"):
         with pytest.raises(protocol.ProtocolError, match="read piece"):
             Piece.from_list(bad)
+
+
+@pytest.mark.parametrize(("nsids", "why"), [
+    ("1", "got str"),
+    ({"1": 1}, "got dict"),
+    ([1] * (protocol.MAX_NAMED_NAMESPACES + 1), f"got {protocol.MAX_NAMED_NAMESPACES + 1}"),
+    ([1, "2"], "got '2'"),
+    ([True], "got True"),
+    ([0], "got 0"),
+    ([0xFFFFFFFF], "got 4294967295"),
+    ([1, ["x" * 100]], "got [" + repr("x" * 100)[:19]),
+])
+def test_nsids_are_a_bounded_list_of_nsids_or_one_line_says_why(nsids, why):
+    with pytest.raises(protocol.ProtocolError) as refused:
+        protocol.nsids_field({"op": "lease", "nsids": nsids})
+    assert str(refused.value) == (
+        f"companion request 'lease': field 'nsids' must be a list of at most "
+        f"{protocol.MAX_NAMED_NAMESPACES} NSIDs (1 to 0xFFFFFFFE), {why}")
+
+
+def test_nsids_may_be_absent_or_name_any_nsids():
+    assert protocol.nsids_field({"op": "lease"}) is None
+    assert protocol.nsids_field({"op": "lease", "nsids": None}) is None
+    assert protocol.nsids_field({"op": "lease", "nsids": []}) == []
+    most = list(range(1, protocol.MAX_NAMED_NAMESPACES + 1))
+    assert protocol.nsids_field({"op": "lease", "nsids": most}) == most
+    assert protocol.nsids_field({"op": "lease", "nsids": [0xFFFFFFFE]}) == [0xFFFFFFFE]

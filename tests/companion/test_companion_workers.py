@@ -206,3 +206,60 @@ def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons
         assert bytes(ctrl.disks[2][1000:1000 + 10240]) == bytes(range(256)) * 40
         assert set(fabric.connects) == {6} and {q for _, q in fabric.commands} == {6}
         assert wait_for(lambda: not server._locked)  # every write lock given back
+
+
+def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their_io(tmp_path):
+    """The lease a worker asks for (all namespaces) names none on a mount of more than
+    MAX_FOLLOWED_NAMESPACES: the worker connects its queues and forwards every READ and
+    WRITE to the main process, as after a rescan past that bound."""
+    import argparse
+
+    from companion_fakes import FakeFabric
+
+    from nvmeof_fuse.companion.lease import lease_from, options_from
+    from nvmeof_fuse.fs.operations import pack_fh
+    from nvmeof_fuse.fs.options import MountOptions
+    from nvmeof_fuse.fs.workerfs import WorkerFS
+    from nvmeof_fuse.host.attached import attach
+    from nvmeof_fuse.workers import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES, _Worker
+
+    count = MAX_FOLLOWED_NAMESPACES + 1
+    ctrl = LeasingController(companion_queues=4, specs=[(n, 512, 8) for n in range(1, count + 1)])
+    fabric = FakeFabric(ctrl)
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 1
+        args = argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
+                                  index=1, fd=-1, read_only=False, debug=False)
+        worker = _Worker(args)
+        forwarded = []
+
+        async def forward_read(fh, off, size):
+            forwarded.append(("read", fh))
+            return b"r" * size
+
+        async def forward_write(fh, off, data):
+            forwarded.append(("write", fh))
+            return len(data)
+
+        async def main():
+            first = await worker.ask("lease", want=WORKER_QUEUES, worker=True)  # as it does
+            assert first["namespaces"] == [] and first["namespace_count"] == count
+            options = options_from(first, 10.0)
+
+            async def lease_source():
+                return lease_from(first)
+
+            async with attach(options, lease_source, fabric(options), bounce_buffers=4) as own:
+                assert own.namespaces == {}
+                fs = WorkerFS(own, MountOptions(), forward_read=forward_read,
+                              forward_write=forward_write, write_lock=worker._write_lock)
+                assert await fs.read(pack_fh(2, 7, False), 0, 512) == b"r" * 512
+                assert await fs.write(pack_fh(3, count, True), 512, b"w" * 512) == 512
+                assert forwarded == [("read", pack_fh(2, 7, False)),
+                                     ("write", pack_fh(3, count, True))]
+
+        try:
+            trio.run(main)
+        finally:
+            worker.channel.close()
+        assert set(fabric.connects) == {6} and fabric.commands == []  # connected, unused

@@ -235,8 +235,9 @@ def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
 
 
 def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_once(caplog):
-    """More namespaces than fit the companion socket's 64 KiB: the workers drop theirs and
-    forward their I/O, and the main process says why once (it used to die on the send)."""
+    """More namespaces than fit the companion socket's 64 KiB: a worker's lease names none
+    and a rescan sends none (the workers drop theirs and forward their I/O), and the main
+    process says why once (it used to die on the send)."""
     from nvmeof_fuse.companion import protocol
     from nvmeof_fuse.companion.server import CompanionServer
     from nvmeof_fuse.workers import MAX_FOLLOWED_NAMESPACES, FuseWorkers
@@ -255,7 +256,9 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
 
     session.notify = notify
     pool = FuseWorkers(None, None, server, 2)
+    ready = {"kind": "ready", "index": 1, "pid": 42, "qids": [6]}
     with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+        assert trio.run(pool.on_fuse, ready, b"") == {}  # its lease named none: said once
         trio.run(pool.follow, [])
         trio.run(pool.follow, [])
     assert told == [{"event": "namespaces", "namespaces": []}] * 2
