@@ -194,10 +194,11 @@ class FuseWorkers:
         shapes = [] if self._too_many() else self.companion.namespace_shapes()
         self.generation += 1
         generation = self.generation
-        # those not serving yet take these sizes before they do (their lease's or these)
-        serving = dict(self.ready)
         await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes,
                                            "generation": generation})
+        # (after: one that began to serve while we sent may have built its files before it
+        # heard; one not serving yet takes these sizes, or its lease's, before it does)
+        serving = dict(self.ready)
         with trio.move_on_after(SIZES_TIMEOUT):
             while self._late(serving, generation):
                 await self.news.wait()
