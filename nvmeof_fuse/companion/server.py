@@ -44,6 +44,9 @@ class NoLease(NVMeoFError):
 
 
 LOCK_GRACE = 30.0  # s a client may hold a write lock beyond the time its write was given
+MAX_LISTED_SESSIONS = 8
+"""Clients a ``stats`` reply lists (the asker's first): each entry's placement lines are
+bounded, so that this many fit a message whatever the clients reported."""
 
 
 def peer_allowed(peer_uid: int, owner_uid: int) -> bool:
@@ -94,14 +97,25 @@ class CompanionServer:
         if self.on_write is not None:
             await self.on_write(nsid, offset, length)
 
-    def snapshot(self) -> dict[str, Any]:
+    def snapshot(self, asking: Session | None = None) -> dict[str, Any]:
+        """The companion counters, and each client's (``sessions``).  For a client's
+        ``stats`` request (``asking``) the list starts with its own and holds at most
+        :data:`MAX_LISTED_SESSIONS`, so that the reply fits a message; ``sessions_omitted``
+        counts the rest."""
+        clients = [s for s in self.sessions if not s.fuse_worker]
+        omitted = 0
+        if asking is not None:
+            clients.sort(key=lambda s: s is not asking)
+            omitted = max(0, len(clients) - MAX_LISTED_SESSIONS)
+            clients = clients[:MAX_LISTED_SESSIONS]
         return {**self.stats.snapshot(),
                 "delegations_granted": self.delegations.granted,
                 "delegations_recalled": self.delegations.recalled,
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
                               "lease_transport": s.lease_transport if s.qids else "",
                               **s.counts, "placement": s.placement}
-                             for s in self.sessions if not s.fuse_worker]}
+                             for s in clients],
+                **({"sessions_omitted": omitted} if omitted else {})}
 
     def has_client(self, pid: int) -> bool:
         """Whether process ``pid`` still has a session (its queue IDs are still its own)."""
@@ -313,7 +327,7 @@ class CompanionServer:
             return {"delegated": self.delegations.live_tokens(session)}
         if op == "stats":
             session.report(header.get("moved") or {}, header.get("placement"))
-            return {"stats": self.snapshot()}
+            return {"stats": self.snapshot(session)}
         raise ProtocolError(f"unknown companion request {op!r}")
 
     async def change_path(self, op: str, uri: str) -> dict[str, Any]:

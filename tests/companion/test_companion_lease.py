@@ -263,3 +263,25 @@ def test_replies_naming_the_most_namespaces_of_the_largest_values_fit_a_message(
         lease = trio.run(server.lease, server.new_session("pid 1 uid 0"), 1)
         assert len(lease["namespaces"]) == count
         protocol.reply_ok(1 << 62, **lease)
+
+
+def test_a_stats_reply_lists_the_asker_first_and_a_bounded_number_of_clients(served):
+    """However many clients there are and whatever placement lines they reported (each
+    escapes to six bytes a character in JSON), a client's ``stats`` fits a message."""
+    from nvmeof_fuse.companion.server import MAX_LISTED_SESSIONS
+    from nvmeof_fuse.companion.session import PLACEMENT_KINDS
+
+    _, server = served
+    others = [channel(server) for _ in range(MAX_LISTED_SESSIONS + 3)]
+    asker = channel(server)
+    try:
+        for ch in others:
+            ch.call("stats", placement={kind: "\x01" * 1000 for kind in PLACEMENT_KINDS})
+        stats = asker.call("stats", placement={"host": "mine"})["stats"]
+        assert len(stats["sessions"]) == MAX_LISTED_SESSIONS
+        assert stats["sessions"][0]["placement"] == {"host": "mine"}
+        assert stats["sessions_omitted"] == 4 and stats["clients"] == len(others) + 1
+        assert len(server.snapshot()["sessions"]) == len(others) + 1  # stats.json: all
+    finally:
+        for ch in [*others, asker]:
+            ch.close()
