@@ -56,6 +56,9 @@ MAX_FOLLOWED_NAMESPACES = MAX_NAMED_NAMESPACES
 """Namespaces whose sizes a worker's lease and a rescan send the workers in one message;
 past them the workers are sent none, so they forward all I/O."""
 LOGGED_NAMESPACES = 8  # named in a worker's line after a rescan; the others are counted
+SIZES_TIMEOUT = 2.0
+"""Seconds a rescan waits for the serving workers to say they took the new sizes, before
+the mount's files show them."""
 
 
 def worker_queues(workers: int) -> int:
@@ -84,6 +87,9 @@ class FuseWorkers:
         self.ready: dict[int, int] = {}  # index -> pid of a worker that connected its queues
         self.stopping = False
         self.too_many_said = False  # the line that the workers forward all I/O was logged
+        self.generation = 0  # of the namespaces' sizes last sent to the workers
+        self.taken: dict[int, tuple[int, int]] = {}  # index -> pid, generation it took
+        self.news = trio.Event()  # set (and replaced) when a worker took sizes or ended
         companion.on_fuse = self.on_fuse
         companion.worker_queues = worker_queues(count)
 
@@ -117,6 +123,7 @@ class FuseWorkers:
                 status = await proc.wait()
             finally:
                 self.procs.pop(index, None)
+                self._tell_news()  # a rescan waits for it no more
             if self.stopping or status == 0:  # asked to, or its session ended (unmounted)
                 return
             served = self.ready.pop(index, None) == proc.pid
@@ -181,9 +188,41 @@ class FuseWorkers:
 
     async def follow(self, changes: list) -> None:
         """Namespaces added, removed or resized on the target (a listener of host.events):
-        send every worker the namespaces' sizes now (:meth:`WorkerFS.follow`)."""
+        send every worker the namespaces' sizes (:meth:`WorkerFS.follow`), and return once
+        each serving one says it took them (bounded: :data:`SIZES_TIMEOUT`), so that no
+        worker serves a file by its old size after the kernel learned the new one."""
         shapes = [] if self._too_many() else self.companion.namespace_shapes()
-        await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes})
+        self.generation += 1
+        generation = self.generation
+        await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes,
+                                           "generation": generation})
+        # (after: one that began to serve while we sent may have built its files before it
+        # heard; one not serving yet takes these sizes, or its lease's, before it does)
+        serving = dict(self.ready)
+        with trio.move_on_after(SIZES_TIMEOUT):
+            while self._late(serving, generation):
+                await self.news.wait()
+        for index, pid in self._late(serving, generation):
+            log.warning("FUSE worker %d (pid %d) did not say it took the namespaces' new sizes "
+                        "within %g s; it may serve by the old ones until it takes them",
+                        index, pid, SIZES_TIMEOUT)
+
+    def _late(self, serving: dict[int, int], generation: int) -> list[tuple[int, int]]:
+        """``(index, pid)`` of the workers of ``serving`` still running that have not taken
+        the sizes of ``generation``."""
+        late = []
+        for index, pid in sorted(serving.items()):
+            proc = self.procs.get(index)
+            if proc is None or proc.pid != pid or proc.returncode is not None:
+                continue  # ended: its replacement takes the sizes with its lease
+            took_pid, took = self.taken.get(index, (0, 0))
+            if took_pid != pid or took < generation:
+                late.append((index, pid))
+        return late
+
+    def _tell_news(self) -> None:
+        self.news.set()
+        self.news = trio.Event()
 
     def _too_many(self) -> bool:
         """Whether the mount has more namespaces than the workers are sent (then they
@@ -203,7 +242,7 @@ class FuseWorkers:
     async def on_fuse(self, header: dict, payload: bytes) -> dict[str, Any]:
         """A request a worker forwarded: ``meta`` (its reply bytes), ``read`` or ``write``
         on a handle it cannot serve (the bytes, or the count; ``errno`` when refused)."""
-        from nvmeof_fuse.companion.protocol import field
+        from nvmeof_fuse.companion.protocol import field, generation_field
         from nvmeof_fuse.fs.wire import FUSEError
         from nvmeof_fuse.fs.workerfs import FORWARD_CHUNK
 
@@ -214,6 +253,13 @@ class FuseWorkers:
             log.info("FUSE worker %d (pid %d) serves on queues %s", index, pid,
                      ",".join(map(str, header.get("qids") or [])))
             self._too_many()  # its lease named no namespaces then
+            return {}
+        if kind == "namespaces":  # took the sizes of a rescan (follow waits for that)
+            index, pid = field(header, "index"), field(header, "pid")
+            generation = generation_field(header)
+            if 0 < index < self.count:  # (any other is no worker of ours)
+                self.taken[index] = (pid, generation)
+                self._tell_news()
             return {}
         if kind == "meta":
             reply = await self.session.answer(field(header, "opcode"), field(header, "unique"),
@@ -333,18 +379,26 @@ class _Worker:
                 return
 
     def _on_event(self, event: dict) -> None:
-        """The main process rescanned the namespaces (take their sizes), or lost the
-        controller or our path (reconnect our queues)."""
+        """The main process rescanned the namespaces (take their sizes, and say so: it waits
+        for that), or lost the controller or our path (reconnect our queues)."""
+        from nvmeof_fuse.companion.protocol import ProtocolError, generation_field
         from nvmeof_fuse.errors import TransportError
 
         if event.get("event") == "namespaces":
+            try:
+                generation = generation_field(event)
+            except ProtocolError:
+                return
             shapes = _shapes(event.get("namespaces"))
             if shapes is None:
                 return
             if self.fs is None:
-                self.shapes = shapes
+                self.shapes = shapes  # our filesystem takes them before it serves
             else:
                 self._follow(shapes)
+            with contextlib.suppress(NVMeoFError):  # the main process is gone
+                self.channel.call_future("fuse", kind="namespaces", index=self.index,
+                                         pid=os.getpid(), generation=generation)
             return
         ctrl = self.ctrl
         if event.get("event") != "revoked" or ctrl is None or not ctrl.io_queues:

@@ -119,6 +119,18 @@ def field(header: dict, name: str, kind: type = int) -> object:
     return value
 
 
+def generation_field(header: dict) -> int:
+    """The ``generation`` of a ``namespaces`` event (a rescan's sizes, counted from 1 by the
+    main process), or of a FUSE worker's ``fuse`` request of kind ``namespaces`` that says it
+    took them; raises :class:`ProtocolError` in one line when it is not one."""
+    value = header.get("generation")
+    if type(value) is not int or not 0 < value < 1 << 63:
+        raise ProtocolError(f"companion message {header.get('op') or header.get('event')!r}: "
+                            f"field 'generation' must be a count from 1, got "
+                            f"{repr(value)[:20]}")
+    return value
+
+
 def nsids_field(header: dict) -> list[int] | None:
     """The ``nsids`` a request names (at most :data:`MAX_NAMED_NAMESPACES` NSIDs), or None
     when it names none; raises :class:`ProtocolError` in one line when malformed."""

@@ -263,3 +263,51 @@ def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their
         finally:
             worker.channel.close()
         assert set(fabric.connects) == {6} and fabric.commands == []  # connected, unused
+
+
+def test_a_rescan_shows_a_new_size_only_after_the_worker_took_it(tmp_path, caplog):
+    """A worker over the companion socket takes a rescan's sizes in its own time (here
+    slowly); the listeners after the workers' (the files' new sizes) run only once it said
+    it took them, so that no read it serves is cut at the old end."""
+    import argparse
+    import logging
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from nvmeof_fuse.host.attached import NamespaceShape
+    from nvmeof_fuse.workers import FuseWorkers, _Worker
+
+    ctrl = LeasingController(companion_queues=4)
+    order: list[str] = []
+    with serving(ctrl, tmp_path) as (server, _):
+        pool = FuseWorkers(None, None, server, 2)
+        args = argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
+                                  index=1, fd=-1, read_only=False, debug=False)
+        worker = _Worker(args)
+
+        def follow(shapes):
+            time.sleep(0.3)  # slow: the main process must wait for it
+            order.append(f"worker took n1 of {shapes[1][1]} LBAs")
+
+        try:
+            worker.fs = SimpleNamespace(follow=follow)
+            worker.channel.on_event = worker._on_event  # (its own loop's task, in a worker)
+            worker.channel.call("lease", want=1, worker=True)
+            pool.ready[1] = os.getpid()
+            pool.procs[1] = SimpleNamespace(pid=os.getpid(), returncode=None)
+            ctrl.namespaces[1].resize(NamespaceShape(1, 512, 32768))
+
+            async def rescan():  # host.events calls its listeners in order
+                for listener in (pool.follow, files_follow):
+                    await listener([])
+
+            async def files_follow(changes):
+                order.append("files show the new size")
+
+            with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+                trio.from_thread.run(rescan, trio_token=server.trio_token)
+        finally:
+            worker.channel.close()
+        assert order == ["worker took n1 of 32768 LBAs", "files show the new size"]
+        assert caplog.messages == []  # it said so, in time

@@ -24,6 +24,7 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 from ramdisk import ram_controller
 from tcp_target import NQN
 
@@ -230,7 +231,7 @@ def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
         session.notify = notify
     pool = FuseWorkers(None, None, server, 2)
     trio.run(pool.follow, [])
-    assert told == {"worker": [{"event": "namespaces",
+    assert told == {"worker": [{"event": "namespaces", "generation": 1,
                                 "namespaces": [[1, 512, 64], [2, 4096, 16]]}]}
 
 
@@ -261,27 +262,171 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
         assert trio.run(pool.on_fuse, ready, b"") == {}  # its lease named none: said once
         trio.run(pool.follow, [])
         trio.run(pool.follow, [])
-    assert told == [{"event": "namespaces", "namespaces": []}] * 2
+    assert told == [{"event": "namespaces", "namespaces": [], "generation": g} for g in (1, 2)]
     assert caplog.messages == [f"FUSE workers: {MAX_FOLLOWED_NAMESPACES + 1} namespaces are more "
                                f"than the {MAX_FOLLOWED_NAMESPACES} whose sizes they are sent; "
                                "they forward their I/O to the main process"]
 
 
 def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
+    """It says it took them either way (the main process waits for that); a malformed
+    event it drops, unsaid."""
     from nvmeof_fuse.workers import _Worker
 
     worker = _Worker.__new__(_Worker)  # its channel to the main process is not needed here
     worker.index, worker.fs, worker.shapes, worker.ctrl = 1, None, None, None
-    good = {"event": "namespaces", "namespaces": [[1, 512, 128]]}
+    said = []
+    worker.channel = SimpleNamespace(call_future=lambda op, **fields: said.append((op, fields)))
+    good = {"event": "namespaces", "namespaces": [[1, 512, 128]], "generation": 1}
     for bad in ("x", [[1, 0, 8]], [[1, 512]], [[1, 512, -1]], [["1", 512, 8]]):
-        worker._on_event({"event": "namespaces", "namespaces": bad})
+        worker._on_event({**good, "namespaces": bad})
         assert worker.shapes is None, bad
+    for bad in (None, 0, -1, "1", 1.0, True, 1 << 63):
+        worker._on_event({**good, "generation": bad})
+        assert worker.shapes is None, bad
+    assert said == []
     worker._on_event(good)
     assert worker.shapes == {1: (512, 128)}
     followed = []
     worker.fs = SimpleNamespace(follow=followed.append)
-    worker._on_event({**good, "namespaces": [[1, 512, 256]]})
+    worker._on_event({**good, "namespaces": [[1, 512, 256]], "generation": 2})
     assert followed == [{1: (512, 256)}]
+    assert said == [("fuse", {"kind": "namespaces", "index": 1, "pid": os.getpid(),
+                              "generation": g}) for g in (1, 2)]
+
+
+class _Proc:
+    """A worker process to the main process: its pid, and its exit when told to die."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.returncode, self.died = pid, None, trio.Event()
+
+    async def wait(self) -> int:
+        await self.died.wait()
+        self.returncode = -signal.SIGKILL
+        return self.returncode
+
+    def kill(self) -> None:
+        self.died.set()
+
+
+def _serving_pool(count: int, on_notify):
+    """FuseWorkers with ``count - 1`` serving workers (pid 100 + index), each with a
+    companion session whose events go to ``on_notify(pool, index, event)``."""
+    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.workers import FuseWorkers
+
+    server = CompanionServer(ram_controller((1, 512, 64)))
+    pool = FuseWorkers(None, None, server, count)
+    for index in range(1, count):
+        session = server.new_session(f"worker {index}")
+        session.fuse_worker = True
+
+        async def notify(event, index=index):
+            await on_notify(pool, index, event)
+
+        session.notify = notify
+    return pool
+
+
+@contextlib.asynccontextmanager
+async def _running(pool):
+    """The pool's supervisors over fake processes, each serving; yields them by index
+    (a replacement takes pid 200 + index)."""
+    procs: dict = {}
+
+    async def spawn(index):
+        procs[index] = _Proc((200 if index in procs else 100) + index)
+        return procs[index]
+
+    pool._spawn = spawn
+    async with trio.open_nursery() as nursery:
+        await nursery.start(pool.run)
+        await trio.testing.wait_all_tasks_blocked()
+        for index, proc in procs.items():
+            await pool.on_fuse({"kind": "ready", "index": index, "pid": proc.pid, "qids": []},
+                               b"")
+        yield procs
+        nursery.cancel_scope.cancel()
+
+
+async def _ack(pool, index, event):
+    await pool.on_fuse({"kind": "namespaces", "index": index, "pid": 100 + index,
+                        "generation": event["generation"]}, b"")
+
+
+def test_a_rescan_goes_on_once_every_serving_worker_took_the_new_sizes():
+    """The files show a new size only after each worker took it (the mount's listener runs
+    after this one): a worker takes an event in its own time."""
+    order = []
+
+    async def main():
+        async def on_notify(pool, index, event):
+            async def later():
+                await trio.sleep(index / 2)  # a while; worker 2 last
+                order.append(f"worker {index} took generation {event['generation']}")
+                await _ack(pool, index, event)
+
+            nursery.start_soon(later)
+
+        pool = _serving_pool(3, on_notify)
+        async with trio.open_nursery() as nursery, _running(pool):
+            for generation in (1, 2):
+                await pool.follow([])
+                order.append(f"files show generation {generation}")
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert order == ["worker 1 took generation 1", "worker 2 took generation 1",
+                     "files show generation 1", "worker 1 took generation 2",
+                     "worker 2 took generation 2", "files show generation 2"]
+
+
+def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(caplog):
+    from nvmeof_fuse.workers import SIZES_TIMEOUT
+
+    async def on_notify(pool, index, event):
+        if index == 1:
+            await _ack(pool, index, event)
+
+    async def main():
+        pool = _serving_pool(3, on_notify)
+        async with _running(pool):
+            began = trio.current_time()
+            with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+                await pool.follow([])
+            return trio.current_time() - began
+
+    waited = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert waited == SIZES_TIMEOUT
+    assert caplog.messages == [
+        f"FUSE worker 2 (pid 102) did not say it took the namespaces' new sizes within "
+        f"{SIZES_TIMEOUT:g} s; it may serve by the old ones until it takes them"]
+
+
+def test_a_worker_that_dies_or_does_not_serve_yet_holds_no_rescan(caplog):
+    """Its replacement (or the worker itself, once it serves) takes the sizes with its
+    lease, or keeps them until its filesystem is up."""
+    from nvmeof_fuse.workers import SIZES_TIMEOUT
+
+    procs: dict = {}
+
+    async def on_notify(pool, index, event):
+        if index == 2:
+            procs[2].kill()  # killed before it took them
+        elif index == 1:
+            await _ack(pool, index, event)
+
+    async def main():
+        pool = _serving_pool(4, on_notify)
+        async with _running(pool) as running:
+            procs.update(running)
+            del pool.ready[3]  # connecting its queues still: it says nothing
+            with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+                await pool.follow([])
+            return trio.current_time()
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) < SIZES_TIMEOUT
+    assert [m for m in caplog.messages if "did not say" in m] == []
 
 
 # --- through the kernel --------------------------------------------------------------------

@@ -14,6 +14,7 @@ import mmap
 import os
 import subprocess
 import threading
+import time
 
 import pytest
 from kernel_initiator import connected, pwrite_direct
@@ -124,9 +125,10 @@ def test_a_namespace_grown_on_the_target_shows_its_new_size(testbed, tmp_path):
 
 
 def test_a_namespace_grown_while_fuse_workers_serve_is_read_whole_by_each(testbed, tmp_path):
-    """The main process sends its workers the new size: a worker's read past the old end
-    returns the new space's data, not a short read at the old end.  n5 is there before the
-    mount, so that the worker serves it (one added later it forwards to the main process)."""
+    """The main process shows a new size only once its workers took it: a worker's read
+    past the old end, issued the moment stat shows the new size, returns the new space's
+    data, not a short read at the old end.  n5 is there before the mount, so that the
+    worker serves it (one added later it forwards to the main process)."""
     from test_fs import wait_for_workers
 
     log = str(tmp_path / "daemon.log")
@@ -141,16 +143,9 @@ def test_a_namespace_grown_while_fuse_workers_serve_is_read_whole_by_each(testbe
 
 def grow_and_read_through_the_worker(mnt: str, log: str, ns: str, backing: str,
                                      data: bytes) -> None:
-    """Grow n5 from 32 to 48 MiB with ``data`` at 40 MiB; read it back from several threads
-    until the worker served some of the reads (the kernel picks who serves which)."""
-    with open(backing, "r+b") as f:
-        f.truncate(48 * MIB)
-        f.seek(40 * MIB)
-        f.write(data)
-    write(f"{ns}/revalidate_size", "1")
-    # the workers hear the new size before the mount's file shows it (listeners' order)
-    assert wait_for(lambda: size_of(f"{mnt}/n5") == 48 * MIB, 60), open(log).read()
-
+    """Grow n5 from 32 to 48 MiB with ``data`` at 40 MiB; read it back from several threads,
+    the first time as soon as stat shows the new size, then until the worker served some of
+    the reads (the kernel picks who serves which)."""
     def worker_reads() -> int:
         with open(f"{mnt}/.nvmeof/stats.json") as f:
             workers = json.load(f).get("workers", [])
@@ -158,11 +153,13 @@ def grow_and_read_through_the_worker(mnt: str, log: str, ns: str, backing: str,
                    .get("ops", 0) for w in workers if w.get("index"))
 
     bad: list = []
+    shown = threading.Event()  # stat shows the new size
 
     def reader(t: int) -> None:
         fd = os.open(f"{mnt}/n5", os.O_RDONLY | os.O_DIRECT)
         buf = mmap.mmap(-1, 64 * 1024)
         try:
+            shown.wait(600)
             for i in range(16):
                 at = ((t * 16 + i) % 16) * 64 * 1024
                 got = os.preadv(fd, [buf], 40 * MIB + at)
@@ -171,14 +168,31 @@ def grow_and_read_through_the_worker(mnt: str, log: str, ns: str, backing: str,
         finally:
             os.close(fd)
 
-    for _ in range(20):  # until the worker served some of them (the kernel picks)
+    def read_in_threads(grow=lambda: None) -> None:
         threads = [threading.Thread(target=reader, args=(t,)) for t in range(4)]
         for thread in threads:
             thread.start()
+        grow()
+        shown.set()
         for thread in threads:
             thread.join(600)
         assert not bad, bad
+
+    def grow() -> None:  # the readers wait, their files open
+        with open(backing, "r+b") as f:
+            f.truncate(48 * MIB)
+            f.seek(40 * MIB)
+            f.write(data)
+        write(f"{ns}/revalidate_size", "1")
+        deadline = time.monotonic() + 60
+        while size_of(f"{mnt}/n5") != 48 * MIB:  # no wait between the size and the reads
+            assert time.monotonic() < deadline, open(log).read()
+            time.sleep(0.002)
+
+    read_in_threads(grow)
+    for _ in range(20):  # until the worker served some of them (the kernel picks)
         if wait_for(lambda: worker_reads() > 0, 3):
             break
+        read_in_threads()
     assert worker_reads() > 0, open(log).read()
     assert "Traceback" not in open(log).read()
