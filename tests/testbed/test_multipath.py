@@ -249,11 +249,15 @@ def test_both_paths_are_live_and_shown(mp, testbed):
         assert (p["state"], p["usable"], p["ana_group"], p["ana_state"]) == \
             ("live", True, 1, "optimized"), p
         assert isinstance(p["cntlid"], int), p
-    # Two controllers.  Not checked after a loss: under TCG the daemon's loop has stalled
-    # past a short keep-alive while connecting path 1, nvmet expired path 0's controller and
-    # gave its CNTLID to path 1's before path 0's keep-alive noticed.
-    if not any(p["losses"] for p in listed):
-        assert listed[0]["cntlid"] != listed[1]["cntlid"], listed
+    # Two controllers.  Under TCG the daemon's loop has stalled past a short keep-alive while
+    # connecting path 1: nvmet expired path 0's controller and gave its CNTLID to path 1's
+    # before path 0's keep-alive noticed.  Then path 0 must notice, reconnect and differ.
+    def two_controllers() -> bool:
+        now = paths(mnt)
+        return (now[0]["cntlid"] != now[1]["cntlid"]
+                and all(p["state"] == "live" for p in now))
+
+    assert wait_for(two_controllers, timeout=90), paths(mnt)
     with open(f"{mnt}/.nvmeof/paths") as f:
         table = f.read()
     assert "rdma" in table and "tcp" in table and "optimized" in table, table
