@@ -385,10 +385,6 @@ class _Worker:
         from nvmeof_fuse.errors import TransportError
 
         if event.get("event") == "namespaces":
-            try:
-                generation = generation_field(event)
-            except ProtocolError:
-                return
             shapes = _shapes(event.get("namespaces"))
             if shapes is None:
                 return
@@ -396,6 +392,10 @@ class _Worker:
                 self.shapes = shapes  # our filesystem takes them before it serves
             else:
                 self._follow(shapes)
+            try:  # (a main process of another version may send none: it waits for no ack)
+                generation = generation_field(event)
+            except ProtocolError:
+                return
             with contextlib.suppress(NVMeoFError):  # the main process is gone
                 self.channel.call_future("fuse", kind="namespaces", index=self.index,
                                          pid=os.getpid(), generation=generation)

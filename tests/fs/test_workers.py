@@ -270,7 +270,8 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
 
 def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
     """It says it took them either way (the main process waits for that); a malformed
-    event it drops, unsaid."""
+    event it drops, unsaid; sizes without a valid generation (a main process of another
+    version) it takes, unsaid."""
     from nvmeof_fuse.workers import _Worker
 
     worker = _Worker.__new__(_Worker)  # its channel to the main process is not needed here
@@ -282,8 +283,10 @@ def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
         worker._on_event({**good, "namespaces": bad})
         assert worker.shapes is None, bad
     for bad in (None, 0, -1, "1", 1.0, True, 1 << 63):
-        worker._on_event({**good, "generation": bad})
-        assert worker.shapes is None, bad
+        worker._on_event({**good, "generation": bad, "namespaces": [[1, 512, 64]]})
+        assert worker.shapes == {1: (512, 64)}, bad
+    worker._on_event({"event": "namespaces", "namespaces": [[1, 512, 96]]})
+    assert worker.shapes == {1: (512, 96)}
     assert said == []
     worker._on_event(good)
     assert worker.shapes == {1: (512, 128)}
