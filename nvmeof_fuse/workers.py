@@ -56,9 +56,10 @@ MAX_FOLLOWED_NAMESPACES = MAX_NAMED_NAMESPACES
 """Namespaces whose sizes a worker's lease and a rescan send the workers in one message;
 past them the workers are sent none, so they forward all I/O."""
 LOGGED_NAMESPACES = 8  # named in a worker's line after a rescan; the others are counted
-SIZES_TIMEOUT = 2.0
-"""Seconds a rescan waits for the serving workers to say they took the new sizes, before
-the mount's files show them."""
+SIZES_TIMEOUT = 10.0
+"""Most seconds a rescan waits for the serving workers to say they took the new sizes,
+before the mount's files show them (at most the mount's command timeout: a slow machine
+may take seconds)."""
 
 
 def worker_queues(workers: int) -> int:
@@ -80,6 +81,7 @@ class FuseWorkers:
         self.count = count
         self.read_only = read_only
         self.timeout = timeout
+        self.sizes_timeout = min(timeout, SIZES_TIMEOUT)
         self.debug = debug
         self.procs: dict[int, trio.Process] = {}  # index -> running process
         self.started = 0  # processes started, replacements included
@@ -189,7 +191,7 @@ class FuseWorkers:
     async def follow(self, changes: list) -> None:
         """Namespaces added, removed or resized on the target (a listener of host.events):
         send every worker the namespaces' sizes (:meth:`WorkerFS.follow`), and return once
-        each serving one says it took them (bounded: :data:`SIZES_TIMEOUT`), so that no
+        each serving one says it took them (bounded: :attr:`sizes_timeout`), so that no
         worker serves a file by its old size after the kernel learned the new one."""
         shapes = [] if self._too_many() else self.companion.namespace_shapes()
         self.generation += 1
@@ -199,13 +201,13 @@ class FuseWorkers:
         # (after: one that began to serve while we sent may have built its files before it
         # heard; one not serving yet takes these sizes, or its lease's, before it does)
         serving = dict(self.ready)
-        with trio.move_on_after(SIZES_TIMEOUT):
+        with trio.move_on_after(self.sizes_timeout):
             while self._late(serving, generation):
                 await self.news.wait()
         for index, pid in self._late(serving, generation):
             log.warning("FUSE worker %d (pid %d) did not say it took the namespaces' new sizes "
                         "within %g s; it may serve by the old ones until it takes them",
-                        index, pid, SIZES_TIMEOUT)
+                        index, pid, self.sizes_timeout)
 
     def _late(self, serving: dict[int, int], generation: int) -> list[tuple[int, int]]:
         """``(index, pid)`` of the workers of ``serving`` still running that have not taken
