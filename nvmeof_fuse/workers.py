@@ -191,16 +191,20 @@ class FuseWorkers:
     async def follow(self, changes: list) -> None:
         """Namespaces added, removed or resized on the target (a listener of host.events):
         send every worker the namespaces' sizes (:meth:`WorkerFS.follow`), and return once
-        each serving one says it took them (bounded: :attr:`sizes_timeout`), so that no
-        worker serves a file by its old size after the kernel learned the new one."""
+        each serving one they were sent to says it took them (bounded:
+        :attr:`sizes_timeout`), so that no worker serves a file by its old size after the
+        kernel learned the new one."""
         shapes = [] if self._too_many() else self.companion.namespace_shapes()
         self.generation += 1
         generation = self.generation
-        await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes,
-                                           "generation": generation})
-        # (after: one that began to serve while we sent may have built its files before it
-        # heard; one not serving yet takes these sizes, or its lease's, before it does)
-        serving = dict(self.ready)
+        told = await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes,
+                                                  "generation": generation})
+        # those sent it that serve (after: one that began to serve while we sent may have
+        # built its files before it heard; one not serving yet takes these sizes, or its
+        # lease's, before it does; one not sent it, leased after we passed it, has these in
+        # its lease, and one whose send failed would never answer)
+        pids = {session.pid for session in told}
+        serving = {index: pid for index, pid in self.ready.items() if pid in pids}
         with trio.move_on_after(self.sizes_timeout):
             while self._late(serving, generation):
                 await self.news.wait()

@@ -227,6 +227,7 @@ def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
 
         async def notify(event, peer=peer):
             told.setdefault(peer, []).append(event)
+            return True
 
         session.notify = notify
     pool = FuseWorkers(None, None, server, 2)
@@ -254,6 +255,7 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
 
     async def notify(event):
         told.append(event)
+        return True
 
     session.notify = notify
     pool = FuseWorkers(None, None, server, 2)
@@ -315,18 +317,19 @@ class _Proc:
 
 def _serving_pool(count: int, on_notify, timeout: float = 30.0):
     """FuseWorkers with ``count - 1`` serving workers (pid 100 + index), each with a
-    companion session whose events go to ``on_notify(pool, index, event)``."""
+    companion session whose events go to ``on_notify(pool, index, event)`` (sent unless it
+    returns False)."""
     from nvmeof_fuse.companion.server import CompanionServer
     from nvmeof_fuse.workers import FuseWorkers
 
     server = CompanionServer(ram_controller((1, 512, 64)))
     pool = FuseWorkers(None, None, server, count, timeout=timeout)
     for index in range(1, count):
-        session = server.new_session(f"worker {index}")
+        session = server.new_session(f"pid {100 + index} uid 0", 100 + index)
         session.fuse_worker = True
 
         async def notify(event, index=index):
-            await on_notify(pool, index, event)
+            return await on_notify(pool, index, event) is not False
 
         session.notify = notify
     return pool
@@ -434,6 +437,30 @@ def test_a_worker_that_dies_or_does_not_serve_yet_holds_no_rescan(caplog):
             return trio.current_time()
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) < SIZES_TIMEOUT
+    assert [m for m in caplog.messages if "did not say" in m] == []
+
+
+def test_a_rescan_waits_for_no_worker_it_did_not_send_the_sizes(caplog):
+    """One that leased after the sending passed it (its lease had the new sizes), or whose
+    send failed, would never answer: the rescan goes on without it, unwarned."""
+    sessions = {}
+
+    async def on_notify(pool, index, event):
+        if index == 1:
+            await _ack(pool, index, event)
+        return index != 3  # worker 3's send failed
+
+    async def main():
+        pool = _serving_pool(4, on_notify)
+        for session in pool.companion.sessions:
+            sessions[session.pid] = session
+        sessions[102].fuse_worker = False  # leases once the sending passed it
+        async with _running(pool):
+            with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+                await pool.follow([])
+            return trio.current_time()
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 0
     assert [m for m in caplog.messages if "did not say" in m] == []
 
 
