@@ -487,26 +487,31 @@ class CompanionServer:
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
-            "namespaces": self.namespace_shapes(nsids),
+            "namespaces": self.namespace_shapes(nsids, worker=worker),
             "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
         }
 
-    def named_nsids(self, nsids: list[int] | None = None,
-                    limit: int = protocol.MAX_NAMED_NAMESPACES) -> list[int]:
-        """The mount's namespaces a reply names: those of ``nsids`` that are here, or
-        without ``nsids`` all while they are at most ``limit``, else none (so that a reply
-        always fits the socket)."""
+    def named_nsids(self, nsids: list[int] | None = None) -> list[int]:
+        """The mount's namespaces of ``nsids`` (all without them), sorted."""
         namespaces = self.controller.namespaces
         if nsids is None:
-            return sorted(namespaces) if len(namespaces) <= limit else []
+            return sorted(namespaces)
         return sorted(n for n in set(nsids) if n in namespaces)
 
-    def namespace_shapes(self, nsids: list[int] | None = None) -> list[list[int]]:
-        """``[nsid, lba_size, nlb]`` of the namespaces :meth:`named_nsids` names, as a lease
-        names them (a client addresses them by these)."""
+    def namespace_shapes(self, nsids: list[int] | None = None, *,
+                         worker: bool = False) -> list[list[int]]:
+        """``[nsid, lba_size, nlb]`` of the namespaces ``nsids`` names, as a lease names
+        them (a client addresses them by these).  Without ``nsids``: all while they fit a
+        reply (:func:`~.protocol.fits_budget`), for a FUSE worker while they are at most
+        ``MAX_NAMED_NAMESPACES``; else none."""
         namespaces = self.controller.namespaces
-        return [[n, namespaces[n].lba_size, namespaces[n].nlb] for n in self.named_nsids(nsids)]
+        shapes = [[n, namespaces[n].lba_size, namespaces[n].nlb]
+                  for n in self.named_nsids(nsids)]
+        if nsids is None and (len(shapes) > protocol.MAX_NAMED_NAMESPACES if worker
+                              else not protocol.fits_budget(shapes)):
+            return []
+        return shapes
 
     async def tell_workers(self, event: dict[str, Any]) -> list[Session]:
         """Send ``event`` to every FUSE worker's session: those it was sent to."""
@@ -618,18 +623,20 @@ class CompanionServer:
 
     def hello(self, nsid: int | None = None) -> dict[str, Any]:
         """What the mount is and offers; ``namespaces`` names namespace ``nsid`` (when it is
-        here), or without it those :meth:`named_nsids` names, and ``namespace_count`` counts
-        all of them."""
+        here), or without it all of them while they fit a reply, else none; and
+        ``namespace_count`` counts all of them."""
         ctrl = self.controller
-        named = self.named_nsids(None if nsid is None else [nsid],
-                                 protocol.MAX_DESCRIBED_NAMESPACES)
+        described = {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
+                     for n in self.named_nsids(None if nsid is None else [nsid])
+                     for ns in [ctrl.namespaces[n]]}
+        if nsid is None and not protocol.fits_budget(described):
+            described = {}
         return {
             "version": protocol.VERSION,
             "read_only": self.read_only,
             "max_transfer": ctrl.max_transfer,
             "leasing": self.leasing() or "on",
             "placement": self.placement(),
-            "namespaces": {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
-                           for n in named for ns in [ctrl.namespaces[n]]},
+            "namespaces": described,
             "namespace_count": len(ctrl.namespaces),
         }
