@@ -115,6 +115,7 @@ class Session:
         self.controller = controller
         self.stats = stats
         self.peer = peer
+        self.pid: int | None = None  # the client's process (SO_PEERCRED)
         self.read_only = read_only
         self.regions: dict[int, Registered] = {}
         self._next = 1
@@ -132,7 +133,8 @@ class Session:
         self._waits: set[trio.CancelScope] = set()  # lease and lock waits under way
         self.ended = False
         self.nursery: trio.Nursery | None = None  # where held locks live (the connection's)
-        self.notify: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # unasked news
+        self.notify: Callable[[dict[str, Any]], Awaitable[bool]] | None = None
+        """Sends the client unasked news; says whether it was sent."""
 
     # -- registration ---------------------------------------------------------------------
 
