@@ -33,13 +33,15 @@ def children(parent: int) -> list[int]:
 
 
 def process_tree(pid: int) -> set[int]:
-    """``pid`` and its descendants alive now."""
+    """``pid`` and its descendants alive now (``pid`` itself even when it is gone)."""
     below: dict[int, list[int]] = {}
     for child, parent in _parents().items():
         below.setdefault(parent, []).append(child)
     tree, todo = set(), [pid]
     while todo:
         member = todo.pop()
+        if member in tree:  # a pid reused during the scan can close a loop
+            continue
         tree.add(member)
         todo += below.get(member, [])
     return tree

@@ -56,9 +56,10 @@ MAX_FOLLOWED_NAMESPACES = MAX_NAMED_NAMESPACES
 """Namespaces whose sizes a worker's lease and a rescan send the workers in one message;
 past them the workers are sent none, so they forward all I/O."""
 LOGGED_NAMESPACES = 8  # named in a worker's line after a rescan; the others are counted
-SIZES_TIMEOUT = 2.0
-"""Seconds a rescan waits for the serving workers to say they took the new sizes, before
-the mount's files show them."""
+SIZES_TIMEOUT = 10.0
+"""Most seconds a rescan waits for the serving workers to say they took the new sizes,
+before the mount's files show them (at most the mount's command timeout: a slow machine
+may take seconds)."""
 
 
 def worker_queues(workers: int) -> int:
@@ -80,6 +81,7 @@ class FuseWorkers:
         self.count = count
         self.read_only = read_only
         self.timeout = timeout
+        self.sizes_timeout = min(timeout, SIZES_TIMEOUT)
         self.debug = debug
         self.procs: dict[int, trio.Process] = {}  # index -> running process
         self.started = 0  # processes started, replacements included
@@ -189,23 +191,27 @@ class FuseWorkers:
     async def follow(self, changes: list) -> None:
         """Namespaces added, removed or resized on the target (a listener of host.events):
         send every worker the namespaces' sizes (:meth:`WorkerFS.follow`), and return once
-        each serving one says it took them (bounded: :data:`SIZES_TIMEOUT`), so that no
-        worker serves a file by its old size after the kernel learned the new one."""
+        each serving one they were sent to says it took them (bounded:
+        :attr:`sizes_timeout`), so that no worker serves a file by its old size after the
+        kernel learned the new one."""
         shapes = [] if self._too_many() else self.companion.namespace_shapes()
         self.generation += 1
         generation = self.generation
-        await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes,
-                                           "generation": generation})
-        # (after: one that began to serve while we sent may have built its files before it
-        # heard; one not serving yet takes these sizes, or its lease's, before it does)
-        serving = dict(self.ready)
-        with trio.move_on_after(SIZES_TIMEOUT):
+        told = await self.companion.tell_workers({"event": "namespaces", "namespaces": shapes,
+                                                  "generation": generation})
+        # those sent it that serve (after: one that began to serve while we sent may have
+        # built its files before it heard; one not serving yet takes these sizes, or its
+        # lease's, before it does; one not sent it, leased after we passed it, has these in
+        # its lease, and one whose send failed would never answer)
+        pids = {session.pid for session in told}
+        serving = {index: pid for index, pid in self.ready.items() if pid in pids}
+        with trio.move_on_after(self.sizes_timeout):
             while self._late(serving, generation):
                 await self.news.wait()
         for index, pid in self._late(serving, generation):
             log.warning("FUSE worker %d (pid %d) did not say it took the namespaces' new sizes "
                         "within %g s; it may serve by the old ones until it takes them",
-                        index, pid, SIZES_TIMEOUT)
+                        index, pid, self.sizes_timeout)
 
     def _late(self, serving: dict[int, int], generation: int) -> list[tuple[int, int]]:
         """``(index, pid)`` of the workers of ``serving`` still running that have not taken
@@ -385,10 +391,6 @@ class _Worker:
         from nvmeof_fuse.errors import TransportError
 
         if event.get("event") == "namespaces":
-            try:
-                generation = generation_field(event)
-            except ProtocolError:
-                return
             shapes = _shapes(event.get("namespaces"))
             if shapes is None:
                 return
@@ -396,6 +398,10 @@ class _Worker:
                 self.shapes = shapes  # our filesystem takes them before it serves
             else:
                 self._follow(shapes)
+            try:  # (a main process of another version may send none: it waits for no ack)
+                generation = generation_field(event)
+            except ProtocolError:
+                return
             with contextlib.suppress(NVMeoFError):  # the main process is gone
                 self.channel.call_future("fuse", kind="namespaces", index=self.index,
                                          pid=os.getpid(), generation=generation)

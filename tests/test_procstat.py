@@ -27,3 +27,10 @@ def test_a_child_is_found_and_its_cpu_counts_with_children_once_waited_for():
     assert child.pid not in children(os.getpid())
     alone = cpu_seconds(os.getpid())
     assert cpu_seconds(os.getpid(), with_children=True) > alone
+
+
+def test_a_loop_of_parents_seen_while_pids_are_reused_ends(monkeypatch):
+    import nvmeof_fuse.procstat as procstat
+
+    monkeypatch.setattr(procstat, "_parents", lambda: {10: 1, 11: 10, 10_000: 11, 1: 10_000})
+    assert process_tree(10) == {10, 11, 10_000, 1}

@@ -294,7 +294,7 @@ class LocalChannel:
         self.mount.run_sync(session.report, fields.get("moved") or {}, fields.get("placement"))
 
     def stats(self) -> dict:
-        return self.mount.run_sync(self.mount.server.snapshot)
+        return self.mount.run_sync(self.mount.server.snapshot, self.mount.session)
 
     def close(self) -> None:
         self._calls.shutdown(wait=True)

@@ -22,12 +22,13 @@ VERSION = 1
 MAX_MESSAGE = 64 << 10  # bytes; the largest payload is two partial LBAs
 MAX_FDS = 4
 MAX_NAMED_NAMESPACES = 1024
-"""Namespaces a ``lease`` reply or a ``namespaces`` event names at most, as ``[nsid,
-lba_size, nlb]`` (any values fit MAX_MESSAGE): a lease names those it wants (``nsids``), or
-gets all while there are no more, else none."""
-MAX_DESCRIBED_NAMESPACES = 512
-"""Namespaces a ``hello`` reply describes at most (size, LBA size and count of each): a
-hello names the one it wants (``nsid``), or gets all while there are no more, else none."""
+"""NSIDs a ``lease`` request names at most, and namespaces a FUSE worker's lease or a
+``namespaces`` event names at most, as ``[nsid, lba_size, nlb]`` (any values fit
+MAX_MESSAGE); past them the workers are sent none."""
+NAMESPACES_BUDGET = MAX_MESSAGE - (16 << 10)
+"""Bytes the namespaces of a ``hello`` or ``lease`` reply that asked for all of them may
+take: a hello names the one it wants (``nsid``) and a lease those it wants (``nsids``); one
+that asks for none gets all while they fit, else none (never some)."""
 _HEADER = struct.Struct("!I")
 
 OPS = ("hello", "register", "unregister", "read", "write", "stats", "lease", "unlease",
@@ -129,6 +130,11 @@ def generation_field(header: dict) -> int:
                             f"field 'generation' must be a count from 1, got "
                             f"{repr(value)[:20]}")
     return value
+
+
+def fits_budget(value: object) -> bool:
+    """Whether ``value`` encodes within :data:`NAMESPACES_BUDGET` bytes."""
+    return len(json.dumps(value, separators=(",", ":"))) <= NAMESPACES_BUDGET
 
 
 def nsids_field(header: dict) -> list[int] | None:

@@ -126,9 +126,10 @@ class CompanionServer:
         return sorted(({**s.worker, "qids": s.qids} for s in self.sessions
                        if s.worker is not None), key=lambda w: w.get("index", 0))
 
-    def new_session(self, peer: str) -> Session:
+    def new_session(self, peer: str, pid: int | None = None) -> Session:
         session = Session(self.controller, self.stats, peer, read_only=self.read_only,
                           quarantine=self.quarantine)
+        session.pid = pid
         self.sessions.add(session)
         self.stats.clients += 1
         self.stats.clients_total += 1
@@ -188,16 +189,20 @@ class CompanionServer:
                     while await conn.recv(protocol.MAX_MESSAGE):
                         pass
                 return
-            session = self.new_session(f"pid {pid} uid {uid}")
+            session = self.new_session(f"pid {pid} uid {uid}", pid)
             send_lock = trio.Lock()
 
-            async def notify(event: dict[str, Any]) -> None:
+            async def notify(event: dict[str, Any]) -> bool:
                 async with send_lock:
                     with trio.move_on_after(1):  # a client that reads nothing is not waited for
                         try:
                             await conn.send(protocol.encode({"id": 0, "ok": True, **event}))
+                            return True
                         except (OSError, NVMeoFError) as exc:  # gone, or too large to send
                             log.debug("companion: an event for pid %d not sent: %s", pid, exc)
+                            return False
+                    log.debug("companion: an event for pid %d not sent within 1 s", pid)
+                    return False
 
             session.notify = notify
             log.info("companion: client pid %d connected", pid)
@@ -304,6 +309,7 @@ class CompanionServer:
         if op == "fuse":
             if self.on_fuse is None:
                 raise ProtocolError("this mount has no FUSE workers")
+            self._check_fuse_sender(session, header)
             return await self.on_fuse(header, payload)
         if op in ("add_path", "remove_path"):
             return await self.change_path(op, str(f(header, "uri", str)))
@@ -322,8 +328,10 @@ class CompanionServer:
         if op == "report":  # also renews the client's delegations: those still its own
             session.report(header.get("moved") or {}, header.get("placement"))
             if isinstance(header.get("worker"), dict):  # a FUSE worker's counts
+                if not session.fuse_worker:
+                    raise ProtocolError("report: only a FUSE worker (after its lease) "
+                                        "reports a worker's counts")
                 session.worker = header["worker"]
-                self._count_as_worker(session)
             return {"delegated": self.delegations.live_tokens(session)}
         if op == "stats":
             session.report(header.get("moved") or {}, header.get("placement"))
@@ -348,9 +356,23 @@ class CompanionServer:
             if not session.fuse_worker:
                 self.stats.leases -= 1
 
+    @staticmethod
+    def _check_fuse_sender(session: Session, header: dict) -> None:
+        """Only a FUSE worker's session (it leased a worker's queues) forwards FUSE
+        requests, and a ``ready`` or ``namespaces`` one names its own pid."""
+        if not session.fuse_worker:
+            raise ProtocolError("fuse: only the mount's FUSE workers (after their lease) "
+                                "send FUSE requests")
+        kind = header.get("kind")
+        if kind in ("ready", "namespaces"):
+            pid = protocol.field(header, "pid")
+            if pid != session.pid:
+                raise ProtocolError(f"fuse {kind}: pid {pid} is not the sender's "
+                                    f"({session.pid})")
+
     def _count_as_worker(self, session: Session) -> None:
-        """A session that leases a FUSE worker's queues (or reports as one) is one of the
-        mount's own processes: counted under ``fuse_workers``, not ``clients``."""
+        """A session that leases a FUSE worker's queues is one of the mount's own
+        processes: counted under ``fuse_workers``, not ``clients``."""
         if session.fuse_worker:
             return
         session.fuse_worker = True
@@ -465,32 +487,40 @@ class CompanionServer:
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
-            "namespaces": self.namespace_shapes(nsids),
+            "namespaces": self.namespace_shapes(nsids, worker=worker),
             "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
         }
 
-    def named_nsids(self, nsids: list[int] | None = None,
-                    limit: int = protocol.MAX_NAMED_NAMESPACES) -> list[int]:
-        """The mount's namespaces a reply names: those of ``nsids`` that are here, or
-        without ``nsids`` all while they are at most ``limit``, else none (so that a reply
-        always fits the socket)."""
+    def named_nsids(self, nsids: list[int] | None = None) -> list[int]:
+        """The mount's namespaces of ``nsids`` (all without them), sorted."""
         namespaces = self.controller.namespaces
         if nsids is None:
-            return sorted(namespaces) if len(namespaces) <= limit else []
+            return sorted(namespaces)
         return sorted(n for n in set(nsids) if n in namespaces)
 
-    def namespace_shapes(self, nsids: list[int] | None = None) -> list[list[int]]:
-        """``[nsid, lba_size, nlb]`` of the namespaces :meth:`named_nsids` names, as a lease
-        names them (a client addresses them by these)."""
+    def namespace_shapes(self, nsids: list[int] | None = None, *,
+                         worker: bool = False) -> list[list[int]]:
+        """``[nsid, lba_size, nlb]`` of the namespaces ``nsids`` names, as a lease names
+        them (a client addresses them by these).  Without ``nsids``: all while they fit a
+        reply (:func:`~.protocol.fits_budget`), for a FUSE worker while they are at most
+        ``MAX_NAMED_NAMESPACES``; else none."""
         namespaces = self.controller.namespaces
-        return [[n, namespaces[n].lba_size, namespaces[n].nlb] for n in self.named_nsids(nsids)]
+        shapes = [[n, namespaces[n].lba_size, namespaces[n].nlb]
+                  for n in self.named_nsids(nsids)]
+        if nsids is None and (len(shapes) > protocol.MAX_NAMED_NAMESPACES if worker
+                              else not protocol.fits_budget(shapes)):
+            return []
+        return shapes
 
-    async def tell_workers(self, event: dict[str, Any]) -> None:
-        """Send ``event`` to every FUSE worker's session."""
+    async def tell_workers(self, event: dict[str, Any]) -> list[Session]:
+        """Send ``event`` to every FUSE worker's session: those it was sent to."""
+        told = []
         for session in list(self.sessions):
             if session.fuse_worker and session.notify is not None:
-                await session.notify(event)
+                if await session.notify(event):
+                    told.append(session)
+        return told
 
     @staticmethod
     def _secrets(opts: Any) -> dict[str, str]:
@@ -593,18 +623,20 @@ class CompanionServer:
 
     def hello(self, nsid: int | None = None) -> dict[str, Any]:
         """What the mount is and offers; ``namespaces`` names namespace ``nsid`` (when it is
-        here), or without it those :meth:`named_nsids` names, and ``namespace_count`` counts
-        all of them."""
+        here), or without it all of them while they fit a reply, else none; and
+        ``namespace_count`` counts all of them."""
         ctrl = self.controller
-        named = self.named_nsids(None if nsid is None else [nsid],
-                                 protocol.MAX_DESCRIBED_NAMESPACES)
+        described = {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
+                     for n in self.named_nsids(None if nsid is None else [nsid])
+                     for ns in [ctrl.namespaces[n]]}
+        if nsid is None and not protocol.fits_budget(described):
+            described = {}
         return {
             "version": protocol.VERSION,
             "read_only": self.read_only,
             "max_transfer": ctrl.max_transfer,
             "leasing": self.leasing() or "on",
             "placement": self.placement(),
-            "namespaces": {str(n): {"size": ns.size, "lba_size": ns.lba_size, "nlb": ns.nlb}
-                           for n in named for ns in [ctrl.namespaces[n]]},
+            "namespaces": described,
             "namespace_count": len(ctrl.namespaces),
         }

@@ -79,6 +79,10 @@ PATH_COUNTERS = ("client_queue_read_bytes", "client_queue_write_bytes", "direct_
 PLACEMENT_KINDS = ("shared", "host", "cuda")
 """The kinds of caller memory a client reports where it places: ``nvmeof_fuse.empty``
 arrays, other host memory, CUDA memory."""
+PLACEMENT_CHARS = 300
+"""Characters kept of a client's placement line (printable ASCII: each is one byte in a
+reply, so that any clients' lines fit a ``stats`` reply)."""
+MAX_COUNT = 1 << 63  # a client's running byte total past this is not taken
 
 
 @dataclass(eq=False)
@@ -111,6 +115,7 @@ class Session:
         self.controller = controller
         self.stats = stats
         self.peer = peer
+        self.pid: int | None = None  # the client's process (SO_PEERCRED)
         self.read_only = read_only
         self.regions: dict[int, Registered] = {}
         self._next = 1
@@ -128,7 +133,8 @@ class Session:
         self._waits: set[trio.CancelScope] = set()  # lease and lock waits under way
         self.ended = False
         self.nursery: trio.Nursery | None = None  # where held locks live (the connection's)
-        self.notify: Callable[[dict[str, Any]], Awaitable[None]] | None = None  # unasked news
+        self.notify: Callable[[dict[str, Any]], Awaitable[bool]] | None = None
+        """Sends the client unasked news; says whether it was sent."""
 
     # -- registration ---------------------------------------------------------------------
 
@@ -264,11 +270,11 @@ class Session:
             if not isinstance(placement, dict):
                 raise protocol.ProtocolError(f"companion field 'placement' must be an "
                                              f"object, got {placement!r}")
-            self.placement = {kind: str(placement[kind])[:300] for kind in PLACEMENT_KINDS
+            self.placement = {kind: _printable(placement[kind]) for kind in PLACEMENT_KINDS
                               if kind in placement}
         for counter in ("client_queue_read_bytes", "client_queue_write_bytes"):
             total = moved.get(counter)
-            if isinstance(total, int) and total > self.counts[counter]:
+            if type(total) is int and self.counts[counter] < total < MAX_COUNT:
                 self.add(counter, total - self.counts[counter])
 
     @contextlib.contextmanager
@@ -340,3 +346,9 @@ class Session:
 
         await ns.write_placed(offset, length, edge_data, write_middle)
         self.stats.daemon_copied_bytes += len(head) + len(tail)
+
+
+def _printable(line: object) -> str:
+    """A client's placement line as printable ASCII, at most PLACEMENT_CHARS."""
+    text = line if isinstance(line, str) else type(line).__name__
+    return "".join(c if " " <= c <= "~" else "?" for c in text[:PLACEMENT_CHARS])

@@ -72,14 +72,22 @@ def test_sixteen_futures_from_one_thread_and_a_batch(served):
         assert bytes(bufs[i]) == bytes(ctrl.disks[2][at:at + 4096])
 
 
-def test_a_lost_queue_renews_the_lease_and_the_request_completes(served):
+def test_a_lost_queue_renews_the_lease_and_the_request_completes(served, monkeypatch):
     ctrl, fabric, server, mnt = served
+    asked, lease = [], server.lease
+
+    async def leasing(session, want, worker=False, nsids=None):
+        asked.append(nsids)
+        return await lease(session, want, worker=worker, nsids=nsids)
+
+    monkeypatch.setattr(server, "lease", leasing)
     out = nvmeof_fuse.empty(8192)
     with File(str(mnt / "n2")) as f:
         fabric.fail_next = 1
         assert f.read(out, file_offset=4096) == 8192
     assert bytes(out) == bytes(ctrl.disks[2][4096:4096 + 8192])
     assert fabric.connects.count(3) == 2  # connected again after the loss
+    assert asked == [[2], [2]]  # the renewal, too, names the file's namespace alone
 
 
 def test_a_qid_still_held_on_the_target_is_tried_again(served, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import threading
 import uuid
 from types import SimpleNamespace
@@ -247,27 +248,41 @@ def test_a_lease_naming_bad_nsids_is_refused_in_one_line(many, nsids, why):
     assert many.call("lease", want=1, nsids=[1])["qids"] == [3]  # the session goes on
 
 
-def test_replies_naming_the_most_namespaces_of_the_largest_values_fit_a_message():
+@pytest.mark.parametrize(("count", "largest"), [
+    (600, False), (1024, True), (2000, False), (3000, True), (5000, False)])
+def test_a_reply_asking_for_all_namespaces_names_all_while_they_fit_else_none(count, largest):
+    """Bounded by the bytes they take, not by their count: an older client (its hello and
+    lease ask for all) still opens its namespace on any mount whose namespaces fit a reply."""
     ctrl = LeasingController()
     ctrl.options.dhchap_secret = ctrl.options.dhchap_ctrl_secret = None
     top = 0xFFFFFFFE
-    for count in (protocol.MAX_DESCRIBED_NAMESPACES, protocol.MAX_NAMED_NAMESPACES):
-        ctrl.namespaces = {top - i: SimpleNamespace(lba_size=1 << 16, nlb=(1 << 47) - 1,
-                                                    size=(1 << 63) - (1 << 16))
-                           for i in range(count)}
-        server = CompanionServer(ctrl)
-        hello = server.hello()
-        described = count <= protocol.MAX_DESCRIBED_NAMESPACES
-        assert len(hello["namespaces"]) == (count if described else 0)
-        protocol.reply_ok(1 << 62, **hello)  # raises past MAX_MESSAGE
-        lease = trio.run(server.lease, server.new_session("pid 1 uid 0"), 1)
-        assert len(lease["namespaces"]) == count
-        protocol.reply_ok(1 << 62, **lease)
+    if largest:
+        shape = SimpleNamespace(lba_size=1 << 16, nlb=(1 << 47) - 1, size=(1 << 63) - (1 << 16))
+    else:  # 1 TiB of 512-byte LBAs
+        shape = SimpleNamespace(lba_size=512, nlb=1 << 31, size=1 << 40)
+    ctrl.namespaces = {top - i if largest else i + 1: shape for i in range(count)}
+    server = CompanionServer(ctrl)
+    server.worker_queues = 1
+    hello = server.hello()
+    assert len(hello["namespaces"]) in (0, count) and hello["namespace_count"] == count
+    protocol.reply_ok(1 << 62, **hello)  # raises past MAX_MESSAGE
+    client = trio.run(server.lease, server.new_session("pid 1 uid 0"), 1)
+    assert len(client["namespaces"]) in (0, count)
+    protocol.reply_ok(1 << 62, **client)
+    worker = trio.run(functools.partial(server.lease, server.new_session("pid 2 uid 0"), 1,
+                                        worker=True))
+    named = len(worker["namespaces"])
+    assert named == (count if count <= protocol.MAX_NAMED_NAMESPACES else 0)
+    protocol.reply_ok(1 << 62, **worker)
+    if not largest:  # as many as fit are named: a realistic mount of thousands still is
+        assert len(hello["namespaces"]) == (count if count <= 1000 else 0)
+        assert len(client["namespaces"]) == (count if count <= 2000 else 0)
 
 
 def test_a_stats_reply_lists_the_asker_first_and_a_bounded_number_of_clients(served):
-    """However many clients there are and whatever placement lines they reported (each
-    escapes to six bytes a character in JSON), a client's ``stats`` fits a message."""
+    """However many clients there are and whatever they reported (placement lines whose
+    characters JSON escapes to six or twelve bytes each, byte totals of any size), a client's
+    ``stats`` fits a message."""
     from nvmeof_fuse.companion.server import MAX_LISTED_SESSIONS
     from nvmeof_fuse.companion.session import PLACEMENT_KINDS
 
@@ -275,11 +290,17 @@ def test_a_stats_reply_lists_the_asker_first_and_a_bounded_number_of_clients(ser
     others = [channel(server) for _ in range(MAX_LISTED_SESSIONS + 3)]
     asker = channel(server)
     try:
-        for ch in others:
-            ch.call("stats", placement={kind: "\x01" * 1000 for kind in PLACEMENT_KINDS})
-        stats = asker.call("stats", placement={"host": "mine"})["stats"]
+        for k, ch in enumerate(others):
+            line = "\x01" * 1000 if k % 2 else "\U0001F600" * 1000
+            ch.call("stats", placement={kind: line for kind in PLACEMENT_KINDS},
+                    moved={"client_queue_read_bytes": 10 ** 18 + k,
+                           "client_queue_write_bytes": 10 ** 4000})
+        stats = asker.call("stats", placement={"host": "mine", "cuda": 7})["stats"]
         assert len(stats["sessions"]) == MAX_LISTED_SESSIONS
-        assert stats["sessions"][0]["placement"] == {"host": "mine"}
+        assert stats["sessions"][0]["placement"] == {"host": "mine", "cuda": "int"}
+        assert stats["sessions"][1]["placement"]["host"] == "?" * 300
+        assert stats["client_queue_read_bytes"] >= 10 ** 18  # taken: below 2**63
+        assert stats["client_queue_write_bytes"] == 0  # not taken: too large
         assert stats["sessions_omitted"] == 4 and stats["clients"] == len(others) + 1
         assert len(server.snapshot()["sessions"]) == len(others) + 1  # stats.json: all
     finally:

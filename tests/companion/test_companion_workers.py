@@ -4,6 +4,8 @@ requests with bytes back, and their reports."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import trio
 import trio.testing
@@ -101,7 +103,8 @@ def test_a_workers_write_lock_leaves_the_kernels_pages_alone(tmp_path):
 
 
 def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_worker(tmp_path):
-    with serving(LeasingController(), tmp_path) as (server, _):
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
+            server, _):
         seen = []
 
         async def on_fuse(header, payload):
@@ -109,18 +112,74 @@ def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_work
             return {"_payload": b"\x01reply" * 100, "more": 1}
 
         server.on_fuse = on_fuse
+        server.worker_queues = 1
         ch = channel(server)
         try:
+            ch.call("lease", want=1, worker=True)
             reply = ch.call("fuse", payload=b"request", kind="meta", opcode=1, unique=9,
                             nodeid=1)
             assert reply["_payload"] == b"\x01reply" * 100 and reply["more"] == 1
             assert seen == [("meta", b"request")]
             ch.call("report", worker={"index": 1, "pid": 42, "namespaces": {}})
             assert server.worker_stats() == [{"index": 1, "pid": 42, "namespaces": {},
-                                              "qids": []}]
+                                              "qids": [6]}]
             assert server.snapshot()["sessions"] == []  # a worker is no companion client
         finally:
             ch.close()
+
+
+def test_only_a_fuse_worker_sends_fuse_requests_and_names_its_own_pid(tmp_path):
+    """A companion client cannot post a worker's ``ready`` or ack, nor report as one."""
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
+            server, _):
+        seen = []
+
+        async def on_fuse(header, payload):
+            seen.append(header["kind"])
+            return {}
+
+        server.on_fuse = on_fuse
+        server.worker_queues = 1
+        client, worker = channel(server), channel(server)
+        try:
+            ready = {"kind": "ready", "index": 1, "pid": os.getpid(), "qids": [6]}
+            for kind, fields in (("ready", ready), ("meta", {"opcode": 1, "unique": 1,
+                                                             "nodeid": 1})):
+                with pytest.raises(CompanionError, match="only the mount's FUSE workers"):
+                    client.call("fuse", **{"kind": kind, **fields})
+            with pytest.raises(CompanionError, match="only a FUSE worker"):
+                client.call("report", worker={"index": 1, "pid": os.getpid()})
+            worker.call("lease", want=1, worker=True)
+            for kind in ("ready", "namespaces"):
+                with pytest.raises(CompanionError, match=f"fuse {kind}: pid 1 is not the "
+                                   f"sender's \\({os.getpid()}\\)"):
+                    worker.call("fuse", **{**ready, "kind": kind, "pid": 1, "generation": 1})
+            worker.call("fuse", **ready)
+            worker.call("fuse", kind="namespaces", index=1, pid=os.getpid(), generation=1)
+            worker.call("fuse", kind="meta", opcode=1, unique=1, nodeid=1)
+            assert seen == ["ready", "namespaces", "meta"]
+        finally:
+            client.close()
+            worker.close()
+
+
+def test_workers_are_sent_events_and_the_sender_learns_which_were(tmp_path):
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
+            server, _):
+        server.worker_queues = 1
+        client, worker = channel(server), channel(server)
+        heard = []
+        worker.on_event = heard.append
+        try:
+            client.call("hello")
+            worker.call("lease", want=1, worker=True)
+            told = trio.from_thread.run(server.tell_workers, {"event": "namespaces"},
+                                        trio_token=server.trio_token)
+            assert [(s.pid, s.fuse_worker) for s in told] == [(os.getpid(), True)]
+            assert wait_for(lambda: [e.get("event") for e in heard] == ["namespaces"])
+        finally:
+            client.close()
+            worker.close()
 
 
 def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():

@@ -227,6 +227,7 @@ def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
 
         async def notify(event, peer=peer):
             told.setdefault(peer, []).append(event)
+            return True
 
         session.notify = notify
     pool = FuseWorkers(None, None, server, 2)
@@ -254,6 +255,7 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
 
     async def notify(event):
         told.append(event)
+        return True
 
     session.notify = notify
     pool = FuseWorkers(None, None, server, 2)
@@ -270,7 +272,8 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
 
 def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
     """It says it took them either way (the main process waits for that); a malformed
-    event it drops, unsaid."""
+    event it drops, unsaid; sizes without a valid generation (a main process of another
+    version) it takes, unsaid."""
     from nvmeof_fuse.workers import _Worker
 
     worker = _Worker.__new__(_Worker)  # its channel to the main process is not needed here
@@ -282,8 +285,10 @@ def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
         worker._on_event({**good, "namespaces": bad})
         assert worker.shapes is None, bad
     for bad in (None, 0, -1, "1", 1.0, True, 1 << 63):
-        worker._on_event({**good, "generation": bad})
-        assert worker.shapes is None, bad
+        worker._on_event({**good, "generation": bad, "namespaces": [[1, 512, 64]]})
+        assert worker.shapes == {1: (512, 64)}, bad
+    worker._on_event({"event": "namespaces", "namespaces": [[1, 512, 96]]})
+    assert worker.shapes == {1: (512, 96)}
     assert said == []
     worker._on_event(good)
     assert worker.shapes == {1: (512, 128)}
@@ -310,20 +315,21 @@ class _Proc:
         self.died.set()
 
 
-def _serving_pool(count: int, on_notify):
+def _serving_pool(count: int, on_notify, timeout: float = 30.0):
     """FuseWorkers with ``count - 1`` serving workers (pid 100 + index), each with a
-    companion session whose events go to ``on_notify(pool, index, event)``."""
+    companion session whose events go to ``on_notify(pool, index, event)`` (sent unless it
+    returns False)."""
     from nvmeof_fuse.companion.server import CompanionServer
     from nvmeof_fuse.workers import FuseWorkers
 
     server = CompanionServer(ram_controller((1, 512, 64)))
-    pool = FuseWorkers(None, None, server, count)
+    pool = FuseWorkers(None, None, server, count, timeout=timeout)
     for index in range(1, count):
-        session = server.new_session(f"worker {index}")
+        session = server.new_session(f"pid {100 + index} uid 0", 100 + index)
         session.fuse_worker = True
 
         async def notify(event, index=index):
-            await on_notify(pool, index, event)
+            return await on_notify(pool, index, event) is not False
 
         session.notify = notify
     return pool
@@ -381,15 +387,20 @@ def test_a_rescan_goes_on_once_every_serving_worker_took_the_new_sizes():
                      "worker 2 took generation 2", "files show generation 2"]
 
 
-def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(caplog):
+@pytest.mark.parametrize(("timeout", "bound"), [(30.0, 10.0), (3.0, 3.0)])
+def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(
+        caplog, timeout, bound):
+    """As long as the mount's command timeout, at most :data:`SIZES_TIMEOUT`."""
     from nvmeof_fuse.workers import SIZES_TIMEOUT
+
+    assert bound == min(timeout, SIZES_TIMEOUT)
 
     async def on_notify(pool, index, event):
         if index == 1:
             await _ack(pool, index, event)
 
     async def main():
-        pool = _serving_pool(3, on_notify)
+        pool = _serving_pool(3, on_notify, timeout)
         async with _running(pool):
             began = trio.current_time()
             with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
@@ -397,10 +408,10 @@ def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(
             return trio.current_time() - began
 
     waited = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
-    assert waited == SIZES_TIMEOUT
+    assert waited == bound
     assert caplog.messages == [
         f"FUSE worker 2 (pid 102) did not say it took the namespaces' new sizes within "
-        f"{SIZES_TIMEOUT:g} s; it may serve by the old ones until it takes them"]
+        f"{bound:g} s; it may serve by the old ones until it takes them"]
 
 
 def test_a_worker_that_dies_or_does_not_serve_yet_holds_no_rescan(caplog):
@@ -426,6 +437,30 @@ def test_a_worker_that_dies_or_does_not_serve_yet_holds_no_rescan(caplog):
             return trio.current_time()
 
     assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) < SIZES_TIMEOUT
+    assert [m for m in caplog.messages if "did not say" in m] == []
+
+
+def test_a_rescan_waits_for_no_worker_it_did_not_send_the_sizes(caplog):
+    """One that leased after the sending passed it (its lease had the new sizes), or whose
+    send failed, would never answer: the rescan goes on without it, unwarned."""
+    sessions = {}
+
+    async def on_notify(pool, index, event):
+        if index == 1:
+            await _ack(pool, index, event)
+        return index != 3  # worker 3's send failed
+
+    async def main():
+        pool = _serving_pool(4, on_notify)
+        for session in pool.companion.sessions:
+            sessions[session.pid] = session
+        sessions[102].fuse_worker = False  # leases once the sending passed it
+        async with _running(pool):
+            with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+                await pool.follow([])
+            return trio.current_time()
+
+    assert trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)) == 0
     assert [m for m in caplog.messages if "did not say" in m] == []
 
 

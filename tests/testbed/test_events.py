@@ -139,6 +139,8 @@ def test_a_namespace_grown_while_fuse_workers_serve_is_read_whole_by_each(testbe
             wait_for_workers(log, 2)
             assert size_of(f"{mnt}/n5") == 32 * MIB, open(log).read()
             grow_and_read_through_the_worker(mnt, log, ns, backing, data)
+            # the rescan went on because each worker said it took the sizes, not on a timeout
+            assert not log_has(log, "did not say it took"), open(log).read()
 
 
 def grow_and_read_through_the_worker(mnt: str, log: str, ns: str, backing: str,
