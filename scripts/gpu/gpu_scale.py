@@ -19,6 +19,8 @@ import argparse
 import importlib.util
 import json
 import os
+import select
+import shutil
 import statistics
 import subprocess
 import sys
@@ -27,11 +29,15 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+TARGET = REPO / "tests" / "tcp_target.py"  # the fake target: says its port, then serves
+MOUNT = [sys.executable, "-m", "nvmeof_fuse.cli", "mount"]
 NQN = "nqn.2026-11.io.nvmeof-fuse:fake-tcp"  # tests/tcp_target.py's
 MIB = 1 << 20
 CHUNK = MIB
 INFLIGHT = 16
 READY_TIMEOUT = 120.0  # s for a client to open its file (imports, CUDA, its queues)
+TARGET_TIMEOUT = 60.0  # s for the fake target to say its port
+MOUNT_TIMEOUT = 90.0  # s for the mount and its daemon
 FOUR_K_GOAL = (8, 5.0)  # 8 workers at least 5x one worker at 4 KiB
 FUSE_GBPS_GOAL = 4.0  # the FUSE file at 1 MiB over the fake target, GB/s
 COMPANION_GOAL = (4, 3.0)  # 4 companion processes at least 3x one
@@ -75,36 +81,65 @@ def workers_part(counts: list[int], backends: list[str], seconds: float, rounds:
 # --- the companion part -----------------------------------------------------------------------
 
 
+class MountFailed(RuntimeError):
+    """The fake target or its mount did not come up (the message is one line)."""
+
+
 class TcpMount:
-    """The fake target (a process per connection) mounted over NVMe/TCP by the real daemon."""
+    """The fake target (a process per connection) mounted over NVMe/TCP by the real daemon.
+    Where it cannot be mounted, MountFailed, with the target stopped and the folder removed."""
 
     def __init__(self, size_mib: int) -> None:
         from nvmeof_fuse.procstat import cpu_seconds  # noqa: F401 - fail early without the package
 
         self.dir = Path(tempfile.mkdtemp(prefix="nvmeof-gpu-scale."))
         self.mnt = self.dir / "mnt"
-        self.mnt.mkdir()
-        self.target = subprocess.Popen([sys.executable, str(REPO / "tests" / "tcp_target.py"),
-                                        str(size_mib)], stdout=subprocess.PIPE, text=True)
-        line = self.target.stdout.readline().strip()
-        if not line.isdigit():
-            self.target.kill()
-            raise RuntimeError(f"the fake target did not start ({line!r})")
-        subprocess.run([sys.executable, "-m", "nvmeof_fuse.cli", "mount", "-t", "tcp", "-a",
-                        "127.0.0.1", "-s", line, "-n", NQN, "--daemon", "--log-file",
-                        str(self.dir / "daemon.log"), str(self.mnt)], check=True, timeout=90)
+        self.target: subprocess.Popen | None = None
+        try:
+            self.mnt.mkdir()
+            self.target = subprocess.Popen([sys.executable, str(TARGET), str(size_mib)],
+                                           stdout=subprocess.PIPE)
+            said = _read_until(self.target, time.monotonic() + TARGET_TIMEOUT, b"\n")
+            port = said.decode(errors="replace").strip()
+            if not said.endswith(b"\n") or not port.isdigit():
+                raise MountFailed(f"the fake target did not say its port within "
+                                  f"{TARGET_TIMEOUT:g} s (it said {port[:80]!r})")
+            try:
+                run = subprocess.run([*MOUNT, "-t", "tcp", "-a", "127.0.0.1", "-s", port, "-n",
+                                      NQN, "--daemon", "--log-file", str(self.dir / "daemon.log"),
+                                      str(self.mnt)], capture_output=True, text=True,
+                                     timeout=MOUNT_TIMEOUT)
+            except subprocess.TimeoutExpired:
+                raise MountFailed(f"nvmeof-fuse mount did not finish within {MOUNT_TIMEOUT:g} s "
+                                  "over the fake target") from None
+            if run.returncode:
+                last = (run.stderr.strip().splitlines() or [f"exit {run.returncode}"])[-1]
+                raise MountFailed(f"nvmeof-fuse mount over the fake target failed: {last}")
+        except BaseException:
+            self.close()
+            raise
         self.path = str(self.mnt / "n1")
 
     def daemon_pid(self) -> int:
         return json.loads((self.mnt / ".nvmeof" / "companion.json").read_text())["pid"]
 
     def close(self) -> None:
-        subprocess.run(["fusermount3", "-u", str(self.mnt)], timeout=60, check=False)
-        self.target.terminate()
+        """Unmount (where mounted), stop the target, and remove the folder once unmounted."""
         try:
-            self.target.wait(30)
-        except subprocess.TimeoutExpired:
-            self.target.kill()
+            subprocess.run(["fusermount3", "-u", str(self.mnt)], capture_output=True,
+                           timeout=60, check=False)
+        except (OSError, subprocess.TimeoutExpired):
+            pass  # no fusermount3, or it hung: a mount still there keeps the folder (below)
+        if self.target is not None:
+            self.target.terminate()
+            try:
+                self.target.wait(30)
+            except subprocess.TimeoutExpired:
+                self.target.kill()
+                self.target.wait(30)
+            self.target.stdout.close()
+        if not os.path.ismount(self.mnt):  # never remove through a live mount
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def client(path: str, index: int, seconds: float, into: str) -> dict:
@@ -146,20 +181,23 @@ def client(path: str, index: int, seconds: float, into: str) -> dict:
         f.close()
 
 
+def _read_until(proc: subprocess.Popen, deadline: float, marker: bytes) -> bytes:
+    """What ``proc`` wrote to its stdout (unbuffered on our side) until it wrote ``marker``,
+    it ended, or ``deadline`` (``time.monotonic``) passed."""
+    said = b""
+    while marker not in said and (left := deadline - time.monotonic()) > 0:
+        if not select.select([proc.stdout], [], [], left)[0]:
+            break
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        if not chunk:
+            break  # it ended
+        said += chunk
+    return said
+
+
 def _ready(proc: subprocess.Popen, deadline: float) -> bool:
     """Whether ``proc`` said ``ready`` before ``deadline`` (``time.monotonic``)."""
-    import select
-
-    said = b""
-    while (left := deadline - time.monotonic()) > 0:
-        if select.select([proc.stdout], [], [], left)[0]:
-            chunk = os.read(proc.stdout.fileno(), 4096)
-            if not chunk:
-                return False  # it ended
-            said += chunk
-            if b"ready\n" in said:
-                return True
-    return False
+    return b"ready\n" in _read_until(proc, deadline, b"ready\n")
 
 
 def _clients(mount: TcpMount, processes: int, seconds: float, into: str) -> dict:
@@ -199,8 +237,14 @@ def _clients(mount: TcpMount, processes: int, seconds: float, into: str) -> dict
 
 
 def companion_part(processes: int, seconds: float, rounds: int, into: str,
-                   size_mib: int) -> None:
-    mount = TcpMount(size_mib)
+                   size_mib: int) -> bool:
+    """The companion part; False, saying why in one line, where the fake target cannot be
+    mounted."""
+    try:
+        mount = TcpMount(size_mib)
+    except MountFailed as exc:
+        print(f"gpu-check --scale: companion part: {exc}", file=sys.stderr, flush=True)
+        return False
     try:
         print(f"\ncompanion reads into {into} over NVMe/TCP, 1 MiB QD{INFLIGHT} per process, "
               f"1 against {processes} processes, {rounds} round(s) of {seconds:g} s, medians; "
@@ -224,6 +268,7 @@ def companion_part(processes: int, seconds: float, rounds: int, into: str,
         print(f"  {processes} processes / 1: {ratio:.2f}x (goal {goal:g}x from {many}: {verdict})")
     finally:
         mount.close()
+    return True
 
 
 def _cuda() -> bool:
@@ -260,10 +305,11 @@ def main(argv: list[str] | None = None) -> int:
     if "workers" in parts:
         workers_part([int(n) for n in args.workers.split(",") if n],
                      [b for b in args.backends.split(",") if b], args.seconds, args.rounds)
+    ok = True
     if "companion" in parts:
-        companion_part(args.processes, args.seconds, args.rounds, into, args.size_mib)
+        ok = companion_part(args.processes, args.seconds, args.rounds, into, args.size_mib)
     print(f"load {os.getloadavg()[0]:.2f} after")
-    return 0
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

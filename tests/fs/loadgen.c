@@ -2,18 +2,24 @@
  * (a lent GPU machine): NUMJOBS threads, each with its own O_DIRECT descriptor and its own Linux
  * AIO context (the raw syscalls, so no libaio), keep IODEPTH reads of BS bytes in flight for
  * SECONDS: random block-aligned offsets over the file (randread) or the file in order, wrapping
- * (read).  Prints one JSON line with fio's read fields bw_bytes and total_ios.  A short read, an
- * I/O error or a completion that does not come within WAIT_S is one line on stderr and exit 1,
- * never counted.  Built static (libc only): gcc -O2 -static -pthread -o loadgen loadgen.c
+ * (read).  The SECONDS window starts once every job has opened the file and set up its context
+ * and buffers, so setup is not counted.  Prints one JSON line with fio's read fields bw_bytes and
+ * total_ios.  A short read, an I/O error or a completion that does not come within WAIT_S is one
+ * line on stderr and exit 1, never counted.  Built static (libc only):
+ * gcc -O2 -static -pthread -o loadgen loadgen.c
  *
- *   loadgen [--buffered] FILE randread|read BS[k|m] IODEPTH NUMJOBS SECONDS
+ *   loadgen [--buffered] [--verify] FILE randread|read BS[k|m] IODEPTH NUMJOBS SECONDS
  *
- * --buffered drops O_DIRECT, for filesystems without it (tmpfs).
+ * --buffered drops O_DIRECT, for filesystems without it (tmpfs); without it BS must be a multiple
+ * of 512.  --verify checks every block read holds the offset pattern (the byte at file offset O
+ * is O mod 256, as the tests write it): a block that differs is one line and exit 1.
  */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <limits.h>
 #include <linux/aio_abi.h>
+#include <math.h>
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdint.h>
@@ -27,10 +33,10 @@
 #define WAIT_S 30 /* the longest wait for one completion */
 
 static const char *path;
-static int random_offsets, direct = 1, iodepth, numjobs;
+static int random_offsets, direct = 1, verify, iodepth, numjobs;
 static uint64_t bs, blocks;
 static double seconds, start, deadline;
-static pthread_barrier_t ready;
+static pthread_barrier_t ready, go; /* every job set up; start and deadline taken */
 
 struct job {
     pthread_t thread;
@@ -58,13 +64,20 @@ static double now(void) {
 
 static uint64_t parse_size(const char *s) {
     char *end;
+    int shift = 0;
+    errno = 0;
     unsigned long long v = strtoull(s, &end, 10);
     if (*end == 'k' || *end == 'K')
-        v <<= 10, end++;
+        shift = 10, end++;
     else if (*end == 'm' || *end == 'M')
-        v <<= 20, end++;
-    if (*end || v == 0)
+        shift = 20, end++;
+    if (*end || v == 0 || *s < '0' || *s > '9')
         fail("block size %s: want a positive number with an optional k or m", s);
+    if (errno == ERANGE || v > (ULLONG_MAX >> shift))
+        fail("block size %s: too large", s);
+    v <<= shift;
+    if (direct && v % 512)
+        fail("block size %s: O_DIRECT wants a multiple of 512 (or --buffered)", s);
     return v;
 }
 
@@ -74,6 +87,13 @@ static int parse_count(const char *s, const char *what) {
     if (*end || v < 1 || v > 65536)
         fail("%s %s: want 1 to 65536", what, s);
     return (int)v;
+}
+
+static void check_pattern(const unsigned char *buf, uint64_t offset) {
+    for (uint64_t i = 0; i < bs; i++)
+        if (buf[i] != (unsigned char)(offset + i))
+            fail("data at %llu: %u, the pattern wants %u", (unsigned long long)(offset + i),
+                 buf[i], (unsigned)(unsigned char)(offset + i));
 }
 
 static void *run_job(void *arg) {
@@ -102,6 +122,7 @@ static void *run_job(void *arg) {
         cbs[i].aio_data = (uint64_t)i;
     }
     pthread_barrier_wait(&ready);
+    pthread_barrier_wait(&go); /* main has taken start and deadline */
     int queued = 0, inflight = 0;
     for (int i = 0; i < iodepth; i++)
         batch[queued++] = &cbs[i];
@@ -139,6 +160,9 @@ static void *run_job(void *arg) {
             if ((uint64_t)events[i].res != bs)
                 fail("short read at %lld: %lld of %llu bytes", (long long)cb->aio_offset,
                      (long long)events[i].res, (unsigned long long)bs);
+            if (verify)
+                check_pattern((const unsigned char *)(uintptr_t)cb->aio_buf,
+                              (uint64_t)cb->aio_offset);
             job->ios++;
             inflight--;
             if (more)
@@ -152,10 +176,17 @@ static void *run_job(void *arg) {
 
 int main(int argc, char **argv) {
     int a = 1;
-    if (a < argc && strcmp(argv[a], "--buffered") == 0)
-        direct = 0, a++;
+    for (; a < argc && strncmp(argv[a], "--", 2) == 0; a++) {
+        if (strcmp(argv[a], "--buffered") == 0)
+            direct = 0;
+        else if (strcmp(argv[a], "--verify") == 0)
+            verify = 1;
+        else
+            fail("option %s: want --buffered or --verify", argv[a]);
+    }
     if (argc - a != 6)
-        fail("usage: loadgen [--buffered] FILE randread|read BS[k|m] IODEPTH NUMJOBS SECONDS");
+        fail("usage: loadgen [--buffered] [--verify] FILE randread|read BS[k|m] IODEPTH NUMJOBS "
+             "SECONDS");
     path = argv[a];
     if (strcmp(argv[a + 1], "randread") == 0)
         random_offsets = 1;
@@ -166,8 +197,8 @@ int main(int argc, char **argv) {
     numjobs = parse_count(argv[a + 4], "numjobs");
     char *end;
     seconds = strtod(argv[a + 5], &end);
-    if (*end || !(seconds > 0))
-        fail("seconds %s: want a positive number", argv[a + 5]);
+    if (*end || end == argv[a + 5] || !isfinite(seconds) || !(seconds > 0))
+        fail("seconds %s: want a positive finite number", argv[a + 5]);
     int fd = open(path, O_RDONLY);
     if (fd < 0)
         fail("%s: %s", path, strerror(errno));
@@ -182,14 +213,16 @@ int main(int argc, char **argv) {
     if (!jobs)
         fail("out of memory");
     pthread_barrier_init(&ready, NULL, (unsigned)numjobs + 1);
+    pthread_barrier_init(&go, NULL, (unsigned)numjobs + 1);
     for (int i = 0; i < numjobs; i++) {
         jobs[i].index = i;
         if (pthread_create(&jobs[i].thread, NULL, run_job, &jobs[i]))
             fail("cannot start job %d", i);
     }
+    pthread_barrier_wait(&ready); /* a job that cannot set up exits the process instead */
     start = now();
     deadline = start + seconds;
-    pthread_barrier_wait(&ready);
+    pthread_barrier_wait(&go);
     uint64_t ios = 0;
     for (int i = 0; i < numjobs; i++) {
         pthread_join(jobs[i].thread, NULL);

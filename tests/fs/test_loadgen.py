@@ -27,7 +27,8 @@ def loadgen(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 @pytest.fixture
 def data(tmp_path: Path) -> tuple[str, list[str]]:
-    """A 4 MiB file of a known pattern, and ``--buffered`` where its filesystem has no O_DIRECT."""
+    """A 4 MiB file of the offset pattern ``--verify`` checks (the byte at offset O is O mod 256),
+    and ``--buffered`` where its filesystem has no O_DIRECT."""
     path = tmp_path / "data"
     path.write_bytes(bytes(range(256)) * (4 << 12))
     try:
@@ -48,15 +49,25 @@ def _fails(cmd: list[str]) -> str:
 @pytest.mark.parametrize(("rw", "bs", "size", "qd", "jobs"), [
     ("randread", "4k", 4096, 32, 1), ("randread", "4k", 4096, 32, 2),
     ("read", "1m", 1 << 20, 8, 1), ("read", "1m", 1 << 20, 8, 2)])
-def test_reads_whole_blocks_and_prints_fios_fields(loadgen, data, rw, bs, size, qd, jobs):
+def test_reads_whole_blocks_of_the_right_data_and_prints_fios_fields(loadgen, data, rw, bs, size,
+                                                                     qd, jobs):
     path, flags = data
-    out = subprocess.run([loadgen, *flags, path, rw, bs, str(qd), str(jobs), "1"],
+    out = subprocess.run([loadgen, *flags, "--verify", path, rw, bs, str(qd), str(jobs), "1"],
                          capture_output=True, text=True, timeout=STEP, check=True)
     assert out.stderr == "" and len(out.stdout.splitlines()) == 1
     got = json.loads(out.stdout)
     assert got["total_ios"] > 0 and got["io_bytes"] == got["total_ios"] * size
     assert got["bw_bytes"] > 0 and got["bs"] == size and got["numjobs"] == jobs
     assert got["direct"] == (0 if flags else 1)
+
+
+def test_a_block_that_is_not_the_pattern_fails_verify(loadgen, data):
+    path, flags = data
+    with open(path, "r+b") as f:
+        f.seek(3 << 20 | 5)
+        f.write(b"\xff")
+    assert "data at 3145733: 255, the pattern wants 5" in _fails(
+        [loadgen, *flags, "--verify", path, "read", "1m", "1", "1", "30"])
 
 
 def test_a_file_that_shrinks_under_it_is_a_short_read_and_fails(loadgen, data):
@@ -83,10 +94,36 @@ def test_a_file_that_shrinks_under_it_is_a_short_read_and_fails(loadgen, data):
     (["read", "4x", "1", "1", "1"], "block size 4x"),
     (["read", "4k", "0", "1", "1"], "iodepth 0"),
     (["read", "4k", "1", "1", "-1"], "seconds -1"),
+    (["read", "4k", "1", "1", "inf"], "seconds inf: want a positive finite number"),
+    (["read", "4k", "1", "1", "nan"], "seconds nan"),
+    (["read", "4k", "1", "1", "1e400"], "seconds 1e400"),
+    (["read", "18014398509481984k", "1", "1", "1"], "block size 18014398509481984k: too large"),
+    (["read", "17592186044416m", "1", "1", "1"], "block size 17592186044416m: too large"),
+    (["read", "99999999999999999999", "1", "1", "1"], "too large"),
+    (["read", "-4k", "1", "1", "1"], "block size -4k"),
     (["read", "4k"], "usage:")])
 def test_bad_arguments_are_one_line_and_exit_1(loadgen, data, args, says):
     path, flags = data
     assert says in _fails([loadgen, *flags, path, *args])
+
+
+@pytest.mark.parametrize("bs", ["100", "4095", "1000"])
+def test_o_direct_wants_a_block_size_in_whole_sectors(loadgen, data, bs):
+    path, _ = data  # checked among the arguments, before the file is opened
+    assert f"block size {bs}: O_DIRECT wants a multiple of 512" in _fails(
+        [loadgen, path, "read", bs, "1", "1", "1"])
+
+
+def test_buffered_takes_any_block_size(loadgen, data):
+    path, _ = data
+    out = subprocess.run([loadgen, "--buffered", "--verify", path, "randread", "100", "4", "1",
+                          "0.2"], capture_output=True, text=True, timeout=STEP, check=True)
+    assert json.loads(out.stdout)["bs"] == 100
+
+
+def test_an_unknown_option_is_one_line_and_exit_1(loadgen, data):
+    path, _ = data
+    assert "option --bogus" in _fails([loadgen, "--bogus", path, "read", "4k", "1", "1", "1"])
 
 
 def test_a_missing_file_is_one_line_and_exit_1(loadgen, tmp_path):

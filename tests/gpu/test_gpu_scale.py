@@ -3,6 +3,7 @@ machine runs the same code with CUDA memory and more processes)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -60,3 +61,71 @@ def test_gpu_memory_asked_for_without_cuda_is_one_line():
     run = scale("--parts", "companion", "--into", "gpu")
     assert run.returncode == 2
     assert run.stderr.strip().count("\n") == 0 and "no CUDA device" in run.stderr
+
+
+# --- the fake target's mount failing: nothing left behind ------------------------------------
+
+
+@pytest.fixture
+def gpu_scale(tmp_path, monkeypatch):
+    """The script as a module, its folder under ``tmp_path``, and the processes it started
+    (``started``: the target first)."""
+    pytest.importorskip("nvmeof_fuse.procstat")
+    spec = importlib.util.spec_from_file_location("gpu_scale", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.started = []
+    popen = subprocess.Popen
+
+    def recording(*args, **kwargs):
+        proc = popen(*args, **kwargs)
+        module.started.append(proc)
+        return proc
+
+    monkeypatch.setattr(module.subprocess, "Popen", recording)
+    monkeypatch.setattr(module.tempfile, "mkdtemp", lambda prefix: str(tmp_path / "scale"))
+    (tmp_path / "scale").mkdir()
+    return module
+
+
+def _target(tmp_path: Path, says: str) -> Path:
+    script = tmp_path / "target.py"
+    script.write_text(f"import sys, time\nsys.stdout.write({says!r})\nsys.stdout.flush()\n"
+                      "time.sleep(600)\n")
+    return script
+
+
+def _left_nothing(module, tmp_path: Path) -> None:
+    assert module.started[0].args[1] == str(module.TARGET)
+    assert all(proc.poll() is not None for proc in module.started)  # the target and the mount
+    assert not (tmp_path / "scale").exists()
+
+
+def test_a_target_that_never_says_its_port_is_bounded_and_stopped(gpu_scale, tmp_path,
+                                                                   monkeypatch):
+    monkeypatch.setattr(gpu_scale, "TARGET", _target(tmp_path, "40"))  # no newline
+    monkeypatch.setattr(gpu_scale, "TARGET_TIMEOUT", 0.5)
+    with pytest.raises(gpu_scale.MountFailed, match=r"did not say its port within 0.5 s "
+                                                    r"\(it said '40'\)"):
+        gpu_scale.TcpMount(64)
+    _left_nothing(gpu_scale, tmp_path)
+
+
+def test_a_failed_mount_ends_the_part_with_one_line(gpu_scale, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(gpu_scale, "TARGET", _target(tmp_path, "4420\n"))
+    monkeypatch.setattr(gpu_scale, "MOUNT", [sys.executable, "-c",
+                                             "import sys; sys.exit('mount: cannot connect')"])
+    assert gpu_scale.companion_part(2, 0.5, 1, "host", 64) is False
+    err = capsys.readouterr().err
+    assert err == ("gpu-check --scale: companion part: nvmeof-fuse mount over the fake target "
+                   "failed: mount: cannot connect\n")
+    _left_nothing(gpu_scale, tmp_path)
+
+
+def test_a_mount_that_does_not_finish_is_bounded(gpu_scale, tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_scale, "TARGET", _target(tmp_path, "4420\n"))
+    monkeypatch.setattr(gpu_scale, "MOUNT", [sys.executable, "-c", "import time; time.sleep(600)"])
+    monkeypatch.setattr(gpu_scale, "MOUNT_TIMEOUT", 0.5)
+    with pytest.raises(gpu_scale.MountFailed, match="did not finish within 0.5 s"):
+        gpu_scale.TcpMount(64)
+    _left_nothing(gpu_scale, tmp_path)
