@@ -22,6 +22,16 @@ def channel(server) -> SocketChannel:
     return SocketChannel("\0" + server.info()["socket"][1:], 10)
 
 
+def worker_of(server):
+    """A FUSE worker's side (its channel, not yet leased) on ``server``'s socket, as index 1."""
+    import argparse
+
+    from nvmeof_fuse.workers import _Worker
+
+    return _Worker(argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
+                                      index=1, fd=-1, read_only=False, debug=False))
+
+
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
 def test_workers_lease_the_last_queue_ids_on_any_transport(tmp_path, transport):
     ctrl = LeasingController(companion_queues=4, transport=transport)
@@ -222,8 +232,6 @@ def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():
 def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons_lock(tmp_path):
     """A worker's side over the fake fabric: its lease, its own queues and bounce pool of
     whole transfers, and each write under the daemon's range lock (none held after)."""
-    import argparse
-
     from companion_fakes import FakeFabric
 
     from nvmeof_fuse.companion.lease import lease_from, options_from
@@ -231,15 +239,12 @@ def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons
     from nvmeof_fuse.fs.options import MountOptions
     from nvmeof_fuse.fs.workerfs import WorkerFS
     from nvmeof_fuse.host.attached import attach
-    from nvmeof_fuse.workers import _Worker
 
     ctrl = LeasingController(companion_queues=4)
     fabric = FakeFabric(ctrl)
     with serving(ctrl, tmp_path) as (server, _):
         server.worker_queues = 1
-        args = argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
-                                  index=1, fd=-1, read_only=False, debug=False)
-        worker = _Worker(args)
+        worker = worker_of(server)
 
         async def main():
             first = await worker.ask("lease", want=1, worker=True)
@@ -271,8 +276,6 @@ def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their
     """The lease a worker asks for (all namespaces) names none on a mount of more than
     MAX_FOLLOWED_NAMESPACES: the worker connects its queues and forwards every READ and
     WRITE to the main process, as after a rescan past that bound."""
-    import argparse
-
     from companion_fakes import FakeFabric
 
     from nvmeof_fuse.companion.lease import lease_from, options_from
@@ -280,16 +283,14 @@ def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their
     from nvmeof_fuse.fs.options import MountOptions
     from nvmeof_fuse.fs.workerfs import WorkerFS
     from nvmeof_fuse.host.attached import attach
-    from nvmeof_fuse.workers import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES, _Worker
+    from nvmeof_fuse.workers import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES
 
     count = MAX_FOLLOWED_NAMESPACES + 1
     ctrl = LeasingController(companion_queues=4, specs=[(n, 512, 8) for n in range(1, count + 1)])
     fabric = FakeFabric(ctrl)
     with serving(ctrl, tmp_path) as (server, _):
         server.worker_queues = 1
-        args = argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
-                                  index=1, fd=-1, read_only=False, debug=False)
-        worker = _Worker(args)
+        worker = worker_of(server)
         forwarded = []
 
         async def forward_read(fh, off, size):
@@ -328,22 +329,19 @@ def test_a_rescan_shows_a_new_size_only_after_the_worker_took_it(tmp_path, caplo
     """A worker over the companion socket takes a rescan's sizes in its own time (here
     slowly); the listeners after the workers' (the files' new sizes) run only once it said
     it took them, so that no read it serves is cut at the old end."""
-    import argparse
     import logging
     import os
     import time
     from types import SimpleNamespace
 
     from nvmeof_fuse.host.attached import NamespaceShape
-    from nvmeof_fuse.workers import FuseWorkers, _Worker
+    from nvmeof_fuse.workers import FuseWorkers
 
     ctrl = LeasingController(companion_queues=4)
     order: list[str] = []
     with serving(ctrl, tmp_path) as (server, _):
         pool = FuseWorkers(None, None, server, 2)
-        args = argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
-                                  index=1, fd=-1, read_only=False, debug=False)
-        worker = _Worker(args)
+        worker = worker_of(server)
 
         def follow(shapes):
             time.sleep(0.3)  # slow: the main process must wait for it
