@@ -77,3 +77,19 @@ def test_nsids_may_be_absent_or_name_any_nsids():
     most = list(range(1, protocol.MAX_NAMED_NAMESPACES + 1))
     assert protocol.nsids_field({"op": "lease", "nsids": most}) == most
     assert protocol.nsids_field({"op": "lease", "nsids": [0xFFFFFFFE]}) == [0xFFFFFFFE]
+
+
+@pytest.mark.parametrize(("header", "got"), [
+    ({"event": "namespaces"}, "None"),
+    ({"event": "namespaces", "generation": 0}, "0"),
+    ({"event": "namespaces", "generation": True}, "True"),
+    ({"event": "namespaces", "generation": "1"}, "'1'"),
+    ({"op": "fuse", "generation": 1 << 63}, str(1 << 63)[:20]),
+])
+def test_a_generation_is_a_count_from_1_or_one_line_says_why(header, got):
+    with pytest.raises(protocol.ProtocolError) as refused:
+        protocol.generation_field(header)
+    name = header.get("op") or header.get("event")
+    assert str(refused.value) == (f"companion message {name!r}: field 'generation' must be a "
+                                  f"count from 1, got {got}")
+    assert protocol.generation_field({**header, "generation": (1 << 63) - 1}) == (1 << 63) - 1
