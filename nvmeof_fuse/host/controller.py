@@ -207,8 +207,8 @@ class Controller:
         Commands cannot be cancelled (the target may still move their data): their
         timeouts are what bounds them."""
         timeout = self.options.timeout if limit is None else limit
-        if self._deadline != math.inf:
-            timeout = max(min(timeout, self._deadline - trio.current_time()),
+        if self._deadline != math.inf:  # (to 10 ms: the messages that name it stay short)
+            timeout = max(min(timeout, round(self._deadline - trio.current_time(), 2)),
                           LEAST_COMMAND_TIMEOUT)
         return timeout
 

@@ -790,7 +790,8 @@ def test_the_shutdown_wait_is_the_option_raised_by_rtd3e_up_to_a_cap():
 
 class ShutdownQueue(FakeQueue):
     """An admin queue whose controller shuts down as ``how`` says: "done" (SHST complete),
-    "never" (SHST never set), "silent" (the Property Set of CC.SHN is never answered)."""
+    "never" (SHST never set), "silent" (the Property Set of CC.SHN is never answered),
+    "refused" (it is answered with an error status)."""
 
     def __init__(self, how: str) -> None:
         super().__init__(0)
@@ -804,6 +805,8 @@ class ShutdownQueue(FakeQueue):
             raise CommandTimeout(f"admin queue: command 1 got no completion within "
                                  f"{timeout:g} s")
         await trio.sleep(0.01)
+        if fctype == 0x00 and self.how == "refused":
+            return Completion(0, 0, 0, 0, 0x02, True)  # Invalid Field in Command
         if fctype == 0x04:  # Property Get of CSTS
             self.csts_reads += 1
             return Completion(1 | (2 << 2 if self.how == "done" else 0), 0, 0, 0, 0, True)
@@ -816,7 +819,9 @@ class ShutdownQueue(FakeQueue):
     ("never", 8_000_000, 8, "shutdown not confirmed within 8 s (CSTS.SHST not set)"),
     ("never", 60_000_000, 10, "shutdown not confirmed within 10 s (CSTS.SHST not set)"),
     ("silent", 0, 5, "shutdown not confirmed within 5 s (CC.SHN unanswered)"),
-], ids=["confirmed", "never", "rtd3e 8 s", "rtd3e 60 s", "cc.shn unanswered"])
+    ("refused", 0, 0, "orderly shutdown failed: Property Set failed: Invalid Field in Command "
+                      "(sct 0x0, sc 0x02)"),
+], ids=["confirmed", "never", "rtd3e 8 s", "rtd3e 60 s", "cc.shn unanswered", "refused"])
 def test_the_orderly_shutdown_waits_a_shutdown_timeout_at_most(how, rtd3e_us, waited, note,
                                                                caplog):
     """Issue #56: a controller that never reported SHST held the unmount for CAP.TO

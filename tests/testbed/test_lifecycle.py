@@ -6,6 +6,7 @@ still shuts the controller down in order (CSTS.SHST confirmed, nothing skipped),
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import re
@@ -13,6 +14,7 @@ import subprocess
 import time
 
 import pytest
+from kernel_initiator import _controllers, connected
 from vm import NVMET_PORTS, sh, target_away, wait_for
 
 MNT = "/tmp/nvmeof-lifecycle"
@@ -36,6 +38,19 @@ def mounted(testbed, log: str, *options: str, transport: str):
 def log_text(log: str) -> str:
     with open(log) as f:
         return f.read()
+
+
+def record(name: str, value) -> None:
+    """Keep a measured figure in TESTBED_OUT/lifecycle-figures.json (it comes back to the
+    host), for docs/; the tests assert on their own."""
+    out = os.environ.get("TESTBED_OUT")
+    if not out:
+        return
+    path = os.path.join(out, "lifecycle-figures.json")
+    figures = json.load(open(path)) if os.path.exists(path) else {}
+    figures.setdefault(name, []).append(value)
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=1)
 
 
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
@@ -64,6 +79,7 @@ def test_writes_land_and_a_normal_unmount_shuts_the_controller_down_in_order(
     assert "not confirmed" not in text and "orderly shutdown" not in text, text
     assert "claims success" not in text and "Traceback" not in text, text
     assert took < EXIT_BOUND, (took, text)
+    record(f"{transport}: fusermount3 -u to the last line, s", round(took, 2))
 
 
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
@@ -75,10 +91,13 @@ def test_ctrl_loss_tmo_bounds_the_give_up_while_the_port_is_unlinked(testbed, tm
     log = str(tmp_path / "daemon.log")
     with mounted(testbed, log, "-k", "2", "-c", "4", "-l", "6", transport=transport) as mnt:
         with target_away(testbed.nqn, NVMET_PORTS[transport]):
+            unlinked = time.monotonic()
             assert wait_for(lambda: "lost the connection" in log_text(log), 90), log_text(log)
             lost = time.monotonic()
             assert wait_for(lambda: "gave up after" in log_text(log), 90), log_text(log)
             took = time.monotonic() - lost
+            record(f"{transport}: ours, -c 4 -l 6: unlink to 'gave up', s",
+                   round(time.monotonic() - unlinked, 1))
             dd = subprocess.run(["dd", f"if={mnt}/n2", "of=/dev/null", "bs=4k", "count=1",
                                  "iflag=direct"], capture_output=True, text=True, timeout=60)
         assert dd.returncode != 0 and "Input/output error" in dd.stderr, dd.stderr
@@ -89,3 +108,21 @@ def test_ctrl_loss_tmo_bounds_the_give_up_while_the_port_is_unlinked(testbed, tm
     assert 1 <= int(gave_up[1]) <= 2 and int(gave_up[2]) <= 6 + CONNECT_TIMEOUT, text
     assert took < 6 + CONNECT_TIMEOUT + 2, (took, text)  # (+ the log's polling)
     assert "Traceback" not in text, text
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_the_kernel_initiators_give_up_with_the_same_options_for_comparison(testbed,
+                                                                           transport):
+    """Not a check of ours: the peer's figure in the same boot (Linux counts tries,
+    ceil(6 / 4) = 2, and deletes the controller after the last one fails)."""
+    addr = testbed.rdma_addr if transport == "rdma" else testbed.tcp_addr
+    with connected(transport, addr, testbed.port, testbed.nqn,
+                   extra=("-k", "2", "-c", "4", "-l", "6")):
+        ctrls = _controllers(testbed.nqn, transport)
+        with target_away(testbed.nqn, NVMET_PORTS[transport]):
+            unlinked = time.monotonic()
+            gone = wait_for(lambda: not (_controllers(testbed.nqn, transport) & ctrls), 90)
+            took = time.monotonic() - unlinked
+    assert gone
+    record(f"{transport}: Linux, -c 4 -l 6: unlink to the controller deleted, s",
+           round(took, 1))
