@@ -59,8 +59,9 @@ def paths_connect(mopts: Any) -> Callable[[Any], Any]:
 
 
 async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
-                      connect: Any = None, stop: trio.Event | None = None) -> None:
-    """Serve ``conn``'s controller at ``mountpoint`` until unmounted or ``stop`` is set.
+                      connect: Any = None, stop: trio.Event | None = None) -> str:
+    """Serve ``conn``'s controller at ``mountpoint`` until unmounted or ``stop`` is set;
+    what the orderly disconnect skipped ('' if nothing: the mount's last line says it).
 
     Setting ``stop`` is the orderly way out: the filesystem drains and unmounts and
     the companion socket closes while the controller still runs, so the final
@@ -123,3 +124,4 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                         fs_scope.cancel()
         finally:
             await flush_all(ctrl)
+    return "; ".join(getattr(ctrl, "shutdown_notes", ()))

@@ -101,7 +101,9 @@ class Fault:
 
     async def r2t(self, target: HostileTarget, stream, cid: int, length: int,
                   send: Send) -> None:
-        """Ask for a write's data; ``send(length)`` sends the good R2T."""
+        """Ask for a write's data; ``send(length)`` sends the good R2T (``send(n, offset=o)``
+        another: a target may ask for a write's data in several R2Ts, each after the data
+        of the one before came)."""
         await send(length)
 
 
@@ -210,9 +212,9 @@ class HostileTarget(FakeTcpTarget):
                 "faults": faults, "success": success, **kw})
         await self.hostile.read_data(self, stream, cid, payload, send, success)
 
-    async def _r2t(self, stream, cid: int, length: int) -> None:
+    async def _r2t(self, stream, cid: int, length: int, offset: int = 0) -> None:
         async def send(size: int = length, **kw) -> None:
-            await FakeTcpTarget._r2t(self, stream, cid, size, **kw)
+            await FakeTcpTarget._r2t(self, stream, cid, size, **{"offset": offset, **kw})
         await self.hostile.r2t(self, stream, cid, length, send)
 
 

@@ -49,7 +49,7 @@ FAULTS = ("header digest", "data digest", "length", "unknown type", "unknown com
 class FakeTcpTarget:
     def __init__(self, *, size: int = 1 << 20, maxh2cdata: int = 8192, cpda: int = 0,
                  success_flag: bool = False, c2h_pieces: int = 1, pad: int = 0,
-                 mdts: int = 3, io_queues: int = 2) -> None:
+                 mdts: int = 3, io_queues: int = 2, r2t_bytes: int = 0) -> None:
         # shared with the processes of serve_forked (an anonymous mapping is MAP_SHARED)
         self.data = mmap.mmap(-1, size)
         self.io_queues = io_queues  # what Set Features Number of Queues grants at most
@@ -57,6 +57,10 @@ class FakeTcpTarget:
         self.io_connects: list[tuple[int, int, str]] = []  # (qid, cntlid, HostNQN) accepted
         self.mdts = mdts  # Identify's MDTS: 2^mdts 4 KiB pages a command, 0 for no limit
         self.maxh2cdata = maxh2cdata
+        self.r2t_bytes = r2t_bytes
+        """Bytes one R2T asks for at most, the next asked once its data came (as SPDK's
+        target does); 0: one R2T for all of a write (as nvmet)."""
+        self.r2t_ends: dict = {}  # (stream, command ID) -> where the data of its last R2T ends
         self.cpda = cpda
         self.success_flag = success_flag
         self.c2h_pieces = c2h_pieces
@@ -254,7 +258,7 @@ class FakeTcpTarget:
         elif opcode == WRITE and length:
             if not inline:  # the data comes in H2CData PDUs; the response after the last
                 state["writes"][cid] = (start, length, bytearray())
-                await self._r2t(stream, cid, length)
+                await self._r2t(stream, cid, min(length, self.r2t_bytes or length))
                 return
             self.data[start:start + len(inline)] = inline
         await self._respond(stream, cid, 0)
@@ -375,11 +379,12 @@ class FakeTcpTarget:
                 return
             await stream.send_all(wire)
 
-    async def _r2t(self, stream, cid: int, length: int) -> None:
+    async def _r2t(self, stream, cid: int, length: int, offset: int = 0) -> None:
         hd = 4 if self.hdgst else 0
+        self.r2t_ends[stream, cid] = offset + length
         await stream.send_all(self._header(pdu.COMMON_HEADER.pack(
             pdu.R2T, pdu.FLAG_HDGST if hd else 0, 24, 0, 24 + hd)
-            + struct.pack("<HHII4x", cid, 7, 0, length)))
+            + struct.pack("<HHII4x", cid, 7, offset, length)))
 
     async def _h2c_data(self, stream, state: dict, common: bytes, rest: bytes) -> None:
         ptype, flags, hlen, pdo, plen = pdu.COMMON_HEADER.unpack(common)
@@ -393,13 +398,17 @@ class FakeTcpTarget:
         data = rest[pdo - 8:pdo - 8 + datal]
         if self.ddgst:
             assert rest[pdo - 8 + datal:] == pdu.digest(data), "bad H2CData data digest"
-        assert bool(flags & pdu.FLAG_LAST_PDU) == (len(got) + datal == length)
+        r2t_end = self.r2t_ends.get((stream, cid), length)
+        assert bool(flags & pdu.FLAG_LAST_PDU) == (len(got) + datal == r2t_end)  # of its R2T
         self.h2c_lengths.append(datal)
         got += data
         if len(got) == length:
             del state["writes"][cid]
             self.data[start:start + length] = got
             await self._respond(stream, cid, 0)
+        elif len(got) == r2t_end:  # the next piece (r2t_bytes)
+            await self._r2t(stream, cid, min(length - r2t_end, self.r2t_bytes or length),
+                            r2t_end)
 
 
 class Reader:

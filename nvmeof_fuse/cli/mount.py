@@ -64,6 +64,9 @@ def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
             help="keep reconnecting this many s before I/O fails; -1: for ever (600)"),
         add("-f", "--fast-io-fail-tmo", "--fast_io_fail_tmo", default="-1",
             help="fail I/O this many s after a loss while reconnecting goes on (-1: off)"),
+        add("--shutdown-timeout",
+            help="at unmount, wait this many s at least for the controller's orderly "
+                 "shutdown (RTD3E may raise it to 10), then disconnect (5)"),
         add("--read-only", action="store_true", help="refuse writes (EROFS)"),
         add("--path", dest="paths", action="append", default=[], metavar="URI",
             help="a further path to the same subsystem (nvme+rdma:// or nvme+tcp://); "
@@ -144,8 +147,11 @@ async def run_mount(
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, signals, stop, mounted, nursery.cancel_scope)
-            await serve_mount(conn, mopts, mountpoint, on_ready, connect, stop)
-            log.info("disconnected from %s", conn.nqn)
+            skipped = await serve_mount(conn, mopts, mountpoint, on_ready, connect, stop)
+            if skipped:  # the last line says what the target left undone
+                log.warning("disconnected from %s (%s)", conn.nqn, skipped)
+            else:
+                log.info("disconnected from %s", conn.nqn)
             nursery.cancel_scope.cancel()
 
 

@@ -49,6 +49,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "reconnect_delay": ("--reconnect-delay", True),
     "ctrl_loss_tmo": ("--ctrl-loss-tmo", True),
     "fast_io_fail_tmo": ("--fast-io-fail-tmo", True),
+    "shutdown_timeout": ("--shutdown-timeout", True),
     "hdr_digest": ("--hdr-digest", False),
     "data_digest": ("--data-digest", False),
     "read_only": ("--read-only", False),

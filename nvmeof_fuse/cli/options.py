@@ -168,7 +168,7 @@ def _fuse_server(args: argparse.Namespace) -> str:
 
 def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) -> Any:
     """ConnectOptions from the parsed nvme-cli style options."""
-    from nvmeof_fuse.host.options import ConnectOptions
+    from nvmeof_fuse.host.options import MAX_SHUTDOWN_TIMEOUT, ConnectOptions
 
     kwargs: dict[str, Any] = {
         "traddr": args.traddr,
@@ -193,6 +193,9 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         kwargs["fast_io_fail_tmo"] = (-1.0 if args.fast_io_fail_tmo.strip() == "-1" else
                                       _seconds("--fast-io-fail-tmo", args.fast_io_fail_tmo,
                                                high=2**31, off=True))
+        if args.shutdown_timeout is not None:
+            kwargs["shutdown_timeout"] = _seconds("--shutdown-timeout", args.shutdown_timeout,
+                                                  low=1, high=MAX_SHUTDOWN_TIMEOUT)
         kwargs["nr_io_queues"] = _int("--nr-io-queues", args.nr_io_queues, 1, 65535)
         companion_queues = _int("--companion-queues", args.companion_queues, 0, 65534)
         if companion_queues is not None:

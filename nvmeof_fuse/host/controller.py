@@ -75,6 +75,15 @@ LOG_PAGE_MAX = 4 << 20
 BOUNCE_WAIT_FACTOR = 2
 """A wait for a bounce buffer ends in an error after this many command timeouts of the
 controller being live (the buffers' commands end within one)."""
+SHUTDOWN_TIMEOUT_CAP = 10.0
+"""Seconds: the most RTD3E raises the shutdown wait to (Linux allows 60), so that an
+unmount, SIGTERM or SIGINT ends the daemon within 15 s whatever the target does."""
+LEAST_COMMAND_TIMEOUT = 0.01
+"""Seconds: a command's timeout when a bound on its wait has (almost) passed."""
+BACKSTOP_GRACE = 0.25
+"""Seconds the cancel scope of a bounded bring-up or shutdown waits past its deadline:
+waits with a timeout of their own that ends at the deadline fail first, naming their step
+(no ICResp, a command's timeout); the scope cuts only those that would go on past it."""
 __all__ = ["CONNECTING", "DEAD", "LIVE", "ConnectOptions", "Controller", "connect"]
 
 
@@ -83,6 +92,27 @@ def reconnect_attempts(ctrl_loss_tmo: float, reconnect_delay: float) -> float:
     if ctrl_loss_tmo < 0:
         return math.inf
     return math.ceil(ctrl_loss_tmo / reconnect_delay)
+
+
+def shutdown_wait(shutdown_timeout: float, rtd3e_us: int) -> float:
+    """Seconds an orderly shutdown waits for CSTS.SHST: ``shutdown_timeout`` (the option),
+    raised to the controller's RTD3 Entry Latency where it states a longer one, up to
+    :data:`SHUTDOWN_TIMEOUT_CAP` (Linux's ``nvme_init_identify``: the same, up to 60 s)."""
+    if not rtd3e_us:
+        return shutdown_timeout
+    return max(shutdown_timeout, min(rtd3e_us / 1e6, SHUTDOWN_TIMEOUT_CAP))
+
+
+def give_up_time(lost_at: float, ctrl_loss_tmo: float) -> float:
+    """When reconnecting stops after an outage that began at ``lost_at`` (``inf``: never)."""
+    return math.inf if ctrl_loss_tmo < 0 else lost_at + ctrl_loss_tmo
+
+
+def try_deadline(start: float, give_up_at: float, connect_timeout: float) -> float:
+    """When a reconnect try begun at ``start`` must be done: the give-up time, but never
+    less than one connect timeout, so that a try begun just before it has a fair chance
+    and the last one ends within ``--ctrl-loss-tmo`` plus one connect timeout."""
+    return max(give_up_at, start + connect_timeout)
 
 
 def out_of_tries(sqe: bytearray, tries: int, failure: BaseException) -> TransportError:
@@ -150,6 +180,11 @@ class Controller:
         self._live_since = 0.0  # trio time of the last change to live
         self._outage_since = 0.0
         """When the connection was lost and did not hold since (see :meth:`_outage_start`)."""
+        self._deadline = math.inf
+        """Trio time by which a reconnect try or the shutdown must be done
+        (:meth:`_waits_until`): the timeouts of its commands are cut to it."""
+        self.shutdown_note = ""
+        """What the orderly shutdown skipped ('' if nothing), for the mount's last line."""
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -160,11 +195,34 @@ class Controller:
             raise TransportError(f"the admin queue to {self.options.nqn} is not connected "
                                  f"(the controller is {self.state})")
         completion = await self.admin.execute(sqe, data, to_controller=to_controller,
-                                              timeout=self.options.timeout)
+                                              timeout=self.command_timeout())
         if not completion.ok:
             completion.raise_for_status(nvme.command.command_name(sqe, admin=True),
                                         fabrics=fabrics)
         return completion
+
+    def command_timeout(self, limit: float | None = None) -> float:
+        """An admin or fabrics command's timeout: ``limit`` (default: the command timeout),
+        cut to what is left of a reconnect try or the shutdown (:meth:`_waits_until`).
+        Commands cannot be cancelled (the target may still move their data): their
+        timeouts are what bounds them."""
+        timeout = self.options.timeout if limit is None else limit
+        if self._deadline != math.inf:  # (to 10 ms: the messages that name it stay short)
+            timeout = max(min(timeout, round(self._deadline - trio.current_time(), 2)),
+                          LEAST_COMMAND_TIMEOUT)
+        return timeout
+
+    @contextlib.contextmanager
+    def _waits_until(self, deadline: float):
+        """Every wait inside ends by ``deadline`` (trio time): the transport's by the cancel
+        scope yielded, commands by their timeouts, cut to it (:meth:`command_timeout`).
+        The caller looks at ``cancelled_caught``; a command cut short raises CommandTimeout."""
+        self._deadline = deadline
+        try:
+            with trio.CancelScope(deadline=deadline + BACKSTOP_GRACE) as scope:
+                yield scope
+        finally:
+            self._deadline = math.inf
 
     def pick_queue(self, nbytes: int = 0) -> Queue:
         """The I/O queue for a command moving ``nbytes``.
@@ -500,19 +558,27 @@ class Controller:
         opts = self.options
         lost_at = self._outage_start()
         await self._drop_queues()  # commands in flight fail now, and wait for the outcome
-        attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
-        if opts.ctrl_loss_tmo > 0:  # what is left of it (of the outage's whole length)
-            left = opts.ctrl_loss_tmo - (trio.current_time() - lost_at)
-            attempts = reconnect_attempts(left, opts.reconnect_delay) if left > 0 else 0
+        # Tries every reconnect_delay while --ctrl-loss-tmo lasts (of the outage's whole
+        # length), the last one at its end; each try's waits are cut to try_deadline, so
+        # that giving up takes --ctrl-loss-tmo plus one connect timeout at most, however
+        # long the target leaves a try waiting (Linux counts tries instead: a target that
+        # accepts and never answers held each for a whole connect timeout, 55 s for -l 5).
+        give_up_at = give_up_time(lost_at, opts.ctrl_loss_tmo)
         tried, refused = 0, ""
-        if attempts and not self._change_state(CONNECTING):
+        if trio.current_time() < give_up_at and not self._change_state(CONNECTING):
             return  # closed meanwhile
-        while tried < attempts:
-            await trio.sleep(opts.reconnect_delay)
+        while (now := trio.current_time()) < give_up_at:
+            await trio.sleep(min(opts.reconnect_delay, give_up_at - now))
             tried += 1
+            start = trio.current_time()
+            deadline = try_deadline(start, give_up_at, opts.connect_timeout)
             try:
-                await self._connect_admin()
-                await self._connect_io_queues()
+                with self._waits_until(deadline) as scope:
+                    await self._connect_admin()
+                    await self._connect_io_queues()
+                if scope.cancelled_caught:
+                    raise ConnectError(f"no answer within the {deadline - start:.1f} s this "
+                                       f"try had (--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
             except Exception as exc:  # noqa: BLE001 - any failure here means: try again later
                 what = exc if isinstance(exc, NVMeoFError) else f"{type(exc).__name__}: {exc}"
                 log.warning("reconnect %d to %s failed: %s", tried, opts.nqn, what)
@@ -639,7 +705,7 @@ class Controller:
                 completion = await queue.execute(
                     cmd.connect(qid, queue.size, kato_ms, queue.connect_cattr,
                                 sgl=nvme.NULL_SGL), ref,
-                    to_controller=True, timeout=self.options.timeout)
+                    to_controller=True, timeout=self.command_timeout())
                 completion.raise_for_status("Connect", fabrics=True)
             except NVMeStatusError as exc:
                 raise ConnectError(f"connect to {where} failed: {exc}") from exc
@@ -836,21 +902,43 @@ class Controller:
                 in_flight += 1
                 self._nursery.start_soon(probe)
 
+    def shutdown_timeout(self) -> float:
+        """Seconds the orderly shutdown may take (:func:`shutdown_wait`)."""
+        rtd3e = self.identify.rtd3e if self.identify is not None else 0
+        return shutdown_wait(self.options.shutdown_timeout, rtd3e)
+
     async def shutdown(self, why: str = "") -> None:
         """Deleting: no new keep-alives or I/O (they get ``why``); then CC.SHN, and wait
-        for CSTS.SHST complete (bounded by CAP.TO)."""
+        for CSTS.SHST complete, all of it within :meth:`shutdown_timeout` (as Linux's
+        ``shutdown_timeout``; CAP.TO is the time to *enable* a controller, up to 127.5 s).
+        What was skipped is logged and kept in :attr:`shutdown_note`."""
         was_live = self.state is LIVE
+        state = self.state
         if self.state not in (DELETING, DEAD):
             self._dead_reason = why or f"the controller of {self.options.nqn} is closed"
             self._change_state(DELETING)
         if self.admin is None or self.cap is None or not was_live:
+            if self.cap is not None and state in (RESETTING, CONNECTING):
+                self.shutdown_note = f"no orderly shutdown: the controller was {state}"
             return
+        limit = self.shutdown_timeout()
+        note, step = "", "CC.SHN unanswered"
         try:
-            await self.property_set(Property.CC, nvme.cc_shutdown_value(self._cc))
-            await self._wait_csts(lambda s: s.shutdown_complete, "CSTS.SHST complete",
-                                  self.cap.timeout_ms / 1000)
+            with self._waits_until(trio.current_time() + limit) as scope:
+                await self.property_set(Property.CC, nvme.cc_shutdown_value(self._cc))
+                step = "CSTS.SHST not set"
+                await self._wait_csts(lambda s: s.shutdown_complete, "CSTS.SHST complete",
+                                      limit)
+            if scope.cancelled_caught:
+                note = f"shutdown not confirmed within {limit:g} s ({step})"
+        except CommandTimeout:
+            note = f"shutdown not confirmed within {limit:g} s ({step})"
         except NVMeoFError as exc:
-            log.warning("orderly shutdown failed: %s", exc)
+            note = f"orderly shutdown failed: {exc}"
+        if note:
+            self.shutdown_note = note
+            log.warning("%s at %s: %s; disconnecting", self.options.nqn,
+                        self.transport.address, note)
 
     def release(self) -> None:
         """Free the memory this controller registered, then the transport."""

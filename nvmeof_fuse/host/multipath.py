@@ -118,6 +118,9 @@ class MultipathController:
         self._changed = trio.Event()
         self._closed = ""
         self._stopping = ""  # why commands whose connection fails are not run again
+        self.shutdown_notes: list[str] = []
+        """What the paths' orderly shutdowns skipped as the mount closed (for its last line)."""
+        self._attempts: dict[int, trio.CancelScope] = {}  # by path index: its connect and serve
         self._admit_lock = trio.Lock()
         self.failovers = 0
         self._generation = 0  # of what is known of the paths: see _usable
@@ -207,9 +210,18 @@ class MultipathController:
         self.paths.remove(path)
         self.selector.forget(path)
         self._bind()
-        path.removed.set()
+        self._remove(path)
         log.info("%s removed", path.name)
         return path
+
+    def _remove(self, path: Path) -> None:
+        """Take ``path`` out: a serving one lets its commands end first (:meth:`_serve_path`),
+        one still connecting stops at once, so that a target that never answers cannot
+        hold an unmount for its connect and command timeouts."""
+        path.removed.set()
+        attempt = self._attempts.get(path.index)
+        if attempt is not None and path.ctrl is None:
+            attempt.cancel()
 
     def find_path(self, uri: str) -> Path:
         for path in self.paths:
@@ -225,7 +237,7 @@ class MultipathController:
         started = False
         while not path.removed.is_set():
             try:
-                with unwrap_groups():
+                with unwrap_groups(), trio.CancelScope() as self._attempts[path.index]:
                     await self._connect_and_serve(path, started, task_status)
                 started = True
             except PathRefused as exc:
@@ -248,8 +260,21 @@ class MultipathController:
             with trio.move_on_after(delay):
                 await path.removed.wait()
 
+    @contextlib.asynccontextmanager
+    async def _connected(self, path: Path) -> AsyncIterator[Controller]:
+        """The path's controller, connected; when it closes with the mount, what its orderly
+        shutdown skipped joins :attr:`shutdown_notes`."""
+        ctrl = None
+        try:
+            async with self._connect(path.options) as ctrl:
+                yield ctrl
+        finally:
+            note = getattr(ctrl, "shutdown_note", "")
+            if note and self._closed:
+                self.shutdown_notes.append(f"{path.name}: {note}")
+
     async def _connect_and_serve(self, path: Path, started: bool, task_status) -> None:
-        async with self._connect(path.options) as ctrl:
+        async with self._connected(path) as ctrl:
             async with self._admit_lock:
                 await self._admit(path, ctrl)
             if not started:
@@ -846,7 +871,7 @@ async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
                 finally:
                     head.close(f"the mount of {head.nqn or paths[0].nqn} is closed")
                     for path in list(head.paths):
-                        path.removed.set()
+                        head._remove(path)
     finally:
         if head is not None:
             head.release()

@@ -14,6 +14,8 @@ from . import auth
 
 DEFAULT_COMPANION_QUEUES = 16
 """Four clients' worth of queue IDs (they cost the target nothing until a client connects)."""
+MAX_SHUTDOWN_TIMEOUT = 255
+"""Seconds: the longest ``--shutdown-timeout`` (Linux's module parameter is a byte)."""
 QUEUES_PER_CLIENT = 4
 """I/O queues a companion ``File`` leases and connects: 2 polled, 2 on its loop."""
 
@@ -43,6 +45,10 @@ class ConnectOptions:
     timeout: float = 30.0
     """Per-command timeout in seconds."""
     connect_timeout: float = 10.0
+    """Seconds for one transport connect (TCP connect and ICResp, RDMA-CM)."""
+    shutdown_timeout: float = 5.0
+    """Seconds an orderly shutdown waits for the controller at least (Linux's
+    ``shutdown_timeout``); RTD3E raises it, up to ``SHUTDOWN_TIMEOUT_CAP``."""
     dhchap_secret: str | None = field(default=None, repr=False)
     """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it (read
     again at each connect and reconnect)."""
@@ -79,6 +85,9 @@ class ConnectOptions:
         if not (self.fast_io_fail_tmo == -1 or 0 <= self.fast_io_fail_tmo <= 2**31):
             raise InvalidArgument(f"--fast-io-fail-tmo {self.fast_io_fail_tmo} must be -1 (off) "
                                   "or 0 or more seconds")
+        if not 1 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT:
+            raise InvalidArgument(f"--shutdown-timeout {self.shutdown_timeout:g} must be "
+                                  f"1-{MAX_SHUTDOWN_TIMEOUT} s")
         if not self.nqn:
             raise InvalidArgument("--nqn is required")
         for source in self.dhchap_sources():

@@ -86,6 +86,8 @@ class IdentifyController:
     nanagrpid: int = 0
     mnan: int = 0
     """Maximum Number of Allowed Namespaces (0: not reported, NN applies)."""
+    rtd3e: int = 0
+    """RTD3 Entry Latency, microseconds: how long a shutdown may take (0: not reported)."""
 
     @classmethod
     def from_bytes(cls, data: BytesLike) -> IdentifyController:
@@ -147,6 +149,7 @@ class IdentifyController:
             anagrpmax=u32(344),
             nanagrpid=u32(348),
             mnan=u32(540),
+            rtd3e=u32(88),
         )
 
     @property

@@ -93,6 +93,10 @@ class TcpTransport:
                 reason = f"failed: --host-traddr {self.host_traddr} is not a local address"
             else:
                 reason = f"failed: {exc.strerror or exc}"
+        except BaseException:  # cancelled (a reconnect try cut short): no socket left open
+            if sock is not None:
+                sock.close()
+            raise
         else:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             # Close with a reset, dropping what is still queued (as Linux nvme_tcp_alloc_queue,

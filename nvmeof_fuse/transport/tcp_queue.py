@@ -221,9 +221,9 @@ class TcpQueue:
         (sent at once unless ``batch``: see :meth:`_submit`)."""
         length = data.length if data is not None else 0
         self._serial += 1
-        request = Request(cid, data if length else None, to_controller, self._serial)
-        self._pending[cid] = request
         inline = to_controller and 0 < length <= self.in_capsule_bytes
+        request = Request(cid, data if length else None, to_controller, self._serial, inline)
+        self._pending[cid] = request
         if inline:
             sqe[24:40] = in_capsule_data(0, length)
         elif length:
@@ -570,6 +570,12 @@ class TcpQueue:
         """``request`` is answered: let its caller go once nothing of it is left to send."""
         request.completion = completion
         if request.unsent:
+            if completion.ok and request.to_controller and request.data is not None:
+                # The target cannot have the data still queued here: its success is a lie.
+                self._fail(TransportError(f"{self.name}: CapsuleResp for command "
+                                          f"{request.cid} claims success for a write "
+                                          "before all its data was sent"))
+                return
             return  # the sender finishes it when its last PDU left (it reads the caller's data)
         self._release(request)
         self._let_go(request)

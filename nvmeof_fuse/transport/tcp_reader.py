@@ -12,7 +12,9 @@ once it is whole in the buffer (:meth:`PduReader.receive_nowait`, then
 :data:`~.tcp_data.BULK_BYTES` on, the queue's receiver thread reads the stream, headers and
 data, in blocking calls bounded by the socket's receive timeout (:meth:`PduReader.run`),
 as the kernel's io_work does, and hands its inbox to the trio thread before each receive
-that may block.  It answers a bulk R2T itself, through its owner.  Anything that breaks
+that may block.  It answers a bulk R2T itself, through its owner.  A command's success
+counts its data: a read's C2HData must have brought all of it, a write's R2Ts must have
+asked for all of it (in order) unless it rode in the capsule.  Anything that breaks
 the protocol raises :class:`~nvmeof_fuse.errors.TransportError` (or
 :class:`~nvmeof_fuse.nvme.tcp_pdu.PduError`), which fails the queue.
 """
@@ -85,7 +87,8 @@ class PduReader:
         """The command whose data is being received (a timeout now must fail the queue)."""
         self.in_thread = False  # the receiver thread runs (and answers bulk R2Ts itself)
         self._answered: dict[int, int] = {}  # by command ID: the serial last answered
-        self._progress: dict[int, tuple[Request, int]] = {}  # C2HData bytes of a read so far
+        self._progress: dict[int, tuple[Request, int]] = {}
+        """By command ID: a read's C2HData bytes so far, or a write's bytes asked for by R2T."""
         self._poll: select.poll | None = None  # set as the receiver thread first runs
         self._buf = bytearray(RECV_BUFFER_BYTES)
         self._view = memoryview(self._buf)
@@ -183,14 +186,18 @@ class PduReader:
             raise TransportError(f"{self._owner.name}: second response for command ID {cid}")
         request = self._lookup(cid, "CapsuleResp")
         data = request.data
-        if data is not None and not request.to_controller and completion.ok:
+        if data is not None and completion.ok and not request.in_capsule:
             # A read succeeds only with all its data: else its buffer holds what it held.
+            # A write succeeds only once its R2Ts asked for all of it: else the target
+            # never had the rest, and a success would report unwritten data as written.
             so_far = self._progress.get(cid)
-            received = so_far[1] if so_far is not None and so_far[0] is request else 0
-            if received != data.length:
+            moved = so_far[1] if so_far is not None and so_far[0] is request else 0
+            if moved != data.length:
+                what = ("were asked for by R2T" if request.to_controller
+                        else "of C2HData")
                 raise TransportError(f"{self._owner.name}: CapsuleResp for command {cid} "
-                                     f"claims success after {received} of {data.length} "
-                                     "bytes of C2HData")
+                                     f"claims success after {moved} of {data.length} "
+                                     f"bytes {what}")
         self._answer(request, completion)
 
     def _data_request(self, header: pdu.Header, what: str, to_controller: bool) -> Request:
@@ -243,6 +250,12 @@ class PduReader:
 
     def _r2t(self, header: pdu.Header) -> None:
         request = self._data_request(header, "R2T", True)
+        so_far = self._progress.get(header.cid)
+        asked = so_far[1] if so_far and so_far[0] is request else 0
+        if header.offset != asked:  # in order, no holes, no overlaps: all is asked for once
+            raise TransportError(f"{self._owner.name}: R2T for command {header.cid} at "
+                                 f"offset {header.offset}, expected {asked}")
+        self._progress[header.cid] = (request, asked + header.length)
         if self.in_thread:
             if self.inbox:
                 self._post()  # the callers answered so far go on meanwhile

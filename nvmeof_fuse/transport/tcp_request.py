@@ -21,11 +21,11 @@ class Request:
     and ``to_controller``, which never change while the command is in flight.
     """
 
-    __slots__ = ("cid", "serial", "data", "view", "to_controller", "completion", "error",
-                 "finished", "unsent", "task", "done", "deadline", "timeout")
+    __slots__ = ("cid", "serial", "data", "view", "to_controller", "in_capsule", "completion",
+                 "error", "finished", "unsent", "task", "done", "deadline", "timeout")
 
     def __init__(self, cid: int, data: DataRef | None, to_controller: bool,
-                 serial: int = 0) -> None:
+                 serial: int = 0, in_capsule: bool = False) -> None:
         self.cid = cid
         self.serial = serial
         """Which use of ``cid`` this is (per queue): the reader remembers answered commands
@@ -33,6 +33,9 @@ class Request:
         self.data = data
         self.view = data_view(data) if data is not None else None  # the caller's bytes
         self.to_controller = to_controller
+        self.in_capsule = in_capsule
+        """A write whose data rides in its capsule; any other write's data goes only where
+        the target's R2Ts ask (the reader checks that they asked for all of it)."""
         self.completion: Completion | None = None
         self.error: Exception | None = None
         self.finished = False

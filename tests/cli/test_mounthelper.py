@@ -30,6 +30,11 @@ def test_helper_form_becomes_a_daemon_mount():
         "mount", "--read-only", "--daemon", URI, os.path.abspath("rel")]
 
 
+def test_shutdown_timeout_as_an_o_key():
+    assert helper_argv([URI, "/m", "-o", "_netdev,shutdown_timeout=12"]) == [
+        "mount", "--shutdown-timeout", "12", "--daemon", URI, "/m"]
+
+
 def test_fuse_server_as_an_o_key():
     assert helper_argv([URI, "/m", "-o", "_netdev,fuse=pyfuse3"]) == [
         "mount", "--fuse", "pyfuse3", "--daemon", URI, "/m"]

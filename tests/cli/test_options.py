@@ -35,6 +35,9 @@ def test_mount_without_a_target(capsys, host, tmp_path):
         (["-l", "-5"], "--ctrl-loss-tmo -5 is out of range (0-2147483648 s, or -1 for ever)"),
         (["-l", "later"], "--ctrl-loss-tmo 'later' is not a number"),
         (["-f", "-2"], "--fast-io-fail-tmo -2 is out of range (0-2147483648 s, or -1 for off)"),
+        (["--shutdown-timeout", "0"], "--shutdown-timeout 0 is out of range (1-255 s)"),
+        (["--shutdown-timeout", "300"], "--shutdown-timeout 300 is out of range (1-255 s)"),
+        (["--shutdown-timeout", "soon"], "--shutdown-timeout 'soon' is not a number"),
         (["--fuse", "fusepy"], "unknown FUSE server 'fusepy' (known: builtin, pyfuse3)"),
         (["-o", "fuse=pyfuse3", "--fuse", "builtin"], "conflicting FUSE servers: builtin, pyfuse3"),
     ],
@@ -108,6 +111,13 @@ def test_reconnect_options_follow_nvme_cli(tmp_path):
     for spelling in ("--fast-io-fail-tmo", "--fast_io_fail_tmo"):  # nvme-cli's is the latter
         args = entry.build_parser().parse_args([*MOUNT, spelling, "7", str(tmp_path)])
         assert options.connect_options(args, nqn=args.nqn, default_port=4420).fast_io_fail_tmo == 7
+
+
+def test_the_shutdown_timeout_is_an_option_as_linuxs_module_parameter(tmp_path):
+    args = entry.build_parser().parse_args([*MOUNT, str(tmp_path)])
+    assert options.connect_options(args, nqn=args.nqn, default_port=4420).shutdown_timeout == 5
+    args = entry.build_parser().parse_args([*MOUNT, "--shutdown-timeout", "12", str(tmp_path)])
+    assert options.connect_options(args, nqn=args.nqn, default_port=4420).shutdown_timeout == 12
 
 
 P2, P3 = "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1", "nvme+rdma://192.0.2.3:4421/nqn.x:y"

@@ -17,6 +17,7 @@ def options(**changes) -> ConnectOptions:
     {"queue_size": 2}, {"queue_size": 65536}, {"keep_alive_tmo": 0}, {"keep_alive_tmo": 65535},
     {"reconnect_delay": 1}, {"ctrl_loss_tmo": 0}, {"ctrl_loss_tmo": -1},
     {"fast_io_fail_tmo": -1}, {"fast_io_fail_tmo": 0}, {"transport": "tcp"},
+    {"shutdown_timeout": 1}, {"shutdown_timeout": 255},
     {"transport": "tcp", "hdr_digest": True, "data_digest": True},
 ])
 def test_valid_options(changes):
@@ -40,6 +41,8 @@ def test_valid_options(changes):
     ({"reconnect_delay": 0}, "--reconnect-delay 0 must be 1-65535 s"),
     ({"ctrl_loss_tmo": -2}, "--ctrl-loss-tmo -2 must be -1 (forever) or 0 or more seconds"),
     ({"fast_io_fail_tmo": -3}, "--fast-io-fail-tmo -3 must be -1 (off) or 0 or more seconds"),
+    ({"shutdown_timeout": 0.5}, "--shutdown-timeout 0.5 must be 1-255 s"),
+    ({"shutdown_timeout": 256}, "--shutdown-timeout 256 must be 1-255 s"),
 ])
 def test_bad_option_message(changes, message):
     with pytest.raises(InvalidArgument) as info:

@@ -7,6 +7,7 @@ admin and I/O queue connects are stand-ins, and trio's clock jumps over the dela
 from __future__ import annotations
 
 import errno
+import math
 import struct
 from types import SimpleNamespace
 
@@ -25,8 +26,12 @@ from nvmeof_fuse.host.controller import (
     IO_RETRIES,
     LOG_PAGE_MAX,
     RETRY_DELAY_MAX,
+    SHUTDOWN_TIMEOUT_CAP,
     ConnectOptions,
     Controller,
+    give_up_time,
+    shutdown_wait,
+    try_deadline,
 )
 from nvmeof_fuse.host.memory import BouncePool
 from nvmeof_fuse.host.state import CONNECTING, DEAD, LIVE, RESETTING
@@ -89,8 +94,8 @@ class Target:
 
 def run(test, **options) -> None:
     async def main() -> None:
-        opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", keep_alive_tmo=0,
-                              reconnect_delay=10, **options)
+        opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t",
+                              **{"keep_alive_tmo": 0, "reconnect_delay": 10, **options})
         async with trio.open_nursery() as nursery:
             ctrl = Controller(opts, FakeTransport(), nursery)
             ctrl.admin = FakeQueue(0)
@@ -376,7 +381,8 @@ def test_io_fails_by_name_once_ctrl_loss_tmo_has_passed():
         message = str(info.value)
         assert message.startswith("the connection to nqn.2014-08.org.example:t at rdma "
                                   "192.0.2.1:4420 was lost (")
-        assert "gave up after 3 reconnects in 30 s (--ctrl-loss-tmo 25)" in message
+        # tries at 10, 20 and 25 s: the last at the end of --ctrl-loss-tmo, not past it
+        assert "gave up after 3 reconnects in 25 s (--ctrl-loss-tmo 25)" in message
         with pytest.raises(ControllerLost):  # and at once from now on
             await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
 
@@ -677,3 +683,158 @@ def test_queues_of_one_entry_are_refused_in_one_line(entries, maxcmd, said):
                                       f"of 1 entry ({said}); at least 2 are needed")
 
     run(test)
+
+
+# -- giving up within --ctrl-loss-tmo (issue #56 item 7) ----------------------------------------
+
+
+def test_the_give_up_time_and_each_tries_deadline():
+    assert give_up_time(100.0, 5) == 105.0
+    assert give_up_time(100.0, -1) == math.inf and give_up_time(100.0, 0) == 100.0
+    assert try_deadline(101.0, 105.0, 10) == 111.0  # a try has one connect timeout at least
+    assert try_deadline(101.0, 600.0, 10) == 600.0  # and what is left, if more
+    assert try_deadline(105.0, 105.0, 10) == 115.0  # the last one: within tmo + one
+
+
+class HangingTarget:
+    """Accepts reconnects and then never answers: ``how`` is "transport" (a wait trio can
+    cancel, as TCP's ICResp or RDMA-CM's) or "command" (a fabrics command, which cannot
+    be cancelled and ends by its timeout only, as a queue's watchdog ends it)."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.tries = 0
+        self.waited: list[float] = []
+
+    def attach(self, ctrl: Controller) -> None:
+        async def connect_admin() -> None:
+            self.tries += 1
+            start = trio.current_time()
+            try:
+                if self.how == "transport":
+                    await trio.sleep(ctrl.options.connect_timeout)
+                    raise ConnectError("no ICResp within 10 s")
+                timeout = ctrl.command_timeout()
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(timeout)
+                raise CommandTimeout(f"admin queue: command 1 got no completion within "
+                                     f"{timeout:g} s")
+            finally:
+                self.waited.append(trio.current_time() - start)
+
+        ctrl._connect_admin = connect_admin
+
+
+@pytest.mark.parametrize(("how", "ctrl_loss_tmo", "delay", "tries", "gave_up"), [
+    ("transport", 5, 1, 1, 11), ("command", 5, 1, 1, 11),  # the issue's -l 5 -c 1
+    ("transport", 60, 10, 3, 60), ("command", 60, 10, 2, 60),  # a command waits 30 s
+    ("transport", 45, 10, 3, 55), ("command", 45, 10, 2, 55),  # the last try at 45 s
+])
+def test_a_target_that_never_answers_is_given_up_on_within_ctrl_loss_tmo_and_one_connect(
+        how, ctrl_loss_tmo, delay, tries, gave_up):
+    """Issue #56: -l 5 took 55 s (five tries, each waiting 10 s for an ICResp).  Each try's
+    waits now end at the give-up time, or one connect timeout after the try began where
+    that is later: the last ends within --ctrl-loss-tmo plus one connect timeout."""
+    async def test(ctrl: Controller) -> None:
+        target = HangingTarget(how)
+        target.attach(ctrl)
+        start = trio.current_time()
+        with pytest.raises(ControllerLost, match=f"gave up after {tries} reconnects in "
+                                                 f"{gave_up} s"):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        took = trio.current_time() - start
+        assert took == pytest.approx(gave_up, abs=0.1)
+        assert took <= ctrl_loss_tmo + ctrl.options.connect_timeout + 0.1  # (+ the loss)
+        assert target.tries == tries
+
+    run(test, ctrl_loss_tmo=ctrl_loss_tmo, reconnect_delay=delay, connect_timeout=10)
+
+
+def test_quick_refusals_are_tried_until_ctrl_loss_tmo_ends_the_last_at_its_end():
+    async def test(ctrl: Controller) -> None:
+        target = Target(refusals=100)
+        target.attach(ctrl)
+        start = trio.current_time()
+        with pytest.raises(ControllerLost, match="gave up after 5 reconnects in 5 s"):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+        assert trio.current_time() - start == pytest.approx(5, abs=0.1)
+        assert target.connects == 5  # at 1, 2, 3, 4 and 5 s, as Linux's ceil(5 / 1)
+
+    run(test, ctrl_loss_tmo=5, reconnect_delay=1)
+
+
+def test_a_try_cut_short_by_the_give_up_time_says_so(caplog):
+    async def test(ctrl: Controller) -> None:
+        async def connect_admin() -> None:
+            await trio.sleep_forever()  # a wait of the transport's own, longer than left
+
+        ctrl._connect_admin = connect_admin
+        with pytest.raises(ControllerLost):
+            await ctrl.io_command(cmd.read(1, 0, 1, bytes(16)))
+
+    run(test, ctrl_loss_tmo=5, reconnect_delay=1, connect_timeout=10)
+    assert ("reconnect 1 to nqn.2014-08.org.example:t failed: no answer within the 10.0 s "
+            "this try had (--ctrl-loss-tmo 5)") in caplog.text
+
+
+# -- an orderly shutdown within a bound (issue #56 item 3) --------------------------------------
+
+
+def test_the_shutdown_wait_is_the_option_raised_by_rtd3e_up_to_a_cap():
+    assert shutdown_wait(5, 0) == 5  # no RTD3E: the option
+    assert shutdown_wait(5, 2_000_000) == 5  # a shorter RTD3E does not lower it (Linux)
+    assert shutdown_wait(5, 8_000_000) == 8
+    assert shutdown_wait(5, 60_000_000) == SHUTDOWN_TIMEOUT_CAP  # capped: 15 s to exit
+    assert shutdown_wait(30, 60_000_000) == 30  # the user's own choice stands
+
+
+class ShutdownQueue(FakeQueue):
+    """An admin queue whose controller shuts down as ``how`` says: "done" (SHST complete),
+    "never" (SHST never set), "silent" (the Property Set of CC.SHN is never answered),
+    "refused" (it is answered with an error status)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(0)
+        self.how = how
+        self.csts_reads = 0
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        fctype = sqe[4]
+        if fctype == 0x00 and self.how == "silent":  # Property Set
+            await trio.sleep(timeout)  # (not cancellable: a command is waited for)
+            raise CommandTimeout(f"admin queue: command 1 got no completion within "
+                                 f"{timeout:g} s")
+        await trio.sleep(0.01)
+        if fctype == 0x00 and self.how == "refused":
+            return Completion(0, 0, 0, 0, 0x02, True)  # Invalid Field in Command
+        if fctype == 0x04:  # Property Get of CSTS
+            self.csts_reads += 1
+            return Completion(1 | (2 << 2 if self.how == "done" else 0), 0, 0, 0, 0, True)
+        return OK
+
+
+@pytest.mark.parametrize(("how", "rtd3e_us", "waited", "note"), [
+    ("done", 0, 0, ""),
+    ("never", 0, 5, "shutdown not confirmed within 5 s (CSTS.SHST not set)"),
+    ("never", 8_000_000, 8, "shutdown not confirmed within 8 s (CSTS.SHST not set)"),
+    ("never", 60_000_000, 10, "shutdown not confirmed within 10 s (CSTS.SHST not set)"),
+    ("silent", 0, 5, "shutdown not confirmed within 5 s (CC.SHN unanswered)"),
+    ("refused", 0, 0, "orderly shutdown failed: Property Set failed: Invalid Field in Command "
+                      "(sct 0x0, sc 0x02)"),
+], ids=["confirmed", "never", "rtd3e 8 s", "rtd3e 60 s", "cc.shn unanswered", "refused"])
+def test_the_orderly_shutdown_waits_a_shutdown_timeout_at_most(how, rtd3e_us, waited, note,
+                                                               caplog):
+    """Issue #56: a controller that never reported SHST held the unmount for CAP.TO
+    (127.5 s)."""
+    async def test(ctrl: Controller) -> None:
+        ctrl.admin = ShutdownQueue(how)
+        ctrl.cap = SimpleNamespace(timeout_ms=127_500)  # CAP.TO at its largest
+        ctrl.identify = SimpleNamespace(rtd3e=rtd3e_us)
+        start = trio.current_time()
+        await ctrl.shutdown("unmounting")
+        assert trio.current_time() - start == pytest.approx(waited, abs=0.1)
+        assert ctrl.shutdown_note == note
+
+    run(test)
+    if note:
+        assert f"{note}; disconnecting" in caplog.text

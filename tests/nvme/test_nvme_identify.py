@@ -26,6 +26,7 @@ def controller_buffer(mdts=5):
     b[76] = 0x0B  # CMIC
     b[77] = mdts  # MDTS
     struct.pack_into("<HI", b, 78, 0x0007, 0x00020000)  # CNTLID, VER
+    struct.pack_into("<II", b, 84, 0, 8_000_000)  # RTD3R, RTD3E: 8 s, microseconds
     struct.pack_into("<I", b, 92, 0x900)  # OAES
     struct.pack_into("<I", b, 96, 0x8000)  # CTRATT
     b[111] = 1  # CNTRLTYPE: I/O controller
@@ -49,6 +50,7 @@ def test_identify_controller_fields():
     assert (c.cntlid, c.ver, c.version) == (7, 0x00020000, "2.0")
     assert (c.oaes, c.ctratt, c.cntrltype) == (0x900, 0x8000, 1)
     assert c.crdt == (5, 20, 300)
+    assert c.rtd3e == 8_000_000
     assert (c.oacs, c.acl, c.aerl, c.frmw, c.lpa, c.elpe, c.npss) == (8, 3, 3, 3, 7, 127, 0)
     assert c.kas == 100
     assert (c.sqes, c.cqes, c.maxcmd, c.nn) == (0x66, 0x44, 128, 1024)

@@ -150,11 +150,11 @@ def test_probe_closed_port():
 HANG_GUARD = 30
 
 
-def with_target(test, *, transport_kw=None, **target_kw):
+def with_target(test, *, transport_kw=None, target_class=None, **target_kw):
     """Run ``test(target, transport, queue)`` with an I/O queue to a fresh fake target."""
 
     async def main():
-        target = FakeTcpTarget(**target_kw)
+        target = (target_class or FakeTcpTarget)(**target_kw)
         with trio.fail_after(HANG_GUARD):
             async with trio.open_nursery() as nursery:
                 port = await nursery.start(target.serve)
@@ -843,6 +843,50 @@ def test_an_error_answering_an_r2t_fails_the_queue_by_name(monkeypatch):
             await write(queue, transport, 100, bytes(40 * 1024))  # past in-capsule: by R2T
 
     with_target(test)
+
+
+@pytest.mark.parametrize(("size", "r2t_bytes"), [(40 * 1024, 16384), (256 * 1024, 65536)],
+                         ids=["trio thread", "receiver thread"])
+def test_a_write_asked_for_in_several_r2ts_lands_whole(size, r2t_bytes):
+    """As SPDK's target asks: an R2T of at most ``r2t_bytes``, the next once its data came;
+    the success after the last counts all of them (issue #56's check lets it through)."""
+    data = random.Random(3).randbytes(size)
+
+    async def test(target, transport, queue):
+        assert (await write(queue, transport, 8, data)).ok
+        assert target.data[8 * LBA:8 * LBA + size] == data
+        assert sum(target.h2c_lengths) == size
+
+    with_target(test, r2t_bytes=r2t_bytes, maxh2cdata=65536)
+
+
+class AnswersWritesAtOnce(FakeTcpTarget):
+    """Sends a write's R2T and its success together, before the data can have come."""
+
+    async def _r2t(self, stream, cid, length, offset=0):
+        await super()._r2t(stream, cid, length, offset)
+        await self._respond(stream, cid, 0)
+
+
+def test_a_write_answered_while_its_h2cdata_waits_to_be_sent_fails_the_queue():
+    """A success read while the write's data still waits in our queue for the socket (here
+    held back on purpose) cannot be true: the queue fails, naming the lie (issue #56)."""
+    from nvmeof_fuse.transport import tcp_queue
+
+    async def test(target, transport, queue):
+        answer_r2t = queue._send_h2c
+
+        def held_back(request, header):
+            queue._flush_locked = lambda: tcp_queue._BLOCKED  # the socket takes nothing more
+            answer_r2t(request, header)
+
+        queue._send_h2c = held_back
+        with pytest.raises(TransportError, match=r"^I/O queue 1: CapsuleResp for command \d+ "
+                                                 r"claims success for a write before all its "
+                                                 r"data was sent$"):
+            await write(queue, transport, 100, bytes(8192))  # past in-capsule: by R2T
+
+    with_target(test, target_class=AnswersWritesAtOnce)
 
 
 @pytest.mark.parametrize("opcode", ["read", "write"])

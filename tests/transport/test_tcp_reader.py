@@ -37,9 +37,10 @@ class Owner:
         return TransportError(f"{self.name}: the peer closed the connection")
 
 
-def request(cid: int, size: int = 0, *, write: bool = False, serial: int = 1):
+def request(cid: int, size: int = 0, *, write: bool = False, serial: int = 1,
+            in_capsule: bool = False):
     memory = bytearray(size)
-    return SimpleNamespace(cid=cid, serial=serial, to_controller=write,
+    return SimpleNamespace(cid=cid, serial=serial, to_controller=write, in_capsule=in_capsule,
                            data=SimpleNamespace(length=size) if size else None,
                            memory=memory, buffer=lambda: memoryview(memory))
 
@@ -140,6 +141,43 @@ def test_a_read_succeeds_only_with_all_its_data(pair, wire, message):
     with pytest.raises(TransportError, match=message):
         while True:
             reader.one_pdu()
+
+
+@pytest.mark.parametrize(("wire", "message"), [
+    (response(2), r"^I/O queue 3: CapsuleResp for command 2 claims success after 0 of 8192 "
+                  r"bytes were asked for by R2T$"),
+    (r2t(2, 0, 4096) + response(2),
+     r"^I/O queue 3: CapsuleResp for command 2 claims success after 4096 of 8192 bytes were "
+     r"asked for by R2T$"),
+    (r2t(2, 4096, 4096) + r2t(2, 0, 4096) + response(2),
+     r"^I/O queue 3: R2T for command 2 at offset 4096, expected 0$"),
+    (r2t(2, 0, 4096) + r2t(2, 0, 4096) + response(2),
+     r"^I/O queue 3: R2T for command 2 at offset 0, expected 4096$"),
+], ids=["no R2T", "half asked for", "a hole", "asked twice"])
+def test_a_write_succeeds_only_once_its_r2ts_asked_for_all_its_data(pair, wire, message):
+    # Else a write whose data the target never had would be reported written (issue #56).
+    ours, theirs = pair
+    reader, _ = reader_for(ours, request(2, 8192, write=True))
+    theirs.sendall(wire)
+    with pytest.raises(TransportError, match=message):
+        while True:
+            reader.one_pdu()
+
+
+def test_writes_asked_for_in_pieces_in_the_capsule_or_failed_are_answered(pair):
+    ours, theirs = pair
+    pieces, inline = request(2, 8192, write=True), request(3, 4096, write=True, in_capsule=True)
+    failed = request(4, 8192, write=True)
+    reader, owner = reader_for(ours, pieces, inline, failed)
+    theirs.sendall(r2t(2, 0, 4096) + r2t(2, 4096, 4096) + response(2) + response(3)
+                   + response_with(4, 0x81))
+    for _ in range(5):
+        reader.one_pdu()
+    answered = reader.take_inbox()
+    asked = [(r, what.offset, what.length) for r, what in answered if isinstance(what, pdu.Header)]
+    assert asked == [(pieces, 0, 4096), (pieces, 4096, 4096)]  # for the queue to answer
+    completions = [(r, what.ok) for r, what in answered if not isinstance(what, pdu.Header)]
+    assert completions == [(pieces, True), (inline, True), (failed, False)]
 
 
 def test_a_read_that_fails_or_got_its_data_is_answered(pair):
