@@ -313,9 +313,10 @@ class MultipathController:
         if path.ana.reporting:
             path.ana_log_bytes = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
             if path.ana_log_bytes > ctrl.max_transfer:  # as Linux's nvme_mpath_init_identify
-                log.warning("%s: the ANA log page may take %d bytes, more than one command "
-                            "moves (%d, MDTS): ANA reporting is off on this path",
-                            path.name, path.ana_log_bytes, ctrl.max_transfer)
+                limited.log(("ana off", path.index), logging.WARNING, "%s: the ANA log page "
+                            "may take %d bytes, more than one command moves (%d, MDTS): ANA "
+                            "reporting is off on this path", path.name, path.ana_log_bytes,
+                            ctrl.max_transfer)
                 path.ana = PathAna(reporting=False, anatt=ident.anatt)
         for nsid, ns in ctrl.namespaces.items():
             path.ana.set_namespace_group(nsid, ns.identify.anagrpid)
