@@ -21,6 +21,7 @@ Nothing here imports anything of ours: every layer above ``nvme/`` logs through 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from collections import OrderedDict
@@ -67,7 +68,8 @@ class RateLimitedLog:
     ``log(key, level, msg, *args)`` is ``logger.log(level, msg, *args)`` unless ``burst``
     lines of ``key`` were written in the current window; then it only counts.  Keys name
     kinds of message chosen in the code (with a path's or controller's name at most), never
-    a value from the wire, and at most ``max_keys`` are kept.
+    a value from the wire, and at most ``max_keys`` are kept.  One limiter serves every
+    thread (a companion client's controllers each run a loop of their own).
     """
 
     def __init__(self, logger: logging.Logger, *, interval: float = INTERVAL,
@@ -79,12 +81,22 @@ class RateLimitedLog:
         self.max_keys = max_keys
         self.clock = clock
         self._windows: OrderedDict[Hashable, _Window] = OrderedDict()
+        self._lock = threading.Lock()
         _limiters.add(self)
 
     def log(self, key: Hashable, level: int, msg: str, *args: object) -> bool:
         """Write the line unless its kind is over its burst; whether it was written."""
         if not self.logger.isEnabledFor(level):
             return False
+        with self._lock:
+            msg, args, write = self._count(key, level, msg, args)
+        if write:
+            self.logger.log(level, msg, *args)
+        return write
+
+    def _count(self, key: Hashable, level: int, msg: str, args: tuple
+               ) -> tuple[str, tuple, bool]:
+        """Count the line in its kind's window: (its text, its args, whether to write it)."""
         now = self.clock()
         windows = self._windows
         window = windows.get(key)
@@ -101,22 +113,22 @@ class RateLimitedLog:
                 window.start, window.written, window.suppressed = now, 0, 0
         if window.written < self.burst:
             window.written += 1
-            self.logger.log(level, msg, *args)
-            return True
+            return msg, args, True
         window.suppressed += 1
         window.level, window.msg, window.args = level, msg, args
-        return False
+        return msg, args, False
 
     def report_suppressed(self, *, final: bool = False) -> int:
         """Say what each kind whose window has ended (every kind, if ``final``) left out:
         its last line, and the count; forget the kinds that went quiet.  Lines written."""
         now = self.clock()
         written = 0
-        for key, window in list(self._windows.items()):
-            if now - window.start < self.interval and not final:
-                continue
-            written += self._report(window, now)
-            del self._windows[key]
+        with self._lock:
+            for key, window in list(self._windows.items()):
+                if now - window.start < self.interval and not final:
+                    continue
+                written += self._report(window, now)
+                del self._windows[key]
         return written
 
     def _report(self, window: _Window, now: float) -> int:
