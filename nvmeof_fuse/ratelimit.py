@@ -131,6 +131,12 @@ class RateLimitedLog:
                 del self._windows[key]
         return written
 
+    def forget(self) -> None:
+        """Start afresh: no kind has written or left out anything (what it left out is
+        not said)."""
+        with self._lock:
+            self._windows.clear()
+
     def _report(self, window: _Window, now: float) -> int:
         if not window.suppressed:
             return 0
@@ -145,6 +151,13 @@ class RateLimitedLog:
 def report_suppressed(*, final: bool = False) -> int:
     """:meth:`RateLimitedLog.report_suppressed` of every limiter; lines written."""
     return sum(limiter.report_suppressed(final=final) for limiter in list(_limiters))
+
+
+def forget_all() -> None:
+    """:meth:`RateLimitedLog.forget` of every limiter (a test's fresh start, as a new
+    process has)."""
+    for limiter in list(_limiters):
+        limiter.forget()
 
 
 class FailureStreak:

@@ -130,3 +130,12 @@ def test_line_cap_cuts_a_long_line_and_says_how_much(clock):
     short = logging.LogRecord("x", logging.INFO, __file__, 1, "mounted %s", ("n1",), None)
     LineCap(4096).filter(short)
     assert short.getMessage() == "mounted n1"
+
+
+def test_forget_starts_every_kind_afresh(clock, logs):
+    limited = RateLimitedLog(LOG, interval=10, burst=1, clock=clock)
+    limited.log("k", logging.INFO, "a")
+    limited.log("k", logging.INFO, "b")
+    ratelimit.forget_all()
+    limited.log("k", logging.INFO, "c")
+    assert logs.messages == ["a", "c"]

@@ -184,12 +184,13 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
 
 async def _identify_namespace(ctrl: EventSource, nsid: int) -> nvme.IdentifyNamespace | None:
     """Identify Namespace ``nsid``; None if it is not there (any more): all zeros, or
-    Invalid Namespace or a status the controller says not to retry (as the kernel's
-    ``nvme_validate_ns``), as when it went away since the active list was read."""
+    Invalid Namespace or Format, as when it went away since the active list was read (the
+    kernel's ``nvme_validate_ns`` removes it then too).  Any other status fails the rescan:
+    nvmet answers Command Sequence Error, with DNR, once shutdown began."""
     try:
         ident = nvme.IdentifyNamespace.from_bytes(await ctrl.identify_raw(Cns.NAMESPACE, nsid))
     except NVMeStatusError as exc:
-        if exc.dnr or (exc.sct, exc.sc) == (SCT_GENERIC, SC_INVALID_NAMESPACE):
+        if (exc.sct, exc.sc) == (SCT_GENERIC, SC_INVALID_NAMESPACE):
             log.debug("namespace n%d is gone: %s", nsid, exc)
             return None
         raise
