@@ -14,9 +14,12 @@ from typing import Any
 
 import trio
 
+from nvmeof_fuse import ratelimit
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.ratelimit import RateLimitedLog, brief_list
 
 log = logging.getLogger("nvmeof-fuse")
+limited = RateLimitedLog(log)
 
 FLUSH_TIMEOUT = 30.0  # s for the final flush of each namespace
 
@@ -37,11 +40,21 @@ async def flush_all(ctrl: Any) -> None:
                 await ns.flush()
                 flushed.append(f"n{nsid}")
             except NVMeoFError as exc:
-                log.warning("final flush of n%d failed: %s", nsid, exc)
+                limited.log("flush failed", logging.WARNING, "final flush of n%d failed: %s",
+                            nsid, exc)
         if scope.cancelled_caught:
-            log.warning("final flush of n%d timed out after %g s", nsid, FLUSH_TIMEOUT)
+            limited.log("flush timeout", logging.WARNING, "final flush of n%d timed out after "
+                        "%g s", nsid, FLUSH_TIMEOUT)
     if flushed:
-        log.info("flushed %s", ", ".join(flushed))
+        log.info("flushed %s", brief_list(flushed))
+
+
+async def report_suppressed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
+    """Every rate-limit window, say what each kind of line left out (ratelimit.py)."""
+    task_status.started()
+    while True:
+        await trio.sleep(ratelimit.INTERVAL)
+        ratelimit.report_suppressed()
 
 
 def paths_connect(mopts: Any) -> Callable[[Any], Any]:
@@ -83,6 +96,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     async with connect(conn) as ctrl:
         try:
             async with trio.open_nursery() as inner:
+                inner.start_soon(report_suppressed)
                 companion = CompanionServer(ctrl, read_only=mopts.read_only)
                 companion.worker_queues = worker_queues(workers)
                 await inner.start(companion.serve)
@@ -110,7 +124,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 listeners.append(companion.delegations.follow)  # namespaces that change
                 if pool is not None:  # workers are sent the new sizes before the files show them
                     listeners.insert(0, pool.follow)
-                names = ", ".join(f"n{n}" for n in sorted(ctrl.namespaces))
+                names = brief_list(f"n{n}" for n in sorted(ctrl.namespaces))
                 log.info("mounted %s at %s", names or "no namespaces", path)
                 ready(ctrl, companion)
                 if stop is not None:
@@ -124,4 +138,5 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                         fs_scope.cancel()
         finally:
             await flush_all(ctrl)
+            ratelimit.report_suppressed(final=True)
     return "; ".join(getattr(ctrl, "shutdown_notes", ()))

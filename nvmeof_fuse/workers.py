@@ -40,8 +40,10 @@ import trio
 
 from nvmeof_fuse.companion.protocol import MAX_NAMED_NAMESPACES
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.ratelimit import RateLimitedLog, brief_list, cap_lines
 
 log = logging.getLogger("nvmeof-fuse")
+limited = RateLimitedLog(log)
 
 WORKER_QUEUES = 1
 """I/O queues each worker leases (one serves a queue depth of its full size)."""
@@ -55,7 +57,6 @@ MAX_REPORTED_NAMESPACES = 64
 MAX_FOLLOWED_NAMESPACES = MAX_NAMED_NAMESPACES
 """Namespaces whose sizes a worker's lease and a rescan send the workers in one message;
 past them the workers are sent none, so they forward all I/O."""
-LOGGED_NAMESPACES = 8  # named in a worker's line after a rescan; the others are counted
 SIZES_TIMEOUT = 10.0
 """Most seconds a rescan waits for the serving workers to say they took the new sizes,
 before the mount's files show them (at most the mount's command timeout: a slow machine
@@ -409,18 +410,17 @@ class _Worker:
         ctrl = self.ctrl
         if event.get("event") != "revoked" or ctrl is None or not ctrl.io_queues:
             return
-        log.info("FUSE worker %d: the main process lost the controller (%s): reconnecting "
-                 "our queues", self.index, event.get("state"))
+        limited.log("revoked", logging.INFO, "FUSE worker %d: the main process lost the "
+                    "controller (%s): reconnecting our queues", self.index, event.get("state"))
         ctrl.connection_lost(ctrl.io_queues[0], TransportError(
             "the main process lost the controller; our queues were revoked"))
 
     def _follow(self, shapes: dict[int, tuple[int, int]]) -> None:
         self.fs.follow(shapes)
-        named = sorted(shapes.items())[:LOGGED_NAMESPACES]
-        more = len(shapes) - len(named)
-        log.info("FUSE worker %d: namespaces now %s%s", self.index, ", ".join(
-            f"n{nsid} {lba_size * nlb} bytes" for nsid, (lba_size, nlb) in named) or "none",
-            f" and {more} more" if more else "")
+        limited.log("namespaces", logging.INFO, "FUSE worker %d: namespaces now %s",
+                    self.index, brief_list(f"n{nsid} {lba_size * nlb} bytes"
+                                           for nsid, (lba_size, nlb) in sorted(shapes.items()))
+                    or "none")
 
     async def _report(self, ctrl: Any, fs: Any) -> None:
         while True:
@@ -531,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.debug else logging.WARNING,
                         format=f"nvmeof-fuse worker {args.index}: %(message)s")
+    cap_lines()
     os.set_inheritable(args.fd, False)
     try:
         return trio.run(_serve_worker, args)

@@ -15,6 +15,7 @@ from nvmeof_fuse.cli import admin, discover, mount, paths
 from nvmeof_fuse.cli.mounthelper import helper_argv
 from nvmeof_fuse.cli.options import PROG, leaf, one_line, parse_command_line
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.ratelimit import cap_lines
 
 COMMANDS = ("mount", "discover", "list", "mount-all", "install-helper", "add-path",
             "remove-path")
@@ -57,6 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not debug
         else f"{PROG}: %(name)s: %(levelname)s: %(message)s",
     )
+    cap_lines()  # no line past 4 KiB, whatever it quotes
     try:
         if args.command == "mount":
             return mount.cmd_mount(args, argv)

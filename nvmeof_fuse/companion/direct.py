@@ -43,6 +43,7 @@ from ..host.controller import ConnectOptions, make_transport
 from ..host.memory import Region
 from ..host.sync import SyncController
 from ..nvme import command as nvme_cmd
+from ..ratelimit import RateLimitedLog
 from . import gpu, protocol
 from .client_delegation import LockedWrites
 from .dmabuf import DmabufCache, register_dmabuf
@@ -51,6 +52,7 @@ from .polled import POLLED_MAX_BYTES, POLLED_QUEUES, PolledRead, PolledReads
 from .registrations import Registrations
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
 
 REPORT_INTERVAL = 1.0  # s between reports of this client's byte counts to the daemon
 __all__ = ["POLLED_MAX_BYTES", "POLLED_QUEUES", "DirectQueues", "PolledRead", "lease_from",
@@ -160,8 +162,8 @@ class DirectQueues:
             return
         if event.get("event") != "revoked" or not self._ctrl.io_queues:
             return
-        log.info("the mount daemon lost the controller (%s): reconnecting our queues",
-                 event.get("state"))
+        limited.log("revoked", logging.INFO, "the mount daemon lost the controller (%s): "
+                    "reconnecting our queues", event.get("state"))
         self._ctrl.connection_lost(self._ctrl.io_queues[0], TransportError(
             "the mount daemon lost the controller; our queues were revoked"))
 

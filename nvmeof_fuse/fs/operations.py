@@ -34,8 +34,11 @@ from nvmeof_fuse.fs.wire import (
     FUSEError,
     StatvfsData,
 )
+from nvmeof_fuse.ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+"""A target that fails every command would otherwise give a line per request."""
 
 INVALIDATE_TIMEOUT = 10.0  # s for the kernel to drop a file's cached pages
 
@@ -119,8 +122,8 @@ class _SharedHandles(dict):
 
 
 def _fuse_error(exc: NVMeoFError, what: str) -> FUSEError:
-    """The FUSEError(errno) for ``exc``, after logging its one-line message."""
-    log.warning("%s: %s", what, exc)
+    """The FUSEError(errno) for ``exc``, after logging its one-line message (rate-limited)."""
+    limited.log("failed request", logging.WARNING, "%s: %s", what, exc)
     return FUSEError(exc.errno)
 
 

@@ -27,6 +27,7 @@ import trio
 from .. import nvme
 from ..concurrency import unwrap_groups
 from ..errors import ConnectError, NVMeoFError
+from ..ratelimit import FailureStreak, RateLimitedLog
 from ..transport.base import Transport
 from .controller import (
     ConnectOptions,
@@ -39,6 +40,7 @@ from .namespace import Namespace
 from .state import CONNECTING, LIVE
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
 
 QID_BUSY_RETRIES = 10
 """Connects of a leased QID answered Command Sequence Error (its previous holder's queue is
@@ -200,6 +202,7 @@ class AttachedController(Controller):
         await self._drop_queues()
         attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
         tried = 0
+        failing = FailureStreak(log)
         if attempts and not self._change_state(CONNECTING):
             return  # closed meanwhile
         while tried < attempts:
@@ -212,7 +215,7 @@ class AttachedController(Controller):
             try:
                 await self._connect_leased(lease)
             except NVMeoFError as exc:
-                log.warning("reconnecting leased queues failed: %s", exc)
+                failing.failed(logging.WARNING, "reconnecting leased queues failed: %s", exc)
                 await self._drop_queues()
                 await trio.sleep(opts.reconnect_delay)
                 continue
@@ -220,8 +223,9 @@ class AttachedController(Controller):
                 return  # closed meanwhile
             self._failing_io = ""
             self.reconnects += 1
-            log.info("leased queues %s connected again to controller %d",
-                     ",".join(map(str, lease.qids)), lease.cntlid)
+            limited.log("connected again", logging.INFO, "leased queues %s connected again to "
+                        "controller %d%s", ",".join(map(str, lease.qids)), lease.cntlid,
+                        failing.end())
             return
         why = self._dead_reason or (f"the leased queues to {opts.nqn} were lost ({reason}) and "
                                     f"did not come back after {tried} tries")

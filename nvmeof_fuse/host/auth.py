@@ -28,8 +28,10 @@ from ..errors import (
     TransportError,
 )
 from ..nvme import auth
+from ..ratelimit import RateLimitedLog
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)  # a target that drops each connection makes us authenticate again
 
 Send = Callable[..., Awaitable[None]]
 """``send(message, prompt=False)``: ``prompt`` waits only as long as a live target needs."""
@@ -281,8 +283,8 @@ async def authenticate_queue(dhchap: DhChap | None, qid: int, where: str,
                                   f"{exc}", final=final) from None
     if qid == 0:
         mode = "bidirectional" if dhchap.bidirectional else "host only"
-        log.info("authenticated to %s with DH-HMAC-CHAP (%s, %s) from %s", where, how, mode,
-                 dhchap.host_source)
+        limited.log("authenticated", logging.INFO, "authenticated to %s with DH-HMAC-CHAP (%s, "
+                    "%s) from %s", where, how, mode, dhchap.host_source)
 
 
 def queue_messages(ctrl, queue) -> tuple[Send, Receive]:

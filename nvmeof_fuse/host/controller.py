@@ -38,6 +38,7 @@ from ..errors import (
 from ..nvme import Cns, Completion, FeatureId, NVMeStatusError, Property
 from ..nvme import command as cmd
 from ..nvme.status import SCT_PATH
+from ..ratelimit import FailureStreak, RateLimitedLog
 from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
@@ -51,6 +52,8 @@ from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+"""Lines a target can make us write again and again (losses, failed commands)."""
 
 ADMIN_QUEUE_SIZE = 32  # NVME_AQ_DEPTH
 MAX_DEFAULT_IO_QUEUES = 8
@@ -121,7 +124,7 @@ def out_of_tries(sqe: bytearray, tries: int, failure: BaseException) -> Transpor
     name = nvme.command.command_name(sqe, admin=False)
     error = TransportError(f"{name} failed: its connection failed under each of its {tries} "
                            f"tries (the last: {failure})")
-    log.error("%s", error)
+    limited.log("out of tries", logging.ERROR, "%s", error)
     return error
 
 
@@ -185,6 +188,8 @@ class Controller:
         (:meth:`_waits_until`): the timeouts of its commands are cut to it."""
         self.shutdown_note = ""
         """What the orderly shutdown skipped ('' if nothing), for the mount's last line."""
+        self._keep_alive_failing = FailureStreak(log)  # Keep Alives answered with an error
+        self._reconnects_failing = FailureStreak(log)  # reconnects of one outage that failed
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -418,8 +423,8 @@ class Controller:
             while self.teardowns <= sent_in and self.state not in (DELETING, DEAD):
                 await self._states.wait_changed()
         if scope.cancelled_caught:
-            log.warning("the queues of a lost connection were not torn down within %g s",
-                        self.options.timeout)
+            limited.log("teardown", logging.WARNING, "the queues of a lost connection were "
+                        "not torn down within %g s", self.options.timeout)
 
     # -- losing and regaining the connection ---------------------------------------------------
 
@@ -497,11 +502,13 @@ class Controller:
         opts = self.options
         where = f"{opts.nqn} at {self.transport.address}"
         if opts.ctrl_loss_tmo == 0:
-            log.error("lost the connection to %s: %s", where, exc)
+            limited.log(("lost", where), logging.ERROR, "lost the connection to %s: %s",
+                        where, exc)
         else:
             limit = "ever" if opts.ctrl_loss_tmo < 0 else f"up to {opts.ctrl_loss_tmo:g} s"
-            log.error("lost the connection to %s: %s; reconnecting every %g s for %s",
-                      where, exc, opts.reconnect_delay, limit)
+            limited.log(("lost", where), logging.ERROR, "lost the connection to %s: %s; "
+                        "reconnecting every %g s for %s", where, exc, opts.reconnect_delay,
+                        limit)
         self._lost_reason = str(exc)
         self._lost.set()
 
@@ -529,7 +536,8 @@ class Controller:
             self._failing_io = (f"the connection to {self.options.nqn} at "
                                 f"{self.transport.address} was lost ({reason}); failing I/O "
                                 f"while reconnecting (--fast-io-fail-tmo {delay:g})")
-            log.warning("%s", self._failing_io)
+            limited.log(("failing io", self.options.nqn), logging.WARNING, "%s",
+                        self._failing_io)
             self._states.wake()
 
     async def _drop_queues(self) -> None:
@@ -581,7 +589,8 @@ class Controller:
                                        f"try had (--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
             except Exception as exc:  # noqa: BLE001 - any failure here means: try again later
                 what = exc if isinstance(exc, NVMeoFError) else f"{type(exc).__name__}: {exc}"
-                log.warning("reconnect %d to %s failed: %s", tried, opts.nqn, what)
+                self._reconnects_failing.failed(logging.WARNING, "reconnect %d to %s failed: %s",
+                                                tried, opts.nqn, what)
                 await self._drop_queues()
                 if final_failure(exc):  # DNR, or a rejected secret: as nvmf_should_reconnect
                     refused = f"; stopped reconnecting: {what}"
@@ -591,8 +600,10 @@ class Controller:
                 return  # closed meanwhile
             self._failing_io = ""
             self.reconnects += 1
-            log.info("reconnected to %s at %s as controller %d after %.1f s", opts.nqn,
-                     self.transport.address, self.cntlid, trio.current_time() - lost_at)
+            self._reconnects_failing.end()  # (this line says how long it took)
+            limited.log(("reconnected", opts.nqn), logging.INFO, "reconnected to %s at %s as "
+                        "controller %d after %.1f s", opts.nqn, self.transport.address,
+                        self.cntlid, trio.current_time() - lost_at)
             return
         where = f"{opts.nqn} at {self.transport.address}"
         if refused:
@@ -604,6 +615,7 @@ class Controller:
             reason = (f"the connection to {where} was lost ({reason}); gave up after {tried} "
                       f"reconnects in {trio.current_time() - lost_at:.0f} s "
                       f"(--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
+        self._reconnects_failing.end()
         if self.state not in (DELETING, DEAD):
             log.error("%s", reason)
         self.close_state(reason)
@@ -644,15 +656,22 @@ class Controller:
             await self.admin_command(cmd.identify(cns, nsid, sgl=nvme.NULL_SGL), ref)
             return bytes(ref.region.view[:4096])
 
+    def log_page_piece(self) -> int:
+        """Bytes of a log page one Get Log Page command reads at the most (MDTS, in
+        dwords)."""
+        return max(self.max_transfer & ~3, 4)
+
     async def get_log_page(self, lid: int, length: int, offset: int = 0) -> bytes:
         """Read ``length`` bytes of log page ``lid`` (in registered memory of its own), in
         pieces of at most one command's transfer (MDTS), as libnvme's ``nvme_get_log``
-        does; more than :data:`LOG_PAGE_MAX` bytes is refused (TargetProtocolError)."""
+        does; more than :data:`LOG_PAGE_MAX` bytes is refused (TargetProtocolError).
+        Pieces may hold two generations of a page: :func:`.logread.read_whole` reads one
+        with a change counter consistently."""
         if length > LOG_PAGE_MAX:
             raise TargetProtocolError(f"log page {lid:#04x} of {length} bytes is refused: "
                                       f"we read at most {LOG_PAGE_MAX} bytes of one")
         buf = host_buffer(self.transport.register, max(length, 4))
-        step = max(self.max_transfer & ~3, 4)
+        step = self.log_page_piece()
         try:
             for at in range(0, length, step):
                 n = min(step, length - at)
@@ -837,7 +856,8 @@ class Controller:
         Identify data we cannot serve is unavailable, and says why here, once."""
         ns = Namespace(self, nsid, identify)
         if ns.unavailable:
-            log.warning("%s: %s", self.options.nqn, unavailable_line(nsid, ns.unavailable))
+            limited.log(("unavailable", self.options.nqn), logging.WARNING, "%s: %s",
+                        self.options.nqn, unavailable_line(nsid, ns.unavailable))
         return ns
 
     async def _identify_namespaces(self) -> None:
@@ -865,8 +885,14 @@ class Controller:
         except (TransportError, CommandTimeout) as exc:
             self.connection_lost(admin, CommandTimeout(f"{why}: {exc}"))
             return
-        if not completion.ok and self.state is LIVE and why == "keep-alive":
-            log.error("keep-alive failed: %s", completion.status_name())
+        if why != "keep-alive":
+            return
+        if not completion.ok:  # the connection holds: each is a line only while few
+            if self.state is LIVE:
+                self._keep_alive_failing.failed(logging.ERROR, "keep-alive failed: %s",
+                                                completion.status_name())
+        elif self._keep_alive_failing.failing:
+            log.info("keep-alive answered again%s", self._keep_alive_failing.end())
 
     async def _probe_when_overdue(self, after: float) -> None:
         """Send a Keep Alive at once while an I/O command has waited ``after`` s, at most

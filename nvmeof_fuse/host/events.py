@@ -11,6 +11,10 @@ the listeners (the mount adds, removes or resizes its files).
 This module knows the controller and its namespaces only by what it uses of them
 (:class:`EventSource`, :class:`ScannedNamespace`); the controller hands it the
 factory that makes a namespace it finds.
+
+A target decides how often events come: at most :data:`EVENTS_PER_SECOND` are taken a
+second (the next request is sent later; the controller keeps what happened meanwhile), and
+every line they cause is rate-limited.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import trio
 
 from .. import nvme
 from ..errors import CommandTimeout, NVMeoFError, TransportError, unavailable_line
-from ..nvme import Cns, FeatureId
+from ..nvme import Cns, FeatureId, NVMeStatusError
 from ..nvme import command as cmd
 from ..nvme.events import (
     AEN_ANA_CHANGE,
@@ -35,15 +39,24 @@ from ..nvme.events import (
     AsyncEvent,
     parse_changed_ns_list,
 )
+from ..nvme.status import SCT_GENERIC
+from ..ratelimit import LIST_SHOWN, RateLimitedLog, brief_list
 from ..transport.base import Queue
 from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+"""Lines a target can make us write again and again (events, rescans)."""
 
 ACTIVE_NS_PAGES_MAX = 64
 """Pages of the active namespace list read at the most (65536 namespaces): a target that
 says there are more, page after page, is not followed further."""
 LAST_NSID = 0xFFFFFFFE  # the highest valid NSID (0xFFFFFFFF is the broadcast value)
+EVENTS_PER_SECOND = 20
+"""Asynchronous events taken per second at the most: past it, the next Asynchronous Event
+Request waits for the second to end (a target that completes each at once costs us that
+much, not a core)."""
+SC_INVALID_NAMESPACE = 0x0B  # generic: Invalid Namespace or Format
 
 
 @dataclass(frozen=True)
@@ -61,6 +74,18 @@ class NamespaceChange:
         if self.kind == "removed":
             return f"namespace n{self.nsid} removed"
         return f"namespace n{self.nsid} resized from {self.old_size} to {self.new_size} bytes"
+
+
+def describe_changes(changes: list[NamespaceChange]) -> list[str]:
+    """The lines that say ``changes``: one each while few, else one per kind with the
+    first few namespaces and a count (a rescan may change thousands)."""
+    if len(changes) <= LIST_SHOWN:
+        return [change.describe() for change in changes]
+    kinds: dict[str, list[str]] = {}
+    for change in changes:
+        kinds.setdefault(change.kind, []).append(f"n{change.nsid}")
+    return [f"{len(names):,} namespaces {kind}: {brief_list(names)}"
+            for kind, names in kinds.items()]
 
 
 Listener = Callable[[list[NamespaceChange]], Awaitable[None]]
@@ -118,8 +143,9 @@ async def active_nsids(ctrl: EventSource) -> list[int]:
         if (len(page) < nvme.ACTIVE_NS_PER_PAGE or len(new) < len(page)
                 or nsids[-1] >= LAST_NSID):  # none can follow (and asking past it is invalid)
             return nsids
-    log.warning("%s: the active namespace list goes on past %d pages; serving its first %d "
-                "namespaces", ctrl.options.nqn, ACTIVE_NS_PAGES_MAX, len(nsids))
+    limited.log("long list", logging.WARNING, "%s: the active namespace list goes on past %d "
+                "pages; serving its first %d namespaces", ctrl.options.nqn,
+                ACTIVE_NS_PAGES_MAX, len(nsids))
     return nsids
 
 
@@ -133,12 +159,7 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
     changes = []
     for nsid in wanted:
         ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
-        ident = None
-        if nsid in active:
-            ident = nvme.IdentifyNamespace.from_bytes(
-                await ctrl.identify_raw(Cns.NAMESPACE, nsid))
-            if not ident.nsze:
-                ident = None
+        ident = await _identify_namespace(ctrl, nsid) if nsid in active else None
         if ident is None:
             if ns is not None:
                 del ctrl.namespaces[nsid]
@@ -152,12 +173,28 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
             old = ns.resize(ident)
             now = ns.unavailable
             if now and now != was:  # values we cannot serve now: say why, once
-                log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
+                limited.log("unavailable", logging.WARNING, "%s: %s", ctrl.options.nqn,
+                            unavailable_line(nsid, now))
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
-    for change in changes:
-        log.info("%s", change.describe())
+    for line in describe_changes(changes):
+        limited.log("changes", logging.INFO, "%s", line)
     return changes
+
+
+async def _identify_namespace(ctrl: EventSource, nsid: int) -> nvme.IdentifyNamespace | None:
+    """Identify Namespace ``nsid``; None if it is not there (any more): all zeros, or
+    Invalid Namespace or Format, as when it went away since the active list was read (the
+    kernel's ``nvme_validate_ns`` removes it then too).  Any other status fails the rescan:
+    nvmet answers Command Sequence Error, with DNR, once shutdown began."""
+    try:
+        ident = nvme.IdentifyNamespace.from_bytes(await ctrl.identify_raw(Cns.NAMESPACE, nsid))
+    except NVMeStatusError as exc:
+        if (exc.sct, exc.sc) == (SCT_GENERIC, SC_INVALID_NAMESPACE):
+            log.debug("namespace n%d is gone: %s", nsid, exc)
+            return None
+        raise
+    return ident if ident.nsze else None
 
 
 class AsyncEvents:
@@ -172,6 +209,7 @@ class AsyncEvents:
         """Told of each ANA-change notice (a multipath head reads the ANA log page then,
         which also lets the controller report the next one)."""
         self.events = 0  # AER completions seen
+        self._second = (-math.inf, 0)  # (start, events taken in it): EVENTS_PER_SECOND
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Until the controller is gone: arm, wait, handle, re-arm (also on new queues)."""
@@ -197,12 +235,24 @@ class AsyncEvents:
                 continue
             if not completion.ok:
                 if ctrl.state is LIVE and ctrl.admin is admin:
-                    log.warning("Asynchronous Event Request failed: %s; re-armed after the "
-                                "next reconnect", completion.status_name())
+                    limited.log("aer failed", logging.WARNING, "Asynchronous Event Request "
+                                "failed: %s; re-armed after the next reconnect",
+                                completion.status_name())
                 await self._wait_for_other_than(admin)
                 continue
             self.events += 1
             await self._handle(AsyncEvent.from_dw0(completion.dw0))
+            await self._pace()
+
+    async def _pace(self) -> None:
+        """Past EVENTS_PER_SECOND events in this second, wait for its end."""
+        start, taken = self._second
+        now = trio.current_time()
+        if now - start >= 1.0:
+            start, taken = now, 0
+        self._second = (start, taken + 1)
+        if taken + 1 >= EVENTS_PER_SECOND:
+            await trio.sleep_until(start + 1.0)
 
     async def _wait_for_other_than(self, admin: object) -> None:
         while self.ctrl.admin is admin and self.ctrl.state is LIVE:
@@ -218,7 +268,8 @@ class AsyncEvents:
         try:
             await self.ctrl.set_features(FeatureId.ASYNC_EVENT_CONFIG, wanted)
         except NVMeoFError as exc:
-            log.warning("cannot enable namespace attribute and ANA change notices: %s", exc)
+            limited.log("aen config", logging.WARNING, "cannot enable namespace attribute and "
+                        "ANA change notices: %s", exc)
 
     async def _handle(self, event: AsyncEvent) -> None:
         if event.ana_changed:
@@ -227,12 +278,13 @@ class AsyncEvents:
                 listener()
             return
         if not event.namespace_changed:
-            log.info("asynchronous event: %s", event.describe())
+            limited.log("event", logging.INFO, "asynchronous event: %s", event.describe())
             return
-        try:
+        try:  # one command (4 KiB), so no torn read; it has no change counter either
             page = await self.ctrl.get_log_page(CHANGED_NS_LIST, CHANGED_NS_LIST_BYTES)
         except NVMeoFError as exc:
-            log.warning("cannot read the changed namespace list: %s; rescanning all", exc)
+            limited.log("changed list", logging.WARNING, "cannot read the changed namespace "
+                        "list: %s; rescanning all", exc)
             await self._rescan(None)
             return
         await self._rescan(parse_changed_ns_list(page))
@@ -242,7 +294,8 @@ class AsyncEvents:
             changes = await rescan(self.ctrl, nsids, self.new_namespace)
         except NVMeoFError as exc:
             if self.ctrl.state is LIVE:
-                log.warning("namespace rescan failed: %s", exc)
+                limited.log("rescan failed", logging.WARNING, "namespace rescan failed: %s",
+                            exc)
             else:  # lost or shutting down meanwhile (nvmet answers Command Sequence Error
                 # once CC.SHN is set): a reconnect rescans again, a shutdown needs none
                 log.debug("namespace rescan stopped (controller %s): %s", self.ctrl.state, exc)

@@ -48,6 +48,7 @@ from ..nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
 from ..nvme.ana import AnaLogPage, AnaState, ana_log_size
 from ..nvme.status import fails_over, is_ana_error
 from ..nvme.uri import DEFAULT_PORT, parse_uri
+from ..ratelimit import FailureStreak, RateLimitedLog, brief_list
 from ..transport.base import Finished, Queue
 from .ana import PathAna
 from .controller import (
@@ -61,6 +62,7 @@ from .controller import (
 from .controller import connect as connect_controller
 from .events import NamespaceChange
 from .iopolicy import DEFAULT_POLICY, PathSelector
+from .logread import read_whole
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
 from .options import ConnectOptions
@@ -69,12 +71,14 @@ from .pathmemory import HeadPool, PathsRegistration, PathsTransport
 from .state import DEAD, DELETING, LIVE
 
 log = logging.getLogger(__name__)
+limited = RateLimitedLog(log)
+"""Lines a target can make us write again and again (ANA changes, path state changes)."""
 
 ANA_POLL_INTERVAL = 1.0
 """Seconds between reads of a path's ANA log while it is pending or changing (a notice
 normally comes first)."""
-NAMESPACES_LOGGED = 8
-"""Namespaces a path's "connected" line names; the rest it counts."""
+ANA_HEADER_BYTES = 16
+"""The ANA log page's header: CHGCNT, NGRPS."""
 NO_PATH_WAIT = 1.0
 """Seconds between looks for a usable path while a command waits for one."""
 
@@ -235,15 +239,21 @@ class MultipathController:
         """A path's life: connect and admit (errors go to :meth:`add_path`'s caller), serve,
         and while it is not removed connect anew each time its controller gives up."""
         started = False
+        failing = FailureStreak(log)  # logged when it starts, then ever more rarely
         while not path.removed.is_set():
+            delay = path.options.reconnect_delay
             try:
                 with unwrap_groups(), trio.CancelScope() as self._attempts[path.index]:
-                    await self._connect_and_serve(path, started, task_status)
+                    await self._connect_and_serve(path, started, task_status, failing)
                 started = True
+                if not path.removed.is_set():
+                    failing.failed(logging.WARNING, "%s: its controller gave up; connecting "
+                                   "anew every %g s", path.name, delay)
             except PathRefused as exc:
                 if not started:
                     raise
-                log.error("%s: %s; it stays out until connected again", path.name, exc)
+                failing.failed(logging.ERROR, "%s: %s; it stays out until connected again "
+                               "(tried every %g s)", path.name, exc, delay)
             except NVMeoFError as exc:
                 if not started and must_connect:
                     raise
@@ -252,11 +262,10 @@ class MultipathController:
                     self._bind()
                     task_status.started(path)
                     started = True
-                log.warning("%s: connect failed: %s", path.name, exc)
+                failing.failed(logging.WARNING, "%s: connect failed: %s; connecting anew "
+                               "every %g s", path.name, exc, delay)
             if path.removed.is_set():
                 return
-            delay = path.options.reconnect_delay
-            log.info("%s: connecting anew in %g s", path.name, delay)
             with trio.move_on_after(delay):
                 await path.removed.wait()
 
@@ -273,7 +282,8 @@ class MultipathController:
             if note and self._closed:
                 self.shutdown_notes.append(f"{path.name}: {note}")
 
-    async def _connect_and_serve(self, path: Path, started: bool, task_status) -> None:
+    async def _connect_and_serve(self, path: Path, started: bool, task_status,
+                                 failing: FailureStreak) -> None:
         async with self._connected(path) as ctrl:
             async with self._admit_lock:
                 await self._admit(path, ctrl)
@@ -284,7 +294,7 @@ class MultipathController:
                 path.revivals += 1
             path.connected_once = True
             try:
-                self._attach(path, ctrl)
+                self._attach(path, ctrl, failing.end())
                 await self._serve_path(path, ctrl)
             finally:
                 self._detach(path, ctrl)
@@ -328,9 +338,10 @@ class MultipathController:
         if path.ana.reporting:
             path.ana_log_bytes = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
             if path.ana_log_bytes > ctrl.max_transfer:  # as Linux's nvme_mpath_init_identify
-                log.warning("%s: the ANA log page may take %d bytes, more than one command "
-                            "moves (%d, MDTS): ANA reporting is off on this path",
-                            path.name, path.ana_log_bytes, ctrl.max_transfer)
+                limited.log(("ana off", path.index), logging.WARNING, "%s: the ANA log page "
+                            "may take %d bytes, more than one command moves (%d, MDTS): ANA "
+                            "reporting is off on this path", path.name, path.ana_log_bytes,
+                            ctrl.max_transfer)
                 path.ana = PathAna(reporting=False, anatt=ident.anatt)
         for nsid, ns in ctrl.namespaces.items():
             path.ana.set_namespace_group(nsid, ns.identify.anagrpid)
@@ -357,12 +368,13 @@ class MultipathController:
         try:
             return NamespaceIds.from_descriptors(data, base)
         except ValueError as exc:
-            log.warning("namespace %d at %s: %s; using Identify Namespace's identifiers",
-                        nsid, ctrl.transport.address, exc)
+            limited.log("namespace ids", logging.WARNING, "namespace %d at %s: %s; using "
+                        "Identify Namespace's identifiers", nsid, ctrl.transport.address, exc)
             return base
 
-    def _attach(self, path: Path, ctrl: Controller) -> None:
-        """``ctrl`` serves ``path`` now: the head's memory is registered with it."""
+    def _attach(self, path: Path, ctrl: Controller, after: str = "") -> None:
+        """``ctrl`` serves ``path`` now: the head's memory is registered with it (``after``:
+        how long connecting failed before, for its line)."""
         for registration in self._registrations:
             registration.add(ctrl.transport)
         path.ctrl = ctrl
@@ -378,11 +390,9 @@ class MultipathController:
         ctrl.events.ana_listeners.append(path.kick)
         ctrl.events.listeners.append(self._follow_namespaces)
         self._bind()
-        words = self._ana_words(path)
-        if len(words) > NAMESPACES_LOGGED:  # one line, however many the target lists
-            words[NAMESPACES_LOGGED:] = [f"{len(words) - NAMESPACES_LOGGED} more"]
-        log.info("%s: connected as controller %d (%s)", path.name, ctrl.cntlid,
-                 ", ".join(words) or "no namespaces")
+        limited.log(("connected", path.index), logging.INFO, "%s: connected as controller "
+                    "%d%s (%s)", path.name, ctrl.cntlid, after,  # one line, however many
+                    brief_list(self._ana_words(path)) or "no namespaces")
 
     def _detach(self, path: Path, ctrl: Controller) -> None:
         path.retire(ctrl)
@@ -417,7 +427,8 @@ class MultipathController:
         while True:
             new = await ctrl.next_state()
             if new != old:
-                log.info("%s: %s -> %s", path.name, old, new)
+                limited.log(("state", path.index), logging.INFO, "%s: %s -> %s", path.name,
+                            old, new)
                 if new is LIVE:
                     path.kick()  # read the ANA log after each reconnect
                 old = new
@@ -442,28 +453,51 @@ class MultipathController:
             await self._read_ana(path, ctrl)
             now = trio.current_time()
             if path.ana.anatt_expired(now):
-                log.warning("%s: an ANA group stayed in the change state past twice ANATT "
-                            "(%g s): resetting its controller", path.name, path.ana.anatt)
+                limited.log(("anatt", path.index), logging.WARNING, "%s: an ANA group stayed "
+                            "in the change state past twice ANATT (%g s): resetting its "
+                            "controller", path.name, path.ana.anatt)
                 path.ana.change_since = None
                 ctrl.connection_lost(ctrl.admin, CommandTimeout("ANA transition timeout"))
 
     async def _read_ana(self, path: Path, ctrl: Controller) -> None:
         try:
-            page = AnaLogPage.from_bytes(
-                await ctrl.get_log_page(LogPageId.ANA, path.ana_log_bytes))
+            page = AnaLogPage.from_bytes(await read_whole(
+                ctrl, LogPageId.ANA, header=ANA_HEADER_BYTES, length=path.ana_log_bytes,
+                counter=lambda head: int.from_bytes(head[:8], "little"),
+                what=f"{path.name}: the ANA log page"))
         except (NVMeoFError, ValueError) as exc:
-            log.warning("%s: cannot read the ANA log page: %s", path.name, exc)
+            limited.log(("ana read", path.index), logging.WARNING,
+                        "%s: cannot read the ANA log page: %s", path.name, exc)
             return
         watched = set(path.ids) or set(ctrl.namespaces)
         before = {nsid: path.ana.state(nsid) for nsid in watched}
         path.ana.update(page, trio.current_time())
-        for nsid in sorted(watched):
-            old, new = before[nsid], path.ana.state(nsid)
-            if new is not None and old is not new and path.ctrl is not None:
-                log.info("%s: ana %s -> %s (n%d, group %s)", path.name,
-                         old.label if old is not None else "unknown", new.label, nsid,
-                         path.ana.group(nsid))
+        if path.ctrl is not None:  # (at connect, its "connected" line names the states)
+            self._log_ana_changes(path, before)
         self._wake()
+
+    def _log_ana_changes(self, path: Path, before: dict[int, AnaState | None]) -> None:
+        """A line for the namespaces whose usability on ``path`` changed (rate-limited, as
+        a target may flip states thousands of times a second); other changes at debug."""
+        usability: dict[tuple[bool, str, str], list[str]] = {}
+        others: dict[tuple[str, str], list[str]] = {}
+        for nsid in sorted(before):
+            old, new = before[nsid], path.ana.state(nsid)
+            if new is None or old is new:
+                continue
+            old_label = old.label if old is not None else "unknown"
+            if (old is not None and old.usable) != new.usable:
+                usability.setdefault((new.usable, old_label, new.label), []).append(f"n{nsid}")
+            else:
+                others.setdefault((old_label, new.label), []).append(f"n{nsid}")
+        for (usable, old_label, new_label), names in usability.items():
+            limited.log(("ana", path.index), logging.INFO, "%s: %s %s (ana %s -> %s)",
+                        path.name, brief_list(names), "usable" if usable else "not usable",
+                        old_label, new_label)
+        if others and log.isEnabledFor(logging.DEBUG):
+            for (old_label, new_label), names in others.items():
+                log.debug("%s: %s ana %s -> %s", path.name, brief_list(names), old_label,
+                          new_label)
 
     async def _follow_namespaces(self, changes: list[NamespaceChange]) -> None:
         """A path's controller saw namespaces change: apply them to the head's once."""

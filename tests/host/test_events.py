@@ -9,13 +9,16 @@ from types import SimpleNamespace
 
 import pytest
 import trio
+import trio.testing
 
 from nvmeof_fuse.errors import NamespaceRemoved
 from nvmeof_fuse.host.events import (
     ACTIVE_NS_PAGES_MAX,
+    EVENTS_PER_SECOND,
     AsyncEvents,
     NamespaceChange,
     active_nsids,
+    describe_changes,
     rescan,
 )
 from nvmeof_fuse.host.namespace import Namespace
@@ -220,3 +223,86 @@ def test_a_full_page_that_ends_at_the_last_nsid_ends_the_list():
     target = Target({nsid: 8 for nsid in last})
     assert trio.run(active_nsids, controller(target, {})) == last
     assert target.list_pages == 1
+
+
+def test_a_namespace_gone_since_the_active_list_was_read_is_removed_and_the_rescan_goes_on(
+        caplog):
+    """The list names n2 and n3; Identify Namespace of n2 then says Invalid Namespace or
+    Format (it went away meanwhile): n2 is removed, n3 still rescanned."""
+    target = Target({1: 100, 2: 100, 3: 300})
+    ctrl = controller(target, {1: 100, 2: 100, 3: 100})
+    plain = target.identify_raw
+
+    async def identify_raw(cns, nsid=0):
+        if cns == Cns.NAMESPACE and nsid == 2:
+            raise NVMeStatusError(0x0B, "Identify")
+        return await plain(cns, nsid)
+
+    ctrl.identify_raw = identify_raw
+    with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.events"):
+        changes = trio.run(rescan, ctrl, [2, 3], partial(Namespace, ctrl))
+    assert changes == [NamespaceChange("removed", 2, 100 * 512, 0),
+                       NamespaceChange("resized", 3, 100 * 512, 300 * 512)]
+    assert sorted(ctrl.namespaces) == [1, 3]
+    assert caplog.messages == ["namespace n2 removed",
+                               f"namespace n3 resized from {100 * 512} to {300 * 512} bytes"]
+
+
+def test_another_identify_status_fails_the_rescan_and_removes_nothing():
+    target = Target({1: 100})
+    ctrl = controller(target, {1: 100})
+    plain = target.identify_raw
+
+    async def identify_raw(cns, nsid=0):
+        if cns == Cns.NAMESPACE:
+            raise NVMeStatusError(0x0C | 0x4000, "Identify")  # Command Sequence Error, DNR
+        return await plain(cns, nsid)
+
+    ctrl.identify_raw = identify_raw
+    with pytest.raises(NVMeStatusError):
+        trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert sorted(ctrl.namespaces) == [1]
+
+
+def test_a_rescan_of_many_changes_logs_one_line_per_kind(caplog):
+    target = Target({nsid: 8 for nsid in range(1, 1001)})
+    ctrl = controller(target, {5000: 8})
+    with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.events"):
+        changes = trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert len(changes) == 1001
+    assert caplog.messages == ["1,000 namespaces added: n1, n2, n3, n4, n5, n6, n7, n8 and "
+                               "992 more", "1 namespaces removed: n5000"]
+    assert describe_changes(changes[:2]) == [f"namespace n{n} added ({8 * 512} bytes)"
+                                             for n in (1, 2)]
+
+
+def test_a_target_that_answers_every_event_request_at_once_is_paced():
+    """Each AER completes at once with a SMART notice: at most EVENTS_PER_SECOND are taken
+    a second (on trio's clock, jumped ahead whenever the loop waits)."""
+    smart = 0x02 << 16 | 0x01 << 8 | 0x1
+
+    class Storm:
+        armed = 0
+
+        async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+            self.armed += 1
+            await trio.lowlevel.checkpoint()
+            return Completion(smart, 0, 0, 0, 0, True)
+
+    async def main():
+        admin = Storm()
+        ctrl = SimpleNamespace(admin=admin, state=LIVE, identify=None, namespaces={},
+                               options=SimpleNamespace(nqn="nqn.2014-08.org.example:t"))
+
+        async def wait_connected():
+            return True
+
+        ctrl.wait_connected = wait_connected
+        events = AsyncEvents(ctrl, partial(Namespace, ctrl))
+        async with trio.open_nursery() as nursery:
+            await nursery.start(events.run)
+            await trio.sleep(10)
+            nursery.cancel_scope.cancel()
+        assert 10 * EVENTS_PER_SECOND <= events.events <= 11 * EVENTS_PER_SECOND, events.events
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

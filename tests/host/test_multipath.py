@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 
 import pytest
 import trio
@@ -178,7 +179,10 @@ def test_all_paths_gone_past_ctrl_loss_tmo_is_an_error_then_the_mount_works_agai
 
     with caplog.at_level(logging.INFO):
         run(test, port, ctrl_loss_tmo=3)
-    assert "path 0 (rdma 192.0.2.1:4420): connecting anew in 1 s" in caplog.text
+    assert ("path 0 (rdma 192.0.2.1:4420): its controller gave up; connecting anew every 1 s"
+            in caplog.text)
+    assert re.search(r"path 0 \(rdma 192.0.2.1:4420\): connected as controller \d+ after "
+                     r"\d+ failures? in \d+ s", caplog.text), caplog.text
 
 
 def test_a_path_to_another_subsystem_or_namespace_is_refused_in_one_line():

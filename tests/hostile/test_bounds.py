@@ -125,7 +125,7 @@ def test_namespace_lists_and_notices(hostile, fault):
 def test_a_full_namespace_list_is_served_and_logged_in_one_short_line(hostile):
     out = hostile.run("namespace list of 1024", "read").check("ok")
     connected = [line for line in out.log.splitlines() if "connected as controller" in line]
-    assert len(connected) == 1 and "1016 more" in connected[0], connected
+    assert len(connected) == 1 and "1,016 more" in connected[0], connected
     assert len(connected[0]) < 400
 
 
