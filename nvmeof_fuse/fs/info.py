@@ -19,6 +19,7 @@ class NamespaceLike(Protocol):
     unavailable: str  # why we cannot serve it ('' when we can): opening it fails
     identify: Any  # .to_dict()
     stats: IoStats
+    io_stats: IoStats | None  # stats, None while it did no I/O (reading builds nothing)
 
     async def read(self, offset: int, length: int) -> bytes: ...
 
@@ -127,9 +128,16 @@ def namespace_text(ns: NamespaceLike) -> bytes:
     return _text(title, {"identify": ns.identify.to_dict()})
 
 
+def io_stats(ns: NamespaceLike) -> IoStats:
+    """What ``ns`` counted; empty for a namespace that did no I/O yet, which a report does
+    not make build its I/O (a target may have 65,536 namespaces)."""
+    stats = ns.io_stats
+    return stats if stats is not None else IoStats()
+
+
 def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None) -> dict[str, Any]:
     doc: dict[str, Any] = {
-        f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())
+        f"n{n}": io_stats(ns).snapshot() for n, ns in sorted(ctrl.namespaces.items())
     }
     workers = worker_reports(companion)
     if workers:  # FUSE workers: the namespaces' figures summed, and each process's own
@@ -192,7 +200,7 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
     parts = []
     workers = worker_reports(companion)
     for n, ns in sorted(ctrl.namespaces.items()):
-        body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
+        body = io_stats(ns).format_text().rstrip("\n").replace("\n", "\n  ")
         title = f"n{n} (the main process; stats.json sums the workers)" if workers else f"n{n}"
         parts.append(f"{title}:\n  {body}\n")
     for worker in workers:  # each FUSE worker: where it serves and how much
