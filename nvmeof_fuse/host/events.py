@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import trio
 
 from .. import nvme
+from ..concurrency import run_bounded
 from ..errors import CommandTimeout, NVMeoFError, TransportError, unavailable_line
 from ..nvme import Cns, FeatureId
 from ..nvme import command as cmd
@@ -36,14 +37,20 @@ from ..nvme.events import (
     parse_changed_ns_list,
 )
 from ..transport.base import Queue
+from .options import DEFAULT_MAX_NAMESPACES
 from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)
 
-ACTIVE_NS_PAGES_MAX = 64
-"""Pages of the active namespace list read at the most (65536 namespaces): a target that
-says there are more, page after page, is not followed further."""
+COUNT_PAGES_MAX = 64
+"""Pages of the active namespace list read past ``--max-namespaces``, only to say how many
+are refused (65,536 more; a list that goes on is said to hold more than that)."""
 LAST_NSID = 0xFFFFFFFE  # the highest valid NSID (0xFFFFFFFF is the broadcast value)
+IDENTIFY_IN_FLIGHT = 16
+"""Identify commands of a scan in flight at once: 65,536 namespaces take two each (as in
+Linux, which identifies each namespace it scans), and one at a time they wait for each
+other's round trips.  Well below the admin queue's 31 commands, which the keep-alive and
+the Asynchronous Event Request share."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,8 @@ class EventSource(Protocol):
     admin: Queue | None
     identify: nvme.IdentifyController | None
     namespaces: dict[int, Any]
-    options: Any  # its ``nqn`` names the subsystem in messages
+    options: Any  # its ``nqn`` names the subsystem in messages; ``max_namespaces``
+    refused_namespaces: tuple[int, str] | None  # what say_refused last said (set there)
 
     @property
     def state(self) -> CtrlState: ...
@@ -105,48 +113,105 @@ class EventSource(Protocol):
     async def set_features(self, fid: int, cdw11: int) -> int: ...
 
 
-async def active_nsids(ctrl: EventSource) -> list[int]:
-    """The active NSIDs (Identify CNS 02h), ascending: page after page, each of those above
-    the last one of the page before, until a page is not full (or goes back); at most
-    ACTIVE_NS_PAGES_MAX pages (then one line says the list was cut there)."""
+@dataclass
+class ActiveList:
+    """The active namespace list as read: NSIDs ascending, up to ``--max-namespaces`` and
+    COUNT_PAGES_MAX pages more; ``ended``: it was read to its end."""
+
+    nsids: list[int]
+    ended: bool
+
+    def describe_total(self) -> str:
+        return f"{len(self.nsids)}" if self.ended else f"more than {len(self.nsids)}"
+
+
+def max_namespaces(ctrl: EventSource) -> int:
+    """The controller's ``--max-namespaces`` (its default for a stand-in without one)."""
+    return getattr(ctrl.options, "max_namespaces", DEFAULT_MAX_NAMESPACES)
+
+
+async def read_active_list(ctrl: EventSource) -> ActiveList:
+    """The active NSIDs (Identify CNS 02h), page after page, each of those above the last
+    one of the page before, until a page is not full (or goes back); past
+    ``--max-namespaces`` at most COUNT_PAGES_MAX pages more, only to count."""
     nsids: list[int] = []
-    for _ in range(ACTIVE_NS_PAGES_MAX):
+    pages = -(-max_namespaces(ctrl) // nvme.ACTIVE_NS_PER_PAGE) + COUNT_PAGES_MAX
+    for _ in range(pages):
         after = nsids[-1] if nsids else 0
         page = nvme.parse_active_ns_list(await ctrl.identify_raw(Cns.ACTIVE_NS_LIST, after))
         new = [nsid for nsid in page if nsid > after]
         nsids += new
         if (len(page) < nvme.ACTIVE_NS_PER_PAGE or len(new) < len(page)
                 or nsids[-1] >= LAST_NSID):  # none can follow (and asking past it is invalid)
-            return nsids
-    log.warning("%s: the active namespace list goes on past %d pages; serving its first %d "
-                "namespaces", ctrl.options.nqn, ACTIVE_NS_PAGES_MAX, len(nsids))
-    return nsids
+            return ActiveList(nsids, True)
+    return ActiveList(nsids, False)
+
+
+def say_refused(ctrl: EventSource, served: int, listed: ActiveList) -> None:
+    """One line when namespaces past ``--max-namespaces`` are refused, and again only when
+    their count changes (a rescan finds the same: a target cannot make us repeat it)."""
+    refused = (served, listed.describe_total()) if served < len(listed.nsids) else None
+    if refused != getattr(ctrl, "refused_namespaces", None):
+        ctrl.refused_namespaces = refused
+        if refused is not None:
+            log.warning("%s: serving the first %d of %s namespaces (--max-namespaces)",
+                        ctrl.options.nqn, *refused)
+
+
+async def active_nsids(ctrl: EventSource) -> list[int]:
+    """The active NSIDs a mount serves: the first ``--max-namespaces`` of the list (the
+    rest refused in one line, :func:`say_refused`)."""
+    listed = await read_active_list(ctrl)
+    served = listed.nsids[:max_namespaces(ctrl)]
+    say_refused(ctrl, len(served), listed)
+    return served
+
+
+async def identify_namespaces(ctrl: EventSource, nsids: list[int]
+                              ) -> dict[int, nvme.IdentifyNamespace]:
+    """Identify Namespace of each of ``nsids``, IDENTIFY_IN_FLIGHT at once."""
+    found: dict[int, nvme.IdentifyNamespace] = {}
+
+    async def identify(nsid: int) -> None:
+        found[nsid] = nvme.IdentifyNamespace.from_bytes(
+            await ctrl.identify_raw(Cns.NAMESPACE, nsid))
+
+    await run_bounded(nsids, identify, IDENTIFY_IN_FLIGHT)
+    return found
 
 
 async def rescan(ctrl: EventSource, nsids: list[int] | None,
                  new_namespace: NewNamespace) -> list[NamespaceChange]:
     """Look at ``nsids`` (all of them: None) again; apply and return what changed.
 
-    A namespace found anew is made by ``new_namespace``."""
-    active = set(await active_nsids(ctrl))
+    A namespace found anew is made by ``new_namespace``, while fewer than
+    ``--max-namespaces`` are served; one past the part of the list read is left as it is."""
+    listed = await read_active_list(ctrl)
+    active = set(listed.nsids)
+    beyond = listed.nsids[-1] if listed.nsids and not listed.ended else LAST_NSID
     wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
+    wanted = [nsid for nsid in wanted if nsid <= beyond]
+    idents = await identify_namespaces(ctrl, [nsid for nsid in wanted if nsid in active])
+    for nsid, ident in list(idents.items()):
+        if not ident.nsze:
+            del idents[nsid]
+    gone = sum(nsid in ctrl.namespaces and nsid not in idents for nsid in wanted)
+    room = max_namespaces(ctrl) - len(ctrl.namespaces) + gone
     changes = []
     for nsid in wanted:
         ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
-        ident = None
-        if nsid in active:
-            ident = nvme.IdentifyNamespace.from_bytes(
-                await ctrl.identify_raw(Cns.NAMESPACE, nsid))
-            if not ident.nsze:
-                ident = None
+        ident = idents.get(nsid)
         if ident is None:
             if ns is not None:
                 del ctrl.namespaces[nsid]
                 ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
                 changes.append(NamespaceChange("removed", nsid, ns.size, 0))
         elif ns is None:
+            if room <= 0:
+                continue  # past --max-namespaces: counted in say_refused's line
             ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
             changes.append(NamespaceChange("added", nsid, 0, ns.size))
+            room -= 1
         else:
             was = ns.unavailable
             old = ns.resize(ident)
@@ -155,6 +220,7 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
                 log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
+    say_refused(ctrl, len(ctrl.namespaces), listed)
     for change in changes:
         log.info("%s", change.describe())
     return changes

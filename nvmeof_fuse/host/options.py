@@ -16,6 +16,11 @@ DEFAULT_COMPANION_QUEUES = 16
 """Four clients' worth of queue IDs (they cost the target nothing until a client connects)."""
 QUEUES_PER_CLIENT = 4
 """I/O queues a companion ``File`` leases and connects: 2 polled, 2 on its loop."""
+DEFAULT_MAX_NAMESPACES = 65536
+"""Active namespaces a mount serves at most (the first by NSID), unless
+``--max-namespaces`` says otherwise: each costs about 1 KiB of memory and two Identify
+commands at mount (docs/reliability.md, "Many namespaces").  NVMe allows 0xFFFFFFFE."""
+MAX_NSID = 0xFFFFFFFE
 
 
 @dataclass
@@ -42,6 +47,9 @@ class ConnectOptions:
     """Seconds after a loss from which I/O fails while reconnecting goes on; -1: off."""
     timeout: float = 30.0
     """Per-command timeout in seconds."""
+    max_namespaces: int = DEFAULT_MAX_NAMESPACES
+    """Active namespaces served at most, the first by NSID; the rest are refused in one
+    line."""
     connect_timeout: float = 10.0
     dhchap_secret: str | None = field(default=None, repr=False)
     """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it (read
@@ -79,6 +87,9 @@ class ConnectOptions:
         if not (self.fast_io_fail_tmo == -1 or 0 <= self.fast_io_fail_tmo <= 2**31):
             raise InvalidArgument(f"--fast-io-fail-tmo {self.fast_io_fail_tmo} must be -1 (off) "
                                   "or 0 or more seconds")
+        if not 1 <= self.max_namespaces <= MAX_NSID:
+            raise InvalidArgument(f"--max-namespaces {self.max_namespaces} must be "
+                                  f"1-{MAX_NSID}")
         if not self.nqn:
             raise InvalidArgument("--nqn is required")
         for source in self.dhchap_sources():
