@@ -330,8 +330,9 @@ class MultipathController:
 
         await run_bounded(sorted(ctrl.namespaces), identify, IDENTIFY_IN_FLIGHT)
         if unusable:
-            more = f" (and {len(unusable) - 1} more namespaces')" if len(unusable) > 1 else ""
-            log.warning("%s%s; using Identify Namespace's identifiers", unusable[0], more)
+            more = (f" (so for {len(unusable) - 1} more namespaces' unusable lists)"
+                    if len(unusable) > 1 else "")
+            log.warning("%s; using Identify Namespace's identifiers%s", unusable[0], more)
         return {nsid: ids[nsid] for nsid in sorted(ids)}
 
     def _attach(self, path: Path, ctrl: Controller) -> None:

@@ -18,6 +18,7 @@ def options(**changes) -> ConnectOptions:
     {"reconnect_delay": 1}, {"ctrl_loss_tmo": 0}, {"ctrl_loss_tmo": -1},
     {"fast_io_fail_tmo": -1}, {"fast_io_fail_tmo": 0}, {"transport": "tcp"},
     {"transport": "tcp", "hdr_digest": True, "data_digest": True},
+    {"max_namespaces": 1}, {"max_namespaces": 0xFFFFFFFE},
 ])
 def test_valid_options(changes):
     options(**changes).validate()
@@ -40,6 +41,8 @@ def test_valid_options(changes):
     ({"reconnect_delay": 0}, "--reconnect-delay 0 must be 1-65535 s"),
     ({"ctrl_loss_tmo": -2}, "--ctrl-loss-tmo -2 must be -1 (forever) or 0 or more seconds"),
     ({"fast_io_fail_tmo": -3}, "--fast-io-fail-tmo -3 must be -1 (off) or 0 or more seconds"),
+    ({"max_namespaces": 0}, "--max-namespaces 0 must be 1-4294967294"),
+    ({"max_namespaces": 2**32}, "--max-namespaces 4294967296 must be 1-4294967294"),
 ])
 def test_bad_option_message(changes, message):
     with pytest.raises(InvalidArgument) as info:
