@@ -134,8 +134,8 @@ class Controller:
         self._identify_free = list(range(IDENTIFY_IN_FLIGHT))  # slots of 4 KiB in it
         self._identify_slot = trio.Semaphore(IDENTIFY_IN_FLIGHT)
         self.refused_namespaces: tuple[int, str] | None = None
-        """Active namespaces served and listed when more than ``--max-namespaces`` are
-        (events.say_refused)."""
+        """``--max-namespaces`` and the namespaces listed, while more are (said once by
+        events.say_refused)."""
         self._regions: list[Region] = []
         self._next_queue = 0
         self.lease_qids: list[int] = []

@@ -147,10 +147,11 @@ async def read_active_list(ctrl: EventSource) -> ActiveList:
     return ActiveList(nsids, False)
 
 
-def say_refused(ctrl: EventSource, served: int, listed: ActiveList) -> None:
-    """One line when namespaces past ``--max-namespaces`` are refused, and again only when
-    their count changes (a rescan finds the same: a target cannot make us repeat it)."""
-    refused = (served, listed.describe_total()) if served < len(listed.nsids) else None
+def say_refused(ctrl: EventSource, listed: ActiveList) -> None:
+    """One line when the list holds more than ``--max-namespaces``, and again only when
+    its count changes (a rescan finds the same: a target cannot make us repeat it)."""
+    cap = max_namespaces(ctrl)
+    refused = (cap, listed.describe_total()) if len(listed.nsids) > cap else None
     if refused != getattr(ctrl, "refused_namespaces", None):
         ctrl.refused_namespaces = refused
         if refused is not None:
@@ -162,9 +163,8 @@ async def active_nsids(ctrl: EventSource) -> list[int]:
     """The active NSIDs a mount serves: the first ``--max-namespaces`` of the list (the
     rest refused in one line, :func:`say_refused`)."""
     listed = await read_active_list(ctrl)
-    served = listed.nsids[:max_namespaces(ctrl)]
-    say_refused(ctrl, len(served), listed)
-    return served
+    say_refused(ctrl, listed)
+    return listed.nsids[:max_namespaces(ctrl)]
 
 
 async def identify_namespaces(ctrl: EventSource, nsids: list[int]
@@ -220,7 +220,7 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
                 log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
-    say_refused(ctrl, len(ctrl.namespaces), listed)
+    say_refused(ctrl, listed)
     for change in changes:
         log.info("%s", change.describe())
     return changes

@@ -206,6 +206,16 @@ def test_a_target_whose_list_never_ends_is_read_to_a_bound_and_says_so(caplog):
                                "(--max-namespaces)"]
 
 
+def test_a_listed_namespace_that_is_not_there_is_no_refusal(caplog):
+    """An NSID the list names whose Identify Namespace says size 0 is not served, and the
+    cap has nothing to do with it."""
+    target = Target({1: 8, 2: 0, 3: 8})
+    ctrl = controller(target, {}, max_namespaces=4)
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
+        trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert sorted(ctrl.namespaces) == [1, 3] and caplog.messages == []
+
+
 def test_a_list_of_exactly_the_cap_is_served_whole_and_refuses_nothing(caplog):
     target = Target({nsid: 8 for nsid in range(1, 4097)})
     with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
