@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import trio
@@ -50,6 +50,23 @@ async def run_all(jobs: list[Callable[[], Awaitable[object]]]) -> None:
         async with trio.open_nursery() as nursery:
             for job in jobs:
                 nursery.start_soon(job)
+
+
+async def run_bounded(items: Iterable[T], job: Callable[[T], Awaitable[object]],
+                      limit: int) -> None:
+    """``job(item)`` for each of ``items``, in their order, at most ``limit`` at once (so
+    that thousands of commands neither wait for each other's round trips nor crowd a
+    queue); the first failure wins and cancels the rest."""
+    pending = iter(items)
+
+    async def worker() -> None:
+        for item in pending:  # shared: each item is taken by one worker
+            await job(item)
+
+    with unwrap_groups():
+        async with trio.open_nursery() as nursery:
+            for _ in range(max(1, limit)):
+                nursery.start_soon(worker)
 
 
 async def in_thread(fn: Callable[..., T], *args: Any, timeout: float,

@@ -2,7 +2,7 @@
 
 :func:`serve_mount` is what ``nvmeof-fuse mount`` and :func:`nvmeof_fuse.mount`
 run: connect, listen for companion clients, mount, serve until unmounted or
-cancelled, then flush every namespace and disconnect.
+cancelled, then flush the namespaces written since their last flush and disconnect.
 """
 
 from __future__ import annotations
@@ -15,38 +15,71 @@ from typing import Any
 import trio
 
 from nvmeof_fuse import ratelimit
+from nvmeof_fuse.concurrency import run_bounded
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.ratelimit import RateLimitedLog, brief_list
 
 log = logging.getLogger("nvmeof-fuse")
 limited = RateLimitedLog(log)
 
-FLUSH_TIMEOUT = 30.0  # s for the final flush of each namespace
+FLUSH_TIMEOUT = 30.0
+"""Seconds the final flush takes at most, all namespaces together."""
+FLUSHES_IN_FLIGHT = 8
+"""Final flushes in flight at once: however many namespaces were written, they neither crowd
+the I/O queues nor keep the loop from the keep-alive, which runs until they are done."""
 
 Ready = Callable[[Any, Any], None]
 """``ready(controller, companion_server)``: called once the mount exists."""
 
 
+def written_namespaces(ctrl: Any) -> list[tuple[int, Any]]:
+    """``(nsid, namespace)`` of those written since their last flush, by NSID; a namespace
+    that cannot say (no ``written``) counts as written."""
+    return [(nsid, ns) for nsid, ns in sorted(ctrl.namespaces.items())
+            if getattr(ns, "written", True)]
+
+
+def _names(nsids: list[int]) -> str:
+    """``n1, n2, ..., n8 and 12 more``: one short line however many there are."""
+    return brief_list(f"n{nsid}" for nsid in nsids)
+
+
 async def flush_all(ctrl: Any) -> None:
-    """Flush every namespace, each bounded and shielded (runs while shutting down)."""
+    """Flush the namespaces written since their last flush, FLUSHES_IN_FLIGHT at once, all
+    within FLUSH_TIMEOUT, shielded (this runs while shutting down); what could not be
+    flushed is said in one line.  The controller (its keep-alive too) runs meanwhile."""
     state = getattr(ctrl, "state", "live")
     if state != "live":  # nothing would answer: do not wait for a reconnect here
         log.warning("no final flush: the connection to the controller is %s", state)
         return
-    flushed = []
-    for nsid, ns in sorted(ctrl.namespaces.items()):
-        with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
-            try:
-                await ns.flush()
-                flushed.append(f"n{nsid}")
-            except NVMeoFError as exc:
-                limited.log("flush failed", logging.WARNING, "final flush of n%d failed: %s",
-                            nsid, exc)
-        if scope.cancelled_caught:
-            limited.log("flush timeout", logging.WARNING, "final flush of n%d timed out after "
-                        "%g s", nsid, FLUSH_TIMEOUT)
+    written = written_namespaces(ctrl)
+    if not written:
+        return
+    flushed: list[int] = []
+    failed: list[tuple[int, NVMeoFError]] = []
+
+    async def flush(item: tuple[int, Any]) -> None:
+        nsid, ns = item
+        try:
+            await ns.flush()
+            flushed.append(nsid)
+        except NVMeoFError as exc:
+            failed.append((nsid, exc))
+
+    with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
+        await run_bounded(written, flush, FLUSHES_IN_FLIGHT)
+    of = f"the {len(written)} of {len(ctrl.namespaces)} namespaces written since their last flush"
     if flushed:
-        log.info("flushed %s", brief_list(flushed))
+        log.info("flushed %s (%s)", _names(sorted(flushed)), of)
+    if failed:
+        nsid, exc = min(failed, key=lambda f: f[0])
+        more = f" (and of {len(failed) - 1} more)" if len(failed) > 1 else ""
+        log.warning("final flush of n%d failed: %s%s", nsid, exc, more)
+    if scope.cancelled_caught:
+        done = set(flushed) | {nsid for nsid, _ in failed}
+        left = [nsid for nsid, _ in written if nsid not in done]
+        log.warning("final flush not done within %g s: %s not flushed", FLUSH_TIMEOUT,
+                    _names(left))
 
 
 async def report_suppressed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:

@@ -84,6 +84,10 @@ class RamNamespace:
              "lbaf": [{"ms": 0, "lbads": self.lba_size}]}
         )
 
+    @property
+    def io_stats(self) -> IoStats:
+        return self.stats
+
     async def read(self, offset: int, length: int) -> bytes:
         return await self.io.read(offset, length)
 

@@ -46,3 +46,33 @@ def test_without_that_queue_it_asks_the_public_statistics(monkeypatch):
 def test_outside_trio_it_fails_as_the_public_call_does():
     with pytest.raises(RuntimeError):
         tasks_runnable()
+
+
+def test_run_bounded_runs_each_item_once_in_order_never_more_than_its_limit_at_once():
+    started: list[int] = []
+    in_flight = most = 0
+
+    async def job(item: int) -> None:
+        nonlocal in_flight, most
+        started.append(item)
+        in_flight += 1
+        most = max(most, in_flight)
+        await trio.sleep(0.001 * (item % 3))
+        in_flight -= 1
+
+    trio.run(concurrency.run_bounded, range(100), job, 7)
+    assert started == list(range(100)) and most == 7
+
+
+def test_run_bounded_raises_the_first_failure_itself_and_stops_the_rest():
+    done: list[int] = []
+
+    async def job(item: int) -> None:
+        if item == 3:
+            raise ValueError("item 3 is bad")
+        await trio.sleep(1)
+        done.append(item)
+
+    with pytest.raises(ValueError, match="item 3 is bad"):
+        trio.run(concurrency.run_bounded, range(100), job, 4)
+    assert done == []

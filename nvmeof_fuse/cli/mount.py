@@ -43,7 +43,11 @@ def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
     from nvmeof_fuse.fs.options import DEFAULT_WORKERS
     from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY as DEFAULT_IOPOLICY
     from nvmeof_fuse.host.iopolicy import POLICIES as IOPOLICIES
-    from nvmeof_fuse.host.options import DEFAULT_COMPANION_QUEUES, QUEUES_PER_CLIENT
+    from nvmeof_fuse.host.options import (
+        DEFAULT_COMPANION_QUEUES,
+        DEFAULT_MAX_NAMESPACES,
+        QUEUES_PER_CLIENT,
+    )
 
     actions = add_connection(m, port_help="transport service id (default 4420)",
                              addr_required=False)
@@ -77,8 +81,13 @@ def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--workers", metavar="N",
             help="processes serving READ and WRITE, each on queues of its own (default "
                  f"{DEFAULT_WORKERS}; builtin FUSE server only); -o workers=N"),
+        add("--max-namespaces", metavar="N",
+            help=f"serve at most the first N active namespaces (default "
+                 f"{DEFAULT_MAX_NAMESPACES}; the rest are refused in one line); "
+                 "-o max_namespaces=N"),
         add("-o", dest="options", action="append", default=[],
-            metavar="allow_other,fuse=SERVER,path=URI,iopolicy=POLICY,workers=N"),
+            metavar="allow_other,fuse=SERVER,path=URI,iopolicy=POLICY,workers=N,"
+                    "max_namespaces=N"),
         add("--fuse", metavar="SERVER",
             help="what serves FUSE: builtin (default; our own /dev/fuse session) or pyfuse3 "
                  "(pip install 'nvmeof-fuse[pyfuse3]')"),

@@ -59,6 +59,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "path": ("--path", True),  # repeatable: a further path to the subsystem (multipath)
     "iopolicy": ("--iopolicy", True),
     "workers": ("--workers", True),
+    "max_namespaces": ("--max-namespaces", True),
     "uid": ("--uid", True),
     "gid": ("--gid", True),
     "mode": ("--mode", True),

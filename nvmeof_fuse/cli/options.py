@@ -81,12 +81,12 @@ def mount_flags(values: list[str]) -> set[str]:
     flags = {f.strip() for v in values for f in v.split(",") if f.strip()}
     for flag in flags:
         refuse_secret_option(flag, on_command_line=True)
-    known = {"allow_other", "fuse", "path", "iopolicy", "workers"}
+    known = {"allow_other", "fuse", "path", "iopolicy", "workers", "max_namespaces"}
     unknown = {f.partition("=")[0] for f in flags} - known  # values unsaid
     if unknown:
         raise UsageError(f"unsupported -o option(s): {', '.join(sorted(unknown))} "
                          "(known: allow_other, fuse=SERVER, path=URI, iopolicy=POLICY, "
-                         "workers=N)")
+                         "workers=N, max_namespaces=N)")
     return flags
 
 
@@ -150,6 +150,14 @@ def _workers(args: argparse.Namespace) -> int:
     return _int("--workers", named, 1, MAX_WORKERS)
 
 
+def _max_namespaces(args: argparse.Namespace) -> int | None:
+    """``--max-namespaces`` or ``-o max_namespaces=`` (None: the default), checked."""
+    from nvmeof_fuse.host.options import MAX_NSID
+
+    named = _one_value(args, "max_namespaces", "namespace caps")
+    return _int("--max-namespaces", named, 1, MAX_NSID)
+
+
 def _fuse_server(args: argparse.Namespace) -> str:
     """The FUSE server named by ``--fuse`` or ``-o fuse=`` (default: builtin, ours)."""
     from nvmeof_fuse.fs.options import FUSE_SERVERS
@@ -203,6 +211,9 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         queue_size = _int("--queue-size", args.queue_size, 2, 65536)
         if queue_size is not None:
             kwargs["queue_size"] = queue_size
+        max_namespaces = _max_namespaces(args)
+        if max_namespaces is not None:
+            kwargs["max_namespaces"] = max_namespaces
     opts = ConnectOptions(**kwargs)
     opts.validate()
     return opts

@@ -39,7 +39,10 @@ class SharedMemory(mmap.mmap):
         return self
 
 
-_lock = threading.Lock()
+_lock = threading.RLock()
+"""Reentrant: an allocation in a cycle is freed by the garbage collector, which runs its
+finalizer (:func:`_forget`, which takes this lock) on whatever thread allocated when the
+collector ran, also one holding the lock already (a plain lock deadlocked there)."""
 _live: dict[int, weakref.ref[SharedMemory]] = {}
 _on_free: list[weakref.WeakMethod] = []  # told (key) when an allocation is freed
 

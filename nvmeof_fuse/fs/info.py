@@ -19,6 +19,7 @@ class NamespaceLike(Protocol):
     unavailable: str  # why we cannot serve it ('' when we can): opening it fails
     identify: Any  # .to_dict()
     stats: IoStats
+    io_stats: IoStats | None  # stats, None while it did no I/O (reading builds nothing)
 
     async def read(self, offset: int, length: int) -> bytes: ...
 
@@ -127,15 +128,37 @@ def namespace_text(ns: NamespaceLike) -> bytes:
     return _text(title, {"identify": ns.identify.to_dict()})
 
 
+def io_stats(ns: NamespaceLike) -> IoStats:
+    """What ``ns`` counted; empty for a namespace that did no I/O yet, which a report does
+    not make build its I/O (a target may have 65,536 namespaces)."""
+    stats = ns.io_stats
+    return stats if stats is not None else IoStats()
+
+
+IDLE_LISTED_MAX = 1024
+"""Namespaces a stats report lists one by one whether or not they did I/O; past that many,
+it lists those that did and counts the rest (a target may have 65,536 namespaces)."""
+
+
+def reported_namespaces(ctrl: ControllerLike) -> tuple[list[tuple[int, Any]], int]:
+    """The namespaces a stats report lists, by NSID, and how many idle ones it only counts."""
+    items = sorted(ctrl.namespaces.items())
+    if len(items) <= IDLE_LISTED_MAX:
+        return items, 0
+    used = [(n, ns) for n, ns in items if ns.io_stats is not None]
+    return used, len(items) - len(used)
+
+
 def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None) -> dict[str, Any]:
-    doc: dict[str, Any] = {
-        f"n{n}": ns.stats.snapshot() for n, ns in sorted(ctrl.namespaces.items())
-    }
+    listed, idle = reported_namespaces(ctrl)
+    doc: dict[str, Any] = {f"n{n}": io_stats(ns).snapshot() for n, ns in listed}
     workers = worker_reports(companion)
     if workers:  # FUSE workers: the namespaces' figures summed, and each process's own
         main = {"index": 0, "pid": os.getpid(), "namespaces": doc}
         doc = _with_workers(doc, workers)
         doc["workers"] = [main, *workers]
+    if idle:
+        doc["idle_namespaces"] = idle  # namespaces that did no I/O, not listed
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         doc["connection"] = connection()
@@ -191,10 +214,13 @@ def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:
 def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> bytes:
     parts = []
     workers = worker_reports(companion)
-    for n, ns in sorted(ctrl.namespaces.items()):
-        body = ns.stats.format_text().rstrip("\n").replace("\n", "\n  ")
+    listed, idle = reported_namespaces(ctrl)
+    for n, ns in listed:
+        body = io_stats(ns).format_text().rstrip("\n").replace("\n", "\n  ")
         title = f"n{n} (the main process; stats.json sums the workers)" if workers else f"n{n}"
         parts.append(f"{title}:\n  {body}\n")
+    if idle:
+        parts.append(f"{idle} more namespaces did no I/O\n")
     for worker in workers:  # each FUSE worker: where it serves and how much
         fields = {"pid": worker.get("pid"), "queues": worker.get("qids"),
                   "state": worker.get("state"), "reconnects": worker.get("reconnects")}

@@ -55,20 +55,21 @@ class Kernel(Protocol):
     async def invalidate_entry(self, parent: int, name: bytes) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class _Dir:
     inode: int
     entries: dict[bytes, int] = field(default_factory=dict)
     parent: int = ROOT_INODE
+    subdirs: int = 0  # for st_nlink, without a look at each entry
 
 
-@dataclass
+@dataclass(slots=True)
 class _NsFile:
     inode: int
     ns: NamespaceLike
 
 
-@dataclass
+@dataclass(slots=True)
 class _InfoFile:
     inode: int
     render: Callable[[], bytes]
@@ -77,7 +78,7 @@ class _InfoFile:
 _Node = _Dir | _NsFile | _InfoFile
 
 
-@dataclass
+@dataclass(slots=True)
 class _Handle:
     node: _NsFile | _InfoFile
     writable: bool
@@ -180,6 +181,7 @@ class NamespaceFS:
         root = self._root = self._add(_Dir(ROOT_INODE, parent=ROOT_INODE))
         infodir = self._infodir = self._add(_Dir(next(self._inodes)))
         root.entries[INFO_DIR] = infodir.inode
+        root.subdirs = 1
         ctrl = self.controller
         add_info = self._add_info
         add_info("controller", lambda: info.controller_text(ctrl))
@@ -203,13 +205,38 @@ class NamespaceFS:
         self._infodir.entries[name.encode()] = node.inode
 
     def _add_namespace(self, ns: NamespaceLike) -> None:
-        """``n<nsid>`` and its ``.nvmeof/n<nsid>``, ``.nvmeof/n<nsid>.json``."""
+        """``n<nsid>``; its ``.nvmeof/n<nsid>`` and ``.nvmeof/n<nsid>.json`` come when first
+        looked up or listed (:meth:`_add_namespace_info`): a target may have 65,536
+        namespaces, and few of their reports are ever read."""
         assert isinstance(self._root, _Dir)
         nsid = ns.nsid
         inode = self.ns_inodes[nsid] = self._add(_NsFile(next(self._inodes), ns)).inode
         self._root.entries[f"n{nsid}".encode()] = inode
+
+    def _add_namespace_info(self, nsid: int) -> bool:
+        """``.nvmeof/n<nsid>`` and ``.nvmeof/n<nsid>.json`` of a namespace shown, if not
+        there yet; whether they are there now."""
+        assert isinstance(self._infodir, _Dir)
+        inode = self.ns_inodes.get(nsid)
+        if inode is None:
+            return False
+        if f"n{nsid}".encode() in self._infodir.entries:
+            return True
+        node = self.nodes[inode]
+        assert isinstance(node, _NsFile)
+        ns = node.ns
         self._add_info(f"n{nsid}", lambda: info.namespace_text(ns))
         self._add_info(f"n{nsid}.json", lambda: info.to_json(info.namespace_dict(ns)))
+        return True
+
+    def _namespace_info_named(self, name: bytes) -> bool:
+        """Add the reports of the namespace ``name`` (``n<nsid>`` or ``n<nsid>.json``) names,
+        if it is shown; whether they are there now."""
+        stem = name.removesuffix(b".json")
+        digits = stem[1:]
+        if stem[:1] != b"n" or not digits.isdigit() or len(digits) > 10 or digits[:1] == b"0":
+            return False
+        return self._add_namespace_info(int(digits))
 
     def _remove_namespace(self, nsid: int) -> list[tuple[int, bytes]]:
         """Take ``n<nsid>`` out of the tree (open handles keep their node); the
@@ -293,7 +320,7 @@ class NamespaceFS:
         a.st_blksize = 4096
         if isinstance(node, _Dir):
             a.st_mode = stat.S_IFDIR | 0o555
-            a.st_nlink = 2 + sum(isinstance(self.nodes[i], _Dir) for i in node.entries.values())
+            a.st_nlink = 2 + node.subdirs
         elif isinstance(node, _NsFile):
             mode = self.options.mode & 0o7777
             if self.options.read_only:
@@ -322,7 +349,8 @@ class NamespaceFS:
             return self._attr(parent)
         if name == b"..":
             return self._attr(self._node(parent.parent))
-        if name not in parent.entries:
+        if name not in parent.entries and not (parent is self._infodir
+                                               and self._namespace_info_named(name)):
             raise FUSEError(errno.ENOENT)
         return self._attr(self._node(parent.entries[name]))
 
@@ -360,9 +388,11 @@ class NamespaceFS:
         """Add the entries from ``start_id`` on to ``out`` until it is full."""
         node = self._node(fh)
         assert isinstance(node, _Dir)
-        entries = list(node.entries.items())
-        for i in range(start_id, len(entries)):
-            name, inode = entries[i]
+        if node is self._infodir and start_id == 0:  # every report listed (appended: the
+            for nsid in list(self.ns_inodes):  # offsets of a listing going on stay)
+                self._add_namespace_info(nsid)
+        entries = itertools.islice(node.entries.items(), start_id, None)
+        for i, (name, inode) in enumerate(entries, start_id):
             if not out.add(name, self._attr(self._node(inode)), i + 1):
                 break
 

@@ -43,7 +43,7 @@ from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
 from . import auth
-from .events import AsyncEvents, active_nsids
+from .events import IDENTIFY_IN_FLIGHT, AsyncEvents, active_nsids, identify_namespaces
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
@@ -62,6 +62,7 @@ SPREAD_BYTES = 64 * 1024
 BOUNCE_CHUNK_MAX = 1 << 20
 BOUNCE_BUFFERS = 32
 SCRATCH_BYTES = 8192
+IDENTIFY_BYTES = 4096
 IO_RETRIES = 5
 """nvme_max_retries: tries of a command that fails with a status, times out, or was in
 flight when its connection failed."""
@@ -162,6 +163,12 @@ class Controller:
         self.bounce: BouncePool | None = None
         self._scratch: Region | None = None
         self._scratch_lock = trio.Lock()
+        self._identify_buffers: Region | None = None
+        self._identify_free = list(range(IDENTIFY_IN_FLIGHT))  # slots of 4 KiB in it
+        self._identify_slot = trio.Semaphore(IDENTIFY_IN_FLIGHT)
+        self.refused_namespaces: tuple[int, str] | None = None
+        """``--max-namespaces`` and the namespaces listed, while more are (said once by
+        events.say_refused)."""
         self._regions: list[Region] = []
         self._next_queue = 0
         self.lease_qids: list[int] = []
@@ -652,9 +659,21 @@ class Controller:
         await self.admin_command(cmd.property_set(offset, value, False), fabrics=True)
 
     async def identify_raw(self, cns: int, nsid: int = 0) -> bytes:
-        async with self.scratch(4096) as ref:
-            await self.admin_command(cmd.identify(cns, nsid, sgl=nvme.NULL_SGL), ref)
-            return bytes(ref.region.view[:4096])
+        """Identify data (4 KiB); up to IDENTIFY_IN_FLIGHT at once, each in registered
+        memory of its own (a scan of many namespaces runs them side by side)."""
+        async with self._identify_slot:
+            if self._identify_buffers is None:
+                self._identify_buffers = host_buffer(self.transport.register,
+                                                     IDENTIFY_IN_FLIGHT * IDENTIFY_BYTES)
+            slot = self._identify_free.pop()
+            try:
+                ref = self._identify_buffers.ref(slot * IDENTIFY_BYTES, IDENTIFY_BYTES)
+                view = ref.region.view[ref.offset:ref.offset + IDENTIFY_BYTES]
+                view[:] = bytes(IDENTIFY_BYTES)
+                await self.admin_command(cmd.identify(cns, nsid, sgl=nvme.NULL_SGL), ref)
+                return bytes(view)
+            finally:
+                self._identify_free.append(slot)
 
     def log_page_piece(self) -> int:
         """Bytes of a log page one Get Log Page command reads at the most (MDTS, in
@@ -861,9 +880,11 @@ class Controller:
         return ns
 
     async def _identify_namespaces(self) -> None:
-        for nsid in await active_nsids(self):
-            ident = nvme.IdentifyNamespace.from_bytes(await self.identify_raw(Cns.NAMESPACE, nsid))
-            if ident.nsze:
+        nsids = await active_nsids(self)
+        idents = await identify_namespaces(self, nsids)
+        for nsid in nsids:
+            ident = idents.pop(nsid, None)  # None: not there (any more)
+            if ident is not None:
                 self.namespaces[nsid] = self.new_namespace(nsid, ident)
 
     async def _keep_alive(self, kato: float) -> None:
@@ -975,6 +996,8 @@ class Controller:
             self.bounce.close()
         if self._scratch is not None:
             self._scratch.close()
+        if self._identify_buffers is not None:
+            self._identify_buffers.close()
         self.transport.close()
 
     def _secret_sources(self) -> dict[str, str | None]:

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import trio
 
 from .. import nvme
+from ..concurrency import run_bounded
 from ..errors import CommandTimeout, NVMeoFError, TransportError, unavailable_line
 from ..nvme import Cns, FeatureId, NVMeStatusError
 from ..nvme import command as cmd
@@ -42,21 +43,27 @@ from ..nvme.events import (
 from ..nvme.status import SCT_GENERIC
 from ..ratelimit import LIST_SHOWN, RateLimitedLog, brief_list
 from ..transport.base import Queue
+from .options import DEFAULT_MAX_NAMESPACES
 from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
 """Lines a target can make us write again and again (events, rescans)."""
 
-ACTIVE_NS_PAGES_MAX = 64
-"""Pages of the active namespace list read at the most (65536 namespaces): a target that
-says there are more, page after page, is not followed further."""
+COUNT_PAGES_MAX = 64
+"""Pages of the active namespace list read past ``--max-namespaces``, only to say how many
+are refused (65,536 more; a list that goes on is said to hold more than that)."""
 LAST_NSID = 0xFFFFFFFE  # the highest valid NSID (0xFFFFFFFF is the broadcast value)
 EVENTS_PER_SECOND = 20
 """Asynchronous events taken per second at the most: past it, the next Asynchronous Event
 Request waits for the second to end (a target that completes each at once costs us that
 much, not a core)."""
 SC_INVALID_NAMESPACE = 0x0B  # generic: Invalid Namespace or Format
+IDENTIFY_IN_FLIGHT = 16
+"""Identify commands of a scan in flight at once: 65,536 namespaces take two each (as in
+Linux, which identifies each namespace it scans), and one at a time they wait for each
+other's round trips.  Well below the admin queue's 31 commands, which the keep-alive and
+the Asynchronous Event Request share."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +119,8 @@ class EventSource(Protocol):
     admin: Queue | None
     identify: nvme.IdentifyController | None
     namespaces: dict[int, Any]
-    options: Any  # its ``nqn`` names the subsystem in messages
+    options: Any  # its ``nqn`` names the subsystem in messages; ``max_namespaces``
+    refused_namespaces: tuple[int, str] | None  # what say_refused last said (set there)
 
     @property
     def state(self) -> CtrlState: ...
@@ -130,44 +138,104 @@ class EventSource(Protocol):
     async def set_features(self, fid: int, cdw11: int) -> int: ...
 
 
-async def active_nsids(ctrl: EventSource) -> list[int]:
-    """The active NSIDs (Identify CNS 02h), ascending: page after page, each of those above
-    the last one of the page before, until a page is not full (or goes back); at most
-    ACTIVE_NS_PAGES_MAX pages (then one line says the list was cut there)."""
+@dataclass
+class ActiveList:
+    """The active namespace list as read: NSIDs ascending, up to ``--max-namespaces`` and
+    COUNT_PAGES_MAX pages more; ``ended``: it was read to its end."""
+
+    nsids: list[int]
+    ended: bool
+
+    def describe_total(self) -> str:
+        return f"{len(self.nsids)}" if self.ended else f"more than {len(self.nsids)}"
+
+
+def max_namespaces(ctrl: EventSource) -> int:
+    """The controller's ``--max-namespaces`` (its default for a stand-in without one)."""
+    return getattr(ctrl.options, "max_namespaces", DEFAULT_MAX_NAMESPACES)
+
+
+async def read_active_list(ctrl: EventSource) -> ActiveList:
+    """The active NSIDs (Identify CNS 02h), page after page, each of those above the last
+    one of the page before, until a page is not full (or goes back); past
+    ``--max-namespaces`` at most COUNT_PAGES_MAX pages more, only to count."""
     nsids: list[int] = []
-    for _ in range(ACTIVE_NS_PAGES_MAX):
+    pages = -(-max_namespaces(ctrl) // nvme.ACTIVE_NS_PER_PAGE) + COUNT_PAGES_MAX
+    for _ in range(pages):
         after = nsids[-1] if nsids else 0
         page = nvme.parse_active_ns_list(await ctrl.identify_raw(Cns.ACTIVE_NS_LIST, after))
         new = [nsid for nsid in page if nsid > after]
         nsids += new
         if (len(page) < nvme.ACTIVE_NS_PER_PAGE or len(new) < len(page)
                 or nsids[-1] >= LAST_NSID):  # none can follow (and asking past it is invalid)
-            return nsids
-    limited.log("long list", logging.WARNING, "%s: the active namespace list goes on past %d "
-                "pages; serving its first %d namespaces", ctrl.options.nqn,
-                ACTIVE_NS_PAGES_MAX, len(nsids))
-    return nsids
+            return ActiveList(nsids, True)
+    return ActiveList(nsids, False)
+
+
+def say_refused(ctrl: EventSource, listed: ActiveList) -> None:
+    """One line when the list holds more than ``--max-namespaces``, and again only when
+    its count changes (a rescan finds the same: a target cannot make us repeat it)."""
+    cap = max_namespaces(ctrl)
+    refused = (cap, listed.describe_total()) if len(listed.nsids) > cap else None
+    if refused != getattr(ctrl, "refused_namespaces", None):
+        ctrl.refused_namespaces = refused
+        if refused is not None:
+            log.warning("%s: serving the first %d of %s namespaces (--max-namespaces)",
+                        ctrl.options.nqn, *refused)
+
+
+async def active_nsids(ctrl: EventSource) -> list[int]:
+    """The active NSIDs a mount serves: the first ``--max-namespaces`` of the list (the
+    rest refused in one line, :func:`say_refused`)."""
+    listed = await read_active_list(ctrl)
+    say_refused(ctrl, listed)
+    return listed.nsids[:max_namespaces(ctrl)]
+
+
+async def identify_namespaces(ctrl: EventSource, nsids: list[int]
+                              ) -> dict[int, nvme.IdentifyNamespace]:
+    """Identify Namespace of each of ``nsids`` that is there (:func:`_identify_namespace`),
+    IDENTIFY_IN_FLIGHT at once."""
+    found: dict[int, nvme.IdentifyNamespace] = {}
+
+    async def identify(nsid: int) -> None:
+        ident = await _identify_namespace(ctrl, nsid)
+        if ident is not None:
+            found[nsid] = ident
+
+    await run_bounded(nsids, identify, IDENTIFY_IN_FLIGHT)
+    return found
 
 
 async def rescan(ctrl: EventSource, nsids: list[int] | None,
                  new_namespace: NewNamespace) -> list[NamespaceChange]:
     """Look at ``nsids`` (all of them: None) again; apply and return what changed.
 
-    A namespace found anew is made by ``new_namespace``."""
-    active = set(await active_nsids(ctrl))
+    A namespace found anew is made by ``new_namespace``, while fewer than
+    ``--max-namespaces`` are served; one past the part of the list read is left as it is."""
+    listed = await read_active_list(ctrl)
+    active = set(listed.nsids)
+    beyond = listed.nsids[-1] if listed.nsids and not listed.ended else LAST_NSID
     wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
+    wanted = [nsid for nsid in wanted if nsid <= beyond]
+    idents = await identify_namespaces(ctrl, [nsid for nsid in wanted if nsid in active])
+    gone = sum(nsid in ctrl.namespaces and nsid not in idents for nsid in wanted)
+    room = max_namespaces(ctrl) - len(ctrl.namespaces) + gone
     changes = []
     for nsid in wanted:
         ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
-        ident = await _identify_namespace(ctrl, nsid) if nsid in active else None
+        ident = idents.get(nsid)
         if ident is None:
             if ns is not None:
                 del ctrl.namespaces[nsid]
                 ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
                 changes.append(NamespaceChange("removed", nsid, ns.size, 0))
         elif ns is None:
+            if room <= 0:
+                continue  # past --max-namespaces: counted in say_refused's line
             ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
             changes.append(NamespaceChange("added", nsid, 0, ns.size))
+            room -= 1
         else:
             was = ns.unavailable
             old = ns.resize(ident)
@@ -177,6 +245,7 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
                             unavailable_line(nsid, now))
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
+    say_refused(ctrl, listed)
     for line in describe_changes(changes):
         limited.log("changes", logging.INFO, "%s", line)
     return changes

@@ -28,6 +28,7 @@ needs to know about paths.
 from __future__ import annotations
 
 import contextlib
+import heapq
 import logging
 import math
 from collections.abc import AsyncIterator, Callable
@@ -36,7 +37,7 @@ from typing import Any
 import trio
 
 from .. import nvme
-from ..concurrency import unwrap_groups
+from ..concurrency import run_bounded, unwrap_groups
 from ..errors import (
     CommandTimeout,
     ControllerLost,
@@ -48,7 +49,7 @@ from ..nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
 from ..nvme.ana import AnaLogPage, AnaState, ana_log_size
 from ..nvme.status import fails_over, is_ana_error
 from ..nvme.uri import DEFAULT_PORT, parse_uri
-from ..ratelimit import FailureStreak, RateLimitedLog, brief_list
+from ..ratelimit import LIST_SHOWN, FailureStreak, RateLimitedLog, brief_list
 from ..transport.base import Finished, Queue
 from .ana import PathAna
 from .controller import (
@@ -60,7 +61,7 @@ from .controller import (
     out_of_tries,
 )
 from .controller import connect as connect_controller
-from .events import NamespaceChange
+from .events import IDENTIFY_IN_FLIGHT, NamespaceChange
 from .iopolicy import DEFAULT_POLICY, PathSelector
 from .logread import read_whole
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
@@ -309,9 +310,7 @@ class MultipathController:
         if not first and subnqn != self.nqn:
             raise PathRefused(f"path {path.uri} refused: it reaches subsystem {subnqn}, "
                               f"not this mount's subsystem {self.nqn}")
-        ids = {}
-        for nsid, ns in sorted(ctrl.namespaces.items()):
-            ids[nsid] = await self._namespace_ids(ctrl, nsid, ns.identify)
+        ids = await self._all_namespace_ids(ctrl)
         if not first:
             for nsid, mine in sorted(self.ids.items()):
                 theirs = ids.get(nsid)
@@ -355,22 +354,22 @@ class MultipathController:
                 self.namespaces[nsid] = Namespace(self, nsid, ns.identify)
 
     @staticmethod
-    async def _namespace_ids(ctrl: Controller, nsid: int,
-                             ident: nvme.IdentifyNamespace) -> NamespaceIds:
-        """The namespace's identifiers: Identify Namespace's, then the descriptor list's
-        (as the kernel's ``nvme_report_ns_ids``); a controller without the list keeps the
-        former."""
-        base = NamespaceIds.from_identify(ident)
-        try:
-            data = await ctrl.identify_raw(Cns.NS_DESCRIPTOR_LIST, nsid)
-        except NVMeStatusError:
-            return base
-        try:
-            return NamespaceIds.from_descriptors(data, base)
-        except ValueError as exc:
-            limited.log("namespace ids", logging.WARNING, "namespace %d at %s: %s; using "
-                        "Identify Namespace's identifiers", nsid, ctrl.transport.address, exc)
-            return base
+    async def _all_namespace_ids(ctrl: Controller) -> dict[int, NamespaceIds]:
+        """Each namespace's identifiers (:func:`_namespace_ids`), IDENTIFY_IN_FLIGHT
+        descriptor lists at once, by NSID; one line for those whose list is unusable."""
+        ids: dict[int, NamespaceIds] = {}
+        unusable: list[str] = []
+
+        async def identify(nsid: int) -> None:
+            ids[nsid] = await _namespace_ids(ctrl, nsid, ctrl.namespaces[nsid].identify,
+                                             unusable)
+
+        await run_bounded(sorted(ctrl.namespaces), identify, IDENTIFY_IN_FLIGHT)
+        if unusable:
+            more = (f" (so for {len(unusable) - 1} more namespaces' unusable lists)"
+                    if len(unusable) > 1 else "")
+            log.warning("%s; using Identify Namespace's identifiers%s", unusable[0], more)
+        return {nsid: ids[nsid] for nsid in sorted(ids)}
 
     def _attach(self, path: Path, ctrl: Controller, after: str = "") -> None:
         """``ctrl`` serves ``path`` now: the head's memory is registered with it (``after``:
@@ -390,9 +389,11 @@ class MultipathController:
         ctrl.events.ana_listeners.append(path.kick)
         ctrl.events.listeners.append(self._follow_namespaces)
         self._bind()
+        words = self._ana_words(path, LIST_SHOWN)
+        more = len(path.ids) - len(words)  # one line, however many the target lists
+        names = ", ".join(words) + (f" and {more:,} more" if more > 0 else "")
         limited.log(("connected", path.index), logging.INFO, "%s: connected as controller "
-                    "%d%s (%s)", path.name, ctrl.cntlid, after,  # one line, however many
-                    brief_list(self._ana_words(path)) or "no namespaces")
+                    "%d%s (%s)", path.name, ctrl.cntlid, after, names or "no namespaces")
 
     def _detach(self, path: Path, ctrl: Controller) -> None:
         path.retire(ctrl)
@@ -402,9 +403,10 @@ class MultipathController:
             registration.drop(ctrl.transport)
         self._bind()
 
-    def _ana_words(self, path: Path) -> list[str]:
+    def _ana_words(self, path: Path, first: int) -> list[str]:
+        """``n<nsid> <ana state>`` of the path's first namespaces."""
         words = []
-        for nsid in sorted(path.ids):
+        for nsid in heapq.nsmallest(first, path.ids):
             state = path.ana.state(nsid)
             words.append(f"n{nsid} {state.label if state is not None else 'ana unknown'}")
         return words
@@ -526,7 +528,8 @@ class MultipathController:
     def _namespace_totals(self) -> tuple[int, int]:
         ops = nbytes = 0
         for ns in self.namespaces.values():
-            for st in ns.stats.ops.values():
+            stats = ns.io_stats
+            for st in stats.ops.values() if stats is not None else ():
                 ops += st.ops
                 nbytes += st.bytes
         return ops, nbytes
@@ -878,6 +881,28 @@ def _same_place(text: str, path: Path) -> bool:
     port = uri.trsvcid if uri.trsvcid is not None else DEFAULT_PORT
     return (uri.transport, uri.traddr, port, uri.subnqn) == (
         path.options.transport, path.options.traddr, path.options.trsvcid, path.options.nqn)
+
+
+NO_IDS = NamespaceIds()
+"""A namespace that reports no identifiers: one object for every such namespace."""
+
+
+async def _namespace_ids(ctrl: Controller, nsid: int, ident: nvme.IdentifyNamespace,
+                         unusable: list[str]) -> NamespaceIds:
+    """The namespace's identifiers: Identify Namespace's, then the descriptor list's (as
+    the kernel's ``nvme_report_ns_ids``); a controller without the list keeps the former,
+    and so does a list we cannot use (why, added to ``unusable``)."""
+    ids = base = NamespaceIds.from_identify(ident)
+    try:
+        data = await ctrl.identify_raw(Cns.NS_DESCRIPTOR_LIST, nsid)
+    except NVMeStatusError:
+        data = None
+    if data is not None:
+        try:
+            ids = NamespaceIds.from_descriptors(data, base)
+        except ValueError as exc:
+            unusable.append(f"namespace {nsid} at {ctrl.transport.address}: {exc}")
+    return NO_IDS if ids == NO_IDS else ids
 
 
 @contextlib.asynccontextmanager

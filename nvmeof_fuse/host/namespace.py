@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import NamespaceRemoved, NamespaceUnavailable, unavailable_line
+from ..errors import NamespaceRemoved, NamespaceUnavailable, NVMeoFError, unavailable_line
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO, Edge, LbaIO
 from .io import CommandIssuer
@@ -30,18 +30,45 @@ UNAVAILABLE_LBA_SIZE = 512
 """The LBA size an unavailable namespace shows (it has no LBAs)."""
 
 
+_IO_PARTS = frozenset({"lbas", "_bytes", "stats"})
+"""The attributes of a namespace's I/O stack, built at its first use (Namespace.__getattr__)."""
+
+
 class Namespace:
     """One active namespace; ``controller`` runs its commands (a :class:`Controller`, or
-    anything else that is a :class:`~nvmeof_fuse.host.io.CommandIssuer`)."""
+    anything else that is a :class:`~nvmeof_fuse.host.io.CommandIssuer`).
+
+    Its I/O stack (:attr:`lbas`, the byte range with its range lock, :attr:`stats`) is built
+    at the first use of any of them, so that a namespace never used costs a few hundred
+    bytes: a target may have 65,536 of them (docs/reliability.md, "Many namespaces")."""
+
+    __slots__ = ("controller", "nsid", "identify", "unavailable", "lba_size", "nlb", "size",
+                 "_refusal", "_io_built", "lbas", "_bytes", "stats")
 
     def __init__(self, controller: CommandIssuer, nsid: int,
                  identify: nvme.IdentifyNamespace) -> None:
         self.controller = controller
         self.nsid = nsid
-        self.stats = IoStats()
-        self.lbas = LbaIO(controller, nsid, UNAVAILABLE_LBA_SIZE, 0)
-        self._bytes = ByteRangeIO(self.lbas, self.stats)
+        self._refusal: NVMeoFError | None = None
+        """Why the namespace serves no I/O (removed, or values we cannot serve); None
+        serves.  Its LbaIO holds the same, once built."""
+        self._io_built = False
         self._take(identify)
+
+    def __getattr__(self, name: str):
+        """Build the I/O stack at the first use of any part of it (called only while a slot
+        of it is unset: once built, reaching it costs nothing more)."""
+        if name not in _IO_PARTS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        self._build_io()
+        return getattr(self, name)
+
+    def _build_io(self) -> None:
+        stats = self.stats = IoStats()
+        lbas = self.lbas = LbaIO(self.controller, self.nsid, self.lba_size, self.nlb)
+        lbas.refusal = self._refusal
+        self._bytes = ByteRangeIO(lbas, stats)
+        self._io_built = True
 
     def _take(self, identify: nvme.IdentifyNamespace) -> None:
         """Size and format from ``identify``; one we cannot serve leaves the namespace
@@ -49,15 +76,16 @@ class Namespace:
         self.identify = identify
         # what has no ``unusable`` (a test's stand-in with lba_size and nsze) is servable
         self.unavailable = getattr(identify, "unusable", "")
-        lbas = self.lbas
         if self.unavailable:
             self.lba_size, self.nlb = UNAVAILABLE_LBA_SIZE, 0
         else:
             self.lba_size, self.nlb = identify.lba_size, identify.nsze
         if not self.removed:  # a removed namespace stays removed
-            lbas.refusal = (NamespaceUnavailable(unavailable_line(self.nsid, self.unavailable))
-                            if self.unavailable else None)
-        lbas.lba_size, lbas.nlb = self.lba_size, self.nlb
+            self._refusal = (NamespaceUnavailable(unavailable_line(self.nsid, self.unavailable))
+                             if self.unavailable else None)
+        if self._io_built:
+            lbas = self.lbas
+            lbas.refusal, lbas.lba_size, lbas.nlb = self._refusal, self.lba_size, self.nlb
         self.size = self.nlb * self.lba_size
 
     def __repr__(self) -> str:
@@ -74,15 +102,34 @@ class Namespace:
     @property
     def removed(self) -> bool:
         """Whether the namespace is gone from the subsystem (:meth:`remove`)."""
-        return isinstance(self.lbas.refusal, NamespaceRemoved)
+        return isinstance(self._refusal, NamespaceRemoved)
 
     def remove(self, reason: str) -> None:
         """The namespace is gone: every I/O from now on fails with NamespaceRemoved."""
-        self.lbas.refusal = NamespaceRemoved(reason)
+        self._refusal = NamespaceRemoved(reason)
+        if self._io_built:
+            self.lbas.refusal = self._refusal
 
     def check_range(self, slba: int, nlb: int) -> None:
         """Raise unless ``nlb`` LBAs at ``slba`` lie inside the namespace (and it is there)."""
         self.lbas.check_range(slba, nlb)
+
+    @property
+    def written(self) -> bool:
+        """Whether anything was written to the namespace since its last :meth:`flush` began
+        (what the final flush at unmount flushes).  Every write holds the namespace's range
+        lock, whose release says so (:attr:`LbaRangeLock.written`), and so do the writes
+        here that take no lock: the write path pays one attribute store."""
+        return self._io_built and self._bytes.lock.written
+
+    @property
+    def io_stats(self) -> IoStats | None:
+        """:attr:`stats`, or None while the namespace did no I/O (a report that reads this
+        builds nothing)."""
+        return self.stats if self._io_built else None
+
+    def _wrote(self) -> None:
+        self._bytes.lock.written = True
 
     # -- whole LBAs (LbaIO) ----------------------------------------------------------------------
 
@@ -92,7 +139,10 @@ class Namespace:
 
     async def write_from(self, slba: int, nlb: int, src: DataRef) -> None:
         """Write ``nlb`` LBAs at ``slba`` straight from registered memory ``src``."""
-        await self.lbas.write_from(slba, nlb, src)
+        try:
+            await self.lbas.write_from(slba, nlb, src)
+        finally:
+            self._wrote()
 
     async def read_lbas(self, slba: int, nlb: int) -> bytes:
         """Read ``nlb`` LBAs at ``slba`` into bytes of the caller's own."""
@@ -104,7 +154,10 @@ class Namespace:
         return await self.lbas.lend_lbas(slba, nlb)
 
     async def write_lbas(self, slba: int, data: bytes | memoryview) -> None:
-        await self.lbas.write_lbas(slba, data)
+        try:
+            await self.lbas.write_lbas(slba, data)
+        finally:
+            self._wrote()
 
     # -- byte-addressed I/O (ByteRangeIO) --------------------------------------------------------
 
@@ -158,10 +211,21 @@ class Namespace:
 
     async def flush(self) -> None:
         """Flush; one of a removed namespace fails (one we cannot serve still asks the
-        target: the final flush of every namespace, at unmount, must stay quiet)."""
-        if self.removed:
-            self.lbas.check_served()
-        await self.controller.io_command(cmd.flush(self.nsid))
+        target: the final flush at unmount must stay quiet).  :attr:`written` is cleared as
+        the Flush goes out (a write that ends after that sets it again), and set again if
+        the Flush fails."""
+        refusal = self._refusal
+        if isinstance(refusal, NamespaceRemoved):
+            raise NamespaceRemoved(*refusal.args)
+        lock = self._bytes.lock if self._io_built else None
+        if lock is not None:
+            lock.written = False
+        try:
+            await self.controller.io_command(cmd.flush(self.nsid))
+        except BaseException:
+            if lock is not None:
+                lock.written = True
+            raise
 
     async def write_zeroes(self, slba: int, nlb: int, deallocate: bool = False) -> None:
         self.check_range(slba, nlb)
@@ -170,7 +234,10 @@ class Namespace:
             n = min(cmd.MAX_NLB, slba + nlb - start)
             jobs.append(lambda s=start, n=n: self.controller.io_command(
                 cmd.write_zeroes(self.nsid, s, n, deallocate)))
-        await run_all(jobs)
+        try:
+            await run_all(jobs)
+        finally:
+            self._wrote()
 
     async def deallocate(self, ranges: list[tuple[int, int]]) -> None:
         """Dataset Management with the Deallocate attribute over ``[(slba, nlb), ...]``."""
@@ -179,6 +246,9 @@ class Namespace:
         payload = cmd.dsm_ranges(ranges)
         async with self.controller.scratch(len(payload)) as ref:
             ref.region.view[:len(payload)] = payload
-            await self.controller.io_command(
-                cmd.dataset_management(self.nsid, len(ranges), sgl=nvme.NULL_SGL), ref,
-                to_controller=True)
+            try:
+                await self.controller.io_command(
+                    cmd.dataset_management(self.nsid, len(ranges), sgl=nvme.NULL_SGL), ref,
+                    to_controller=True)
+            finally:
+                self._wrote()

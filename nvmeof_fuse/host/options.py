@@ -18,6 +18,11 @@ MAX_SHUTDOWN_TIMEOUT = 255
 """Seconds: the longest ``--shutdown-timeout`` (Linux's module parameter is a byte)."""
 QUEUES_PER_CLIENT = 4
 """I/O queues a companion ``File`` leases and connects: 2 polled, 2 on its loop."""
+DEFAULT_MAX_NAMESPACES = 65536
+"""Active namespaces a mount serves at most (the first by NSID), unless
+``--max-namespaces`` says otherwise: each costs about 1 KiB of memory and two Identify
+commands at mount (docs/reliability.md, "Many namespaces").  NVMe allows 0xFFFFFFFE."""
+MAX_NSID = 0xFFFFFFFE
 
 
 @dataclass
@@ -44,6 +49,9 @@ class ConnectOptions:
     """Seconds after a loss from which I/O fails while reconnecting goes on; -1: off."""
     timeout: float = 30.0
     """Per-command timeout in seconds."""
+    max_namespaces: int = DEFAULT_MAX_NAMESPACES
+    """Active namespaces served at most, the first by NSID; the rest are refused in one
+    line."""
     connect_timeout: float = 10.0
     """Seconds for one transport connect (TCP connect and ICResp, RDMA-CM)."""
     shutdown_timeout: float = 5.0
@@ -88,6 +96,9 @@ class ConnectOptions:
         if not 1 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT:
             raise InvalidArgument(f"--shutdown-timeout {self.shutdown_timeout:g} must be "
                                   f"1-{MAX_SHUTDOWN_TIMEOUT} s")
+        if not 1 <= self.max_namespaces <= MAX_NSID:
+            raise InvalidArgument(f"--max-namespaces {self.max_namespaces} must be "
+                                  f"1-{MAX_NSID}")
         if not self.nqn:
             raise InvalidArgument("--nqn is required")
         for source in self.dhchap_sources():

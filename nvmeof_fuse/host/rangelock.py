@@ -50,6 +50,9 @@ class LbaRangeLock:
         self._waiting = 0  # requests in the queue not granted yet
         self.on_wait: Callable[[], None] | None = None
         """Called when a request has to wait (a holder may then be asked to let go)."""
+        self.written = False
+        """Set by every release: the namespace's writes each hold the lock until they end,
+        so this says whether one ended since its owner last cleared it (at a flush)."""
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -102,6 +105,7 @@ class LbaRangeLock:
         return req
 
     def release(self, req: _Request) -> None:
+        self.written = True
         self._queue.remove(req)
         if req.exclusive:
             self._exclusive -= 1

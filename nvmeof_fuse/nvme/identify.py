@@ -193,6 +193,33 @@ class LbaFormat:
     rp: int
 
 
+_SHARED_MAX = 256
+"""Distinct LBA format tables kept to share: a subsystem's namespaces mostly have one of a
+few, and each namespace's Identify data is kept (a target may have 65,536 namespaces)."""
+_shared_values: dict[bytes, bytes] = {bytes(8): bytes(8), bytes(16): bytes(16)}
+"""The all-zero EUI-64 and NGUID (not reported), one object each for every namespace."""
+_format_tables: dict[bytes, tuple[LbaFormat, ...]] = {}
+_POWERS_OF_TWO = tuple(1 << n for n in range(64))
+"""LBA sizes: one int object each, not one per namespace that keeps its size."""
+
+
+def _shared(value: bytes) -> bytes:
+    """``value``, as the one object kept for it when it is all zero (no identifier)."""
+    return _shared_values.get(value, value)
+
+
+def _lba_formats(table: bytes) -> tuple[LbaFormat, ...]:
+    """The LBA formats of ``table`` (4 bytes each), one tuple shared by every namespace with
+    the same table (up to _SHARED_MAX tables; a target inventing more gets its own)."""
+    formats = _format_tables.get(table)
+    if formats is None:
+        formats = tuple(LbaFormat(*struct.unpack_from("<HBB", table, at))
+                        for at in range(0, len(table), 4))
+        if len(_format_tables) < _SHARED_MAX:
+            _format_tables[table] = formats
+    return formats
+
+
 @dataclass(frozen=True, slots=True)
 class IdentifyNamespace:
     """Size and format of a namespace (all zero for an inactive NSID)."""
@@ -218,7 +245,6 @@ class IdentifyNamespace:
     def from_bytes(cls, data: BytesLike) -> IdentifyNamespace:
         v = _view("Namespace", data)
         count = min(v[25] + 1, 64)
-        lbaf = tuple(LbaFormat(*struct.unpack_from("<HBB", v, 128 + 4 * i)) for i in range(count))
         return cls(
             nsze=le(v, 0, 8),
             ncap=le(v, 8, 8),
@@ -230,9 +256,9 @@ class IdentifyNamespace:
             dpc=v[28],
             dps=v[29],
             nmic=v[30],
-            nguid=bytes(v[104:120]),
-            eui64=bytes(v[120:128]),
-            lbaf=lbaf,
+            nguid=_shared(bytes(v[104:120])),
+            eui64=_shared(bytes(v[120:128])),
+            lbaf=_lba_formats(bytes(v[128:128 + 4 * count])),
             anagrpid=le(v, 92, 4),
         )
 
@@ -251,7 +277,8 @@ class IdentifyNamespace:
     @property
     def lba_size(self) -> int:
         """Bytes per logical block of the current format."""
-        return 1 << self.current_format.lbads
+        lbads = self.current_format.lbads
+        return _POWERS_OF_TWO[lbads] if lbads < 64 else 1 << lbads
 
     @property
     def unusable(self) -> str:
@@ -349,7 +376,9 @@ class NamespaceIds:
         """
         buffer("namespace identification descriptor list", data, _DESC_HEADER)
         v = memoryview(data).cast("B")
-        found = dataclasses.asdict(base or cls())
+        base = base or cls()  # (fields by hand: asdict deep-copies, per namespace)
+        found: dict[str, Any] = {"eui64": base.eui64, "nguid": base.nguid, "uuid": base.uuid,
+                                 "csi": base.csi}
         pos = 0
         while pos + _DESC_HEADER <= len(v):
             nidt, nidl = v[pos], v[pos + 1]

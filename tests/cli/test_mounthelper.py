@@ -293,6 +293,12 @@ def test_paths_and_iopolicy_as_fstab_keys():
     assert argv[argv.index("--iopolicy") + 1] == "round-robin"
 
 
+def test_max_namespaces_as_an_fstab_key():
+    argv = helper_argv(["nvme+tcp://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
+                        "-o", "max_namespaces=1024,_netdev"])
+    assert argv[argv.index("--max-namespaces") + 1] == "1024"
+
+
 def test_workers_as_an_fstab_key():
     argv = helper_argv(["nvme+tcp://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
                         "-o", "workers=4,_netdev"])

@@ -97,7 +97,7 @@ def test_dhchap_options_follow_nvme_cli(tmp_path):
      "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
      "FILE instead"),
     (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other, "
-     "fuse=SERVER, path=URI, iopolicy=POLICY, workers=N)"),
+     "fuse=SERVER, path=URI, iopolicy=POLICY, workers=N, max_namespaces=N)"),
 ])
 def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
     err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
@@ -172,6 +172,29 @@ def test_workers_from_the_option_or_o(argv, workers):
     args = parse_mount_args(["mount", *argv, "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.x:y",
                              "/mnt"])
     assert options.mount_options(args).workers == workers
+
+
+@pytest.mark.parametrize(("argv", "cap"), [
+    ([], 65536), (["--max-namespaces", "16"], 16), (["-o", "max_namespaces=0x100"], 256),
+    (["--max-namespaces", "4294967294"], 0xFFFFFFFE)])
+def test_max_namespaces_from_the_option_or_o(argv, cap):
+    args = entry.parse_args(["mount", *argv, "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.x:y",
+                             "/mnt"])
+    assert options.connect_options(args, nqn="nqn.x:y", default_port=4420).max_namespaces == cap
+
+
+@pytest.mark.parametrize(("argv", "error"), [
+    (["--max-namespaces", "0"], "--max-namespaces 0 is out of range (1-4294967294)"),
+    (["--max-namespaces", "4294967295"],
+     "--max-namespaces 4294967295 is out of range (1-4294967294)"),
+    (["-o", "max_namespaces=many"], "--max-namespaces 'many' is not an integer"),
+    (["--max-namespaces", "8", "-o", "max_namespaces=9"], "conflicting namespace caps: 8, 9")])
+def test_bad_max_namespaces_are_one_line(argv, error):
+    args = entry.parse_args(["mount", *argv, "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.x:y",
+                             "/mnt"])
+    with pytest.raises(options.UsageError) as bad:
+        options.connect_options(args, nqn="nqn.x:y", default_port=4420)
+    assert str(bad.value) == error
 
 
 @pytest.mark.parametrize(("argv", "error"), [

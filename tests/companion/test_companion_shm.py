@@ -49,3 +49,25 @@ def test_bad_shapes():
     assert nvmeof_fuse.empty(0).shape == (0,)
     with pytest.raises(InvalidArgument, match="negative dimension -1"):
         nvmeof_fuse.empty((2, -1))
+
+
+def test_an_allocation_the_garbage_collector_frees_while_the_lock_is_held_does_not_hang():
+    """The collector may run inside any allocation, ``on_free``'s and ``find``'s under the
+    module's lock among them, and the finalizer takes that lock on the same thread."""
+    import gc
+    import threading
+
+    from nvmeof_fuse.companion import shm
+
+    def collect_under_the_lock() -> None:
+        mem = shm.allocate(1)
+        cycle: list = [mem]
+        cycle.append(cycle)  # freed only by the collector
+        del mem, cycle
+        with shm._lock:
+            gc.collect()
+
+    thread = threading.Thread(target=collect_under_the_lock, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the finalizer waited for a lock its own thread held"

@@ -42,3 +42,24 @@ def test_the_companion_handed_down_by_the_daemon_is_reported():
     assert ("companion client pid 9 uid 1000:\n  regions           : 2\n"
             "  staged_read_bytes : 4096\n"
             "  placement cuda    : staged: NVMe/TCP receives data\n") in text
+
+
+def test_stats_of_many_namespaces_list_those_that_did_io_and_count_the_rest():
+    """A target may have 65,536 namespaces: a report lists no empty statistics of each."""
+    from types import SimpleNamespace
+
+    from nvmeof_fuse.host.namespace import Namespace
+
+    issuer = SimpleNamespace()  # no I/O here
+    shape = SimpleNamespace(lba_size=512, nsze=8)
+    ctrl = SimpleNamespace(namespaces={n: Namespace(issuer, n, shape) for n in range(1, 2001)})
+    ns = ctrl.namespaces[1500]
+    ns.stats.add("counted")
+    doc = info.stats_dict(ctrl)
+    assert [k for k in doc if k.startswith("n")] == ["n1500"] and doc["idle_namespaces"] == 1999
+    assert info.stats_text(ctrl).decode().endswith("1999 more namespaces did no I/O\n")
+    assert sum(n.io_stats is not None for n in ctrl.namespaces.values()) == 1  # none built
+    del ctrl.namespaces[2000], ctrl.namespaces[1999]
+    for n in range(1, 977):
+        del ctrl.namespaces[n]
+    assert len(ctrl.namespaces) == 1022 and "idle_namespaces" not in info.stats_dict(ctrl)

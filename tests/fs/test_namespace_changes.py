@@ -51,11 +51,15 @@ def test_a_removed_namespace_leaves_the_tree_and_the_kernel_forgets_it(kernel):
     fs = NamespaceFS(ctrl)
     fs.kernel = kernel
     n2, info = lookup(fs, "n2"), lookup(fs, ".nvmeof")
+    lookup(fs, ".nvmeof", "n2.json")  # the kernel knows one report of n2, not the other
     fh = trio.run(fs.open, n2, 0, None).fh
     del ctrl.namespaces[2]
     trio.run(fs.apply_changes, [NamespaceChange("removed", 2, 64 * 512, 0)])
     with pytest.raises(FUSEError) as gone:
         lookup(fs, "n2")
+    assert gone.value.errno == errno.ENOENT
+    with pytest.raises(FUSEError) as gone:
+        lookup(fs, ".nvmeof", "n2")  # its reports went with it, looked up or not
     assert gone.value.errno == errno.ENOENT
     assert ("entry", ROOT_INODE, b"n2") in kernel
     assert ("entry", info, b"n2.json") in kernel

@@ -259,3 +259,38 @@ def test_an_unavailable_namespace_shows_with_size_0_and_open_fails_with_enxio(fs
         call(fs.open, inode, os.O_RDONLY, None)
     assert refused.value.errno == errno.ENXIO
     assert not fs.file_open(1) and fs.handles == {}
+
+
+def test_a_namespace_s_reports_come_at_their_first_lookup_or_listing():
+    """Few of a target's 65,536 namespaces' reports are ever read: none is made before."""
+    ctrl = make_controller(*((nsid, 512, 8) for nsid in range(1, 2001)))
+    fs = NamespaceFS(ctrl)
+    nodes = len(fs.nodes)
+    assert nodes == 2000 + 2 + 5  # the files, root, .nvmeof and the controller's reports
+    n1500 = lookup(fs, ".nvmeof", "n1500.json")
+    assert json.loads(read_all(fs, n1500)[0])["nsid"] == 1500
+    assert len(fs.nodes) == nodes + 2  # n1500 and n1500.json
+    assert lookup(fs, ".nvmeof", "n1500") != n1500
+    for name in ("n0", "n01", "n2001", "n", "nx.json", "n1.jsonx", "n99999999999", "1"):
+        with pytest.raises(FUSEError) as gone:
+            call(fs.lookup, lookup(fs, ".nvmeof"), name.encode(), None)
+        assert gone.value.errno == errno.ENOENT, name
+    listed = listdir(fs, lookup(fs, ".nvmeof"), size=1 << 20)
+    assert len(listed) == 5 + 2 * 2000 and listed[5:7] == ["n1500", "n1500.json"]
+    assert sorted(listed[7:9]) == ["n1", "n1.json"]
+
+
+def test_a_long_directory_lists_whole_across_readdir_calls(monkeypatch):
+    ctrl = make_controller(*((nsid, 512, 8) for nsid in range(1, 501)))
+    fs = NamespaceFS(ctrl)
+    handle = call(fs.opendir, ROOT_INODE, None)
+    names: list[str] = []
+    while True:
+        out = DirBuffer(4096)
+        call(fs.readdir, handle, len(names), out)
+        page = [name.decode() for name in _names(out)]
+        if not page:
+            break
+        names += page
+    assert names == [".nvmeof", *(f"n{nsid}" for nsid in range(1, 501))]
+    assert call(fs.getattr, ROOT_INODE, None).st_nlink == 3  # ., .. and .nvmeof's ..

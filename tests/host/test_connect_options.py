@@ -19,6 +19,7 @@ def options(**changes) -> ConnectOptions:
     {"fast_io_fail_tmo": -1}, {"fast_io_fail_tmo": 0}, {"transport": "tcp"},
     {"shutdown_timeout": 1}, {"shutdown_timeout": 255},
     {"transport": "tcp", "hdr_digest": True, "data_digest": True},
+    {"max_namespaces": 1}, {"max_namespaces": 0xFFFFFFFE},
 ])
 def test_valid_options(changes):
     options(**changes).validate()
@@ -43,6 +44,8 @@ def test_valid_options(changes):
     ({"fast_io_fail_tmo": -3}, "--fast-io-fail-tmo -3 must be -1 (off) or 0 or more seconds"),
     ({"shutdown_timeout": 0.5}, "--shutdown-timeout 0.5 must be 1-255 s"),
     ({"shutdown_timeout": 256}, "--shutdown-timeout 256 must be 1-255 s"),
+    ({"max_namespaces": 0}, "--max-namespaces 0 must be 1-4294967294"),
+    ({"max_namespaces": 2**32}, "--max-namespaces 4294967296 must be 1-4294967294"),
 ])
 def test_bad_option_message(changes, message):
     with pytest.raises(InvalidArgument) as info:

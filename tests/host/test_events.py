@@ -13,8 +13,9 @@ import trio.testing
 
 from nvmeof_fuse.errors import NamespaceRemoved
 from nvmeof_fuse.host.events import (
-    ACTIVE_NS_PAGES_MAX,
+    COUNT_PAGES_MAX,
     EVENTS_PER_SECOND,
+    IDENTIFY_IN_FLIGHT,
     AsyncEvents,
     NamespaceChange,
     active_nsids,
@@ -51,8 +52,9 @@ class Target:
         return identify_namespace(self.namespaces.get(nsid, 0))
 
 
-def controller(target: Target, known: dict[int, int]):
-    ctrl = SimpleNamespace(options=SimpleNamespace(nqn="nqn.2014-08.org.example:t"),
+def controller(target: Target, known: dict[int, int], max_namespaces: int = 65536):
+    ctrl = SimpleNamespace(options=SimpleNamespace(nqn="nqn.2014-08.org.example:t",
+                                                   max_namespaces=max_namespaces),
                            identify_raw=target.identify_raw, namespaces={})
     for nsid, nlb in known.items():
         ctrl.namespaces[nsid] = Namespace(ctrl, nsid,
@@ -190,20 +192,91 @@ def test_a_list_of_exactly_full_pages_ends_with_an_empty_one():
     assert target.list_pages == 3
 
 
-def test_a_target_whose_list_never_ends_is_read_to_a_bound_and_says_so(caplog):
-    class Endless(Target):
-        async def identify_raw(self, cns, nsid=0):
-            self.list_pages += 1
-            return active_ns_page(list(range(nsid + 1, nsid + 1025)))
+class Endless(Target):
+    async def identify_raw(self, cns, nsid=0):
+        self.list_pages += 1
+        return active_ns_page(list(range(nsid + 1, nsid + 1025)))
 
+
+def test_a_target_whose_list_never_ends_is_read_to_a_bound_and_says_so(caplog):
     target = Endless({})
     with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
         nsids = trio.run(active_nsids, controller(target, {}))
-    assert target.list_pages == ACTIVE_NS_PAGES_MAX
-    assert nsids == list(range(1, ACTIVE_NS_PAGES_MAX * 1024 + 1))
-    assert caplog.messages == [f"nqn.2014-08.org.example:t: the active namespace list goes on "
-                               f"past {ACTIVE_NS_PAGES_MAX} pages; serving its first "
-                               f"{len(nsids)} namespaces"]
+    assert target.list_pages == 64 + COUNT_PAGES_MAX  # to the cap, then to count
+    assert nsids == list(range(1, 65537))
+    assert caplog.messages == ["nqn.2014-08.org.example:t: serving the first 65536 of more "
+                               f"than {65536 + COUNT_PAGES_MAX * 1024} namespaces "
+                               "(--max-namespaces)"]
+
+
+def test_a_listed_namespace_that_is_not_there_is_no_refusal(caplog):
+    """An NSID the list names whose Identify Namespace says size 0 is not served, and the
+    cap has nothing to do with it."""
+    target = Target({1: 8, 2: 0, 3: 8})
+    ctrl = controller(target, {}, max_namespaces=4)
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
+        trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert sorted(ctrl.namespaces) == [1, 3] and caplog.messages == []
+
+
+def test_a_list_of_exactly_the_cap_is_served_whole_and_refuses_nothing(caplog):
+    target = Target({nsid: 8 for nsid in range(1, 4097)})
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
+        nsids = trio.run(active_nsids, controller(target, {}, max_namespaces=4096))
+    assert nsids == list(range(1, 4097)) and caplog.messages == []
+    assert target.list_pages == 5  # the fifth, empty, says the list ended
+
+
+def test_namespaces_past_the_cap_are_refused_in_one_line_said_again_only_when_it_changes(
+        caplog):
+    target = Target({nsid: 8 for nsid in range(1, 3001)})
+    ctrl = controller(target, {}, max_namespaces=1000)
+    with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.events"):
+        assert trio.run(active_nsids, ctrl) == list(range(1, 1001))
+        changes = trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+        assert len(changes) == 1000 and sorted(ctrl.namespaces) == list(range(1, 1001))
+        caplog.clear()
+        for _ in range(3):  # the same again: nothing to say
+            assert trio.run(rescan, ctrl, None, partial(Namespace, ctrl)) == []
+        assert caplog.messages == []
+        target.namespaces[5000] = 8
+        trio.run(rescan, ctrl, [5000], partial(Namespace, ctrl))
+    assert 5000 not in ctrl.namespaces
+    assert caplog.messages == ["nqn.2014-08.org.example:t: serving the first 1000 of 3001 "
+                               "namespaces (--max-namespaces)"]
+
+
+def test_a_rescan_keeps_what_it_serves_when_namespaces_past_the_cap_come_first():
+    """A namespace added below those served does not push one out: it waits for room."""
+    target = Target({nsid: 8 for nsid in range(10, 20)})
+    ctrl = controller(target, {}, max_namespaces=10)
+    trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    target.namespaces[1] = 8
+    assert trio.run(rescan, ctrl, None, partial(Namespace, ctrl)) == []
+    assert sorted(ctrl.namespaces) == list(range(10, 20))
+    del target.namespaces[15]
+    changes = trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert changes == [NamespaceChange("added", 1, 0, 8 * 512),
+                       NamespaceChange("removed", 15, 8 * 512, 0)]
+
+
+def test_a_scan_identifies_namespaces_side_by_side_bounded():
+    class Counting(Target):
+        in_flight = most = 0
+
+        async def identify_raw(self, cns, nsid=0):
+            if cns != Cns.NAMESPACE:
+                return await super().identify_raw(cns, nsid)
+            self.in_flight += 1
+            self.most = max(self.most, self.in_flight)
+            await trio.sleep(0.001)
+            self.in_flight -= 1
+            return await super().identify_raw(cns, nsid)
+
+    target = Counting({nsid: 8 for nsid in range(1, 200)})
+    ctrl = controller(target, {})
+    assert len(trio.run(rescan, ctrl, None, partial(Namespace, ctrl))) == 199
+    assert target.most == IDENTIFY_IN_FLIGHT
 
 
 def test_a_full_page_that_goes_back_ends_the_list():

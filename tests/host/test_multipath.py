@@ -11,7 +11,7 @@ import re
 import pytest
 import trio
 import trio.testing
-from multipath_fakes import LBA, NQN, Port, options
+from multipath_fakes import LBA, NQN, Port, identify_namespace, options
 
 from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument
 from nvmeof_fuse.fs import info
@@ -416,3 +416,43 @@ def test_a_command_that_breaks_every_path_it_goes_on_counts_its_tries_across_pat
         assert await ns.read(0, LBA) == bytes(port[0].disk[:LBA])  # the mount goes on
 
     run(test, port, ctrl_loss_tmo=60)
+
+
+def test_many_namespaces_descriptor_lists_are_read_side_by_side_and_bad_ones_said_once(caplog):
+    """A descriptor list of the wrong shape costs the namespace its descriptor identifiers
+    (Identify Namespace's stand), said in one line however many namespaces have one."""
+    import struct
+    from types import SimpleNamespace
+
+    from nvmeof_fuse.host.events import IDENTIFY_IN_FLIGHT
+    from nvmeof_fuse.host.multipath import NO_IDS
+    from nvmeof_fuse.nvme import Cns, NVMeStatusError
+
+    in_flight = most = 0
+
+    async def identify_raw(cns, nsid=0):
+        nonlocal in_flight, most
+        assert cns == Cns.NS_DESCRIPTOR_LIST
+        in_flight += 1
+        most = max(most, in_flight)
+        await trio.sleep(0.001)
+        in_flight -= 1
+        if nsid % 100 == 0:
+            raise NVMeStatusError(0x02 | 0x4000, "Identify")  # no list: Invalid Field
+        if nsid % 10 == 0:  # an NGUID of 8 bytes
+            return struct.pack("<BBxx", 2, 8) + bytes(range(8)) + bytes(4084)
+        if nsid == 7:
+            return NamespaceIds(uuid=bytes(range(16))).to_descriptors()
+        return bytes(4096)
+
+    plain = identify_namespace()
+    ctrl = SimpleNamespace(identify_raw=identify_raw, transport=SimpleNamespace(address="t"),
+                           namespaces={n: SimpleNamespace(identify=plain) for n in range(1, 501)})
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.multipath"):
+        ids = trio.run(MultipathController._all_namespace_ids, ctrl)
+    assert list(ids) == list(range(1, 501)) and most == IDENTIFY_IN_FLIGHT
+    assert ids[7].uuid == bytes(range(16)) and ids[1] is ids[10] is ids[100] is NO_IDS
+    assert caplog.messages == [
+        "namespace 10 at t: namespace identification descriptor NGUID has length 8, expected "
+        "16; using Identify Namespace's identifiers (so for 44 more namespaces' unusable "
+        "lists)"]

@@ -519,3 +519,107 @@ def test_a_removed_namespace_stays_removed_whatever_identify_says_next():
             trio.run(io)
     assert not ns.start_read_lent(0, 512, lambda view: None)
     assert controller.bounce.available == 4
+
+
+# --- the I/O stack built at first use, and what was written since the last flush ----------
+
+
+def test_a_namespace_builds_no_io_until_its_first_use_and_reports_build_none():
+    ns = namespace()
+    assert ns.io_stats is None and not ns.written and ns.size == 64 * 512
+    ns.resize(SimpleNamespace(lba_size=512, nsze=128))
+    ns.remove("namespace n1 was removed from nqn")
+    assert ns.io_stats is None  # neither a resize nor a removal builds it
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        ns.nothing  # noqa: B018 (only the I/O stack is built on demand)
+    ns = namespace()
+    assert trio.run(ns.read, 0, 512) == ns.controller.disk[:512]
+    assert ns.io_stats is ns.stats and ns.stats.snapshot()["ops"]["read"]["ops"] == 1
+
+
+def test_a_namespace_built_after_a_resize_or_removal_has_its_size_and_refusal():
+    from nvmeof_fuse.errors import NamespaceRemoved
+
+    ns = namespace()
+    ns.resize(SimpleNamespace(lba_size=512, nsze=32))
+    assert ns.lbas.nlb == 32 and ns.lbas.refusal is None
+    ns = namespace()
+    ns.remove("namespace n1 was removed from nqn")
+    with pytest.raises(NamespaceRemoved):
+        trio.run(ns.read_lbas, 0, 1)
+
+
+@pytest.mark.parametrize("write", [
+    lambda ns: ns.write(100, b"x" * 1000),  # read-modify-write edges and an aligned middle
+    lambda ns: ns.write(512, b"x" * 512),  # aligned: one command under the shared lock
+    lambda ns: ns.write_lbas(2, b"x" * 512),  # no lock: the namespace marks it
+    lambda ns: ns.write_zeroes(0, 4),
+])
+def test_each_kind_of_write_marks_the_namespace_written_and_a_flush_clears_it(write):
+    ns = namespace()
+
+    async def main():
+        await ns.read(0, 4096)
+        assert not ns.written  # reads do not count
+        await write(ns)
+        assert ns.written
+        await ns.flush()
+        assert not ns.written
+
+    trio.run(main)
+
+
+def test_a_started_write_marks_the_namespace_when_its_lock_is_let_go():
+    ns = namespace()
+    assert ns.start_write(1024, memoryview(bytearray(512)), lambda ok: None)
+    ns.controller.end_started()
+    assert ns.written
+
+
+def test_a_writer_of_another_process_under_the_range_lock_marks_it_when_it_lets_go():
+    """A FUSE worker's or companion client's write holds the namespace's range lock while it
+    moves its data on queues of its own."""
+    ns = namespace()
+
+    async def main():
+        async with ns.write_locked(0, 4096):
+            await ns.flush()  # a flush while the other process writes
+        assert ns.written  # its write ended after the flush went out
+
+    trio.run(main)
+
+
+def test_a_write_that_ends_while_the_flush_is_in_flight_keeps_the_namespace_written():
+    ns = namespace()
+    controller = ns.controller
+    plain = controller.io_command
+    flushing = trio.Event()
+    wrote = trio.Event()
+
+    async def io_command(sqe, data=None, *, to_controller=False):
+        if sqe[0] == OPC_FLUSH:
+            flushing.set()
+            await wrote.wait()  # the write lands after the Flush went out
+        return await plain(sqe, data, to_controller=to_controller)
+
+    controller.io_command = io_command
+
+    async def main():
+        await ns.write(0, b"y" * 512)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ns.flush)
+            await flushing.wait()
+            await ns.write(512, b"z" * 512)
+            wrote.set()
+        assert ns.written
+
+    trio.run(main)
+
+
+def test_a_failed_flush_leaves_the_namespace_written():
+    ns = namespace()
+    trio.run(ns.write, 0, b"x" * 512)
+    ns.controller.fail = TransportError("gone")
+    with pytest.raises(TransportError):
+        trio.run(ns.flush)
+    assert ns.written

@@ -238,3 +238,23 @@ def test_active_ns_list_skips_repeats_disorder_and_the_broadcast_nsid():
     assert parse_active_ns_list(page) == [1, 5, 7]
     full = struct.pack("<1024I", *range(1, 1025))
     assert parse_active_ns_list(full) == list(range(1, 1025))
+
+
+def test_namespaces_with_one_format_table_share_it_and_their_zero_identifiers():
+    """A target may have 65,536 namespaces, each kept: what they have alike is one object."""
+    page = bytearray(namespace_buffer(1, 0x01, {0: (0, 9, 2), 1: (8, 12, 0)}))
+    page[104:128] = bytes(24)  # no NGUID, no EUI-64
+    a, b = IdentifyNamespace.from_bytes(page), IdentifyNamespace.from_bytes(bytes(page))
+    assert a.lbaf is b.lbaf and a.nguid is b.nguid and a.eui64 is b.eui64
+    assert a.lba_size is b.lba_size and a == b
+
+
+def test_a_target_inventing_format_tables_gets_each_right_and_keeps_a_bounded_few():
+    from nvmeof_fuse.nvme import identify
+
+    seen = []
+    for ms in range(identify._SHARED_MAX + 20):
+        ns = IdentifyNamespace.from_bytes(namespace_buffer(0, 0, {0: (ms, 9, 0)}))
+        assert ns.metadata_size == ms and ns.lba_size == 512
+        seen.append(ns)
+    assert len(identify._format_tables) <= identify._SHARED_MAX

@@ -19,13 +19,16 @@ def write(path: str, value: str | int) -> None:
 
 
 @contextlib.contextmanager
-def null_blk(name: str, mib: int, blocksize: int) -> Iterator[str]:
-    """A memory-backed null_blk disk that keeps its data; its ``/dev`` path."""
+def null_blk(name: str, mib: int, blocksize: int, *, cache_mib: int = 0) -> Iterator[str]:
+    """A memory-backed null_blk disk that keeps its data; its ``/dev`` path.  With
+    ``cache_mib`` it has a volatile write cache of that size: nvmet then passes each Flush on
+    to it, and its ``/sys/block`` statistics count them (:func:`flushes`)."""
     nullb = f"{CONFIGFS}/nullb/{name}"
     os.mkdir(nullb)
     try:
+        cache = (("cache_size", cache_mib),) if cache_mib else ()
         for attr, value in (("size", mib), ("blocksize", blocksize), ("memory_backed", 1),
-                            ("power", 1)):
+                            *cache, ("power", 1)):
             write(f"{nullb}/{attr}", value)
         dev = f"/dev/{name}"  # since 6.x the disk is named after its configfs directory
         assert wait_for(lambda: os.path.exists(dev), 30), f"{dev} did not appear"
@@ -62,6 +65,34 @@ def subsystem(nqn: str, device: str | None, *, ports: tuple[int, ...] = (RDMA_PO
             write(f"{sub}/namespaces/1/enable", 0)
             os.rmdir(f"{sub}/namespaces/1")
         os.rmdir(sub)
+
+
+def flushes(device: str) -> int:
+    """Flush requests ``device`` (a ``/dev`` path) completed: field 16 of its
+    ``/sys/block/NAME/stat`` (Documentation/block/stat.rst)."""
+    with open(f"/sys/block/{os.path.basename(device)}/stat") as f:
+        fields = f.read().split()
+    assert len(fields) >= 17, f"{device}: this kernel's block statistics count no flushes"
+    return int(fields[15])
+
+
+@contextlib.contextmanager
+def namespaces(subsystem_path: str, devices: list[str]) -> Iterator[None]:
+    """``devices`` as namespaces 1, 2, ... of the subsystem at ``subsystem_path`` (made with
+    no device), enabled while inside."""
+    made = []
+    try:
+        for nsid, device in enumerate(devices, 1):
+            ns = f"{subsystem_path}/namespaces/{nsid}"
+            os.mkdir(ns)
+            made.append(ns)
+            write(f"{ns}/device_path", device)
+            write(f"{ns}/enable", 1)
+        yield
+    finally:
+        for ns in reversed(made):
+            write(f"{ns}/enable", 0)
+            os.rmdir(ns)
 
 
 # --- ANA and namespace identifiers --------------------------------------------------------
