@@ -4,9 +4,12 @@
 One Asynchronous Event Request stays outstanding on the admin queue, re-armed
 after each event and after each reconnect.  A Namespace Attribute Changed
 notice reads the Changed Namespace List (which also lets the controller report
-the next one) and rescans those namespaces; a reconnect rescans them all.  Each
-change is applied to ``controller.namespaces``, logged in one line, and handed to
-the listeners (the mount adds, removes or resizes its files).
+the next one) and rescans those namespaces; a reconnect rescans them all, before
+I/O resumes (:meth:`AsyncEvents.check_after_reconnect`).  Each change is applied to
+``controller.namespaces``, logged in one line, and handed to the listeners (the
+mount adds, removes, resizes or replaces its files).  A namespace whose identity
+changed (:mod:`.identity`) is *replaced*: the old one refuses all I/O from then
+on, and a new one, of another generation, takes its NSID.
 
 This module knows the controller and its namespaces only by what it uses of them
 (:class:`EventSource`, :class:`ScannedNamespace`); the controller hands it the
@@ -36,6 +39,7 @@ from ..nvme.events import (
     parse_changed_ns_list,
 )
 from ..transport.base import Queue
+from .identity import IdentityIndex, namespace_identity, replaced_line
 from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)
@@ -48,18 +52,22 @@ LAST_NSID = 0xFFFFFFFE  # the highest valid NSID (0xFFFFFFFF is the broadcast va
 
 @dataclass(frozen=True)
 class NamespaceChange:
-    """One namespace that appeared, went away or changed size."""
+    """One namespace that appeared, went away, changed size, or was replaced by another
+    behind its NSID (``detail``: the line that says how)."""
 
-    kind: str  # "added", "removed", "resized"
+    kind: str  # "added", "removed", "resized", "replaced"
     nsid: int
     old_size: int = 0
     new_size: int = 0
+    detail: str = ""
 
     def describe(self) -> str:
         if self.kind == "added":
             return f"namespace n{self.nsid} added ({self.new_size} bytes)"
         if self.kind == "removed":
             return f"namespace n{self.nsid} removed"
+        if self.kind == "replaced":
+            return self.detail or f"namespace n{self.nsid} replaced"
         return f"namespace n{self.nsid} resized from {self.old_size} to {self.new_size} bytes"
 
 
@@ -71,10 +79,16 @@ class ScannedNamespace(Protocol):
 
     size: int
     unavailable: str
+    identity: nvme.NamespaceIdentity | None
+    conflict: str
 
     def resize(self, identify: nvme.IdentifyNamespace) -> int | None: ...
 
     def remove(self, reason: str) -> None: ...
+
+    def replace(self, reason: str) -> None: ...
+
+    def refuse_as(self, conflict: str) -> None: ...
 
 
 NewNamespace = Callable[[int, nvme.IdentifyNamespace], ScannedNamespace]
@@ -104,6 +118,10 @@ class EventSource(Protocol):
 
     async def set_features(self, fid: int, cdw11: int) -> int: ...
 
+    def namespace_replaced(self, nsid: int, old: Any, new: Any) -> None:
+        """``old`` was replaced by ``new`` behind ``nsid`` (already in ``namespaces``):
+        fence what waits to be sent for the old one (:class:`Controller`)."""
+
 
 async def active_nsids(ctrl: EventSource) -> list[int]:
     """The active NSIDs (Identify CNS 02h), ascending: page after page, each of those above
@@ -123,41 +141,81 @@ async def active_nsids(ctrl: EventSource) -> list[int]:
     return nsids
 
 
+async def identify_namespace(ctrl: EventSource, nsid: int
+                             ) -> tuple[nvme.IdentifyNamespace, nvme.NamespaceIdentity] | None:
+    """Identify Namespace ``nsid`` and its identity; None if it is not there (NSZE 0)."""
+    ident = nvme.IdentifyNamespace.from_bytes(await ctrl.identify_raw(Cns.NAMESPACE, nsid))
+    if not ident.nsze:
+        return None
+    return ident, await namespace_identity(ctrl, nsid, ident)
+
+
 async def rescan(ctrl: EventSource, nsids: list[int] | None,
                  new_namespace: NewNamespace) -> list[NamespaceChange]:
     """Look at ``nsids`` (all of them: None) again; apply and return what changed.
 
-    A namespace found anew is made by ``new_namespace``."""
+    A namespace found anew is made by ``new_namespace``; so is the one that replaces a
+    namespace whose identity changed (:mod:`.identity`), after the old one was told
+    (``replace``) and the controller too (``namespace_replaced``), before this returns."""
     active = set(await active_nsids(ctrl))
     wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
     changes = []
     for nsid in wanted:
         ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
-        ident = None
-        if nsid in active:
-            ident = nvme.IdentifyNamespace.from_bytes(
-                await ctrl.identify_raw(Cns.NAMESPACE, nsid))
-            if not ident.nsze:
-                ident = None
-        if ident is None:
+        found = await identify_namespace(ctrl, nsid) if nsid in active else None
+        if found is None:
             if ns is not None:
                 del ctrl.namespaces[nsid]
                 ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
                 changes.append(NamespaceChange("removed", nsid, ns.size, 0))
-        elif ns is None:
+            continue
+        ident, identity = found
+        if ns is None:
             ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
+            ns.identity = identity
             changes.append(NamespaceChange("added", nsid, 0, ns.size))
-        else:
-            was = ns.unavailable
-            old = ns.resize(ident)
-            now = ns.unavailable
-            if now and now != was:  # values we cannot serve now: say why, once
-                log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
-            if old is not None:
-                changes.append(NamespaceChange("resized", nsid, old, ns.size))
+            continue
+        change = ns.identity.change(identity) if ns.identity is not None else ""
+        if change:
+            assert ns.identity is not None
+            line = replaced_line(ctrl.options.nqn, nsid, ns.identity, identity, change)
+            new = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
+            new.identity = identity
+            ns.replace(f"namespace n{nsid} of {ctrl.options.nqn} was replaced by another "
+                       f"namespace ({change})")
+            ctrl.namespace_replaced(nsid, ns, new)
+            changes.append(NamespaceChange("replaced", nsid, ns.size, new.size, line))
+            continue
+        ns.identity = identity
+        was = ns.unavailable
+        old = ns.resize(ident)
+        now = ns.unavailable
+        if now and now != was:  # values we cannot serve now: say why, once
+            log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
+        if old is not None:
+            changes.append(NamespaceChange("resized", nsid, old, ns.size))
+    claim_identities(ctrl, [c.nsid for c in changes if c.kind in ("added", "replaced")])
     for change in changes:
-        log.info("%s", change.describe())
+        log.log(logging.WARNING if change.kind == "replaced" else logging.INFO, "%s",
+                change.describe())
     return changes
+
+
+def claim_identities(ctrl: EventSource, found: list[int]) -> None:
+    """Namespaces ``found`` anew (or again) that report another one's identifiers are
+    refused (:class:`IdentityIndex`), each said once."""
+    if not found:
+        return
+    fresh = set(found)
+    index = IdentityIndex((n, ns) for n, ns in sorted(ctrl.namespaces.items())
+                          if n not in fresh)
+    for nsid in found:
+        ns = ctrl.namespaces.get(nsid)
+        if ns is None:
+            continue
+        index.claim(nsid, ns)
+        if ns.conflict:
+            log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, ns.conflict))
 
 
 class AsyncEvents:
@@ -171,7 +229,19 @@ class AsyncEvents:
         self.ana_listeners: list[Callable[[], None]] = []
         """Told of each ANA-change notice (a multipath head reads the ANA log page then,
         which also lets the controller report the next one)."""
+        self.replaced_listeners: list[Callable[[int, Any, Any], None]] = []
+        """Told at once, ``(nsid, old, new)``, of each namespace replaced by another behind
+        its NSID: after a reconnect, before I/O resumes (a multipath head fences its own
+        namespace then); the listeners hear of it later, with the other changes."""
         self.events = 0  # AER completions seen
+        self._after_reconnect: list[NamespaceChange] = []
+
+    async def check_after_reconnect(self) -> None:
+        """Rescan every namespace on a new connection before I/O resumes on it: what
+        changed is applied now (a namespace of another identity refuses I/O from here on),
+        and handed to the listeners once the loop re-arms on the new admin queue.  Raises
+        what the rescan raised (the reconnect failed then, and is tried again)."""
+        self._after_reconnect += await rescan(self.ctrl, None, self.new_namespace)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Until the controller is gone: arm, wait, handle, re-arm (also on new queues)."""
@@ -184,10 +254,11 @@ class AsyncEvents:
             if admin is None:
                 await trio.sleep(0)
                 continue
-            if admin is not armed_on:  # reconnected: anything may have changed meanwhile
-                armed_on = admin
+            if admin is not armed_on:  # reconnected: the rescan before I/O resumed found
+                armed_on = admin  # what changed meanwhile (check_after_reconnect)
                 await self._configure()
-                await self._rescan(None)
+                changes, self._after_reconnect = self._after_reconnect, []
+                await self._tell(changes)
                 continue
             try:
                 completion = await admin.execute(cmd.async_event_request(), timeout=math.inf)
@@ -247,6 +318,9 @@ class AsyncEvents:
                 # once CC.SHN is set): a reconnect rescans again, a shutdown needs none
                 log.debug("namespace rescan stopped (controller %s): %s", self.ctrl.state, exc)
             return
+        await self._tell(changes)
+
+    async def _tell(self, changes: list[NamespaceChange]) -> None:
         if changes:
             for listener in list(self.listeners):
                 await listener(changes)

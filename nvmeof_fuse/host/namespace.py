@@ -18,7 +18,12 @@ from collections.abc import Awaitable, Callable
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import NamespaceRemoved, NamespaceUnavailable, unavailable_line
+from ..errors import (
+    NamespaceRemoved,
+    NamespaceReplaced,
+    NamespaceUnavailable,
+    unavailable_line,
+)
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO, Edge, LbaIO
 from .io import CommandIssuer
@@ -32,12 +37,22 @@ UNAVAILABLE_LBA_SIZE = 512
 
 class Namespace:
     """One active namespace; ``controller`` runs its commands (a :class:`Controller`, or
-    anything else that is a :class:`~nvmeof_fuse.host.io.CommandIssuer`)."""
+    anything else that is a :class:`~nvmeof_fuse.host.io.CommandIssuer`).
+
+    ``generation`` tells this namespace from those that had or will have its NSID on the
+    same mount (one found anew after a removal, or behind the NSID after its identity
+    changed: :mod:`.events`); ``identity`` is what it was known by, once read.
+    """
 
     def __init__(self, controller: CommandIssuer, nsid: int,
-                 identify: nvme.IdentifyNamespace) -> None:
+                 identify: nvme.IdentifyNamespace, generation: int = 0) -> None:
         self.controller = controller
         self.nsid = nsid
+        self.generation = generation
+        self.identity: nvme.NamespaceIdentity | None = None
+        self.conflict = ""
+        """Why we refuse to serve it although its values are servable: it reports the
+        identifiers of another namespace of the subsystem (set by the rescan)."""
         self.stats = IoStats()
         self.lbas = LbaIO(controller, nsid, UNAVAILABLE_LBA_SIZE, 0)
         self._bytes = ByteRangeIO(self.lbas, self.stats)
@@ -48,7 +63,7 @@ class Namespace:
         unavailable (:attr:`unavailable` says why): 0 LBAs, and every I/O fails."""
         self.identify = identify
         # what has no ``unusable`` (a test's stand-in with lba_size and nsze) is servable
-        self.unavailable = getattr(identify, "unusable", "")
+        self.unavailable = getattr(identify, "unusable", "") or self.conflict
         lbas = self.lbas
         if self.unavailable:
             self.lba_size, self.nlb = UNAVAILABLE_LBA_SIZE, 0
@@ -79,6 +94,17 @@ class Namespace:
     def remove(self, reason: str) -> None:
         """The namespace is gone: every I/O from now on fails with NamespaceRemoved."""
         self.lbas.refusal = NamespaceRemoved(reason)
+
+    def replace(self, reason: str) -> None:
+        """Another namespace answers behind the NSID now: every I/O of this one from now on
+        fails with NamespaceReplaced (EIO), and never reaches the other."""
+        self.lbas.refusal = NamespaceReplaced(reason)
+
+    def refuse_as(self, conflict: str) -> None:
+        """Serve nothing (unavailable, as one whose values we cannot serve), for
+        ``conflict``: why."""
+        self.conflict = conflict
+        self._take(self.identify)
 
     def check_range(self, slba: int, nlb: int) -> None:
         """Raise unless ``nlb`` LBAs at ``slba`` lie inside the namespace (and it is there)."""

@@ -233,7 +233,7 @@ def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
     pool = FuseWorkers(None, None, server, 2)
     trio.run(pool.follow, [])
     assert told == {"worker": [{"event": "namespaces", "generation": 1,
-                                "namespaces": [[1, 512, 64], [2, 4096, 16]]}]}
+                                "namespaces": [[1, 512, 64, 0], [2, 4096, 16, 0]]}]}
 
 
 def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_once(caplog):
