@@ -128,7 +128,8 @@ class _SharedHandles(dict):
         node = self._fs.nodes.get(inode) if inode is not None else None
         # a handle of another generation of the namespace (replaced since it was opened, or
         # since we last heard): not ours to serve (the main process knows it)
-        if not isinstance(node, _NsFile) or fh_generation(fh) != node.generation:
+        if not isinstance(node, _NsFile) or fh >> _GENERATION_SHIFT & GENERATION_MAX != \
+                node.generation:
             raise KeyError(fh)
         return _Handle(node, writable)
 

@@ -440,7 +440,8 @@ class LbaIO:
 
         def job(lba: int, n: int, at: int) -> Callable[[], Awaitable[None]]:
             async def run() -> None:
-                self.check_served()  # (refused meanwhile: nothing of it goes out)
+                if self.refusal is not None:  # refused meanwhile: nothing of it goes out
+                    self.check_served()
                 piece = ref.region.ref(ref.offset + at, n * self.lba_size)
                 await self.io.io_command(build(self.nsid, lba, n, nvme.NULL_SGL), piece,
                                          to_controller=write)
@@ -513,7 +514,8 @@ class LbaIO:
         try:
             # Checked again after the waits: a reconnect may have found another namespace
             # behind the NSID meanwhile, and nothing of this one may go to that one.
-            self.check_served()
+            if self.refusal is not None:
+                self.check_served()
             if write:
                 view[:length] = host
                 sqe = cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL)
