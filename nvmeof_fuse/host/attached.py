@@ -35,7 +35,7 @@ from .controller import (
     reconnect_attempts,
 )
 from .memory import host_buffer
-from .namespace import Namespace
+from .namespace import GONE, Namespace
 from .state import CONNECTING, LIVE
 
 log = logging.getLogger(__name__)
@@ -59,9 +59,6 @@ class NamespaceShape:
     nsze: int
     generation: int = 0
 
-
-GONE = -1
-"""The generation a lease gives a namespace its client knew that was removed or replaced."""
 
 
 @dataclass(frozen=True)

@@ -161,6 +161,7 @@ class Controller:
         self._replaced: dict[int, tuple[int, int]] = {}
         """nsid -> (:attr:`replacements`, :attr:`teardowns`) at its last replacement."""
         self._generations: dict[int, int] = {}  # nsid -> the last namespace's generation
+        self._checking = False  # a reconnect's identity check is under way (keep-alives go on)
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -584,10 +585,15 @@ class Controller:
         first = self.identify
         if first is None:  # never identified (brought up by other means): nothing to compare
             return
-        again = nvme.IdentifyController.from_bytes(await self.identify_raw(Cns.CONTROLLER))
-        check_controller(first, again, f"the controller reached at {self.transport.address}")
-        if first.cntrltype != 2:  # a discovery controller has no namespaces
-            await self.events.check_after_reconnect()
+        self._checking = True  # (a rescan of many namespaces may outlast the keep-alive)
+        try:
+            again = nvme.IdentifyController.from_bytes(await self.identify_raw(Cns.CONTROLLER))
+            check_controller(first, again,
+                             f"the controller reached at {self.transport.address}")
+            if first.cntrltype != 2:  # a discovery controller has no namespaces
+                await self.events.check_after_reconnect()
+        finally:
+            self._checking = False
 
     def namespace_replaced(self, nsid: int, old: Namespace, new: Namespace) -> None:
         """A rescan found ``new`` behind ``nsid`` instead of ``old``: commands of ``old``
@@ -853,7 +859,7 @@ class Controller:
     async def _send_keep_alive(self, timeout: float, why: str) -> None:
         """One Keep Alive; its failure is a lost connection (named by ``why``)."""
         admin = self.admin
-        if self.state is not LIVE or admin is None:
+        if admin is None or (self.state is not LIVE and not self._checking):
             return
         try:
             completion = await admin.execute(cmd.keep_alive(), timeout=timeout)

@@ -118,7 +118,7 @@ class MultipathController:
         self.ids: dict[int, NamespaceIdentity] = {}
         """The identity of each namespace the mount serves (the first path's, at first)."""
         self.controller_identity: nvme.IdentifyController | None = None  # the first path's
-        self.replacements = 0  # namespaces replaced (see _replace)
+        self.replacements = 0  # namespaces replaced (see _settle)
         self._replaced: dict[int, int] = {}  # nsid -> replacements at its last replacement
         self._generations: dict[int, int] = {}  # nsid -> the last namespace's generation
         self._changes: list[NamespaceChange] = []  # replacements the listeners hear of next
@@ -317,9 +317,8 @@ class MultipathController:
                     raise PathRefused(f"path {path.uri} refused: namespace {nsid} differs "
                                       f"there (its {theirs_first})")
                 head_ns, ns = self.namespaces.get(nsid), ctrl.namespaces[nsid]
-                if nsid not in stale and head_ns is not None and (ns.size, ns.lba_size) != (
-                        head_ns.size,
-                                                                      head_ns.lba_size):
+                if (nsid not in stale and head_ns is not None
+                        and (ns.size, ns.lba_size) != (head_ns.size, head_ns.lba_size)):
                     raise PathRefused(
                         f"path {path.uri} refused: namespace {nsid} has {ns.size} bytes in "
                         f"{ns.lba_size}-byte blocks there, {head_ns.size} in "
@@ -557,8 +556,9 @@ class MultipathController:
             elif change.kind == "resized" and ns is not None and source is not None:
                 if ns.resize(source.identify) is not None:
                     applied.append(change)
-                if source.identity is not None and not self.ids[change.nsid].change(
-                        source.identity):
+                mine = self.ids.get(change.nsid)
+                if source.identity is not None and (mine is None or not mine.change(
+                        source.identity)):
                     self.ids[change.nsid] = ns.identity = source.identity
         if applied:
             self.events.events += 1

@@ -33,6 +33,9 @@ from .stats import IoStats
 
 UNAVAILABLE_LBA_SIZE = 512
 """The LBA size an unavailable namespace shows (it has no LBAs)."""
+GONE = -1
+"""The generation a lease gives a namespace its client knew that was removed or replaced
+since (:mod:`.attached`)."""
 
 
 class Namespace:
