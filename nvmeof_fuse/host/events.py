@@ -150,16 +150,19 @@ async def identify_namespace(ctrl: EventSource, nsid: int
     return ident, await namespace_identity(ctrl, nsid, ident)
 
 
-async def rescan(ctrl: EventSource, nsids: list[int] | None,
-                 new_namespace: NewNamespace) -> list[NamespaceChange]:
-    """Look at ``nsids`` (all of them: None) again; apply and return what changed.
+async def rescan(ctrl: EventSource, nsids: list[int] | None, new_namespace: NewNamespace,
+                 changes: list[NamespaceChange] | None = None) -> list[NamespaceChange]:
+    """Look at ``nsids`` (all of them: None) again; apply and return what changed (added
+    to ``changes`` as each is applied and logged, so that a rescan that fails half-way
+    leaves what it applied there).
 
     A namespace found anew is made by ``new_namespace``; so is the one that replaces a
     namespace whose identity changed (:mod:`.identity`), after the old one was told
     (``replace``) and the controller too (``namespace_replaced``), before this returns."""
     active = set(await active_nsids(ctrl))
     wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
-    changes = []
+    changes = [] if changes is None else changes
+    first = len(changes)
     for nsid in wanted:
         ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
         found = await identify_namespace(ctrl, nsid) if nsid in active else None
@@ -167,13 +170,13 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
             if ns is not None:
                 del ctrl.namespaces[nsid]
                 ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
-                changes.append(NamespaceChange("removed", nsid, ns.size, 0))
+                _applied(changes, NamespaceChange("removed", nsid, ns.size, 0))
             continue
         ident, identity = found
         if ns is None:
             ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
             ns.identity = identity
-            changes.append(NamespaceChange("added", nsid, 0, ns.size))
+            _applied(changes, NamespaceChange("added", nsid, 0, ns.size))
             continue
         change = ns.identity.change(identity) if ns.identity is not None else ""
         if change:
@@ -184,7 +187,7 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
             ns.replace(f"namespace n{nsid} of {ctrl.options.nqn} was replaced by another "
                        f"namespace ({change})")
             ctrl.namespace_replaced(nsid, ns, new)
-            changes.append(NamespaceChange("replaced", nsid, ns.size, new.size, line))
+            _applied(changes, NamespaceChange("replaced", nsid, ns.size, new.size, line))
             continue
         ns.identity = identity
         was = ns.unavailable
@@ -193,12 +196,15 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
         if now and now != was:  # values we cannot serve now: say why, once
             log.warning("%s: %s", ctrl.options.nqn, unavailable_line(nsid, now))
         if old is not None:
-            changes.append(NamespaceChange("resized", nsid, old, ns.size))
-    claim_identities(ctrl, [c.nsid for c in changes if c.kind in ("added", "replaced")])
-    for change in changes:
-        log.log(logging.WARNING if change.kind == "replaced" else logging.INFO, "%s",
-                change.describe())
-    return changes
+            _applied(changes, NamespaceChange("resized", nsid, old, ns.size))
+    claim_identities(ctrl, [c.nsid for c in changes[first:] if c.kind in ("added", "replaced")])
+    return changes[first:]
+
+
+def _applied(changes: list[NamespaceChange], change: NamespaceChange) -> None:
+    changes.append(change)
+    log.log(logging.WARNING if change.kind == "replaced" else logging.INFO, "%s",
+            change.describe())
 
 
 def claim_identities(ctrl: EventSource, found: list[int]) -> None:
@@ -241,7 +247,7 @@ class AsyncEvents:
         changed is applied now (a namespace of another identity refuses I/O from here on),
         and handed to the listeners once the loop re-arms on the new admin queue.  Raises
         what the rescan raised (the reconnect failed then, and is tried again)."""
-        self._after_reconnect += await rescan(self.ctrl, None, self.new_namespace)
+        await rescan(self.ctrl, None, self.new_namespace, self._after_reconnect)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Until the controller is gone: arm, wait, handle, re-arm (also on new queues)."""
