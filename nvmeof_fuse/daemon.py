@@ -155,6 +155,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                 fs.before_open = companion.delegations.wait_returned
                 listeners = getattr(getattr(ctrl, "events", None), "listeners", [])
                 listeners.append(companion.delegations.follow)  # namespaces that change
+                listeners.append(companion.follow)  # clients' queues on one replaced
                 if pool is not None:  # workers are sent the new sizes before the files show them
                     listeners.insert(0, pool.follow)
                 names = brief_list(f"n{n}" for n in sorted(ctrl.namespaces))

@@ -72,3 +72,16 @@ class NamespaceRemoved(NVMeoFError):
     """The namespace was removed from the subsystem (detached or disabled on the target)."""
 
     errno = _errno.ENODEV
+
+
+class NamespaceReplaced(NamespaceRemoved):
+    """Another namespace answers behind the NSID now (its identifiers or format changed, or,
+    where it reports none, its size): whatever was opened of the old one fails from then on,
+    and never reaches the new one."""
+
+    errno = _errno.EIO
+
+
+class ControllerChanged(ConnectError):
+    """A reconnect reached a controller that is not of the subsystem we mounted (another
+    subsystem NQN, serial number or model number): refused, as a failed reconnect."""

@@ -415,11 +415,11 @@ class _Worker:
         ctrl.connection_lost(ctrl.io_queues[0], TransportError(
             "the main process lost the controller; our queues were revoked"))
 
-    def _follow(self, shapes: dict[int, tuple[int, int]]) -> None:
+    def _follow(self, shapes: dict[int, tuple[int, ...]]) -> None:
         self.fs.follow(shapes)
         limited.log("namespaces", logging.INFO, "FUSE worker %d: namespaces now %s",
-                    self.index, brief_list(f"n{nsid} {lba_size * nlb} bytes"
-                                           for nsid, (lba_size, nlb) in sorted(shapes.items()))
+                    self.index, brief_list(f"n{nsid} {shape[0] * shape[1]} bytes"
+                                           for nsid, shape in sorted(shapes.items()))
                     or "none")
 
     async def _report(self, ctrl: Any, fs: Any) -> None:
@@ -494,17 +494,19 @@ class _Worker:
             os.close(self.args.fd)
 
 
-def _shapes(value: Any) -> dict[int, tuple[int, int]] | None:
-    """``{nsid: (lba_size, nlb)}`` out of a ``namespaces`` event's list of ``[nsid,
-    lba_size, nlb]`` (:meth:`CompanionServer.namespace_shapes`); None when it is not one."""
+def _shapes(value: Any) -> dict[int, tuple[int, ...]] | None:
+    """``{nsid: (lba_size, nlb, generation)}`` out of a ``namespaces`` event's list of
+    ``[nsid, lba_size, nlb, generation]`` (:meth:`CompanionServer.namespace_shapes`; from a
+    main process of another version, without the generation: ``(lba_size, nlb)``); None
+    when it is not one."""
     if not isinstance(value, list):
         return None
     shapes = {}
     for item in value:
-        if (not isinstance(item, list) or len(item) != 3
+        if (not isinstance(item, list) or len(item) not in (3, 4)
                 or not all(type(v) is int and v >= 0 for v in item) or not item[1]):
             return None
-        shapes[item[0]] = (item[1], item[2])
+        shapes[item[0]] = tuple(item[1:])
     return shapes
 
 

@@ -25,6 +25,7 @@ from nvmeof_fuse.nvme.identify import NamespaceIds
 
 OPC_WRITE, OPC_READ = 0x01, 0x02
 OPC_GET_LOG_PAGE, OPC_IDENTIFY, CNS_NS_DESCRIPTORS, LID_ANA = 0x02, 0x06, 0x03, 0x0C
+CNS_NAMESPACE, CNS_CONTROLLER, CNS_ACTIVE_LIST = 0x00, 0x01, 0x02
 
 
 class FakeRegistration:
@@ -152,6 +153,7 @@ class FakeTarget:
         self.ana_state = AnaState.OPTIMIZED
         self.ana_chgcnt = 1
         self.ns_ids = NamespaceIds(nguid=bytes(range(16)))
+        self.controller_page = bytes(4096)  # Identify Controller (a test sets its own)
         self.io_count = 0
 
     def set_ana(self, state: AnaState) -> None:
@@ -161,8 +163,15 @@ class FakeTarget:
     def _admin(self, sqe: bytes, data) -> Completion:
         opcode, cdw10 = sqe[0], int.from_bytes(sqe[40:44], "little")
         payload = b""
+        nsid = int.from_bytes(sqe[4:8], "little")
         if opcode == OPC_IDENTIFY and cdw10 & 0xFF == CNS_NS_DESCRIPTORS:
             payload = self.ns_ids.to_descriptors()
+        elif opcode == OPC_IDENTIFY and cdw10 & 0xFF == CNS_NAMESPACE and nsid == 1:
+            payload = self.namespace_page()
+        elif opcode == OPC_IDENTIFY and cdw10 & 0xFF == CNS_CONTROLLER:
+            payload = self.controller_page
+        elif opcode == OPC_IDENTIFY and cdw10 & 0xFF == CNS_ACTIVE_LIST:
+            payload = (1).to_bytes(4, "little")
         elif opcode == OPC_GET_LOG_PAGE and cdw10 & 0xFF == LID_ANA:
             page = AnaLogPage.of({1: (self.ana_state, (1,))}, chgcnt=self.ana_chgcnt)
             payload = page.to_bytes()
@@ -170,6 +179,14 @@ class FakeTarget:
             n = min(len(payload), data.length)
             ctypes.memmove(data.region.addr + data.offset, payload, n)
         return Completion(0, 0, 0, 0, 0, True)
+
+    def namespace_page(self) -> bytes:
+        """Identify Namespace of NSID 1: its LBAs, in ANA group 1."""
+        page = bytearray(4096)
+        page[0:16] = self.nlb.to_bytes(8, "little") * 2  # NSZE, NCAP
+        page[92:96] = (1).to_bytes(4, "little")  # ANAGRPID
+        page[130] = self.lba_size.bit_length() - 1  # LBA format 0's LBADS
+        return bytes(page)
 
     def run(self, sqe: bytes, data, admin: bool = False) -> Completion:
         """Run a command: reads, writes and some admin commands as the target would

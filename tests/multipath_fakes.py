@@ -24,8 +24,9 @@ NLB = 4096
 CHUNK = 16384
 
 
-def identify_controller(subnqn: str, cntlid: int) -> IdentifyController:
+def controller_page(subnqn: str, cntlid: int, serial: str = "fake-serial") -> bytes:
     b = bytearray(4096)
+    b[4:4 + len(serial)] = serial.encode()
     b[76] = 0x0B  # CMIC: multiple ports, multiple controllers, ANA reporting
     struct.pack_into("<H", b, 78, cntlid)
     struct.pack_into("<I", b, 92, 1 << 11 | 1 << 8)  # OAES: ANA change, namespace attribute
@@ -34,7 +35,7 @@ def identify_controller(subnqn: str, cntlid: int) -> IdentifyController:
     struct.pack_into("<I", b, 516, 16)  # NN
     struct.pack_into("<I", b, 540, 16)  # MNAN
     b[768:768 + len(subnqn)] = subnqn.encode()
-    return IdentifyController.from_bytes(bytes(b))
+    return bytes(b)
 
 
 def identify_namespace(nlb: int = NLB) -> IdentifyNamespace:
@@ -55,6 +56,7 @@ class Port:
         for target in self.targets.values():
             target.disk = first.disk  # one namespace behind every port
         self.subnqn: dict[str, str] = {}
+        self.serial: dict[str, str] = {}  # the serial number each port's controller reports
         self.controllers: list[Controller] = []
         self.on_connect = None  # called with each new controller, if set
         self._cntlid = 0
@@ -85,8 +87,10 @@ class Port:
                 await connect_admin()
                 await connect_io_queues()
                 ctrl.cntlid = self._cntlid
-                ctrl.identify = identify_controller(self.subnqn.get(options.traddr, NQN),
-                                                    self._cntlid)
+                target.controller_page = controller_page(
+                    self.subnqn.get(options.traddr, NQN), self._cntlid,
+                    self.serial.get(options.traddr, "fake-serial"))
+                ctrl.identify = IdentifyController.from_bytes(target.controller_page)
                 ctrl.max_transfer = CHUNK
                 ctrl.bounce = ctrl.new_bounce_pool(CHUNK, 4)
                 ctrl.namespaces[1] = ctrl.new_namespace(1, identify_namespace())

@@ -79,6 +79,7 @@ class RamNamespace:
         self.io = ByteRangeIO(device, self.stats)
         self.flushes = 0
         self.unavailable = ""  # as host.namespace.Namespace's: a RAM disk is always servable
+        self.generation = 0  # as host.namespace.Namespace's: never replaced
         self.identify = RamIdentify(
             {"nsze": self.nlb, "ncap": self.nlb, "nuse": self.nlb,
              "lbaf": [{"ms": 0, "lbads": self.lba_size}]}

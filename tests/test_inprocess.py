@@ -88,3 +88,31 @@ def test_an_unmount_from_outside_ends_the_mount_by_name(mounted):
         for _ in range(600):  # the loop ends just after the kernel lets go of the mount
             m.stats()
             time.sleep(0.05)
+
+
+def test_an_in_process_file_is_bound_to_the_namespace_it_opened(mounted):
+    """The in-process mount has one companion session for all its files: each file's
+    channel binds it to the namespace it opened, so once another one took the NSID its
+    reads fail (EIO), while a file opened now reads the new one."""
+    from types import SimpleNamespace
+
+    from nvmeof_fuse.host.namespace import Namespace
+
+    ctrl, m = mounted
+    out = np.zeros(4096, dtype=np.uint8)
+    with m.open(2) as f:
+        assert f.read(out, file_offset=0) == 4096
+        old = ctrl.namespaces[2]
+
+        def replace() -> None:
+            old.replace("namespace n2 was replaced by another namespace (NGUID x != y)")
+            ctrl.namespaces[2] = Namespace(ctrl, 2, SimpleNamespace(lba_size=4096, nsze=512),
+                                           1)
+
+        m.run_sync(replace)
+        with pytest.raises(NVMeoFError, match="replaced by another namespace") as failed:
+            f.read(out, file_offset=0)
+        assert failed.value.errno == 5  # EIO
+    with m.open(2) as f:
+        assert f.read(out, file_offset=0) == 4096
+    assert bytes(out) == bytes(ctrl.disks[2][:4096])

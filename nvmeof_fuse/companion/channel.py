@@ -19,7 +19,7 @@ from typing import Any
 
 import trio
 
-from ..errors import NVMeoFError
+from ..errors import NamespaceReplaced, NVMeoFError
 from . import protocol
 from .protocol import CompanionError, NoAnswer, Piece
 from .shm import SharedMemory
@@ -219,13 +219,19 @@ LOCAL_CALLS = 8  # requests of an in-process File under way at once
 
 
 class LocalChannel:
-    """Calls into a mount served by this process (``nvmeof_fuse.mount``)."""
+    """Calls into a mount served by this process (``nvmeof_fuse.mount``).
+
+    The in-process mount has one session for all its files, so a channel itself binds its
+    file to the namespace its ``hello`` named (as a socket client's session does): once
+    another namespace took that NSID, its reads and writes fail, never reaching that one.
+    """
 
     local = True
 
     def __init__(self, mount: Any, timeout: float) -> None:
         self.mount = mount
         self.timeout = timeout
+        self._opened: dict[int, Any] = {}  # nsid -> the namespace its hello named
         self._owned: set[int] = set()
         self._calls = concurrent.futures.ThreadPoolExecutor(
             LOCAL_CALLS, "nvmeof-fuse local channel")  # each waits on the mount's loop
@@ -243,7 +249,21 @@ class LocalChannel:
             raise NoAnswer(f"the mount did not finish within {limit:g} s") from None
 
     def hello(self, nsid: int | None = None) -> dict:
-        return self.mount.run_sync(self.mount.server.hello, nsid)
+        reply = self.mount.run_sync(self.mount.server.hello, nsid)
+        if nsid is not None:
+            ns = self.mount.run_sync(self.mount.server.controller.namespaces.get, nsid)
+            if ns is not None:
+                self._opened.setdefault(nsid, ns)
+        return reply
+
+    async def _opened_one(self, fn: Any, nsid: int, *args: Any) -> Any:
+        """``await fn(*args)`` on the mount's loop, if namespace ``nsid`` is still the one
+        this file opened (else NamespaceReplaced: it was removed or replaced since)."""
+        opened = self._opened.get(nsid)
+        if opened is not None and self.mount.server.controller.namespaces.get(nsid) is not opened:
+            raise NamespaceReplaced(f"namespace n{nsid} was replaced by another namespace, or "
+                                    "removed, since this file opened it")
+        return await fn(*args)
 
     def _registered(self, rid: int) -> int:
         self._owned.add(rid)
@@ -273,12 +293,13 @@ class LocalChannel:
             pass
 
     def read(self, nsid: int, pieces: list[Piece], timeout: float) -> None:
-        self._run(self.mount.session.read, nsid, pieces, timeout=timeout)
+        self._run(self._opened_one, self.mount.session.read, nsid, nsid, pieces,
+                  timeout=timeout)
 
     def write(self, nsid: int, offset: int, length: int, rid: int, region_offset: int,
               head: bytes, tail: bytes, timeout: float) -> None:
-        self._run(self.mount.server.write, self.mount.session, nsid, offset, length, rid,
-                  region_offset, head, tail, timeout=timeout)
+        self._run(self._opened_one, self.mount.server.write, nsid, self.mount.session, nsid,
+                  offset, length, rid, region_offset, head, tail, timeout=timeout)
 
     def read_async(self, nsid: int, pieces: list[Piece], timeout: float
                    ) -> concurrent.futures.Future:

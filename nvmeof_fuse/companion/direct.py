@@ -38,7 +38,7 @@ from typing import Any
 import trio
 
 from ..errors import NVMeoFError, TransportError
-from ..host.attached import Lease, attach
+from ..host.attached import GONE, Lease, attach
 from ..host.controller import ConnectOptions, make_transport
 from ..host.memory import Region
 from ..host.sync import SyncController
@@ -84,7 +84,8 @@ class DirectQueues:
         per_command = {shape.nsid: nvme_cmd.lbas_per_command(self._first.max_transfer,
                                                              shape.lba_size)
                        for shape in self._first.namespaces}
-        self.polled = PolledReads({shape.nsid: shape for shape in self._first.namespaces},
+        self.polled = PolledReads({shape.nsid: shape for shape in self._first.namespaces
+                                   if shape.generation != GONE},  # (the loop's path refuses)
                                   per_command, timeout, self.read_on_loop, self._polled_lost)
         options = options_from(reply, timeout)
         self.renew_timeout = renew_timeout(options)
@@ -134,6 +135,10 @@ class DirectQueues:
         self._transport = make_transport(options)
         async with attach(options, self._lease, self._transport, polled=POLLED_QUEUES) as ctrl:
             self._ctrl = self.polled.ctrl = ctrl
+            # a namespace replaced (told before our queues are connected again): no polled
+            # read goes to it; the loop's path refuses it
+            ctrl.events.replaced_listeners.append(
+                lambda nsid, old, new: self.polled.shapes.pop(nsid, None))
             self._registrations = Registrations(ctrl.transport.register)
             token = trio.lowlevel.current_trio_token()
             self._channel.on_event = lambda event: token.run_sync_soon(self._on_event, event)

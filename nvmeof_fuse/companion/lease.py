@@ -13,8 +13,7 @@ def lease_from(reply: dict) -> Lease:
     return Lease(qids=tuple(reply["qids"]), cntlid=reply["cntlid"],
                  queue_size=reply["queue_size"], in_capsule_bytes=reply["in_capsule_bytes"],
                  max_transfer=reply["max_transfer"],
-                 namespaces=tuple(NamespaceShape(n, ls, nlb) for n, ls, nlb in
-                                  reply["namespaces"]),
+                 namespaces=tuple(NamespaceShape(*shape) for shape in reply["namespaces"]),
                  traddr=reply.get("traddr"), trsvcid=reply.get("trsvcid"))
 
 

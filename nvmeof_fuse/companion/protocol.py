@@ -23,7 +23,7 @@ MAX_MESSAGE = 64 << 10  # bytes; the largest payload is two partial LBAs
 MAX_FDS = 4
 MAX_NAMED_NAMESPACES = 1024
 """NSIDs a ``lease`` request names at most, and namespaces a FUSE worker's lease or a
-``namespaces`` event names at most, as ``[nsid, lba_size, nlb]`` (any values fit
+``namespaces`` event names at most, as ``[nsid, lba_size, nlb, generation]`` (any values fit
 MAX_MESSAGE); past them the workers are sent none."""
 NAMESPACES_BUDGET = MAX_MESSAGE - (16 << 10)
 """Bytes the namespaces of a ``hello`` or ``lease`` reply that asked for all of them may

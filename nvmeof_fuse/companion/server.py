@@ -22,6 +22,7 @@ from typing import Any
 import trio
 
 from ..errors import InvalidArgument, NVMeoFError
+from ..host.namespace import GONE
 from ..host.path import path_options
 from . import protocol
 from .delegation import Delegations
@@ -62,6 +63,12 @@ def received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
             arr.frombytes(data[:len(data) - len(data) % arr.itemsize])
             fds.extend(arr)
     return fds
+
+
+def _shape(nsid: int, ns: Any) -> list[int]:
+    """A lease's ``[nsid, lba_size, nlb, generation]`` of ``ns`` (GONE once removed)."""
+    return [nsid, ns.lba_size, ns.nlb,
+            GONE if getattr(ns, "removed", False) else getattr(ns, "generation", 0)]
 
 
 class CompanionServer:
@@ -285,7 +292,10 @@ class CompanionServer:
             os.close(fd)
         fds.clear()
         if op == "hello":
-            return self.hello(f(header, "nsid") if "nsid" in header else None)
+            nsid = f(header, "nsid") if "nsid" in header else None
+            if nsid is not None:  # a File of it: bound to this namespace, not to the NSID
+                session.pin(nsid)
+            return self.hello(nsid)
         if op == "read":
             pieces = [Piece.from_list(p) for p in f(header, "pieces", list)]
             await session.read(f(header, "nsid"), pieces)
@@ -398,6 +408,20 @@ class CompanionServer:
                     "into another process's memory")
         return ""
 
+    async def follow(self, changes: list) -> None:
+        """Namespaces removed or replaced on the target (a listener of ``host.events``): a
+        client whose own queues serve one it opened is told they are revoked; asking for
+        its lease again it learns that the namespace is gone, and its queues serve another
+        under that name never (:func:`_shape`).  (After a reconnect every client is told
+        anyway; FUSE workers take the new generations from their ``namespaces`` event.)"""
+        gone = {c.nsid for c in changes if c.kind in ("removed", "replaced")}
+        if not gone:
+            return
+        for session in list(self.sessions):
+            if (session.qids and not session.fuse_worker and session.notify is not None
+                    and gone.intersection(session.pinned)):
+                await session.notify({"event": "revoked", "state": "namespace changed"})
+
     async def _revoke_leases_on_loss(self) -> None:
         """When the controller is lost, tell every client with queues of its own at once.
 
@@ -487,7 +511,7 @@ class CompanionServer:
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
-            "namespaces": self.namespace_shapes(nsids, worker=worker),
+            "namespaces": self.namespace_shapes(nsids, worker=worker, pinned=session.pinned),
             "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
         }
@@ -499,15 +523,19 @@ class CompanionServer:
             return sorted(namespaces)
         return sorted(n for n in set(nsids) if n in namespaces)
 
-    def namespace_shapes(self, nsids: list[int] | None = None, *,
-                         worker: bool = False) -> list[list[int]]:
-        """``[nsid, lba_size, nlb]`` of the namespaces ``nsids`` names, as a lease names
-        them (a client addresses them by these).  Without ``nsids``: all while they fit a
-        reply (:func:`~.protocol.fits_budget`), for a FUSE worker while they are at most
-        ``MAX_NAMED_NAMESPACES``; else none."""
+    def namespace_shapes(self, nsids: list[int] | None = None, *, worker: bool = False,
+                         pinned: dict[int, Any] | None = None) -> list[list[int]]:
+        """``[nsid, lba_size, nlb, generation]`` of the namespaces ``nsids`` names, as a
+        lease names them (a client addresses them by these).  Without ``nsids``: all while
+        they fit a reply (:func:`~.protocol.fits_budget`), for a FUSE worker while they are
+        at most ``MAX_NAMED_NAMESPACES``; else none.  ``pinned``: the namespaces a client
+        holds (its session's): one since removed or replaced is named with the generation
+        ``GONE``, so that the client's queues never serve another under its name."""
         namespaces = self.controller.namespaces
-        shapes = [[n, namespaces[n].lba_size, namespaces[n].nlb]
-                  for n in self.named_nsids(nsids)]
+        named = self.named_nsids(nsids)
+        if pinned and nsids is not None:
+            named = sorted(set(named) | (set(nsids) & set(pinned)))
+        shapes = [_shape(n, (pinned or {}).get(n) or namespaces[n]) for n in named]
         if nsids is None and (len(shapes) > protocol.MAX_NAMED_NAMESPACES if worker
                               else not protocol.fits_budget(shapes)):
             return []

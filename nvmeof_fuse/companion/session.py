@@ -135,6 +135,15 @@ class Session:
         self.nursery: trio.Nursery | None = None  # where held locks live (the connection's)
         self.notify: Callable[[dict[str, Any]], Awaitable[bool]] | None = None
         """Sends the client unasked news; says whether it was sent."""
+        self.pinned: dict[int, Any] = {}
+        """The namespaces this client opened (its ``hello``), by nsid: its requests go to
+        these, and fail once one was removed or replaced, never to another of its NSID."""
+
+    def pin(self, nsid: int) -> None:
+        """The client opened namespace ``nsid`` as it is now (see :attr:`pinned`)."""
+        ns = self.controller.namespaces.get(nsid)
+        if ns is not None:
+            self.pinned.setdefault(nsid, ns)
 
     # -- registration ---------------------------------------------------------------------
 
@@ -231,7 +240,7 @@ class Session:
     # -- I/O --------------------------------------------------------------------------------
 
     def namespace(self, nsid: int) -> Any:
-        ns = self.controller.namespaces.get(nsid)
+        ns = self.pinned.get(nsid) or self.controller.namespaces.get(nsid)
         if ns is None:
             raise InvalidArgument(f"namespace {nsid} does not exist on this mount")
         if ns.unavailable:

@@ -17,6 +17,7 @@ class NamespaceLike(Protocol):
     nlb: int
     size: int
     unavailable: str  # why we cannot serve it ('' when we can): opening it fails
+    generation: int  # tells it from the namespaces that had or will have its NSID
     identify: Any  # .to_dict()
     stats: IoStats
     io_stats: IoStats | None  # stats, None while it did no I/O (reading builds nothing)
@@ -120,7 +121,11 @@ def controller_text(ctrl: ControllerLike) -> bytes:
 
 
 def namespace_dict(ns: NamespaceLike) -> dict[str, Any]:
-    return {**namespace_summary(ns), "identify": ns.identify.to_dict()}
+    doc = {**namespace_summary(ns), "identify": ns.identify.to_dict()}
+    identity = getattr(ns, "identity", None)  # what a rescan compares (host.identity)
+    if identity is not None:
+        doc.update(identity=identity.describe(), generation=ns.generation)
+    return doc
 
 
 def namespace_text(ns: NamespaceLike) -> bytes:

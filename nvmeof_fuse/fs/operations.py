@@ -67,6 +67,9 @@ class _Dir:
 class _NsFile:
     inode: int
     ns: NamespaceLike
+    generation: int = -1
+    """The namespace's generation as handles carry it (:func:`pack_fh`); -1 where they
+    cannot (past :data:`GENERATION_MAX`): then only the main process serves it."""
 
 
 @dataclass(slots=True)
@@ -86,17 +89,33 @@ class _Handle:
 
 
 NSID_BITS = 32
+GENERATION_BITS = 8
+GENERATION_MAX = (1 << GENERATION_BITS) - 1
+"""A handle names generations below this; a namespace of this generation or later (its NSID
+replaced that often on one mount) is served by the main process alone, which knows each
+handle it opened."""
+SERIAL_BITS = 64 - 1 - NSID_BITS - GENERATION_BITS
+_GENERATION_SHIFT = NSID_BITS + 1
+_SERIAL_SHIFT = _GENERATION_SHIFT + GENERATION_BITS
 
 
-def pack_fh(serial: int, nsid: int, writable: bool) -> int:
+def pack_fh(serial: int, nsid: int, writable: bool, generation: int = 0) -> int:
     """A file handle that says what it opened: any process serving the mount (a FUSE worker)
-    can read a namespace file's nsid and access mode out of it (0: not a namespace)."""
-    return serial << (NSID_BITS + 1) | nsid << 1 | int(writable)
+    can read a namespace file's nsid, the namespace's generation (:attr:`Namespace.generation`:
+    a handle of a namespace replaced since names an older one) and the access mode out of
+    it (nsid 0: not a namespace).  64 bits: ``serial`` wraps (see :meth:`NamespaceFS.open`)."""
+    return ((serial & (1 << SERIAL_BITS) - 1) << _SERIAL_SHIFT
+            | min(generation, GENERATION_MAX) << _GENERATION_SHIFT | nsid << 1 | int(writable))
 
 
 def unpack_fh(fh: int) -> tuple[int, bool]:
     """``(nsid, writable)`` of a :func:`pack_fh` handle (nsid 0: not a namespace file)."""
     return fh >> 1 & (1 << NSID_BITS) - 1, bool(fh & 1)
+
+
+def fh_generation(fh: int) -> int:
+    """The namespace generation a :func:`pack_fh` handle was opened on."""
+    return fh >> _GENERATION_SHIFT & GENERATION_MAX
 
 
 class _SharedHandles(dict):
@@ -111,7 +130,10 @@ class _SharedHandles(dict):
         nsid, writable = unpack_fh(fh)
         inode = self._fs.ns_inodes.get(nsid)
         node = self._fs.nodes.get(inode) if inode is not None else None
-        if not isinstance(node, _NsFile):
+        # a handle of another generation of the namespace (replaced since it was opened, or
+        # since we last heard): not ours to serve (the main process knows it)
+        if not isinstance(node, _NsFile) or fh >> _GENERATION_SHIFT & GENERATION_MAX != \
+                node.generation:
             raise KeyError(fh)
         return _Handle(node, writable)
 
@@ -210,7 +232,9 @@ class NamespaceFS:
         namespaces, and few of their reports are ever read."""
         assert isinstance(self._root, _Dir)
         nsid = ns.nsid
-        inode = self.ns_inodes[nsid] = self._add(_NsFile(next(self._inodes), ns)).inode
+        generation = ns.generation if ns.generation < GENERATION_MAX else -1
+        inode = self.ns_inodes[nsid] = self._add(
+            _NsFile(next(self._inodes), ns, generation)).inode
         self._root.entries[f"n{nsid}".encode()] = inode
 
     def _add_namespace_info(self, nsid: int) -> bool:
@@ -252,11 +276,19 @@ class NamespaceFS:
         return gone
 
     async def apply_changes(self, changes: list) -> None:
-        """Follow namespaces added, removed or resized on the target (host.events)."""
+        """Follow namespaces added, removed, resized or replaced on the target
+        (host.events).  A replaced one shows as a new file (a new inode) under its name;
+        the old inode's handles refuse I/O (its namespace does), and the kernel forgets
+        its cached pages, so that its readers see that too."""
         forget: list[tuple[int, bytes]] = []
-        resized = []
+        resized, dropped = [], []
         for change in changes:
-            if change.kind == "added":
+            if change.kind == "replaced":
+                old = self.ns_inodes.get(change.nsid)
+                forget += self._remove_namespace(change.nsid)
+                if old is not None:
+                    dropped.append(old)
+            if change.kind in ("added", "replaced"):
                 ns = self.controller.namespaces.get(change.nsid)
                 shown = self.options.nsid is None or change.nsid == self.options.nsid
                 if ns is not None and shown and change.nsid not in self.ns_inodes:
@@ -269,6 +301,8 @@ class NamespaceFS:
             await self._forget_entry(parent, name)
         for inode in resized:
             await self._invalidate(inode, attr_only=True)
+        for inode in dropped:
+            await self._invalidate(inode)
 
     async def _forget_entry(self, parent: int, name: bytes) -> None:
         await self._ask_kernel(lambda kernel: kernel.invalidate_entry(parent, name),
@@ -410,11 +444,14 @@ class NamespaceFS:
             raise FUSEError(errno.EACCES)
         if writable and self.options.read_only:
             raise FUSEError(errno.EROFS)
-        if isinstance(node, _NsFile) and node.ns.unavailable:
-            raise FUSEError(errno.ENXIO)  # values we cannot serve: shown with size 0
+        if isinstance(node, _NsFile):
+            if self.ns_inodes.get(node.ns.nsid) != inode:
+                raise FUSEError(errno.ESTALE)  # removed or replaced since it was looked up
+            if node.ns.unavailable:
+                raise FUSEError(errno.ENXIO)  # values we cannot serve: shown with size 0
         fh = next(self._fh)
         if self.shared_handles:
-            fh = pack_fh(fh, node.ns.nsid if isinstance(node, _NsFile) else 0, writable)
+            fh = self._shared_fh(fh, node, writable)
         if self._idle.is_set():
             self._idle = trio.Event()
         if isinstance(node, _InfoFile):
@@ -432,6 +469,18 @@ class NamespaceFS:
         # Parallel direct writes: the namespace's range lock orders overlapping writes (and
         # their read-modify-write), so the kernel need not serialize them per file.
         return FileInfo(fh=fh, direct_io=direct, keep_cache=False, parallel_direct_writes=True)
+
+    def _shared_fh(self, serial: int, node: _NsFile | _InfoFile, writable: bool) -> int:
+        """A handle that names what it opened (:func:`pack_fh`), none of those open (the
+        serial wraps)."""
+        nsid = generation = 0
+        if isinstance(node, _NsFile):  # (GENERATION_MAX: a generation no worker serves)
+            nsid = node.ns.nsid
+            generation = node.generation if node.generation >= 0 else GENERATION_MAX
+        fh = pack_fh(serial, nsid, writable, generation)
+        while dict.__contains__(self.handles, fh):
+            fh = pack_fh(next(self._fh), nsid, writable, generation)
+        return fh
 
     async def read(self, fh, off, size):
         h = self.handles[fh]

@@ -8,8 +8,11 @@ forwards to the main process, which holds the open handles and the ``.nvmeof`` r
 so do READs of a report and I/O on a namespace this worker does not know (added since it
 started).  Its writes hold the main process's range lock of their LBAs (``write_lock``),
 the one every FUSE and companion write of the mount holds.  When the main process rescans
-the namespaces it sends their sizes (:meth:`WorkerFS.follow`): ours take the new size, and
-one gone is dropped (its I/O forwarded, which the main process refuses).  While its own
+the namespaces it sends their sizes and generations (:meth:`WorkerFS.follow`): ours take the
+new size, one gone is dropped (its I/O forwarded, which the main process refuses), and one
+replaced by another behind its NSID refuses its I/O, while the new one serves the handles
+of its own generation (:func:`.operations.pack_fh`): a handle of the old one never reaches
+the new one.  While its own
 queues are not live (lost with the controller or their path, waiting to be leased again:
 on a multipath mount of two fabrics, for a path of their own fabric), it forwards READ and
 WRITE too, so that the main process serves them on whichever path is live.
@@ -24,7 +27,8 @@ from typing import Any
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.operations import NamespaceFS, _fuse_error
 from nvmeof_fuse.fs.options import MountOptions
-from nvmeof_fuse.host.attached import NamespaceShape
+from nvmeof_fuse.host.attached import NamespaceShape, gone_line
+from nvmeof_fuse.host.namespace import Namespace
 
 FORWARD_CHUNK = 32 << 10
 """Bytes per forwarded READ or WRITE piece (the main process's socket carries messages of
@@ -49,11 +53,12 @@ class WorkerFS(NamespaceFS):
         self.forward_write = forward_write
         self.write_lock = write_lock
 
-    def follow(self, shapes: dict[int, tuple[int, int]]) -> None:
-        """The main process's namespaces after a rescan, ``{nsid: (lba_size, nlb)}``: each
-        of ours takes its new size; one not there any more is dropped from our controller
-        and tree, so that its I/O is forwarded (and refused by the main process).  One new
-        to us is forwarded too (see the module)."""
+    def follow(self, shapes: dict[int, tuple[int, ...]]) -> None:
+        """The main process's namespaces after a rescan, ``{nsid: (lba_size, nlb,
+        generation)}``: each of ours takes its new size; one not there any more is dropped
+        from our controller and tree, so that its I/O is forwarded (and refused by the main
+        process); one of another generation (replaced) refuses its I/O, and the new one
+        takes its place here.  One new to us is forwarded (see the module)."""
         namespaces = self.controller.namespaces
         for nsid, ns in list(namespaces.items()):
             shape = shapes.get(nsid)
@@ -61,6 +66,12 @@ class WorkerFS(NamespaceFS):
                 del namespaces[nsid]
                 ns.remove(f"namespace n{nsid} was removed")
                 self._remove_namespace(nsid)
+            elif len(shape) > 2 and shape[2] != ns.generation:
+                ns.replace(gone_line(nsid))
+                new = namespaces[nsid] = Namespace(self.controller, nsid,
+                                                   NamespaceShape(nsid, *shape), shape[2])
+                self._remove_namespace(nsid)
+                self._add_namespace(new)
             else:
                 ns.resize(NamespaceShape(nsid, *shape))
 

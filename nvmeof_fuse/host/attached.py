@@ -36,7 +36,7 @@ from .controller import (
     reconnect_attempts,
 )
 from .memory import host_buffer
-from .namespace import Namespace
+from .namespace import GONE, Namespace
 from .state import CONNECTING, LIVE
 
 log = logging.getLogger(__name__)
@@ -52,11 +52,15 @@ EDGE_BUFFERS = 16  # one-LBA bounce buffers for the partial LBAs at the ends of 
 
 @dataclass(frozen=True)
 class NamespaceShape:
-    """What a client needs of a namespace to address it: its LBA size and count."""
+    """What a client needs of a namespace to address it: its LBA size and count, and its
+    generation (:attr:`Namespace.generation`), which changes when another namespace takes
+    its NSID; :data:`GONE` when the namespace this client knew is no longer there."""
 
     nsid: int
     lba_size: int
     nsze: int
+    generation: int = 0
+
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,23 @@ class AttachedController(Controller):
         else:
             self.bounce = self.new_bounce_pool(largest, EDGE_BUFFERS)
         for shape in lease.namespaces:
-            self.namespaces[shape.nsid] = Namespace(self, shape.nsid, shape)
+            ns = self.namespaces[shape.nsid] = Namespace(self, shape.nsid, shape,
+                                                         max(shape.generation, 0))
+            if shape.generation == GONE:
+                ns.replace(gone_line(shape.nsid))
         await self._nursery.start(self.supervise)  # runs _reconnect after each loss
         self._change_state(LIVE)
+
+    def _follow_lease(self, lease: Lease) -> None:
+        """Before our queues connect again: a namespace of ours that the lease names by
+        another generation (or as gone) was replaced or removed meanwhile, and refuses I/O
+        from now on; nothing that waits for it goes out (:meth:`namespace_replaced`)."""
+        for shape in lease.namespaces:
+            ns = self.namespaces.get(shape.nsid)
+            if ns is None or ns.removed or shape.generation == ns.generation:
+                continue
+            ns.replace(gone_line(shape.nsid))
+            self.namespace_replaced(shape.nsid, ns, ns)
 
     async def _connect_leased(self, lease: Lease) -> None:
         """Connect every leased queue ID to the lease's controller.
@@ -212,6 +230,7 @@ class AttachedController(Controller):
             except NVMeoFError as exc:  # the owner gave up on the controller, or is gone
                 self._dead_reason = str(exc)
                 break
+            self._follow_lease(lease)
             try:
                 await self._connect_leased(lease)
             except NVMeoFError as exc:
@@ -234,6 +253,11 @@ class AttachedController(Controller):
 
     async def shutdown(self, why: str = "") -> None:
         """Nothing to do: the controller's owner shuts it down, not a queue's tenant."""
+
+
+def gone_line(nsid: int) -> str:
+    return (f"namespace n{nsid} was replaced by another namespace, or removed, on the "
+            "target: the mount serves another under its name now")
 
 
 @contextlib.asynccontextmanager

@@ -440,6 +440,8 @@ class LbaIO:
 
         def job(lba: int, n: int, at: int) -> Callable[[], Awaitable[None]]:
             async def run() -> None:
+                if self.refusal is not None:  # refused meanwhile: nothing of it goes out
+                    self.check_served()
                 piece = ref.region.ref(ref.offset + at, n * self.lba_size)
                 await self.io.io_command(build(self.nsid, lba, n, nvme.NULL_SGL), piece,
                                          to_controller=write)
@@ -510,6 +512,10 @@ class LbaIO:
         view = region.view
         assert view is not None
         try:
+            # Checked again after the waits: a reconnect may have found another namespace
+            # behind the NSID meanwhile, and nothing of this one may go to that one.
+            if self.refusal is not None:
+                self.check_served()
             if write:
                 view[:length] = host
                 sqe = cmd.write(self.nsid, slba, nlb, nvme.NULL_SGL)

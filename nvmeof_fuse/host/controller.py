@@ -10,6 +10,10 @@ When the connection is lost (a failed work request, a command or keep-alive
 timeout), the queues are torn down and rebuilt every ``reconnect_delay`` seconds
 for up to ``ctrl_loss_tmo`` seconds, as the kernel's fabrics code does.  I/O
 waits meanwhile and is retried on the new queues; registered memory stays valid.
+Before it resumes, the controller reached again must be of the subsystem we
+mounted, and every namespace is looked at again: one whose identity changed is
+replaced, and nothing that waited for the old one goes to the new one
+(:mod:`.identity`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from ..errors import (
     ConnectError,
     ControllerLost,
     InvalidArgument,
+    NamespaceReplaced,
     NVMeoFError,
     TargetProtocolError,
     TransportError,
@@ -43,8 +48,15 @@ from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
 from . import auth
-from .events import IDENTIFY_IN_FLIGHT, AsyncEvents, active_nsids, identify_namespaces
+from .events import (
+    IDENTIFY_IN_FLIGHT,
+    AsyncEvents,
+    active_nsids,
+    claim_identities,
+    identify_namespaces,
+)
 from .hostid import host_identity
+from .identity import check_controller
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
 from .options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
@@ -197,6 +209,12 @@ class Controller:
         """What the orderly shutdown skipped ('' if nothing), for the mount's last line."""
         self._keep_alive_failing = FailureStreak(log)  # Keep Alives answered with an error
         self._reconnects_failing = FailureStreak(log)  # reconnects of one outage that failed
+        self.replacements = 0
+        """Namespaces replaced by another behind their NSID (:meth:`namespace_replaced`)."""
+        self._replaced: dict[int, tuple[int, int]] = {}
+        """nsid -> (:attr:`replacements`, :attr:`teardowns`) at its last replacement."""
+        self._generations: dict[int, int] = {}  # nsid -> the last namespace's generation
+        self._checking = False  # a reconnect's identity check is under way (keep-alives go on)
 
     # -- commands -------------------------------------------------------------------------------
 
@@ -270,7 +288,7 @@ class Controller:
         target can no longer move its data: ``data`` is the caller's again.
         """
         if self._states.current is not LIVE:  # not the property: this is the hot path
-            await self.wait_live()
+            await self._wait_live_for(sqe)
         queue = self.pick_queue(data.length if data is not None else 0)
         sent_in = self.teardowns
         try:
@@ -285,6 +303,26 @@ class Controller:
         if not completion.ok:  # name the command only when it failed: this is the hot path
             completion.raise_for_status(nvme.command.command_name(sqe, admin=False))
         return completion
+
+    async def _wait_live_for(self, sqe: bytearray) -> None:
+        """:meth:`wait_live` for a command its namespace let through before the wait: it
+        fails (NamespaceReplaced) if that namespace was replaced meanwhile (the rescan
+        before a reconnect's I/O resumes found another behind its NSID)."""
+        mark = self.replacements
+        await self.wait_live()
+        if self.replacements != mark:
+            self._refuse_if_replaced(sqe, lambda at: at[0] > mark)
+
+    def _refuse_if_replaced(self, sqe: bytearray, since: Callable[[tuple[int, int]], bool]
+                            ) -> None:
+        """Raise NamespaceReplaced if the namespace of ``sqe`` was replaced ``since`` (a
+        test of its (replacements, teardowns) at that replacement)."""
+        nsid = int.from_bytes(sqe[4:8], "little")
+        at = self._replaced.get(nsid)
+        if at is not None and since(at):
+            raise NamespaceReplaced(f"namespace n{nsid} of {self.options.nqn} was replaced "
+                                    "by another namespace while this command waited to run "
+                                    "again: it does not run on the other")
 
     async def io_once(self, sqe: bytearray, data: DataRef | None = None, *,
                       to_controller: bool = False) -> Completion:
@@ -370,6 +408,7 @@ class Controller:
         """
         tries = 1
         nbytes = data.length if data is not None else 0
+        first_sent = sent_in
         while True:
             if isinstance(failure, Completion):
                 if failure.dnr or tries >= IO_RETRIES:
@@ -388,6 +427,8 @@ class Controller:
                         raise out_of_tries(sqe, tries, failure) from None
                     tries += 1
             await self.wait_live()
+            if self._replaced:  # replaced by a reconnect since it was first sent: not here
+                self._refuse_if_replaced(sqe, lambda at: at[1] > first_sent)
             queue = self.pick_queue(nbytes)
             sent_in = self.teardowns
             try:
@@ -591,6 +632,7 @@ class Controller:
                 with self._waits_until(deadline) as scope:
                     await self._connect_admin()
                     await self._connect_io_queues()
+                    await self._check_identity()
                 if scope.cancelled_caught:
                     raise ConnectError(f"no answer within the {deadline - start:.1f} s this "
                                        f"try had (--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
@@ -626,6 +668,32 @@ class Controller:
         if self.state not in (DELETING, DEAD):
             log.error("%s", reason)
         self.close_state(reason)
+
+    async def _check_identity(self) -> None:
+        """Before I/O resumes on a new connection: the controller must be of the subsystem
+        we mounted (else ControllerChanged, and this reconnect failed), and every namespace
+        is rescanned, so that one replaced meanwhile refuses I/O from now on."""
+        first = self.identify
+        if first is None:  # never identified (brought up by other means): nothing to compare
+            return
+        self._checking = True  # (a rescan of many namespaces may outlast the keep-alive)
+        try:
+            again = nvme.IdentifyController.from_bytes(await self.identify_raw(Cns.CONTROLLER))
+            check_controller(first, again,
+                             f"the controller reached at {self.transport.address}")
+            if first.cntrltype != 2:  # a discovery controller has no namespaces
+                await self.events.check_after_reconnect()
+        finally:
+            self._checking = False
+
+    def namespace_replaced(self, nsid: int, old: Namespace, new: Namespace) -> None:
+        """A rescan found ``new`` behind ``nsid`` instead of ``old``: commands of ``old``
+        that wait to be sent (or sent again) fail instead (:meth:`_wait_live_for`,
+        :meth:`_run_again`); the replaced listeners are told at once."""
+        self.replacements += 1
+        self._replaced[nsid] = (self.replacements, self.teardowns)
+        for listener in list(self.events.replaced_listeners):
+            listener(nsid, old, new)
 
     def connection_snapshot(self) -> dict[str, Any]:
         """What ``.nvmeof/stats`` shows of the connection (and of its bounce buffers)."""
@@ -873,19 +941,25 @@ class Controller:
     def new_namespace(self, nsid: int, identify: nvme.IdentifyNamespace) -> Namespace:
         """The namespace ``nsid`` of this controller, which runs its commands; one whose
         Identify data we cannot serve is unavailable, and says why here, once."""
-        ns = Namespace(self, nsid, identify)
+        generation = self._generations[nsid] = self._generations.get(nsid, -1) + 1
+        ns = Namespace(self, nsid, identify, generation)
         if ns.unavailable:
             limited.log(("unavailable", self.options.nqn), logging.WARNING, "%s: %s",
                         self.options.nqn, unavailable_line(nsid, ns.unavailable))
         return ns
 
     async def _identify_namespaces(self) -> None:
+        """The active namespaces, each with its identity (kept to be compared at every
+        rescan), IDENTIFY_IN_FLIGHT at once; one that reports another's identifiers is
+        refused."""
         nsids = await active_nsids(self)
-        idents = await identify_namespaces(self, nsids)
+        identified = await identify_namespaces(self, nsids)
         for nsid in nsids:
-            ident = idents.pop(nsid, None)  # None: not there (any more)
-            if ident is not None:
-                self.namespaces[nsid] = self.new_namespace(nsid, ident)
+            found = identified.pop(nsid, None)  # None: not there (any more)
+            if found is not None:
+                ns = self.namespaces[nsid] = self.new_namespace(nsid, found[0])
+                ns.identity = found[1]
+        claim_identities(self, sorted(self.namespaces))
 
     async def _keep_alive(self, kato: float) -> None:
         """Send Keep Alive at half the negotiated timeout, as the kernel does.
@@ -899,7 +973,7 @@ class Controller:
     async def _send_keep_alive(self, timeout: float, why: str) -> None:
         """One Keep Alive; its failure is a lost connection (named by ``why``)."""
         admin = self.admin
-        if self.state is not LIVE or admin is None:
+        if admin is None or (self.state is not LIVE and not self._checking):
             return
         try:
             completion = await admin.execute(cmd.keep_alive(), timeout=timeout)

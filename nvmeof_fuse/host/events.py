@@ -4,9 +4,12 @@
 One Asynchronous Event Request stays outstanding on the admin queue, re-armed
 after each event and after each reconnect.  A Namespace Attribute Changed
 notice reads the Changed Namespace List (which also lets the controller report
-the next one) and rescans those namespaces; a reconnect rescans them all.  Each
-change is applied to ``controller.namespaces``, logged in one line, and handed to
-the listeners (the mount adds, removes or resizes its files).
+the next one) and rescans those namespaces; a reconnect rescans them all, before
+I/O resumes (:meth:`AsyncEvents.check_after_reconnect`).  Each change is applied to
+``controller.namespaces``, logged in one line, and handed to the listeners (the
+mount adds, removes, resizes or replaces its files).  A namespace whose identity
+changed (:mod:`.identity`) is *replaced*: the old one refuses all I/O from then
+on, and a new one, of another generation, takes its NSID.
 
 This module knows the controller and its namespaces only by what it uses of them
 (:class:`EventSource`, :class:`ScannedNamespace`); the controller hands it the
@@ -43,6 +46,7 @@ from ..nvme.events import (
 from ..nvme.status import SCT_GENERIC
 from ..ratelimit import LIST_SHOWN, RateLimitedLog, brief_list
 from ..transport.base import Queue
+from .identity import IdentityIndex, namespace_identity, replaced_line
 from .options import DEFAULT_MAX_NAMESPACES
 from .state import LIVE, CtrlState
 
@@ -68,18 +72,22 @@ the Asynchronous Event Request share."""
 
 @dataclass(frozen=True)
 class NamespaceChange:
-    """One namespace that appeared, went away or changed size."""
+    """One namespace that appeared, went away, changed size, or was replaced by another
+    behind its NSID (``detail``: the line that says how)."""
 
-    kind: str  # "added", "removed", "resized"
+    kind: str  # "added", "removed", "resized", "replaced"
     nsid: int
     old_size: int = 0
     new_size: int = 0
+    detail: str = ""
 
     def describe(self) -> str:
         if self.kind == "added":
             return f"namespace n{self.nsid} added ({self.new_size} bytes)"
         if self.kind == "removed":
             return f"namespace n{self.nsid} removed"
+        if self.kind == "replaced":
+            return self.detail or f"namespace n{self.nsid} replaced"
         return f"namespace n{self.nsid} resized from {self.old_size} to {self.new_size} bytes"
 
 
@@ -103,10 +111,16 @@ class ScannedNamespace(Protocol):
 
     size: int
     unavailable: str
+    identity: nvme.NamespaceIdentity | None
+    conflict: str
 
     def resize(self, identify: nvme.IdentifyNamespace) -> int | None: ...
 
     def remove(self, reason: str) -> None: ...
+
+    def replace(self, reason: str) -> None: ...
+
+    def refuse_as(self, conflict: str) -> None: ...
 
 
 NewNamespace = Callable[[int, nvme.IdentifyNamespace], ScannedNamespace]
@@ -136,6 +150,10 @@ class EventSource(Protocol):
     async def get_log_page(self, lid: int, length: int, offset: int = 0) -> bytes: ...
 
     async def set_features(self, fid: int, cdw11: int) -> int: ...
+
+    def namespace_replaced(self, nsid: int, old: Any, new: Any) -> None:
+        """``old`` was replaced by ``new`` behind ``nsid`` (already in ``namespaces``):
+        fence what waits to be sent for the old one (:class:`Controller`)."""
 
 
 @dataclass
@@ -192,51 +210,92 @@ async def active_nsids(ctrl: EventSource) -> list[int]:
     return listed.nsids[:max_namespaces(ctrl)]
 
 
-async def identify_namespaces(ctrl: EventSource, nsids: list[int]
-                              ) -> dict[int, nvme.IdentifyNamespace]:
-    """Identify Namespace of each of ``nsids`` that is there (:func:`_identify_namespace`),
-    IDENTIFY_IN_FLIGHT at once."""
-    found: dict[int, nvme.IdentifyNamespace] = {}
+Identified = tuple[nvme.IdentifyNamespace, nvme.NamespaceIdentity]
+
+
+async def identify_namespaces(ctrl: EventSource, nsids: list[int]) -> dict[int, Identified]:
+    """Identify Namespace and the identity of each of ``nsids`` that is there
+    (:func:`identify_namespace`), IDENTIFY_IN_FLIGHT at once."""
+    found: dict[int, Identified] = {}
 
     async def identify(nsid: int) -> None:
-        ident = await _identify_namespace(ctrl, nsid)
-        if ident is not None:
-            found[nsid] = ident
+        got = await identify_namespace(ctrl, nsid)
+        if got is not None:
+            found[nsid] = got
 
     await run_bounded(nsids, identify, IDENTIFY_IN_FLIGHT)
     return found
 
 
-async def rescan(ctrl: EventSource, nsids: list[int] | None,
-                 new_namespace: NewNamespace) -> list[NamespaceChange]:
-    """Look at ``nsids`` (all of them: None) again; apply and return what changed.
+async def identify_namespace(ctrl: EventSource, nsid: int) -> Identified | None:
+    """Identify Namespace ``nsid`` and its identity; None if it is not there (any more):
+    all zeros, or Invalid Namespace or Format, as when it went away since the active list
+    was read (the kernel's ``nvme_validate_ns`` removes it then too).  Any other status
+    fails the rescan: nvmet answers Command Sequence Error, with DNR, once shutdown began."""
+    try:
+        ident = nvme.IdentifyNamespace.from_bytes(await ctrl.identify_raw(Cns.NAMESPACE, nsid))
+    except NVMeStatusError as exc:
+        if (exc.sct, exc.sc) == (SCT_GENERIC, SC_INVALID_NAMESPACE):
+            log.debug("namespace n%d is gone: %s", nsid, exc)
+            return None
+        raise
+    if not ident.nsze:
+        return None
+    return ident, await namespace_identity(ctrl, nsid, ident)
+
+
+async def rescan(ctrl: EventSource, nsids: list[int] | None, new_namespace: NewNamespace,
+                 changes: list[NamespaceChange] | None = None) -> list[NamespaceChange]:
+    """Look at ``nsids`` (all of them: None) again; apply and return what changed (added
+    to ``changes`` as each is applied, and logged even when the rescan fails half-way, so
+    that what it applied stays there).
 
     A namespace found anew is made by ``new_namespace``, while fewer than
-    ``--max-namespaces`` are served; one past the part of the list read is left as it is."""
+    ``--max-namespaces`` are served; one past the part of the list read is left as it is.
+    So is the one that replaces a namespace whose identity changed (:mod:`.identity`),
+    after the old one was told (``replace``) and the controller too
+    (``namespace_replaced``), before this returns."""
     listed = await read_active_list(ctrl)
     active = set(listed.nsids)
     beyond = listed.nsids[-1] if listed.nsids and not listed.ended else LAST_NSID
     wanted = sorted(set(ctrl.namespaces) | active if nsids is None else set(nsids))
     wanted = [nsid for nsid in wanted if nsid <= beyond]
-    idents = await identify_namespaces(ctrl, [nsid for nsid in wanted if nsid in active])
-    gone = sum(nsid in ctrl.namespaces and nsid not in idents for nsid in wanted)
+    identified = await identify_namespaces(ctrl, [nsid for nsid in wanted if nsid in active])
+    gone = sum(nsid in ctrl.namespaces and nsid not in identified for nsid in wanted)
     room = max_namespaces(ctrl) - len(ctrl.namespaces) + gone
-    changes = []
-    for nsid in wanted:
-        ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
-        ident = idents.get(nsid)
-        if ident is None:
-            if ns is not None:
-                del ctrl.namespaces[nsid]
-                ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
-                changes.append(NamespaceChange("removed", nsid, ns.size, 0))
-        elif ns is None:
-            if room <= 0:
-                continue  # past --max-namespaces: counted in say_refused's line
-            ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
-            changes.append(NamespaceChange("added", nsid, 0, ns.size))
-            room -= 1
-        else:
+    changes = [] if changes is None else changes
+    first = len(changes)
+    try:
+        for nsid in wanted:
+            ns: ScannedNamespace | None = ctrl.namespaces.get(nsid)
+            found = identified.get(nsid)
+            if found is None:
+                if ns is not None:
+                    del ctrl.namespaces[nsid]
+                    ns.remove(f"namespace n{nsid} was removed from {ctrl.options.nqn}")
+                    changes.append(NamespaceChange("removed", nsid, ns.size, 0))
+                continue
+            ident, identity = found
+            if ns is None:
+                if room <= 0:
+                    continue  # past --max-namespaces: counted in say_refused's line
+                ns = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
+                ns.identity = identity
+                changes.append(NamespaceChange("added", nsid, 0, ns.size))
+                room -= 1
+                continue
+            change = ns.identity.change(identity) if ns.identity is not None else ""
+            if change:
+                assert ns.identity is not None
+                line = replaced_line(ctrl.options.nqn, nsid, ns.identity, identity, change)
+                new = ctrl.namespaces[nsid] = new_namespace(nsid, ident)
+                new.identity = identity
+                ns.replace(f"namespace n{nsid} of {ctrl.options.nqn} was replaced by another "
+                           f"namespace ({change})")
+                ctrl.namespace_replaced(nsid, ns, new)
+                changes.append(NamespaceChange("replaced", nsid, ns.size, new.size, line))
+                continue
+            ns.identity = identity
             was = ns.unavailable
             old = ns.resize(ident)
             now = ns.unavailable
@@ -245,25 +304,41 @@ async def rescan(ctrl: EventSource, nsids: list[int] | None,
                             unavailable_line(nsid, now))
             if old is not None:
                 changes.append(NamespaceChange("resized", nsid, old, ns.size))
-    say_refused(ctrl, listed)
-    for line in describe_changes(changes):
+        say_refused(ctrl, listed)
+        claim_identities(ctrl, [c.nsid for c in changes[first:]
+                                if c.kind in ("added", "replaced")])
+    finally:
+        log_changes(changes[first:])
+    return changes[first:]
+
+
+def log_changes(changes: list[NamespaceChange]) -> None:
+    """A replaced namespace gets a warning of its own, naming both identities (rate-limited:
+    a target may swap thousands); the rest are said together (:func:`describe_changes`)."""
+    for change in changes:
+        if change.kind == "replaced":
+            limited.log("replaced", logging.WARNING, "%s", change.describe())
+    for line in describe_changes([c for c in changes if c.kind != "replaced"]):
         limited.log("changes", logging.INFO, "%s", line)
-    return changes
 
 
-async def _identify_namespace(ctrl: EventSource, nsid: int) -> nvme.IdentifyNamespace | None:
-    """Identify Namespace ``nsid``; None if it is not there (any more): all zeros, or
-    Invalid Namespace or Format, as when it went away since the active list was read (the
-    kernel's ``nvme_validate_ns`` removes it then too).  Any other status fails the rescan:
-    nvmet answers Command Sequence Error, with DNR, once shutdown began."""
-    try:
-        ident = nvme.IdentifyNamespace.from_bytes(await ctrl.identify_raw(Cns.NAMESPACE, nsid))
-    except NVMeStatusError as exc:
-        if (exc.sct, exc.sc) == (SCT_GENERIC, SC_INVALID_NAMESPACE):
-            log.debug("namespace n%d is gone: %s", nsid, exc)
-            return None
-        raise
-    return ident if ident.nsze else None
+def claim_identities(ctrl: EventSource, found: list[int]) -> None:
+    """Namespaces ``found`` anew (or again) that report another one's identifiers are
+    refused (:class:`IdentityIndex`), each said once."""
+    if not found:
+        return
+    fresh = set(found)
+    index = IdentityIndex((n, ns) for n, ns in sorted(ctrl.namespaces.items())
+                          if n not in fresh)
+    for nsid in found:
+        ns = ctrl.namespaces.get(nsid)
+        if ns is None:
+            continue
+        index.claim(nsid, ns)
+        if ns.conflict:
+            limited.log("conflict", logging.WARNING, "%s: %s", ctrl.options.nqn,
+                        unavailable_line(nsid, ns.conflict))
+
 
 
 class AsyncEvents:
@@ -277,8 +352,20 @@ class AsyncEvents:
         self.ana_listeners: list[Callable[[], None]] = []
         """Told of each ANA-change notice (a multipath head reads the ANA log page then,
         which also lets the controller report the next one)."""
+        self.replaced_listeners: list[Callable[[int, Any, Any], None]] = []
+        """Told at once, ``(nsid, old, new)``, of each namespace replaced by another behind
+        its NSID: after a reconnect, before I/O resumes (a multipath head fences its own
+        namespace then); the listeners hear of it later, with the other changes."""
         self.events = 0  # AER completions seen
         self._second = (-math.inf, 0)  # (start, events taken in it): EVENTS_PER_SECOND
+        self._after_reconnect: list[NamespaceChange] = []
+
+    async def check_after_reconnect(self) -> None:
+        """Rescan every namespace on a new connection before I/O resumes on it: what
+        changed is applied now (a namespace of another identity refuses I/O from here on),
+        and handed to the listeners once the loop re-arms on the new admin queue.  Raises
+        what the rescan raised (the reconnect failed then, and is tried again)."""
+        await rescan(self.ctrl, None, self.new_namespace, self._after_reconnect)
 
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Until the controller is gone: arm, wait, handle, re-arm (also on new queues)."""
@@ -291,10 +378,11 @@ class AsyncEvents:
             if admin is None:
                 await trio.sleep(0)
                 continue
-            if admin is not armed_on:  # reconnected: anything may have changed meanwhile
-                armed_on = admin
+            if admin is not armed_on:  # reconnected: the rescan before I/O resumed found
+                armed_on = admin  # what changed meanwhile (check_after_reconnect)
                 await self._configure()
-                await self._rescan(None)
+                changes, self._after_reconnect = self._after_reconnect, []
+                await self._tell(changes)
                 continue
             try:
                 completion = await admin.execute(cmd.async_event_request(), timeout=math.inf)
@@ -369,6 +457,9 @@ class AsyncEvents:
                 # once CC.SHN is set): a reconnect rescans again, a shutdown needs none
                 log.debug("namespace rescan stopped (controller %s): %s", self.ctrl.state, exc)
             return
+        await self._tell(changes)
+
+    async def _tell(self, changes: list[NamespaceChange]) -> None:
         if changes:
             for listener in list(self.listeners):
                 await listener(changes)

@@ -16,8 +16,14 @@ needs to know about paths.
 - Each path's ANA log page is read at connect, on each ANA-change notice and after
   each reconnect (:mod:`.ana`); a group in the change state past twice ANATT resets
   that path's controller, as the kernel does.
-- A path is admitted only to the same subsystem and only if each namespace it shares
-  has the same identifiers (``nvme_ns_ids_equal``); a refusal is one line.
+- A path is admitted only to the same subsystem (subsystem NQN, serial and model
+  number) and only if each namespace it shares has the same identity (identifiers, as
+  ``nvme_ns_ids_equal``, and format: :mod:`.identity`); a refusal is one line.
+- A path whose controller finds another namespace behind an NSID (after a reconnect,
+  or at a rescan) is told at once, before its I/O resumes: it serves that NSID no more
+  while another path still serves the mount's namespace; once none does, the head's
+  namespace is replaced too (its I/O fails from then on, and a new one, of the next
+  generation, takes the NSID), as the kernel's head goes with its last path.
 - Memory the head registers (bounce buffers, caller regions) is registered with
   every path's transport (:class:`~.pathmemory.PathsRegistration`), so any path can move it.
 - With one path the head hands commands straight to that path's controller: choosing a
@@ -37,15 +43,16 @@ from typing import Any
 import trio
 
 from .. import nvme
-from ..concurrency import run_bounded, unwrap_groups
+from ..concurrency import unwrap_groups
 from ..errors import (
     CommandTimeout,
     ControllerLost,
     InvalidArgument,
+    NamespaceReplaced,
     NVMeoFError,
     TransportError,
 )
-from ..nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
+from ..nvme import Completion, LogPageId, NamespaceIdentity
 from ..nvme.ana import AnaLogPage, AnaState, ana_log_size
 from ..nvme.status import fails_over, is_ana_error
 from ..nvme.uri import DEFAULT_PORT, parse_uri
@@ -61,7 +68,8 @@ from .controller import (
     out_of_tries,
 )
 from .controller import connect as connect_controller
-from .events import IDENTIFY_IN_FLIGHT, NamespaceChange
+from .events import NamespaceChange
+from .identity import namespace_identity, replaced_line
 from .iopolicy import DEFAULT_POLICY, PathSelector
 from .logread import read_whole
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
@@ -112,7 +120,13 @@ class MultipathController:
         self._next_index = 0
         self.nqn = ""
         self.namespaces: dict[int, Namespace] = {}
-        self.ids: dict[int, NamespaceIds] = {}
+        self.ids: dict[int, NamespaceIdentity] = {}
+        """The identity of each namespace the mount serves (the first path's, at first)."""
+        self.controller_identity: nvme.IdentifyController | None = None  # the first path's
+        self.replacements = 0  # namespaces replaced (see _settle)
+        self._replaced: dict[int, int] = {}  # nsid -> replacements at its last replacement
+        self._generations: dict[int, int] = {}  # nsid -> the last namespace's generation
+        self._changes: list[NamespaceChange] = []  # replacements the listeners hear of next
         self.events = HeadEvents()
         self.max_transfer = 0
         self.bounce: BouncePool | None = None
@@ -159,7 +173,10 @@ class MultipathController:
 
     def _bind(self) -> None:
         """Commands straight to the controller with one connected path, else through the
-        path choice (:meth:`_io_multipath`)."""
+        path choice (:meth:`_io_multipath`); first, a namespace no path serves any more
+        under the mount's identity is replaced (:meth:`_settle`)."""
+        for nsid in sorted({n for p in self.paths for n in p.stale}):
+            self._settle(nsid)
         connected = [p for p in self.paths if p.ctrl is not None]
         direct = connected[0] if len(self.paths) == 1 and connected else None
         if direct is not self._direct:  # the direct path's commands are the namespaces'
@@ -302,7 +319,9 @@ class MultipathController:
 
     async def _admit(self, path: Path, ctrl: Controller) -> None:
         """Check that ``ctrl`` reaches this mount's subsystem and namespaces; the first
-        path sets them."""
+        path sets them.  A path connected again (its controller had given up) that finds
+        another namespace behind an NSID is not refused: it serves that NSID no more,
+        as after a reconnect (:meth:`_settle`)."""
         ident = ctrl.identify
         assert ident is not None
         subnqn = ident.subnqn or ctrl.options.nqn
@@ -310,20 +329,32 @@ class MultipathController:
         if not first and subnqn != self.nqn:
             raise PathRefused(f"path {path.uri} refused: it reaches subsystem {subnqn}, "
                               f"not this mount's subsystem {self.nqn}")
-        ids = await self._all_namespace_ids(ctrl)
+        if not first and self.controller_identity is not None:
+            change = nvme.controller_change(self.controller_identity, ident)
+            if change:
+                raise PathRefused(f"path {path.uri} refused: its controller is not of this "
+                                  f"mount's subsystem: its {change}")
+        ids = {}
+        for nsid, ns in sorted(ctrl.namespaces.items()):
+            if ns.identity is None:  # a controller brought up without one (tests' fakes)
+                ns.identity = await namespace_identity(ctrl, nsid, ns.identify)
+            ids[nsid] = ns.identity
+        stale = set()
         if not first:
             for nsid, mine in sorted(self.ids.items()):
                 theirs = ids.get(nsid)
                 if theirs is None:
                     continue  # not on this path: it serves the others
-                mismatch = mine.mismatch(theirs)
-                if mismatch:
-                    theirs_first = theirs.mismatch(mine).replace(" != ", " != the mount's ")
+                mismatch = mine.change(theirs)
+                if mismatch and path.connected_once:
+                    stale.add(nsid)
+                elif mismatch:
+                    theirs_first = theirs.change(mine).replace(" != ", " != the mount's ")
                     raise PathRefused(f"path {path.uri} refused: namespace {nsid} differs "
                                       f"there (its {theirs_first})")
                 head_ns, ns = self.namespaces.get(nsid), ctrl.namespaces[nsid]
-                if head_ns is not None and (ns.size, ns.lba_size) != (head_ns.size,
-                                                                      head_ns.lba_size):
+                if (nsid not in stale and head_ns is not None
+                        and (ns.size, ns.lba_size) != (head_ns.size, head_ns.lba_size)):
                     raise PathRefused(
                         f"path {path.uri} refused: namespace {nsid} has {ns.size} bytes in "
                         f"{ns.lba_size}-byte blocks there, {head_ns.size} in "
@@ -332,7 +363,7 @@ class MultipathController:
                 raise PathRefused(f"path {path.uri} refused: its controller moves at most "
                                   f"{ctrl.max_transfer} bytes per command, the mount "
                                   f"{self.max_transfer}")
-        path.ids = ids
+        path.ids, path.stale = ids, stale
         path.ana = PathAna(reporting=ident.ana_reporting, anatt=ident.anatt)
         if path.ana.reporting:
             path.ana_log_bytes = ana_log_size(ident.nanagrpid or 1, ident.mnan or ident.nn or 1)
@@ -348,28 +379,93 @@ class MultipathController:
             await self._read_ana(path, ctrl)
         if first:
             self.nqn = subnqn
+            self.controller_identity = ident
             self.ids = dict(ids)
             self.max_transfer = ctrl.max_transfer
             for nsid, ns in sorted(ctrl.namespaces.items()):
-                self.namespaces[nsid] = Namespace(self, nsid, ns.identify)
+                self.namespaces[nsid] = self._new_namespace(nsid, ns)
 
-    @staticmethod
-    async def _all_namespace_ids(ctrl: Controller) -> dict[int, NamespaceIds]:
-        """Each namespace's identifiers (:func:`_namespace_ids`), IDENTIFY_IN_FLIGHT
-        descriptor lists at once, by NSID; one line for those whose list is unusable."""
-        ids: dict[int, NamespaceIds] = {}
-        unusable: list[str] = []
+    def _new_namespace(self, nsid: int, source: Namespace) -> Namespace:
+        """The head's namespace ``nsid`` as path namespace ``source`` shows it, of the next
+        generation of that NSID on this mount."""
+        generation = self._generations[nsid] = self._generations.get(nsid, -1) + 1
+        ns = Namespace(self, nsid, source.identify, generation)
+        ns.identity = source.identity
+        if source.conflict:
+            ns.refuse_as(source.conflict)
+        return ns
 
-        async def identify(nsid: int) -> None:
-            ids[nsid] = await _namespace_ids(ctrl, nsid, ctrl.namespaces[nsid].identify,
-                                             unusable)
+    # -- namespace identity -------------------------------------------------------------------
 
-        await run_bounded(sorted(ctrl.namespaces), identify, IDENTIFY_IN_FLIGHT)
-        if unusable:
-            more = (f" (so for {len(unusable) - 1} more namespaces' unusable lists)"
-                    if len(unusable) > 1 else "")
-            log.warning("%s; using Identify Namespace's identifiers%s", unusable[0], more)
-        return {nsid: ids[nsid] for nsid in sorted(ids)}
+    def _path_replaced(self, path: Path, nsid: int, old: Namespace, new: Namespace) -> None:
+        """``path``'s controller found ``new`` behind ``nsid`` instead of ``old`` (told at
+        once: after a reconnect, before its I/O resumes)."""
+        if new.identity is None:
+            return
+        path.ids[nsid] = new.identity
+        mine = self.ids.get(nsid)
+        if mine is not None and mine.change(new.identity):
+            path.stale.add(nsid)
+        else:
+            path.stale.discard(nsid)
+        self._settle(nsid)
+        if nsid in path.stale:
+            log.warning("%s: namespace n%d there is not the one this mount serves (%s); "
+                        "it serves n%d no more while another path does", path.name, nsid,
+                        new.identity.describe(), nsid)
+        self._wake()
+
+    def _settle(self, nsid: int) -> None:
+        """Replace the head's namespace ``nsid`` once no connected path serves it under the
+        mount's identity, but one serves another: the old one fails its I/O from then on,
+        the new one (that path's) takes the NSID, and the paths that show it serve it."""
+        mine, head_ns = self.ids.get(nsid), self.namespaces.get(nsid)
+        if mine is None or head_ns is None:
+            return
+        holders = [p for p in self.paths if p.ctrl is not None and nsid in p.ids]
+        if not holders or any(nsid not in p.stale for p in holders):
+            return  # a path still serves the mount's namespace, or none is connected
+        source = holders[0]
+        assert source.ctrl is not None
+        theirs = source.ids[nsid]
+        shown = source.ctrl.namespaces.get(nsid)
+        if shown is None:
+            return
+        change = mine.change(theirs)
+        new = self._new_namespace(nsid, shown)
+        head_ns.replace(f"namespace n{nsid} of {self.nqn} was replaced by another namespace "
+                        f"({change})")
+        self.namespaces[nsid] = new
+        self.ids[nsid] = theirs
+        self.replacements += 1
+        self._replaced[nsid] = self.replacements
+        for path in self.paths:
+            other = path.ids.get(nsid)
+            if other is not None and theirs.change(other):
+                path.stale.add(nsid)
+            else:
+                path.stale.discard(nsid)
+        self._changes.append(NamespaceChange(
+            "replaced", nsid, head_ns.size, new.size,
+            replaced_line(self.nqn, nsid, mine, theirs, change)))
+        self._nursery.start_soon(self._tell_replaced)
+        self._wake()
+
+    async def _tell_replaced(self) -> None:
+        """Hand the namespaces replaced (:meth:`_settle`) to the listeners."""
+        changes, self._changes = self._changes, []
+        if changes:
+            self.events.events += 1
+            for listener in list(self.events.listeners):
+                await listener(changes)
+
+    def _refuse_if_replaced(self, nsid: int, mark: int) -> None:
+        """Raise NamespaceReplaced if the head's namespace ``nsid`` was replaced since
+        :attr:`replacements` was ``mark``."""
+        if self._replaced.get(nsid, 0) > mark:
+            raise NamespaceReplaced(f"namespace n{nsid} of {self.nqn} was replaced by another "
+                                    "namespace while this command waited for a path: it "
+                                    "does not run on the other")
 
     def _attach(self, path: Path, ctrl: Controller, after: str = "") -> None:
         """``ctrl`` serves ``path`` now: the head's memory is registered with it (``after``:
@@ -388,6 +484,8 @@ class MultipathController:
         ctrl.bounce = HeadPool(lambda: self.bounce)  # type: ignore[assignment]
         ctrl.events.ana_listeners.append(path.kick)
         ctrl.events.listeners.append(self._follow_namespaces)
+        ctrl.events.replaced_listeners.append(
+            lambda nsid, old, new: self._path_replaced(path, nsid, old, new))
         self._bind()
         words = self._ana_words(path, LIST_SHOWN)
         more = len(path.ids) - len(words)  # one line, however many the target lists
@@ -502,14 +600,17 @@ class MultipathController:
                           new_label)
 
     async def _follow_namespaces(self, changes: list[NamespaceChange]) -> None:
-        """A path's controller saw namespaces change: apply them to the head's once."""
+        """A path's controller saw namespaces change: apply them to the head's once (its
+        replacements are applied already: :meth:`_settle`)."""
         applied = []
         for change in changes:
             ns = self.namespaces.get(change.nsid)
             source = next((p.ctrl.namespaces.get(change.nsid) for p in self.paths
                            if p.ctrl is not None and change.nsid in p.ctrl.namespaces), None)
             if change.kind == "added" and ns is None and source is not None:
-                self.namespaces[change.nsid] = Namespace(self, change.nsid, source.identify)
+                self.namespaces[change.nsid] = self._new_namespace(change.nsid, source)
+                if source.identity is not None:
+                    self.ids[change.nsid] = source.identity
                 applied.append(change)
             elif change.kind == "removed" and ns is not None:
                 del self.namespaces[change.nsid]
@@ -518,6 +619,10 @@ class MultipathController:
             elif change.kind == "resized" and ns is not None and source is not None:
                 if ns.resize(source.identify) is not None:
                     applied.append(change)
+                mine = self.ids.get(change.nsid)
+                if source.identity is not None and (mine is None or not mine.change(
+                        source.identity)):
+                    self.ids[change.nsid] = ns.identity = source.identity
         if applied:
             self.events.events += 1
             for listener in list(self.events.listeners):
@@ -705,12 +810,15 @@ class MultipathController:
         error, a lost connection or a timeout (see the module's docstring)."""
         nsid = int.from_bytes(sqe[4:8], "little")
         nbytes = data.length if data is not None else 0
+        mark = self.replacements  # a namespace replaced while this waits: not on the other
         skip: set[int] = set()  # paths that failed this command with a path status
         tries = 1  # status retries, timeouts and lost connections, as Controller.io_command
         failovers = 0
         waited_since: float | None = None
         last: Completion | None = None
         while True:
+            if self.replacements != mark:
+                self._refuse_if_replaced(nsid, mark)
             path = self._choose(nsid, skip)
             if path is None:
                 if skip:  # every usable path answered with a path status: try them again
@@ -881,28 +989,6 @@ def _same_place(text: str, path: Path) -> bool:
     port = uri.trsvcid if uri.trsvcid is not None else DEFAULT_PORT
     return (uri.transport, uri.traddr, port, uri.subnqn) == (
         path.options.transport, path.options.traddr, path.options.trsvcid, path.options.nqn)
-
-
-NO_IDS = NamespaceIds()
-"""A namespace that reports no identifiers: one object for every such namespace."""
-
-
-async def _namespace_ids(ctrl: Controller, nsid: int, ident: nvme.IdentifyNamespace,
-                         unusable: list[str]) -> NamespaceIds:
-    """The namespace's identifiers: Identify Namespace's, then the descriptor list's (as
-    the kernel's ``nvme_report_ns_ids``); a controller without the list keeps the former,
-    and so does a list we cannot use (why, added to ``unusable``)."""
-    ids = base = NamespaceIds.from_identify(ident)
-    try:
-        data = await ctrl.identify_raw(Cns.NS_DESCRIPTOR_LIST, nsid)
-    except NVMeStatusError:
-        data = None
-    if data is not None:
-        try:
-            ids = NamespaceIds.from_descriptors(data, base)
-        except ValueError as exc:
-            unusable.append(f"namespace {nsid} at {ctrl.transport.address}: {exc}")
-    return NO_IDS if ids == NO_IDS else ids
 
 
 @contextlib.asynccontextmanager

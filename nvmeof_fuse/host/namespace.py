@@ -18,7 +18,13 @@ from collections.abc import Awaitable, Callable
 
 from .. import nvme
 from ..concurrency import run_all
-from ..errors import NamespaceRemoved, NamespaceUnavailable, NVMeoFError, unavailable_line
+from ..errors import (
+    NamespaceRemoved,
+    NamespaceReplaced,
+    NamespaceUnavailable,
+    NVMeoFError,
+    unavailable_line,
+)
 from ..nvme import command as cmd
 from .byterange import ByteRangeIO, Edge, LbaIO
 from .io import CommandIssuer
@@ -28,6 +34,9 @@ from .stats import IoStats
 
 UNAVAILABLE_LBA_SIZE = 512
 """The LBA size an unavailable namespace shows (it has no LBAs)."""
+GONE = -1
+"""The generation a lease gives a namespace its client knew that was removed or replaced
+since (:mod:`.attached`)."""
 
 
 _IO_PARTS = frozenset({"lbas", "_bytes", "stats"})
@@ -40,18 +49,29 @@ class Namespace:
 
     Its I/O stack (:attr:`lbas`, the byte range with its range lock, :attr:`stats`) is built
     at the first use of any of them, so that a namespace never used costs a few hundred
-    bytes: a target may have 65,536 of them (docs/reliability.md, "Many namespaces")."""
+    bytes: a target may have 65,536 of them (docs/reliability.md, "Many namespaces").
 
-    __slots__ = ("controller", "nsid", "identify", "unavailable", "lba_size", "nlb", "size",
-                 "_refusal", "_io_built", "lbas", "_bytes", "stats")
+    ``generation`` tells this namespace from those that had or will have its NSID on the
+    same mount (one found anew after a removal, or behind the NSID after its identity
+    changed: :mod:`.events`); ``identity`` is what it was known by, once read.
+    """
+
+    __slots__ = ("controller", "nsid", "generation", "identity", "conflict", "identify",
+                 "unavailable", "lba_size", "nlb", "size", "_refusal", "_io_built", "lbas",
+                 "_bytes", "stats")
 
     def __init__(self, controller: CommandIssuer, nsid: int,
-                 identify: nvme.IdentifyNamespace) -> None:
+                 identify: nvme.IdentifyNamespace, generation: int = 0) -> None:
         self.controller = controller
         self.nsid = nsid
+        self.generation = generation
+        self.identity: nvme.NamespaceIdentity | None = None
+        self.conflict = ""
+        """Why we refuse to serve it although its values are servable: it reports the
+        identifiers of another namespace of the subsystem (set by the rescan)."""
         self._refusal: NVMeoFError | None = None
-        """Why the namespace serves no I/O (removed, or values we cannot serve); None
-        serves.  Its LbaIO holds the same, once built."""
+        """Why the namespace serves no I/O (removed, replaced, or values we cannot serve);
+        None serves.  Its LbaIO holds the same, once built."""
         self._io_built = False
         self._take(identify)
 
@@ -75,7 +95,7 @@ class Namespace:
         unavailable (:attr:`unavailable` says why): 0 LBAs, and every I/O fails."""
         self.identify = identify
         # what has no ``unusable`` (a test's stand-in with lba_size and nsze) is servable
-        self.unavailable = getattr(identify, "unusable", "")
+        self.unavailable = getattr(identify, "unusable", "") or self.conflict
         if self.unavailable:
             self.lba_size, self.nlb = UNAVAILABLE_LBA_SIZE, 0
         else:
@@ -106,9 +126,23 @@ class Namespace:
 
     def remove(self, reason: str) -> None:
         """The namespace is gone: every I/O from now on fails with NamespaceRemoved."""
-        self._refusal = NamespaceRemoved(reason)
+        self._refuse(NamespaceRemoved(reason))
+
+    def replace(self, reason: str) -> None:
+        """Another namespace answers behind the NSID now: every I/O of this one from now on
+        fails with NamespaceReplaced (EIO), and never reaches the other."""
+        self._refuse(NamespaceReplaced(reason))
+
+    def _refuse(self, refusal: NVMeoFError) -> None:
+        self._refusal = refusal
         if self._io_built:
-            self.lbas.refusal = self._refusal
+            self.lbas.refusal = refusal
+
+    def refuse_as(self, conflict: str) -> None:
+        """Serve nothing (unavailable, as one whose values we cannot serve), for
+        ``conflict``: why."""
+        self.conflict = conflict
+        self._take(self.identify)
 
     def check_range(self, slba: int, nlb: int) -> None:
         """Raise unless ``nlb`` LBAs at ``slba`` lie inside the namespace (and it is there)."""
@@ -215,8 +249,8 @@ class Namespace:
         the Flush goes out (a write that ends after that sets it again), and set again if
         the Flush fails."""
         refusal = self._refusal
-        if isinstance(refusal, NamespaceRemoved):
-            raise NamespaceRemoved(*refusal.args)
+        if isinstance(refusal, NamespaceRemoved):  # or replaced: its own error
+            raise type(refusal)(*refusal.args)
         lock = self._bytes.lock if self._io_built else None
         if lock is not None:
             lock.written = False

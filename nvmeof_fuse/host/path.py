@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from ..errors import InvalidArgument
-from ..nvme import NamespaceIds
+from ..nvme import NamespaceIdentity
 from ..nvme.ana import AnaState
 from ..nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
 from .ana import PathAna
@@ -52,7 +52,11 @@ class Path:
         self.ctrl: Controller | None = None
         self.ana = PathAna(reporting=False, anatt=0)
         self.ana_log_bytes = 0  # the whole ANA log's size (Identify), once admitted
-        self.ids: dict[int, NamespaceIds] = {}
+        self.ids: dict[int, NamespaceIdentity] = {}
+        """The identity of each namespace as this path's controller shows it."""
+        self.stale: set[int] = set()
+        """NSIDs behind which this path shows another namespace than the mount serves: it
+        serves those no more (:meth:`usable_state`)."""
         self.outstanding = 0
         self.ios = 0
         self.bytes = 0
@@ -91,7 +95,7 @@ class Path:
     def usable_state(self, nsid: int) -> AnaState | None:
         """The ANA state if I/O for ``nsid`` may go here now, else None."""
         ctrl = self.ctrl
-        if ctrl is None or not ctrl.live:
+        if ctrl is None or not ctrl.live or nsid in self.stale:
             return None
         return self.ana.usable_state(nsid)
 

@@ -35,7 +35,9 @@ from .identify import (
     IdentifyController,
     IdentifyNamespace,
     LbaFormat,
+    NamespaceIdentity,
     NamespaceIds,
+    controller_change,
     parse_active_ns_list,
 )
 from .logpage import DiscoveryLogEntry, DiscoveryLogPage, ErrorLogEntry, SmartLog
@@ -66,6 +68,7 @@ __all__ = [
     "IoOpcode",
     "LbaFormat",
     "LogPageId",
+    "NamespaceIdentity",
     "NamespaceIds",
     "NVMeStatusError",
     "Property",
@@ -73,6 +76,7 @@ __all__ = [
     "cc_enable_value",
     "cc_shutdown_value",
     "command",
+    "controller_change",
     "connect_invalid_parameter",
     "constants",
     "decode_version",

@@ -437,5 +437,83 @@ class NamespaceIds:
                 "csi": self.csi}
 
 
+    def describe(self) -> str:
+        """The identifiers reported (``NGUID ..., UUID ...``), or ``no identifiers``."""
+        words = [f"{name} {value.hex()}" for name, value in
+                 (("NGUID", self.nguid), ("EUI-64", self.eui64), ("UUID", self.uuid))
+                 if any(value)]
+        if self.csi:
+            words.append(f"CSI {self.csi}")
+        return ", ".join(words) or "no identifiers"
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceIdentity:
+    """What tells one namespace from another behind the same NSID: its identifiers and LBA
+    format, and where it reports no identifiers, its size too (two namespaces without
+    identifiers of the same size and format cannot be told apart).
+
+    The kernel compares the identifiers alone (``nvme_ns_ids_equal``) and removes a
+    namespace whose identifiers changed; we compare the format as well, since a namespace
+    formatted anew holds none of the data a reader of the old one expects.
+    """
+
+    ids: NamespaceIds
+    lbads: int
+    """The current format's LBA data size as a power of two (-1: FLBAS names none)."""
+    ms: int
+    """Its metadata bytes per LBA (-1 with ``lbads``)."""
+    nsze: int
+
+    @classmethod
+    def of(cls, ident: IdentifyNamespace, ids: NamespaceIds | None = None
+           ) -> NamespaceIdentity:
+        """The identity of Identify Namespace ``ident`` with identifiers ``ids`` (by
+        default those of Identify Namespace itself)."""
+        try:
+            fmt = ident.current_format
+        except ValueError:  # FLBAS past the formats: the namespace is unusable anyway
+            lbads = ms = -1
+        else:
+            lbads, ms = fmt.lbads, fmt.ms
+        return cls(ids if ids is not None else NamespaceIds.from_identify(ident), lbads, ms,
+                   ident.nsze)
+
+    def change(self, new: NamespaceIdentity) -> str:
+        """'' when ``new`` is this namespace (a size change of one with identifiers is a
+        resize), else what differs, with both values (``NGUID 00..01 != 00..02``)."""
+        mismatch = self.ids.mismatch(new.ids)
+        if mismatch:
+            return mismatch
+        if (self.lbads, self.ms) != (new.lbads, new.ms):
+            return f"LBA format {self._format()} != {new._format()}"
+        if not self.ids.reported and self.nsze != new.nsze:
+            return f"size {self.nsze} != {new.nsze} LBAs, with no identifiers to tell them apart"
+        return ""
+
+    def _format(self) -> str:
+        if self.lbads < 0:
+            return "(none)"
+        return f"{1 << self.lbads} B" + (f"+{self.ms}" if self.ms else "")
+
+    def describe(self) -> str:
+        """``NGUID ..., 512 B LBAs`` (with the size where there are no identifiers)."""
+        words = [self.ids.describe(), f"{self._format()} LBAs"]
+        if not self.ids.reported:
+            words.append(f"{self.nsze} LBAs")
+        return ", ".join(words)
+
+
+def controller_change(old: IdentifyController, new: IdentifyController) -> str:
+    """'' when ``new`` names the controller's subsystem as ``old`` did (subsystem NQN,
+    serial number and model number: NVM subsystem values, the same on every controller
+    of a subsystem); else which differs, with both values."""
+    for name, a, b in (("subsystem NQN", old.subnqn, new.subnqn),
+                       ("serial number", old.sn, new.sn), ("model number", old.mn, new.mn)):
+        if a != b:
+            return f"{name} {a!r} != {b!r}"
+    return ""
+
+
 def _hex(value: bytes) -> str:
     return value.hex() if any(value) else "(none)"

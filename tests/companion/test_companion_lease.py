@@ -306,3 +306,46 @@ def test_a_stats_reply_lists_the_asker_first_and_a_bounded_number_of_clients(ser
     finally:
         for ch in [*others, asker]:
             ch.close()
+
+
+def test_a_file_is_bound_to_the_namespace_it_opened_not_to_its_nsid(served):
+    """Another namespace takes n1 (a replacement): the session of a File of n1 (its
+    ``hello``) still goes to the one it opened, which refuses I/O, and its lease names that
+    one as gone, so that its own queues refuse it too; the session is told its queues are
+    revoked.  Another client, opening n1 now, gets the new one."""
+    from nvmeof_fuse.errors import NamespaceReplaced
+    from nvmeof_fuse.host.attached import GONE
+    from nvmeof_fuse.host.events import NamespaceChange
+    from nvmeof_fuse.host.namespace import Namespace
+
+    ctrl, server = served
+    ch = channel(server)
+    events = []
+    ch.on_event = events.append
+    try:
+        ch.hello(1)
+        (shape,) = lease_from(ch.call("lease", want=1, nsids=[1])).namespaces
+        assert (shape.nsid, shape.generation) == (1, 0)
+        old = ctrl.namespaces[1]
+        old.replace("namespace n1 was replaced by another namespace (NGUID x != y)")
+        ctrl.namespaces[1] = Namespace(ctrl, 1, SimpleNamespace(lba_size=512, nsze=64),
+                                       1)
+        (session,) = server.sessions
+        assert session.namespace(1) is old
+        with pytest.raises(NamespaceReplaced):  # what the session's reads of it meet
+            trio.run(session.namespace(1).read_lbas, 0, 1)
+        (shape,) = lease_from(ch.call("lease", want=1, nsids=[1])).namespaces
+        assert shape.generation == GONE
+        trio.from_thread.run(server.follow, [NamespaceChange("replaced", 1, 1, 1)],
+                             trio_token=server.trio_token)
+        assert wait_for(lambda: events, 10)
+        assert events[0]["event"] == "revoked"
+        other = channel(server)
+        try:
+            other.hello(1)
+            (shape,) = lease_from(other.call("lease", want=1, nsids=[1])).namespaces
+            assert (shape.generation, shape.nsze) == (1, 64)
+        finally:
+            other.close()
+    finally:
+        ch.close()

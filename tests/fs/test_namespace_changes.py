@@ -76,3 +76,27 @@ def test_a_resized_namespace_shows_its_size_and_the_kernel_drops_its_attributes(
     n1 = lookup(fs, "n1")
     assert trio.run(fs.getattr, n1).st_size == 128 * 512
     assert ("inode", n1, True) in kernel
+
+
+def test_a_replaced_namespace_is_a_new_file_and_the_old_inode_stays_with_its_handles(kernel):
+    """Another namespace behind n1: the name leads to a new inode (its reports too), the
+    kernel forgets the name and the old inode's pages; an open handle keeps the old node
+    (whose namespace refuses I/O), and opening the old inode now is ESTALE."""
+    ctrl = make_controller((1, 512, 64))
+    fs = NamespaceFS(ctrl)
+    fs.kernel = kernel
+    old_inode = lookup(fs, "n1")
+    old = ctrl.namespaces[1]
+    fh = trio.run(fs.open, old_inode, 0, None).fh
+    new = ctrl.namespaces[1] = FakeNamespace(1, 512, 32)
+    new.generation = 1
+    trio.run(fs.apply_changes, [NamespaceChange("replaced", 1, 64 * 512, 32 * 512, "...")])
+    new_inode = lookup(fs, "n1")
+    assert new_inode != old_inode
+    assert trio.run(fs.getattr, new_inode).st_size == 32 * 512
+    assert fs.handles[fh].node.ns is old
+    assert ("entry", ROOT_INODE, b"n1") in kernel and ("inode", old_inode, False) in kernel
+    with pytest.raises(FUSEError) as stale:
+        trio.run(fs.open, old_inode, 0, None)
+    assert stale.value.errno == errno.ESTALE
+    assert fs.handles[trio.run(fs.open, new_inode, 0, None).fh].node.ns is new

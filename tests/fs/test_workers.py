@@ -30,7 +30,13 @@ from tcp_target import NQN
 
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.fs.mount import read_mountinfo
-from nvmeof_fuse.fs.operations import NamespaceFS, pack_fh, unpack_fh
+from nvmeof_fuse.fs.operations import (
+    GENERATION_MAX,
+    NamespaceFS,
+    fh_generation,
+    pack_fh,
+    unpack_fh,
+)
 from nvmeof_fuse.fs.options import MountOptions
 from nvmeof_fuse.fs.session import FUSE_DEV_IOC_CLONE
 from nvmeof_fuse.fs.wire import FUSEError
@@ -51,6 +57,46 @@ def test_the_clone_ioctl_is_linux_ior_229_0_uint32():
 @pytest.mark.parametrize("nsid,writable", [(1, True), (7, False), (0xFFFFFFFE, True), (0, False)])
 def test_a_shared_handle_says_what_it_opened(nsid, writable):
     assert unpack_fh(pack_fh(12345, nsid, writable)) == (nsid, writable)
+
+
+def test_a_shared_handle_names_the_namespaces_generation_up_to_the_most_it_holds():
+    assert fh_generation(pack_fh(12345, 7, True, 3)) == 3
+    assert unpack_fh(pack_fh(12345, 7, True, 3)) == (7, True)
+    assert fh_generation(pack_fh(1, 7, True, 1000)) == GENERATION_MAX
+    assert pack_fh((1 << 40) + 5, 0xFFFFFFFE, True, 254) < 1 << 64  # the serial wraps
+
+
+def test_a_worker_never_serves_a_handle_of_a_replaced_namespace_with_the_new_one():
+    """Handles carry the generation they were opened on: a worker serves those of the
+    namespace it holds, and forwards the others to the main process (which knows each
+    handle it opened: it refuses the old one's, and serves the new one's)."""
+    from nvmeof_fuse.errors import NamespaceReplaced
+    from nvmeof_fuse.host.attached import NamespaceShape
+    from nvmeof_fuse.host.namespace import Namespace
+
+    ctrl = SimpleNamespace(live=True, namespaces={
+        1: Namespace(SimpleNamespace(), 1, NamespaceShape(1, 512, 64), 0)})
+    old = ctrl.namespaces[1]
+    locks, forwarded = [], []
+    fs = _worker_fs(ctrl, locks, forwarded)
+    old_fh, new_fh = pack_fh(1, 1, False, 0), pack_fh(2, 1, False, 1)
+    assert fs.handles[old_fh].node.ns is old
+    assert fs.handles.get(new_fh) is None  # opened on a namespace this worker does not hold
+    fs.follow({1: (512, 32, 1)})  # the main process replaced n1
+    new = ctrl.namespaces[1]
+    assert new is not old and new.generation == 1 and new.nlb == 32
+    assert fs.handles[new_fh].node.ns is new
+    assert fs.handles.get(old_fh) is None
+    with pytest.raises(NamespaceReplaced):
+        trio.run(old.read_lbas, 0, 1)
+
+    async def main():
+        assert await fs.read(old_fh, 0, 512) == b"r" * 512  # the main process's answer
+        assert forwarded == [("read", old_fh, 0, 512)]
+
+    trio.run(main)
+    fs.follow({1: (512, 32, GENERATION_MAX)})  # past what handles name: none served here
+    assert fs.handles.get(pack_fh(3, 1, False, GENERATION_MAX)) is None
 
 
 def test_any_process_reads_a_namespace_handle_it_did_not_open():
@@ -233,7 +279,7 @@ def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
     pool = FuseWorkers(None, None, server, 2)
     trio.run(pool.follow, [])
     assert told == {"worker": [{"event": "namespaces", "generation": 1,
-                                "namespaces": [[1, 512, 64], [2, 4096, 16]]}]}
+                                "namespaces": [[1, 512, 64, 0], [2, 4096, 16, 0]]}]}
 
 
 def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_once(caplog):

@@ -7,6 +7,7 @@ admin and I/O queue connects are stand-ins, and trio's clock jumps over the dela
 from __future__ import annotations
 
 import errno
+import logging
 import math
 import struct
 from types import SimpleNamespace
@@ -15,10 +16,12 @@ import pytest
 import trio
 import trio.testing
 
+from nvmeof_fuse import nvme
 from nvmeof_fuse.errors import (
     CommandTimeout,
     ConnectError,
     ControllerLost,
+    NVMeoFError,
     TargetProtocolError,
     TransportError,
 )
@@ -838,3 +841,119 @@ def test_the_orderly_shutdown_waits_a_shutdown_timeout_at_most(how, rtd3e_us, wa
     run(test)
     if note:
         assert f"{note}; disconnecting" in caplog.text
+# -- identity after a reconnect (over tests/fabric_fakes.py's target, which answers Identify) --
+
+NGUID_B = bytes(range(0xB0, 0xC0))
+
+
+def run_identified(test, **options) -> None:
+    """``test(ctrl, target)`` with a live controller of n1 identified as the real bring-up
+    identifies it (Identify Controller, the namespace and its identity)."""
+    from fabric_fakes import FakeTarget
+    from fabric_fakes import FakeTransport as FabricTransport
+    from multipath_fakes import controller_page
+
+    from nvmeof_fuse.host.memory import host_buffer
+    from nvmeof_fuse.nvme import IdentifyController
+
+    async def main() -> None:
+        target = FakeTarget(512, 64)
+        target.controller_page = controller_page("nqn.2014-08.org.example:t", 1, "SERIAL-A")
+        opts = ConnectOptions("192.0.2.1", "nqn.2014-08.org.example:t", keep_alive_tmo=0,
+                              reconnect_delay=1, ctrl_loss_tmo=10, **options)
+        async with trio.open_nursery() as nursery:
+            transport = FabricTransport(target)
+            ctrl = Controller(opts, transport, nursery)
+
+            async def connect_admin() -> None:
+                ctrl.admin = await transport.connect_queue(nursery, 0, 32)
+
+            async def connect_io_queues() -> None:
+                ctrl.io_queues = [await transport.connect_queue(nursery, 1, 32)]
+
+            ctrl._connect_admin, ctrl._connect_io_queues = connect_admin, connect_io_queues
+            ctrl._scratch = host_buffer(transport.register, 8192)
+            await connect_admin()
+            await connect_io_queues()
+            ctrl.identify = IdentifyController.from_bytes(target.controller_page)
+            ctrl.max_transfer = 4096
+            ctrl.bounce = ctrl.new_bounce_pool(4096, 4)
+            await ctrl._identify_namespaces()
+            assert ctrl._change_state(CONNECTING) and ctrl._change_state(LIVE)
+            await nursery.start(ctrl.supervise)
+            await test(ctrl, target)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_reconnect_to_a_controller_of_another_subsystem_fails_until_ctrl_loss_tmo(caplog):
+    from multipath_fakes import controller_page
+
+    async def test(ctrl: Controller, target) -> None:
+        target.controller_page = controller_page("nqn.2014-08.org.example:t", 2, "SERIAL-B")
+        target.fail_queues()
+        with pytest.raises(ControllerLost, match="gave up after 10 reconnects"):
+            await ctrl.namespaces[1].read_lbas(0, 1)
+
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.controller"):
+        run_identified(test)
+    refused = [m for m in caplog.messages if m.startswith("reconnect ")]
+    # (the 10 failures are logged when they start, then ever more rarely: ratelimit.py)
+    assert 1 <= len(refused) < 10 and refused[0] == (
+        "reconnect 1 to nqn.2014-08.org.example:t failed: the controller reached at rdma "
+        "192.0.2.1:4420 is not the controller we mounted: its serial number 'SERIAL-A' != "
+        "'SERIAL-B'; refused")
+
+
+def test_io_that_waited_for_a_reconnect_never_runs_on_the_namespace_found_instead():
+    """Three commands of n1 wait for the reconnect: one in flight when the connection went
+    (run again: _run_again), one sent to the controller meanwhile (io_command), one through
+    the namespace (its LbaIO).  The target comes back with another namespace behind n1:
+    each fails with NamespaceReplaced, and the target never saw them; the new n1 serves,
+    and its own commands that wait through a later outage run."""
+    from nvmeof_fuse.errors import NamespaceReplaced
+    from nvmeof_fuse.nvme import NamespaceIds
+
+    async def test(ctrl: Controller, target) -> None:
+        old = ctrl.namespaces[1]
+        buf = ctrl.allocate(512)
+        outcomes: dict[str, object] = {}
+
+        async def attempt(name, fn, *args) -> None:
+            try:
+                outcomes[name] = await fn(*args)
+            except NVMeoFError as exc:
+                outcomes[name] = exc
+
+        async with trio.open_nursery() as nursery:
+            target.go_away()  # the first one's answer never comes
+            nursery.start_soon(attempt, "in flight", ctrl.io_command,
+                               cmd.read(1, 0, 1, nvme.NULL_SGL), buf.ref(0, 512))
+            await trio.sleep(0.1)
+            target.fail_queues()
+            await trio.sleep(0.1)
+            assert ctrl.state is not LIVE
+            nursery.start_soon(attempt, "waiting", ctrl.io_command,
+                               cmd.read(1, 0, 1, nvme.NULL_SGL), buf.ref(0, 512))
+            nursery.start_soon(attempt, "namespace", old.read_lbas, 0, 1)
+            await trio.sleep(0.1)
+            target.ns_ids = NamespaceIds(nguid=NGUID_B)
+            target.disk[:512] = b"B" * 512
+            ios = target.io_count
+            target.come_back()
+        assert all(isinstance(v, NamespaceReplaced) for v in outcomes.values()), outcomes
+        assert target.io_count == ios  # none of them reached the new namespace
+        new = ctrl.namespaces[1]
+        assert new is not old and new.generation == old.generation + 1
+        assert await new.read_lbas(0, 1) == b"B" * 512
+        async with trio.open_nursery() as nursery:  # a later outage: no change
+            target.go_away()
+            target.fail_queues()
+            await trio.sleep(0.1)
+            nursery.start_soon(attempt, "later", new.read_lbas, 0, 1)
+            await trio.sleep(0.1)
+            target.come_back()
+        assert outcomes["later"] == b"B" * 512
+
+    run_identified(test)

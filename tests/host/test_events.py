@@ -11,7 +11,7 @@ import pytest
 import trio
 import trio.testing
 
-from nvmeof_fuse.errors import NamespaceRemoved
+from nvmeof_fuse.errors import NamespaceRemoved, NamespaceReplaced, TransportError
 from nvmeof_fuse.host.events import (
     COUNT_PAGES_MAX,
     EVENTS_PER_SECOND,
@@ -27,9 +27,10 @@ from nvmeof_fuse.host.state import DELETING, LIVE
 from nvmeof_fuse.nvme import Cns, Completion, IdentifyNamespace, NVMeStatusError
 
 
-def identify_namespace(nlb: int, lba_shift: int = 9) -> bytes:
+def identify_namespace(nlb: int, lba_shift: int = 9, nguid: bytes = bytes(16)) -> bytes:
     data = bytearray(4096)
     struct.pack_into("<QQQ", data, 0, nlb, nlb, 0)
+    data[104:120] = nguid
     struct.pack_into("<HBB", data, 128, 0, lba_shift, 0)  # one format, in use
     return bytes(data)
 
@@ -43,19 +44,24 @@ class Target:
 
     def __init__(self, namespaces: dict[int, int]) -> None:
         self.namespaces = dict(namespaces)
+        self.nguids: dict[int, bytes] = {}  # the NGUIDs they report (none by default)
         self.list_pages = 0  # Active Namespace ID list pages read
 
     async def identify_raw(self, cns: int, nsid: int = 0) -> bytes:
         if cns == Cns.ACTIVE_NS_LIST:  # those above nsid, a page at most
             self.list_pages += 1
             return active_ns_page([n for n in sorted(self.namespaces) if n > nsid][:1024])
-        return identify_namespace(self.namespaces.get(nsid, 0))
+        if cns == Cns.NS_DESCRIPTOR_LIST:
+            return bytes(4096)  # an empty list: Identify Namespace's identifiers stand
+        return identify_namespace(self.namespaces.get(nsid, 0),
+                                  nguid=self.nguids.get(nsid, bytes(16)))
 
 
 def controller(target: Target, known: dict[int, int], max_namespaces: int = 65536):
     ctrl = SimpleNamespace(options=SimpleNamespace(nqn="nqn.2014-08.org.example:t",
                                                    max_namespaces=max_namespaces),
-                           identify_raw=target.identify_raw, namespaces={})
+                           identify_raw=target.identify_raw, namespaces={}, replaced=[])
+    ctrl.namespace_replaced = lambda nsid, old, new: ctrl.replaced.append((nsid, old, new))
     for nsid, nlb in known.items():
         ctrl.namespaces[nsid] = Namespace(ctrl, nsid,
                                           IdentifyNamespace.from_bytes(identify_namespace(nlb)))
@@ -107,6 +113,63 @@ def test_a_namespace_whose_new_identify_we_cannot_serve_goes_unavailable_said_on
                                f"namespace n1 resized from {100 * 512} to 0 bytes"]
 
 
+NGUID_A, NGUID_B = bytes(range(16)), bytes(range(16, 32))
+
+
+def test_a_namespace_of_another_identity_is_replaced_and_said_in_one_line(caplog):
+    """Another NGUID behind n1, the same size: the old namespace refuses I/O (EIO), a new
+    one of the next generation takes the NSID, the controller is told at once, and one
+    line names the NSID and both identities.  n2, whose size changed, is resized."""
+    target = Target({1: 100, 2: 100})
+    target.nguids = {1: NGUID_A, 2: bytes(range(32, 48))}
+    ctrl = controller(target, {})
+    new_namespace = partial(Namespace, ctrl)
+    trio.run(rescan, ctrl, None, new_namespace)  # found, with their identities
+    old = ctrl.namespaces[1]
+    target.nguids[1], target.namespaces[2] = NGUID_B, 200
+    with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.events"):
+        changes = trio.run(rescan, ctrl, None, new_namespace)
+    new = ctrl.namespaces[1]
+    assert new is not old and new.identity.ids.nguid == NGUID_B
+    assert [c.kind for c in changes] == ["replaced", "resized"]
+    assert (changes[0].nsid, changes[0].old_size, changes[0].new_size) == (1, 51200, 51200)
+    assert ctrl.replaced == [(1, old, new)]
+    (line, resized) = caplog.messages
+    assert line == changes[0].detail and "\n" not in line
+    assert line.startswith(f"namespace n1 of nqn.2014-08.org.example:t is another namespace "
+                           f"now (NGUID {NGUID_A.hex()} != {NGUID_B.hex()}): it was NGUID "
+                           f"{NGUID_A.hex()}, 512 B LBAs, it is NGUID {NGUID_B.hex()}")
+    assert caplog.records[0].levelno == logging.WARNING and "n2 resized" in resized
+    with pytest.raises(NamespaceReplaced, match="namespace n1 of nqn.2014-08.org.example:t "
+                       "was replaced by another namespace \\(NGUID"):
+        trio.run(old.read_lbas, 0, 1)
+    assert trio.run(rescan, ctrl, None, new_namespace) == []  # and it stays the new one
+
+
+def test_without_identifiers_another_size_is_another_namespace():
+    target = Target({1: 100})
+    ctrl = controller(target, {})
+    trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    target.namespaces[1] = 50
+    (change,) = trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert change.kind == "replaced" and "size 100 != 50 LBAs, with no identifiers" in \
+        change.detail
+
+
+def test_a_namespace_found_with_another_ones_identifiers_is_refused(caplog):
+    target = Target({1: 100, 2: 100})
+    target.nguids = {1: NGUID_A, 2: NGUID_B}
+    ctrl = controller(target, {})
+    trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    target.nguids[2] = NGUID_A  # n2 answers with n1's identifiers now
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.events"):
+        (change,) = trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    assert change.kind == "replaced" and change.nsid == 2
+    assert ctrl.namespaces[2].size == 0 and not ctrl.namespaces[1].unavailable
+    assert ("nqn.2014-08.org.example:t: namespace n2 is unavailable: it reports the "
+            f"identifiers of namespace n1 (NGUID {NGUID_A.hex()})") in caplog.messages
+
+
 class AdminQueue:
     """Answers each AER with the next event of ``events``; then waits."""
 
@@ -156,6 +219,51 @@ def test_each_event_is_handled_and_the_request_re_armed():
             nursery.cancel_scope.cancel()
         assert admin.armed == 3 and events.events == 2 and pages == [0x04, 0x04]
         assert seen == [[NamespaceChange("added", 5, 0, 10 * 512)]]  # the second: no change
+
+    trio.run(main)
+
+
+def test_after_a_reconnect_the_changes_found_before_io_resumed_are_told_once_re_armed():
+    """The rescan runs before the controller is live again (check_after_reconnect: the
+    change is applied then); the listeners hear of it once the loop sees the new admin
+    queue, and no rescan runs again then."""
+
+    async def main():
+        target = Target({1: 10})
+        ctrl = controller(target, {})
+        ctrl.admin, ctrl.state, ctrl.identify = AdminQueue([]), LIVE, None
+
+        async def wait_connected():
+            return True
+
+        ctrl.wait_connected = wait_connected
+        ctrl.connection_lost = lambda queue, exc: None
+        events = AsyncEvents(ctrl, partial(Namespace, ctrl))
+        seen = []
+
+        async def listener(changes):
+            seen.append(changes)
+
+        events.listeners.append(listener)
+        await events.check_after_reconnect()
+        assert sorted(ctrl.namespaces) == [1] and seen == []  # applied, not told yet
+        pages = target.list_pages
+        lost = trio.Event()
+
+        class LostQueue:  # the AER's queue, lost: its AER fails once reconnected
+            async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+                await lost.wait()
+                raise TransportError("lost")
+
+        ctrl.admin = LostQueue()
+        async with trio.open_nursery() as nursery:
+            await nursery.start(events.run)
+            ctrl.admin = AdminQueue([])  # reconnected
+            lost.set()
+            await ctrl.admin.idle.wait()
+            nursery.cancel_scope.cancel()
+        assert seen == [[NamespaceChange("added", 1, 0, 10 * 512)]]
+        assert target.list_pages == pages
 
     trio.run(main)
 
@@ -379,3 +487,32 @@ def test_a_target_that_answers_every_event_request_at_once_is_paced():
         assert 10 * EVENTS_PER_SECOND <= events.events <= 11 * EVENTS_PER_SECOND, events.events
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_rescan_whose_identify_fails_applies_nothing_and_the_next_applies_all():
+    """A rescan identifies every namespace before it applies any change: one that fails
+    (the connection went again, after a reconnect) leaves n1 as it was, refusing nothing
+    yet and serving nothing (the controller is not live), and the next rescan, which the
+    next reconnect runs, replaces it."""
+    target = Target({1: 100, 2: 100})
+    target.nguids = {1: NGUID_A, 2: NGUID_B}
+    ctrl = controller(target, {})
+    trio.run(rescan, ctrl, None, partial(Namespace, ctrl))
+    old = ctrl.namespaces[1]
+    target.nguids[1] = bytes(range(48, 64))
+    plain = target.identify_raw
+
+    async def identify_raw(cns, nsid=0):
+        if nsid == 2 and cns == Cns.NAMESPACE:
+            raise TransportError("admin queue: the connection went again")
+        return await plain(cns, nsid)
+
+    ctrl.identify_raw = identify_raw
+    kept: list[NamespaceChange] = []
+    with pytest.raises(TransportError):
+        trio.run(rescan, ctrl, None, partial(Namespace, ctrl), kept)
+    assert kept == [] and ctrl.namespaces[1] is old
+    ctrl.identify_raw = plain
+    trio.run(rescan, ctrl, None, partial(Namespace, ctrl), kept)
+    assert [(c.kind, c.nsid) for c in kept] == [("replaced", 1)]
+    assert ctrl.namespaces[1] is not old and old.removed

@@ -11,9 +11,9 @@ import re
 import pytest
 import trio
 import trio.testing
-from multipath_fakes import LBA, NQN, Port, identify_namespace, options
+from multipath_fakes import LBA, NQN, Port, options
 
-from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument
+from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument, TransportError
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.host import multipath
 from nvmeof_fuse.host.controller import ConnectOptions
@@ -418,41 +418,90 @@ def test_a_command_that_breaks_every_path_it_goes_on_counts_its_tries_across_pat
     run(test, port, ctrl_loss_tmo=60)
 
 
-def test_many_namespaces_descriptor_lists_are_read_side_by_side_and_bad_ones_said_once(caplog):
-    """A descriptor list of the wrong shape costs the namespace its descriptor identifiers
-    (Identify Namespace's stand), said in one line however many namespaces have one."""
-    import struct
-    from types import SimpleNamespace
+# -- another namespace behind an NSID on a path (host/identity.py) ------------------------------
 
-    from nvmeof_fuse.host.events import IDENTIFY_IN_FLIGHT
-    from nvmeof_fuse.host.multipath import NO_IDS
-    from nvmeof_fuse.nvme import Cns, NVMeStatusError
+NGUID_B = bytes(range(0xB0, 0xC0))
 
-    in_flight = most = 0
 
-    async def identify_raw(cns, nsid=0):
-        nonlocal in_flight, most
-        assert cns == Cns.NS_DESCRIPTOR_LIST
-        in_flight += 1
-        most = max(most, in_flight)
-        await trio.sleep(0.001)
-        in_flight -= 1
-        if nsid % 100 == 0:
-            raise NVMeStatusError(0x02 | 0x4000, "Identify")  # no list: Invalid Field
-        if nsid % 10 == 0:  # an NGUID of 8 bytes
-            return struct.pack("<BBxx", 2, 8) + bytes(range(8)) + bytes(4084)
-        if nsid == 7:
-            return NamespaceIds(uuid=bytes(range(16))).to_descriptors()
-        return bytes(4096)
+def test_a_path_that_finds_another_namespace_serves_it_no_more_until_no_path_serves_ours(caplog):
+    """Path 0 reconnects to another namespace behind n1: it is out for n1 (the head's reads
+    go to path 1, which still has the mount's), said in one line.  Once path 1 reconnects
+    to the other one too, the head's n1 is replaced: its I/O fails, the new n1 serves, and
+    the listeners hear of it."""
+    from nvmeof_fuse.errors import NamespaceReplaced
 
-    plain = identify_namespace()
-    ctrl = SimpleNamespace(identify_raw=identify_raw, transport=SimpleNamespace(address="t"),
-                           namespaces={n: SimpleNamespace(identify=plain) for n in range(1, 501)})
-    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.multipath"):
-        ids = trio.run(MultipathController._all_namespace_ids, ctrl)
-    assert list(ids) == list(range(1, 501)) and most == IDENTIFY_IN_FLIGHT
-    assert ids[7].uuid == bytes(range(16)) and ids[1] is ids[10] is ids[100] is NO_IDS
-    assert caplog.messages == [
-        "namespace 10 at t: namespace identification descriptor NGUID has length 8, expected "
-        "16; using Identify Namespace's identifiers (so for 44 more namespaces' unusable "
-        "lists)"]
+    port = Port()
+    ours = bytes(port[0].disk)
+    other = bytearray(os.urandom(len(ours)))
+
+    async def test(head: MultipathController) -> None:
+        told = []
+
+        async def listener(changes):
+            told.extend(changes)
+
+        head.events.listeners.append(listener)
+        ns = head.namespaces[1]
+
+        async def swap(i: int) -> None:
+            port[i].disk, port[i].ns_ids = other, NamespaceIds(nguid=NGUID_B)
+            ctrl = head.paths[i].ctrl
+            ctrl.connection_lost(ctrl.admin, TransportError("cut"))
+            while head.paths[i].ctrl.state != LIVE or not head.paths[i].ctrl.reconnects:
+                await trio.sleep(0.1)
+
+        await swap(0)
+        assert head.paths[0].stale == {1} and head.namespaces[1] is ns
+        for _ in range(8):
+            assert await ns.read(0, 8 * LBA) == ours[:8 * LBA]
+        assert head.paths[0].usable_state(1) is None and told == []
+        await swap(1)
+        await trio.sleep(0.1)
+        new = head.namespaces[1]
+        assert new is not ns and new.generation == ns.generation + 1
+        with pytest.raises(NamespaceReplaced, match="namespace n1 of .* was replaced by "
+                                                    "another namespace \\(NGUID 0001"):
+            await ns.read(0, LBA)
+        assert await new.read(0, 8 * LBA) == bytes(other[:8 * LBA])
+        assert [p.stale for p in head.paths] == [set(), set()]
+        assert [(c.kind, c.nsid) for c in told] == [("replaced", 1)]
+        assert NGUID_B.hex() in told[0].detail
+
+    with caplog.at_level(logging.WARNING):
+        run(test, port)
+    stale = [r.getMessage() for r in caplog.records if "serves n1 no more" in r.getMessage()]
+    assert len(stale) == 1 and stale[0].startswith("path 0 (rdma 192.0.2.1:4420): namespace "
+                                                   "n1 there is not the one this mount serves")
+
+
+def test_one_path_that_finds_another_namespace_replaces_the_heads_before_io_resumes():
+    from nvmeof_fuse.errors import NamespaceReplaced
+
+    port = Port(1)
+
+    async def test(head: MultipathController) -> None:
+        ns = head.namespaces[1]
+        other = bytearray(os.urandom(len(port[0].disk)))
+        port[0].disk, port[0].ns_ids = other, NamespaceIds(nguid=NGUID_B)
+        port[0].fail_queues()
+        with pytest.raises(NamespaceReplaced):  # it waited for the reconnect
+            await ns.read(0, LBA)
+        assert await head.namespaces[1].read(0, LBA) == bytes(other[:LBA])
+        assert head.ids[1].ids.nguid == NGUID_B
+
+    run(test, port, paths=1)
+
+
+def test_a_path_whose_controller_reports_another_serial_is_refused_in_one_line():
+    port = Port(2)
+    port.serial["192.0.2.2"] = "other-serial"
+
+    async def test(head: MultipathController) -> None:
+        with pytest.raises(PathRefused) as refused:
+            await head.add_path(options("192.0.2.2"))
+        assert str(refused.value) == (
+            "path nvme+rdma://192.0.2.2:4420/nqn.2014-08.org.example:mp refused: its "
+            "controller is not of this mount's subsystem: its serial number 'fake-serial' != "
+            "'other-serial'")
+
+    run(test, port, paths=1)

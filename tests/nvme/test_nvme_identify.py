@@ -10,7 +10,9 @@ import pytest
 from nvmeof_fuse.nvme.identify import (
     IdentifyController,
     IdentifyNamespace,
+    NamespaceIdentity,
     NamespaceIds,
+    controller_change,
     parse_active_ns_list,
 )
 
@@ -258,3 +260,58 @@ def test_a_target_inventing_format_tables_gets_each_right_and_keeps_a_bounded_fe
         assert ns.metadata_size == ms and ns.lba_size == 512
         seen.append(ns)
     assert len(identify._format_tables) <= identify._SHARED_MAX
+
+
+def identity(nguid=NGUID, lbads=9, ms=0, nsze=1000, uuid=bytes(16)):
+    return NamespaceIdentity(NamespaceIds(nguid=nguid, uuid=uuid), lbads, ms, nsze)
+
+
+def test_a_namespace_of_the_same_identity_is_the_same_one_whatever_its_size():
+    assert identity().change(identity()) == ""
+    assert identity().change(identity(nsze=2000)) == ""  # a resize, as the kernel's
+
+
+@pytest.mark.parametrize(("new", "says"), [
+    (identity(nguid=bytes(range(1, 17))), "NGUID 000102030405060708090a0b0c0d0e0f != 0102"),
+    (identity(uuid=UUID), "UUID (none) != 1011"),
+    (identity(nguid=bytes(16)), "NGUID 000102030405060708090a0b0c0d0e0f != (none)"),
+    (identity(lbads=12), "LBA format 512 B != 4096 B"),
+    (identity(ms=8), "LBA format 512 B != 512 B+8"),
+    (identity(lbads=-1, ms=-1), "LBA format 512 B != (none)"),
+])
+def test_another_identifier_or_format_is_another_namespace(new, says):
+    assert identity().change(new).startswith(says), identity().change(new)
+
+
+def test_a_namespace_without_identifiers_is_told_apart_by_its_size_and_format():
+    none = NamespaceIds()
+    a = NamespaceIdentity(none, 9, 0, 1000)
+    assert a.change(NamespaceIdentity(none, 9, 0, 1000)) == ""
+    assert a.change(NamespaceIdentity(none, 9, 0, 500)) == \
+        "size 1000 != 500 LBAs, with no identifiers to tell them apart"
+    assert a.change(NamespaceIdentity(none, 12, 0, 1000)) == "LBA format 512 B != 4096 B"
+    assert a.describe() == "no identifiers, 512 B LBAs, 1000 LBAs"
+    assert identity(uuid=UUID).describe() == f"NGUID {NGUID.hex()}, UUID {UUID.hex()}, 512 B LBAs"
+
+
+def test_the_identity_of_identify_namespace_and_a_format_past_the_formats():
+    ns = IdentifyNamespace.from_bytes(namespace_buffer(1, 0x01, {0: (0, 9, 2), 1: (8, 12, 0)}))
+    ident = NamespaceIdentity.of(ns)
+    assert (ident.ids.nguid, ident.ids.eui64) == (bytes(range(16)), bytes(range(0xA0, 0xA8)))
+    assert (ident.lbads, ident.ms, ident.nsze) == (12, 8, 2_097_152)
+    past = IdentifyNamespace.from_bytes(namespace_buffer(0, 0x05, {0: (0, 9, 0)}))
+    assert (NamespaceIdentity.of(past).lbads, NamespaceIdentity.of(past).ms) == (-1, -1)
+    assert NamespaceIdentity.of(ns, NamespaceIds(uuid=UUID)).ids == NamespaceIds(uuid=UUID)
+
+
+def test_a_controller_of_another_subsystem_serial_or_model_is_another_one():
+    first = IdentifyController.from_bytes(controller_buffer())
+    assert controller_change(first, IdentifyController.from_bytes(controller_buffer())) == ""
+    for offset, value, says in [
+            (4, b"OTHER".ljust(20), "serial number 'SN0123456789' != 'OTHER'"),
+            (24, b"Other model".ljust(40), "model number 'Linux NVMe-oF target' != 'Other model'"),
+            (768, b"nqn.2014-08.org.example:other".ljust(256, b"\0"),
+             "subsystem NQN 'nqn.2014-08.org.example:sub' != 'nqn.2014-08.org.example:other'")]:
+        b = bytearray(controller_buffer())
+        b[offset:offset + len(value)] = value
+        assert controller_change(first, IdentifyController.from_bytes(bytes(b))) == says
