@@ -1,7 +1,7 @@
 """A companion client's polled reads: the caller's thread posts and reaps a queue of its own.
 
 Whole-LBA reads into registered host memory need no trip through the client's trio
-thread: the caller posts the command on a polled queue (:mod:`nvmeof_fuse.transport.rdma_polled`)
+thread: the caller posts the command on a polled queue (:mod:`nvmeof_fuse.transport.rdma.polled`)
 and waits for it by reaping that queue's completions.  A read that cannot go there (partial
 LBAs, no free slot, reconnecting) takes the loop's path; one whose queue fails under it is
 run again there.

@@ -18,7 +18,7 @@ from ..errors import InvalidArgument
 if TYPE_CHECKING:  # (base imports trio: the CLI checks options without it)
     from .base import Transport
 
-MODULES = {"rdma": "rdma_polled", "tcp": "tcp"}
+MODULES = {"rdma": "rdma.polled", "tcp": "tcp.transport"}
 """The transports this package has, by the names nvme-cli uses (``-t``), and the module of
 each that registers it (RDMA's is the one whose queues callers' threads may also drive)."""
 NAMES = tuple(MODULES)

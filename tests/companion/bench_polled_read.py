@@ -34,7 +34,7 @@ import nvmeof_fuse  # noqa: E402
 from nvmeof_fuse.companion import client, direct  # noqa: E402
 from nvmeof_fuse.companion.polled import PolledReads  # noqa: E402
 from nvmeof_fuse.companion.registrations import Registrations  # noqa: E402
-from nvmeof_fuse.transport.rdma_polled import PolledQueue  # noqa: E402
+from nvmeof_fuse.transport.rdma.polled import PolledQueue  # noqa: E402
 
 LBA = 4096
 NLB_TOTAL = 1 << 20

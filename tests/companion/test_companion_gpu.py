@@ -22,7 +22,7 @@ from nvmeof_fuse.companion import gpu
 from nvmeof_fuse.companion.client import File
 from nvmeof_fuse.companion.cuda_driver import CudaError
 from nvmeof_fuse.errors import InvalidArgument
-from nvmeof_fuse.transport.tcp import TcpTransport
+from nvmeof_fuse.transport.tcp.transport import TcpTransport
 
 
 @pytest.fixture

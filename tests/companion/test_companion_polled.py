@@ -118,11 +118,11 @@ def test_an_error_status_is_raised_as_it_is():
 @pytest.fixture
 def polled_direct(monkeypatch):
     """A DirectQueues with one polled queue over fake verbs (8 slots), 4 KiB LBAs."""
-    from transport.test_rdma_queue import fake_rdma_queue
+    from transport.rdma.test_transport_queue import fake_rdma_queue
 
     from nvmeof_fuse.companion import direct as direct_mod
     from nvmeof_fuse.host.attached import NamespaceShape
-    from nvmeof_fuse.transport.rdma_polled import PolledQueue
+    from nvmeof_fuse.transport.rdma.polled import PolledQueue
     from nvmeof_fuse.transport.region import host_buffer
 
     for rdma_queue in fake_rdma_queue(monkeypatch):
@@ -174,9 +174,9 @@ def test_small_reads_keep_to_the_first_polled_queue_and_large_ones_spread(polled
                                                                          monkeypatch):
     """4 KiB readers poll one completion queue; large reads go to the less loaded queue,
     ties to the first, so that the target moves two transfers at once."""
-    from transport.test_rdma_queue import fake_rdma_queue
+    from transport.rdma.test_transport_queue import fake_rdma_queue
 
-    from nvmeof_fuse.transport.rdma_polled import PolledQueue
+    from nvmeof_fuse.transport.rdma.polled import PolledQueue
 
     d, queue, qp, memory = polled_direct
     other_queue = fake_rdma_queue(monkeypatch)
@@ -211,7 +211,7 @@ def test_the_polled_read_micro_benchmark_still_runs(monkeypatch):
     from companion.bench_polled_read import LBA, NLB_TOTAL, polled_file
 
     import nvmeof_fuse
-    from nvmeof_fuse.transport import rdma
+    from nvmeof_fuse.transport.rdma import transport as rdma
 
     monkeypatch.setattr(rdma, "_ibverbs", rdma._ibverbs)  # the fake verbs it installs go after
     f = polled_file()

@@ -19,12 +19,12 @@ import struct
 
 import trio
 
-from ..errors import ConnectError, TransportError
-from ..nvme import tcp_pdu as pdu
-from ..nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
-from . import registry
-from .tcp_data import HOST_MEMORY_ONLY, TcpRegistration, is_device_memory
-from .tcp_queue import TcpQueue
+from ...errors import ConnectError, TransportError
+from ...nvme import tcp_pdu as pdu
+from ...nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
+from .. import registry
+from .data import HOST_MEMORY_ONLY, TcpRegistration, is_device_memory
+from .queue import TcpQueue
 
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
 

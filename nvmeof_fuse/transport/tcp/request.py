@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from ..nvme import Completion
-from .region import DataRef
-from .tcp_data import data_view
+from ...nvme import Completion
+from ..region import DataRef
+from .data import data_view
 
 
 class Request:

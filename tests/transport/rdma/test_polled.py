@@ -1,6 +1,6 @@
 """PolledQueue over fake verbs: callers' threads post and reap; detach and failures end waits.
 
-The fakes are test_rdma_queue's: the test plays the target (SEND completions, responses),
+The fakes are test_transport_queue's: the test plays the target (SEND completions, responses),
 from another thread where a waiter must sleep on the completion channel.
 """
 
@@ -15,14 +15,14 @@ from types import SimpleNamespace
 import pytest
 import trio
 import trio.testing
-from transport.test_rdma_queue import fake_rdma_queue
+from transport.rdma.test_transport_queue import fake_rdma_queue
 
 from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
-from nvmeof_fuse.transport import rdma_polled
 from nvmeof_fuse.transport.pollbudget import PollBudget
-from nvmeof_fuse.transport.rdma_polled import PolledQueue, take_over
+from nvmeof_fuse.transport.rdma import polled as rdma_polled
+from nvmeof_fuse.transport.rdma.polled import PolledQueue, take_over
 from nvmeof_fuse.transport.region import host_buffer
 
 

@@ -14,8 +14,8 @@ import ctypes
 import socket
 import struct
 
-from ..nvme import tcp_pdu as pdu
-from .region import DataRef
+from ...nvme import tcp_pdu as pdu
+from ..region import DataRef
 from .splice import Spliced, Splicer
 
 BULK_BYTES = 64 * 1024

@@ -32,27 +32,20 @@ from typing import Protocol
 
 import trio
 
-from ..errors import CommandTimeout, TransportError
-from ..nvme import Completion, set_command_id
-from ..nvme import tcp_pdu as pdu
-from ..nvme.command import CONNECT_DISABLE_SQFLOW
-from ..nvme.sgl import in_capsule_data
-from ..nvme.tcp_pdu import ICResp
-from .cids import CommandIds
-from .mailbox import Mailbox
-from .parking import Watchdog, closed_for_timeout, for_caller, timeout_error, unsent
-from .region import DataRef
+from ...errors import CommandTimeout, TransportError
+from ...nvme import Completion, set_command_id
+from ...nvme import tcp_pdu as pdu
+from ...nvme.command import CONNECT_DISABLE_SQFLOW
+from ...nvme.sgl import in_capsule_data
+from ...nvme.tcp_pdu import ICResp
+from ..cids import CommandIds
+from ..mailbox import Mailbox
+from ..parking import Watchdog, closed_for_timeout, for_caller, timeout_error, unsent
+from ..region import DataRef
+from .data import BULK_BYTES, Bulk, Stalled, h2c_pdus, send_pdus, transport_data_block
+from .reader import PduReader, ReceiverStopped
+from .request import Request
 from .splice import Splicer, open_splicer
-from .tcp_data import (
-    BULK_BYTES,
-    Bulk,
-    Stalled,
-    h2c_pdus,
-    send_pdus,
-    transport_data_block,
-)
-from .tcp_reader import PduReader, ReceiverStopped
-from .tcp_request import Request
 
 
 class Peer(Protocol):

@@ -18,13 +18,7 @@ from nvmeof_fuse.host.memory import host_buffer
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
 from nvmeof_fuse.procstat import children
-from nvmeof_fuse.transport.tcp import (
-    ICResp,
-    TcpTransport,
-    icreq_pdu,
-    parse_icresp,
-    probe,
-)
+from nvmeof_fuse.transport.tcp.transport import ICResp, TcpTransport, icreq_pdu, parse_icresp, probe
 
 TIMEOUT = 10.0
 
@@ -332,8 +326,8 @@ def test_large_write_data_is_copied_or_spliced_into_the_socket_and_lands(splice,
                                                                          monkeypatch):
     """Copied unless the transport is asked to splice."""
     from nvmeof_fuse.nvme import tcp_pdu as pdu
-    from nvmeof_fuse.transport import splice as splicing
-    from nvmeof_fuse.transport import tcp_queue
+    from nvmeof_fuse.transport.tcp import queue as tcp_queue
+    from nvmeof_fuse.transport.tcp import splice as splicing
 
     spliced, threaded = [], []
     send, send_pdus = splicing.Splicer.send, tcp_queue.send_pdus
@@ -370,7 +364,7 @@ def test_large_write_data_is_copied_or_spliced_into_the_socket_and_lands(splice,
 def test_a_failing_splice_fails_the_queue_by_name(monkeypatch):
     import errno
 
-    from nvmeof_fuse.transport import splice as splicing
+    from nvmeof_fuse.transport.tcp import splice as splicing
 
     def failing(self, fd, data, more=False):
         raise OSError(errno.EIO, "vmsplice: Input/output error")
@@ -389,7 +383,8 @@ def count_threads(monkeypatch) -> list[str]:
     """Bulk sends handed to worker threads, and C2HData PDUs read (``c2h_data`` of more
     than BULK_BYTES, ``small_c2h_data`` the others), as they start, with whether on the
     main (trio) thread."""
-    from nvmeof_fuse.transport import tcp_data, tcp_reader
+    from nvmeof_fuse.transport.tcp import data as tcp_data
+    from nvmeof_fuse.transport.tcp import reader as tcp_reader
 
     started = []
 
@@ -535,7 +530,7 @@ def test_stopping_a_queue_ends_a_bulk_receive_at_once():
 def test_only_the_trio_thread_changes_a_request(target_kw, monkeypatch):
     """The receiver thread hands over (request, completion) and (request, R2T) pairs; it
     never writes a request, which the trio thread alone changes."""
-    from nvmeof_fuse.transport import tcp_queue
+    from nvmeof_fuse.transport.tcp import queue as tcp_queue
 
     elsewhere = []
 
@@ -831,7 +826,7 @@ def test_queue_sockets_close_with_a_reset_as_linux_does():
 
 def test_an_error_answering_an_r2t_fails_the_queue_by_name(monkeypatch):
     """R2Ts are answered in a batch callback; an error there fails the queue, not the run."""
-    from nvmeof_fuse.transport import tcp
+    from nvmeof_fuse.transport.tcp import transport as tcp
 
     def broken(*args):
         raise ValueError("no pieces today")
@@ -1016,7 +1011,7 @@ def test_gpu_memory_is_refused_by_name():
 def test_an_r2t_for_bulk_data_is_answered_by_the_receiver_thread_itself(monkeypatch):
     """No hand-off to the trio thread and on to another thread: the receiver thread sends
     the H2CData the moment it reads the R2T; a small R2T is still answered by trio."""
-    from nvmeof_fuse.transport import tcp_queue
+    from nvmeof_fuse.transport.tcp import queue as tcp_queue
 
     senders, answered_by_trio = [], []
     send_pdus, send_h2c = tcp_queue.send_pdus, tcp_queue.TcpQueue._send_h2c
@@ -1046,7 +1041,8 @@ def test_an_r2t_for_bulk_data_is_answered_by_the_receiver_thread_itself(monkeypa
 
 def test_the_receiver_thread_failing_to_send_h2cdata_in_time_fails_the_queue_by_name(
         monkeypatch):
-    from nvmeof_fuse.transport import tcp_data, tcp_queue
+    from nvmeof_fuse.transport.tcp import data as tcp_data
+    from nvmeof_fuse.transport.tcp import queue as tcp_queue
 
     def stalled(sock, splicer, pdus):
         raise tcp_data.Stalled

@@ -37,21 +37,14 @@ from typing import NoReturn
 
 import trio
 
-from ..concurrency import tasks_runnable
-from ..errors import CommandTimeout, ConnectError, TransportError
-from ..nvme import Completion
-from ..nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
-from .cids import CommandIds
-from .parking import (
-    Watchdog,
-    closed_for_timeout,
-    for_caller,
-    time_out,
-    timeout_error,
-    unsent,
-)
-from .pollbudget import PollBudget
-from .region import DataRef, Region, host_buffer
+from ...concurrency import tasks_runnable
+from ...errors import CommandTimeout, ConnectError, TransportError
+from ...nvme import Completion
+from ...nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
+from ..cids import CommandIds
+from ..parking import Watchdog, closed_for_timeout, for_caller, time_out, timeout_error, unsent
+from ..pollbudget import PollBudget
+from ..region import DataRef, Region, host_buffer
 
 SQE_BYTES = 64
 CQE_BYTES = 16

@@ -24,7 +24,7 @@ from fakes import CommandEnds
 from nvmeof_fuse.errors import CommandTimeout, TransportError
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
-from nvmeof_fuse.transport import rdma
+from nvmeof_fuse.transport.rdma import transport as rdma
 from nvmeof_fuse.transport.region import host_buffer
 
 

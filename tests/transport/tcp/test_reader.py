@@ -15,7 +15,7 @@ import pytest
 
 from nvmeof_fuse.errors import TransportError
 from nvmeof_fuse.nvme import tcp_pdu as pdu
-from nvmeof_fuse.transport.tcp_reader import DIRECT_RECV_BYTES, PduReader, ReceiverStopped
+from nvmeof_fuse.transport.tcp.reader import DIRECT_RECV_BYTES, PduReader, ReceiverStopped
 
 
 class Owner:

@@ -23,11 +23,11 @@ import select
 import socket
 from typing import Protocol
 
-from ..errors import TransportError
-from ..nvme import Completion
-from ..nvme import tcp_pdu as pdu
-from .tcp_data import BULK_BYTES
-from .tcp_request import Request
+from ...errors import TransportError
+from ...nvme import Completion
+from ...nvme import tcp_pdu as pdu
+from .data import BULK_BYTES
+from .request import Request
 
 RECV_BUFFER_BYTES = 256 * 1024
 RECV_BYTES = 64 * 1024

@@ -7,8 +7,8 @@ import socket
 
 import pytest
 
-from nvmeof_fuse.transport import splice as splicing
-from nvmeof_fuse.transport.splice import Spliced, open_splicer
+from nvmeof_fuse.transport.tcp import splice as splicing
+from nvmeof_fuse.transport.tcp.splice import Spliced, open_splicer
 
 
 def test_a_buffer_reaches_the_peer_whole_and_in_order():

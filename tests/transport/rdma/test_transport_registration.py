@@ -14,7 +14,7 @@ import pytest
 import trio
 
 from nvmeof_fuse.errors import TransportError
-from nvmeof_fuse.transport import rdma
+from nvmeof_fuse.transport.rdma import transport as rdma
 
 FAKE_VERBS = SimpleNamespace(
     AccessFlags=SimpleNamespace(LOCAL_WRITE=1, REMOTE_WRITE=2, REMOTE_READ=4))

@@ -3,7 +3,7 @@
 A companion client's small reads paid two thread switches each when its trio
 loop thread posted the command and reaped its completion for the caller's
 thread (futex wake-ups, the GIL handed over and back).  A :class:`PolledQueue`
-takes one connected :class:`~nvmeof_fuse.transport.rdma.RdmaQueue` away from
+takes one connected :class:`~nvmeof_fuse.transport.rdma.transport.RdmaQueue` away from
 trio (its reaper is stopped first): any thread posts commands on its QP, and a
 thread that waits for a command polls the CQs itself and finishes every
 request it finds done, as MPI or kvikio runtimes make progress while waiting.
@@ -34,20 +34,13 @@ from typing import Any
 
 import trio
 
-from ..errors import CommandTimeout, TransportError
-from ..nvme import Completion
-from ..nvme import command as nvme_cmd
-from . import registry
-from .parking import for_caller
-from .rdma import (
-    _CID,
-    SQE_BYTES,
-    CommandSlots,
-    RdmaQueue,
-    RdmaTransport,
-    Request,
-)
-from .region import DataRef
+from ...errors import CommandTimeout, TransportError
+from ...nvme import Completion
+from ...nvme import command as nvme_cmd
+from .. import registry
+from ..parking import for_caller
+from ..region import DataRef
+from .transport import _CID, SQE_BYTES, CommandSlots, RdmaQueue, RdmaTransport, Request
 
 BLOCK_SLICE = 0.05
 """Seconds a poller sleeps on the channel at most before it looks at the queue again (a
