@@ -48,8 +48,8 @@ def paths_connect(mopts: Any) -> Callable[[Any], Any]:
     """How a mount connects: a multipath head over ``conn`` (path 0) and ``mopts.paths``
     with ``mopts.iopolicy``; with one path it hands commands straight to its controller,
     and paths can still be added to it (``nvmeof-fuse add-path``)."""
-    from nvmeof_fuse.host.multipath import connect as connect_paths
-    from nvmeof_fuse.host.path import path_options
+    from nvmeof_fuse.host.multipath.head import connect as connect_paths
+    from nvmeof_fuse.host.multipath.path import path_options
 
     def connect(conn: Any) -> Any:
         extra = [path_options(conn, uri) for uri in getattr(mopts, "paths", ())]

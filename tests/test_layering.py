@@ -34,7 +34,7 @@ def test_wire_formats_and_transports_load_nothing_of_the_host(module):
 
 
 @pytest.mark.parametrize("module", ["nvmeof_fuse.host", "nvmeof_fuse.host.controller",
-                                    "nvmeof_fuse.host.namespace", "nvmeof_fuse.host.sync",
+                                    "nvmeof_fuse.host.namespace.namespace", "nvmeof_fuse.host.sync",
                                     "nvmeof_fuse.host.discovery"])
 def test_the_host_loads_nothing_of_the_filesystem_or_the_companion(module):
     loaded = loaded_after_import(module)

@@ -30,7 +30,7 @@ from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.session import FuseSession
 from nvmeof_fuse.host.controller import ConnectOptions, Controller
-from nvmeof_fuse.host.namespace import Namespace
+from nvmeof_fuse.host.namespace.namespace import Namespace
 from nvmeof_fuse.host.state import CONNECTING, LIVE
 
 LBA = 512
@@ -41,8 +41,8 @@ STEP = 20  # s: bound on every wait
 LAYERS = {
     "nvmeof_fuse.fs.session": "session",
     "nvmeof_fuse.fs.operations": "operations",
-    "nvmeof_fuse.host.namespace": "namespace",
-    "nvmeof_fuse.host.byterange": "byte range",
+    "nvmeof_fuse.host.namespace.namespace": "namespace",
+    "nvmeof_fuse.host.namespace.byterange": "byte range",
     "nvmeof_fuse.host.controller": "controller",
     "fabric_fakes": "transport",
 }
@@ -175,8 +175,8 @@ def test_the_check_sees_a_u_turn():
     def in_byterange(then):
         return then()
 
-    fake = SimpleNamespace(namespace={"__name__": "nvmeof_fuse.host.namespace"},
-                           byterange={"__name__": "nvmeof_fuse.host.byterange"})
+    fake = SimpleNamespace(namespace={"__name__": "nvmeof_fuse.host.namespace.namespace"},
+                           byterange={"__name__": "nvmeof_fuse.host.namespace.byterange"})
     namespace_frame = type(in_namespace)(in_namespace.__code__, fake.namespace)
     byterange_frame = type(in_byterange)(in_byterange.__code__, fake.byterange)
     chain = namespace_frame(lambda: byterange_frame(

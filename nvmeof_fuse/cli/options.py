@@ -127,7 +127,7 @@ def mount_paths(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _iopolicy(args: argparse.Namespace) -> str:
     """``--iopolicy`` or ``-o iopolicy=`` (default queue-depth), checked."""
-    from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY, POLICIES
+    from nvmeof_fuse.host.multipath.iopolicy import DEFAULT_POLICY, POLICIES
 
     policy = _one_value(args, "iopolicy", "iopolicies")
     if policy is None:
@@ -168,7 +168,7 @@ def _fuse_server(args: argparse.Namespace) -> str:
 
 def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) -> Any:
     """ConnectOptions from the parsed nvme-cli style options."""
-    from nvmeof_fuse.host.options import ConnectOptions
+    from nvmeof_fuse.host.connect_options import ConnectOptions
 
     kwargs: dict[str, Any] = {
         "traddr": args.traddr,

@@ -32,9 +32,9 @@ import weakref
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ..errors import InvalidArgument, NVMeoFError
-from ..host.byterange import NoSpace
+from ..host.connect_options import QUEUES_PER_CLIENT
 from ..host.memory import buffer_address
-from ..host.options import QUEUES_PER_CLIENT
+from ..host.namespace.byterange import NoSpace
 from . import gpu, shm
 from .channel import LocalChannel, SocketChannel
 from .daemon_io import DaemonIO, Placed

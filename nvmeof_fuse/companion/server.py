@@ -22,7 +22,7 @@ from typing import Any
 import trio
 
 from ..errors import InvalidArgument, NVMeoFError
-from ..host.path import path_options
+from ..host.multipath.path import path_options
 from . import protocol
 from .delegation import Delegations
 from .protocol import Piece, ProtocolError

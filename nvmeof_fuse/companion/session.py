@@ -32,8 +32,8 @@ from ..errors import (
     TransportError,
     unavailable_line,
 )
-from ..host.byterange import NoSpace
 from ..host.memory import Region
+from ..host.namespace.byterange import NoSpace
 from . import protocol
 from .dmabuf import register_dmabuf
 from .protocol import Piece

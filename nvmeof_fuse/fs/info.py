@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nvmeof_fuse.host.stats import IoStats
+from nvmeof_fuse.host.namespace.stats import IoStats
 
 
 class NamespaceLike(Protocol):

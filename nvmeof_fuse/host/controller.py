@@ -42,11 +42,11 @@ from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
 from . import auth
+from .connect_options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
 from .events import AsyncEvents, active_nsids
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
-from .namespace import Namespace
-from .options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
+from .namespace.namespace import Namespace
 from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 

@@ -13,7 +13,7 @@ from companion_fakes import LeasingController, serving, wait_for
 from nvmeof_fuse.companion import server as companion_server
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.delegation import Delegations
-from nvmeof_fuse.host.byterange import LbaRangeLock
+from nvmeof_fuse.host.namespace.byterange import LbaRangeLock
 
 
 def channel(server, events: list | None = None) -> SocketChannel:

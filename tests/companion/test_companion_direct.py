@@ -20,7 +20,7 @@ from nvmeof_fuse.companion import client_delegation, direct
 from nvmeof_fuse.companion.client import QUEUES_PER_CLIENT, File
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument
-from nvmeof_fuse.host.byterange import NoSpace
+from nvmeof_fuse.host.namespace.byterange import NoSpace
 
 OPC_WRITE, OPC_READ = 0x01, 0x02
 OWN = tuple(range(3, 3 + QUEUES_PER_CLIENT))  # the queue IDs a File leases here

@@ -9,8 +9,8 @@ import trio.testing
 from multipath_fakes import NQN, Port, options
 
 from nvmeof_fuse.companion.server import CompanionServer
-from nvmeof_fuse.host import multipath
-from nvmeof_fuse.host.path import PathRefused
+from nvmeof_fuse.host.multipath import head as multipath
+from nvmeof_fuse.host.multipath.path import PathRefused
 
 
 def run(test, port: Port, paths: int = 2):

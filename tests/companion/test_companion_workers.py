@@ -15,7 +15,7 @@ from multipath_fakes import Port, options
 from nvmeof_fuse.companion.channel import SocketChannel
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.companion.server import CompanionServer
-from nvmeof_fuse.host import multipath
+from nvmeof_fuse.host.multipath import head as multipath
 
 
 def channel(server) -> SocketChannel:

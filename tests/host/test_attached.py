@@ -3,7 +3,7 @@
 import pytest
 
 from nvmeof_fuse.host.attached import polled_share
-from nvmeof_fuse.host.options import QUEUES_PER_CLIENT
+from nvmeof_fuse.host.connect_options import QUEUES_PER_CLIENT
 
 
 @pytest.mark.parametrize(("wanted", "leased", "share"), [

@@ -10,7 +10,7 @@ LbaIO -> the CommandIssuer (tests/test_read_path.py checks it).
 
 Partial first/last LBAs of a write are read-modify-written. Concurrent writers
 must never lose each other's bytes, so every write holds a range lock
-(:class:`~nvmeof_fuse.host.rangelock.LbaRangeLock`) on the LBAs it touches for its whole
+(:class:`~nvmeof_fuse.host.namespace.rangelock.LbaRangeLock`) on the LBAs it touches for its whole
 duration:
 
 * the edge LBAs it read-modify-writes are held *exclusively*: nobody else may
@@ -36,16 +36,16 @@ from dataclasses import dataclass
 from time import perf_counter
 from typing import TYPE_CHECKING, Protocol
 
-from .. import nvme
-from ..concurrency import run_all
-from ..errors import InvalidArgument, NVMeoFError
-from ..nvme import command as cmd
-from .memory import DataRef
+from ... import nvme
+from ...concurrency import run_all
+from ...errors import InvalidArgument, NVMeoFError
+from ...nvme import command as cmd
+from ..memory import DataRef
 from .rangelock import LbaRangeLock
 
 if TYPE_CHECKING:
-    from ..transport.base import Finished
-    from .io import CommandIssuer
+    from ...transport.base import Finished
+    from ..io import CommandIssuer
     from .stats import IoStats
 
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from nvmeof_fuse.host.stats import IoStats, LatencyHistogram
+from nvmeof_fuse.host.namespace.stats import IoStats, LatencyHistogram
 
 
 def test_counters_per_op():

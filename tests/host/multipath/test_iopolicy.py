@@ -3,7 +3,7 @@
 import pytest
 
 from nvmeof_fuse.errors import InvalidArgument
-from nvmeof_fuse.host.iopolicy import POLICIES, PathSelector, check_policy
+from nvmeof_fuse.host.multipath.iopolicy import POLICIES, PathSelector, check_policy
 from nvmeof_fuse.nvme.ana import AnaState
 
 OPT, NONOPT = AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED

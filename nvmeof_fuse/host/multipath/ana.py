@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..nvme.ana import AnaLogPage, AnaState
+from ...nvme.ana import AnaLogPage, AnaState
 
 ANATT_SLACK = 2
 """The change state may last this many ANATTs before the path counts as failed (the

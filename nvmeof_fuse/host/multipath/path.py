@@ -8,15 +8,15 @@ from typing import TYPE_CHECKING
 
 import trio
 
-from ..errors import InvalidArgument
-from ..nvme import NamespaceIds
-from ..nvme.ana import AnaState
-from ..nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
+from ...errors import InvalidArgument
+from ...nvme import NamespaceIds
+from ...nvme.ana import AnaState
+from ...nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
+from ..connect_options import ConnectOptions
 from .ana import PathAna
-from .options import ConnectOptions
 
 if TYPE_CHECKING:  # only named: the daemon's tests stand a fake controller module in
-    from .controller import Controller
+    from ..controller import Controller
 
 
 class PathRefused(InvalidArgument):

@@ -1,6 +1,6 @@
 """PathAna: ANA state per namespace from log pages, pending after an ANA status, ANATT."""
 
-from nvmeof_fuse.host.ana import AnaGroupChange, PathAna
+from nvmeof_fuse.host.multipath.ana import AnaGroupChange, PathAna
 from nvmeof_fuse.nvme.ana import AnaLogPage, AnaState
 
 OPT, NONOPT, INACC, LOSS, CHANGE = (AnaState.OPTIMIZED, AnaState.NON_OPTIMIZED,

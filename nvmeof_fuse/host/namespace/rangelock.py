@@ -1,5 +1,5 @@
 """A FIFO range lock over LBAs, with shared and exclusive parts per request: what every write
-of a namespace holds (:mod:`nvmeof_fuse.host.byterange` says which parts, and why).
+of a namespace holds (:mod:`nvmeof_fuse.host.namespace.byterange` says which parts, and why).
 
 Requests are granted in arrival order (a request waits only for earlier
 conflicting ones), which is deadlock- and starvation-free.

@@ -17,8 +17,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Generic, TypeVar
 
-from ..errors import InvalidArgument
-from ..nvme.ana import AnaState
+from ...errors import InvalidArgument
+from ...nvme.ana import AnaState
 
 FAILOVER = "failover"
 ROUND_ROBIN = "round-robin"

@@ -14,11 +14,11 @@ from multipath_fakes import LBA, NQN, Port, options
 
 from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument
 from nvmeof_fuse.fs import info
-from nvmeof_fuse.host import multipath
 from nvmeof_fuse.host.controller import ConnectOptions
-from nvmeof_fuse.host.multipath import MultipathController
-from nvmeof_fuse.host.path import PathRefused, path_options
-from nvmeof_fuse.host.pathmemory import PathsRegistration
+from nvmeof_fuse.host.multipath import head as multipath
+from nvmeof_fuse.host.multipath.head import MultipathController
+from nvmeof_fuse.host.multipath.path import PathRefused, path_options
+from nvmeof_fuse.host.multipath.pathmemory import PathsRegistration
 from nvmeof_fuse.host.state import LIVE
 from nvmeof_fuse.nvme import NamespaceIds
 from nvmeof_fuse.nvme.ana import AnaState

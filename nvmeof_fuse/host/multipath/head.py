@@ -35,22 +35,16 @@ from typing import Any
 
 import trio
 
-from .. import nvme
-from ..concurrency import unwrap_groups
-from ..errors import (
-    CommandTimeout,
-    ControllerLost,
-    InvalidArgument,
-    NVMeoFError,
-    TransportError,
-)
-from ..nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
-from ..nvme.ana import AnaLogPage, AnaState, ana_log_size
-from ..nvme.status import fails_over, is_ana_error
-from ..nvme.uri import DEFAULT_PORT, parse_uri
-from ..transport.base import Finished, Queue
-from .ana import PathAna
-from .controller import (
+from ... import nvme
+from ...concurrency import unwrap_groups
+from ...errors import CommandTimeout, ControllerLost, InvalidArgument, NVMeoFError, TransportError
+from ...nvme import Cns, Completion, LogPageId, NamespaceIds, NVMeStatusError
+from ...nvme.ana import AnaLogPage, AnaState, ana_log_size
+from ...nvme.status import fails_over, is_ana_error
+from ...nvme.uri import DEFAULT_PORT, parse_uri
+from ...transport.base import Finished, Queue
+from ..connect_options import ConnectOptions
+from ..controller import (
     BOUNCE_BUFFERS,
     BOUNCE_WAIT_FACTOR,
     IO_RETRIES,
@@ -58,15 +52,15 @@ from .controller import (
     Controller,
     out_of_tries,
 )
-from .controller import connect as connect_controller
-from .events import NamespaceChange
+from ..controller import connect as connect_controller
+from ..events import NamespaceChange
+from ..memory import BouncePool, DataRef, Region, buffer_address, host_buffer
+from ..namespace.namespace import Namespace
+from ..state import DEAD, DELETING, LIVE
+from .ana import PathAna
 from .iopolicy import DEFAULT_POLICY, PathSelector
-from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
-from .namespace import Namespace
-from .options import ConnectOptions
 from .path import Path, PathRefused, path_uri
 from .pathmemory import HeadPool, PathsRegistration, PathsTransport
-from .state import DEAD, DELETING, LIVE
 
 log = logging.getLogger(__name__)
 

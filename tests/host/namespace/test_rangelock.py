@@ -3,7 +3,7 @@
 import trio
 import trio.testing
 
-from nvmeof_fuse.host.rangelock import LbaRangeLock
+from nvmeof_fuse.host.namespace.rangelock import LbaRangeLock
 
 
 def test_range_lock_is_fifo_and_shares_aligned_ranges():

@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import TransportError
-from .memory import BouncePool, Registration
+from ...errors import TransportError
+from ..memory import BouncePool, Registration
 
 
 class PathsRegistration:

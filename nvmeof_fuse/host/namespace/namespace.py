@@ -16,13 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 
-from .. import nvme
-from ..concurrency import run_all
-from ..errors import NamespaceRemoved, NamespaceUnavailable, unavailable_line
-from ..nvme import command as cmd
+from ... import nvme
+from ...concurrency import run_all
+from ...errors import NamespaceRemoved, NamespaceUnavailable, unavailable_line
+from ...nvme import command as cmd
+from ..io import CommandIssuer
+from ..memory import DataRef
 from .byterange import ByteRangeIO, Edge, LbaIO
-from .io import CommandIssuer
-from .memory import DataRef
 from .rangelock import LbaRangeLock
 from .stats import IoStats
 

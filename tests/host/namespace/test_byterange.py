@@ -9,10 +9,10 @@ import trio
 import trio.testing
 
 from nvmeof_fuse.errors import InvalidArgument, NVMeoFError, TransportError
-from nvmeof_fuse.host.byterange import ByteRangeIO, NoSpace, split_range
-from nvmeof_fuse.host.stats import IoStats
+from nvmeof_fuse.host.namespace.byterange import ByteRangeIO, NoSpace, split_range
+from nvmeof_fuse.host.namespace.stats import IoStats
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from fakes import FakeDevice  # noqa: E402
 
 
