@@ -69,7 +69,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     """
     from nvmeof_fuse.companion.server import CompanionServer
     from nvmeof_fuse.fs.mount import check_fuse_server, check_mountpoint_async, serve
-    from nvmeof_fuse.workers import FuseWorkers, worker_queues
+    from nvmeof_fuse.workers.worker import FuseWorkers, worker_queues
 
     if connect is None:
         connect = paths_connect(mopts)

@@ -216,7 +216,7 @@ def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
     ``queue_size``, ``keep_alive_tmo``, ``reconnect_delay``, ``ctrl_loss_tmo``, ``timeout``).
     ``fuse`` picks the FUSE server: ``"builtin"`` (ours) or ``"pyfuse3"`` (an extra).
     """
-    from .fs.options import DEFAULT_MODE, MountOptions
+    from .fs.mount_options import DEFAULT_MODE, MountOptions
     from .host.controller import ConnectOptions
 
     try:

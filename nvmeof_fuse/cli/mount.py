@@ -40,7 +40,7 @@ log = logging.getLogger(PROG)
 
 def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
     """``mount``'s arguments; the actions, from which :func:`daemon_command` rebuilds a line."""
-    from nvmeof_fuse.fs.options import DEFAULT_WORKERS
+    from nvmeof_fuse.fs.mount_options import DEFAULT_WORKERS
     from nvmeof_fuse.host.connect_options import DEFAULT_COMPANION_QUEUES, QUEUES_PER_CLIENT
     from nvmeof_fuse.host.multipath.iopolicy import DEFAULT_POLICY as DEFAULT_IOPOLICY
     from nvmeof_fuse.host.multipath.iopolicy import POLICIES as IOPOLICIES

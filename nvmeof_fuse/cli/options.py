@@ -142,7 +142,7 @@ MAX_WORKERS = 256
 
 def _workers(args: argparse.Namespace) -> int:
     """``--workers`` or ``-o workers=`` (default DEFAULT_WORKERS), checked."""
-    from nvmeof_fuse.fs.options import DEFAULT_WORKERS
+    from nvmeof_fuse.fs.mount_options import DEFAULT_WORKERS
 
     named = _one_value(args, "workers", "worker counts")
     if named is None:
@@ -152,7 +152,7 @@ def _workers(args: argparse.Namespace) -> int:
 
 def _fuse_server(args: argparse.Namespace) -> str:
     """The FUSE server named by ``--fuse`` or ``-o fuse=`` (default: builtin, ours)."""
-    from nvmeof_fuse.fs.options import FUSE_SERVERS
+    from nvmeof_fuse.fs.mount_options import FUSE_SERVERS
 
     items = (flag.partition("=") for flag in mount_flags(args.options))
     named = {value for key, _, value in items if key == "fuse"}
@@ -206,7 +206,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
 
 
 def mount_options(args: argparse.Namespace) -> Any:
-    from nvmeof_fuse.fs.options import DEFAULT_MODE, MountOptions
+    from nvmeof_fuse.fs.mount_options import DEFAULT_MODE, MountOptions
 
     mode = _mode(args.mode)
     return MountOptions(

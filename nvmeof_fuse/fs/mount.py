@@ -21,8 +21,8 @@ import trio
 from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.info import CompanionLike, ControllerLike
+from nvmeof_fuse.fs.mount_options import FUSE_SERVERS, MountOptions
 from nvmeof_fuse.fs.operations import Kernel, NamespaceFS
-from nvmeof_fuse.fs.options import FUSE_SERVERS, MountOptions
 from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd
 from nvmeof_fuse.fs.wire import InitParams
 

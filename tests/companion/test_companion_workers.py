@@ -26,7 +26,7 @@ def worker_of(server):
     """A FUSE worker's side (its channel, not yet leased) on ``server``'s socket, as index 1."""
     import argparse
 
-    from nvmeof_fuse.workers import _Worker
+    from nvmeof_fuse.workers.worker import _Worker
 
     return _Worker(argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
                                       index=1, fd=-1, read_only=False, debug=False))
@@ -235,10 +235,10 @@ def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons
     from companion_fakes import FakeFabric
 
     from nvmeof_fuse.companion.lease import lease_from, options_from
+    from nvmeof_fuse.fs.mount_options import MountOptions
     from nvmeof_fuse.fs.operations import pack_fh
-    from nvmeof_fuse.fs.options import MountOptions
-    from nvmeof_fuse.fs.workerfs import WorkerFS
     from nvmeof_fuse.host.attached import attach
+    from nvmeof_fuse.workers.fs import WorkerFS
 
     ctrl = LeasingController(companion_queues=4)
     fabric = FakeFabric(ctrl)
@@ -279,11 +279,11 @@ def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their
     from companion_fakes import FakeFabric
 
     from nvmeof_fuse.companion.lease import lease_from, options_from
+    from nvmeof_fuse.fs.mount_options import MountOptions
     from nvmeof_fuse.fs.operations import pack_fh
-    from nvmeof_fuse.fs.options import MountOptions
-    from nvmeof_fuse.fs.workerfs import WorkerFS
     from nvmeof_fuse.host.attached import attach
-    from nvmeof_fuse.workers import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES
+    from nvmeof_fuse.workers.fs import WorkerFS
+    from nvmeof_fuse.workers.worker import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES
 
     count = MAX_FOLLOWED_NAMESPACES + 1
     ctrl = LeasingController(companion_queues=4, specs=[(n, 512, 8) for n in range(1, count + 1)])
@@ -335,7 +335,7 @@ def test_a_rescan_shows_a_new_size_only_after_the_worker_took_it(tmp_path, caplo
     from types import SimpleNamespace
 
     from nvmeof_fuse.host.attached import NamespaceShape
-    from nvmeof_fuse.workers import FuseWorkers
+    from nvmeof_fuse.workers.worker import FuseWorkers
 
     ctrl = LeasingController(companion_queues=4)
     order: list[str] = []

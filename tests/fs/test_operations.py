@@ -11,8 +11,8 @@ import pytest
 import trio
 
 from nvmeof_fuse.errors import CommandTimeout
+from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS
-from nvmeof_fuse.fs.options import MountOptions
 from nvmeof_fuse.fs.wire import ROOT_INODE, DirBuffer, EntryAttributes, FUSEError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))

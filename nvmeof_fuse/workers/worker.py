@@ -7,7 +7,7 @@ A worker is a companion client of the main process: it leases I/O queue IDs over
 companion socket (on any transport: it moves data through bounce memory it registers
 itself), connects them with the mount's controller ID (:func:`~nvmeof_fuse.host.attached.attach`,
 which also follows reconnects and path changes), and serves READ and WRITE there
-(:class:`~nvmeof_fuse.fs.workerfs.WorkerFS`).  Each write holds the main process's range
+(:class:`~nvmeof_fuse.workers.fs.WorkerFS`).  Each write holds the main process's range
 lock of its LBAs, the one every FUSE and companion write takes.  Every other request
 (LOOKUP, OPEN, RELEASE, FLUSH, reads of ``.nvmeof``, ...) it forwards to the main process,
 which answers it on its behalf: the worker sends the answer on its own descriptor, as the
@@ -250,7 +250,7 @@ class FuseWorkers:
         on a handle it cannot serve (the bytes, or the count; ``errno`` when refused)."""
         from nvmeof_fuse.companion.protocol import field, generation_field
         from nvmeof_fuse.fs.wire import FUSEError
-        from nvmeof_fuse.fs.workerfs import FORWARD_CHUNK
+        from nvmeof_fuse.workers.fs import FORWARD_CHUNK
 
         kind = header.get("kind")
         if kind == "ready":  # connected its queues: it serves
@@ -350,10 +350,10 @@ class _Worker:
 
     async def _serve_fuse(self, ctrl: Any) -> None:
         from nvmeof_fuse.fs.mount import MAX_BACKGROUND, MAX_WRITE
-        from nvmeof_fuse.fs.options import MountOptions
+        from nvmeof_fuse.fs.mount_options import MountOptions
         from nvmeof_fuse.fs.session import FuseSession
         from nvmeof_fuse.fs.wire import InitParams
-        from nvmeof_fuse.fs.workerfs import WorkerFS
+        from nvmeof_fuse.workers.fs import WorkerFS
 
         self.fs = fs = WorkerFS(
             ctrl, MountOptions(read_only=self.args.read_only), forward_read=self._forward_read,

@@ -30,11 +30,11 @@ from tcp_target import NQN
 
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.fs.mount import read_mountinfo
+from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS, pack_fh, unpack_fh
-from nvmeof_fuse.fs.options import MountOptions
 from nvmeof_fuse.fs.session import FUSE_DEV_IOC_CLONE
 from nvmeof_fuse.fs.wire import FUSEError
-from nvmeof_fuse.fs.workerfs import FORWARD_CHUNK, WorkerFS
+from nvmeof_fuse.workers.fs import FORWARD_CHUNK, WorkerFS
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP = 60.0  # s: bound on any one wait (a loaded host)
@@ -216,7 +216,7 @@ def test_a_worker_takes_the_sizes_of_a_rescan_and_forwards_a_namespace_gone():
 
 def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
     from nvmeof_fuse.companion.server import CompanionServer
-    from nvmeof_fuse.workers import FuseWorkers
+    from nvmeof_fuse.workers.worker import FuseWorkers
 
     ctrl = ram_controller((1, 512, 64), (2, 4096, 16))
     server = CompanionServer(ctrl)
@@ -242,7 +242,7 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
     process says why once (it used to die on the send)."""
     from nvmeof_fuse.companion import protocol
     from nvmeof_fuse.companion.server import CompanionServer
-    from nvmeof_fuse.workers import MAX_FOLLOWED_NAMESPACES, FuseWorkers
+    from nvmeof_fuse.workers.worker import MAX_FOLLOWED_NAMESPACES, FuseWorkers
 
     biggest = [[0xFFFFFFFE, 4096, (1 << 64) - 1]] * MAX_FOLLOWED_NAMESPACES
     assert len(protocol.encode({"id": 0, "ok": True, "event": "namespaces",
@@ -274,7 +274,7 @@ def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
     """It says it took them either way (the main process waits for that); a malformed
     event it drops, unsaid; sizes without a valid generation (a main process of another
     version) it takes, unsaid."""
-    from nvmeof_fuse.workers import _Worker
+    from nvmeof_fuse.workers.worker import _Worker
 
     worker = _Worker.__new__(_Worker)  # its channel to the main process is not needed here
     worker.index, worker.fs, worker.shapes, worker.ctrl = 1, None, None, None
@@ -320,7 +320,7 @@ def _serving_pool(count: int, on_notify, timeout: float = 30.0):
     companion session whose events go to ``on_notify(pool, index, event)`` (sent unless it
     returns False)."""
     from nvmeof_fuse.companion.server import CompanionServer
-    from nvmeof_fuse.workers import FuseWorkers
+    from nvmeof_fuse.workers.worker import FuseWorkers
 
     server = CompanionServer(ram_controller((1, 512, 64)))
     pool = FuseWorkers(None, None, server, count, timeout=timeout)
@@ -391,7 +391,7 @@ def test_a_rescan_goes_on_once_every_serving_worker_took_the_new_sizes():
 def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(
         caplog, timeout, bound):
     """As long as the mount's command timeout, at most :data:`SIZES_TIMEOUT`."""
-    from nvmeof_fuse.workers import SIZES_TIMEOUT
+    from nvmeof_fuse.workers.worker import SIZES_TIMEOUT
 
     assert bound == min(timeout, SIZES_TIMEOUT)
 
@@ -417,7 +417,7 @@ def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(
 def test_a_worker_that_dies_or_does_not_serve_yet_holds_no_rescan(caplog):
     """Its replacement (or the worker itself, once it serves) takes the sizes with its
     lease, or keeps them until its filesystem is up."""
-    from nvmeof_fuse.workers import SIZES_TIMEOUT
+    from nvmeof_fuse.workers.worker import SIZES_TIMEOUT
 
     procs: dict = {}
 

@@ -22,8 +22,8 @@ from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS, _fuse_error
-from nvmeof_fuse.fs.options import MountOptions
 from nvmeof_fuse.host.attached import NamespaceShape
 
 FORWARD_CHUNK = 32 << 10
