@@ -67,7 +67,7 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     flush and the shutdown complete.  Cancelling instead tears everything down at
     once (the controller's queues too), so use it only to abandon a mount.
     """
-    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.companion.server.server import CompanionServer
     from nvmeof_fuse.fs.mount import check_fuse_server, check_mountpoint_async, serve
     from nvmeof_fuse.workers.worker import FuseWorkers, worker_queues
 

@@ -21,9 +21,10 @@ from typing import Any, TypeVar
 
 import trio
 
-from .companion import gpu, local
+from .companion.client import local
+from .companion.cuda import gpu
 from .companion.protocol import CompanionError
-from .companion.session import Session
+from .companion.server.session import Session
 from .daemon import serve_mount
 from .errors import InvalidArgument, NVMeoFError
 from .host.memory import buffer_address
@@ -132,7 +133,7 @@ class Mount:
 
     def open(self, nsid: int, **kwargs: Any) -> Any:
         """An :class:`~nvmeof_fuse.File` on namespace ``nsid``."""
-        from .companion.client import File
+        from .companion.client.file import File
 
         return File(self.path(nsid), **kwargs)
 

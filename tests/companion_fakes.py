@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from nvmeof_fuse.companion.server import CompanionServer
+from nvmeof_fuse.companion.server.server import CompanionServer
 from nvmeof_fuse.errors import TransportError
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.host.memory import BouncePool, DataRef

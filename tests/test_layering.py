@@ -44,9 +44,10 @@ def test_the_host_loads_nothing_of_the_filesystem_or_the_companion(module):
 TOP = ("nvmeof_fuse.daemon", "nvmeof_fuse.inprocess", "nvmeof_fuse.cli")
 
 
-@pytest.mark.parametrize("module", ["nvmeof_fuse.companion", "nvmeof_fuse.companion.server",
-                                    "nvmeof_fuse.companion.direct", "nvmeof_fuse.companion.fsfile",
-                                    "nvmeof_fuse.companion.safetensors_load",
+@pytest.mark.parametrize("module", ["nvmeof_fuse.companion", "nvmeof_fuse.companion.server.server",
+                                    "nvmeof_fuse.companion.client.own_queues",
+                                    "nvmeof_fuse.companion.files.fsfile",
+                                    "nvmeof_fuse.companion.files.safetensors_load",
                                     "nvmeof_fuse.fs.mount"])
 def test_the_filesystem_and_the_companion_load_nothing_above_them(module):
     loaded = loaded_after_import(module)
@@ -135,8 +136,8 @@ def test_no_module_above_the_transports_names_one():
     assert named == set()
 
 
-@pytest.mark.parametrize("module", ["nvmeof_fuse.companion.fiemap",
-                                    "nvmeof_fuse.companion.safetensors_header"])
+@pytest.mark.parametrize("module", ["nvmeof_fuse.companion.files.fiemap",
+                                    "nvmeof_fuse.companion.files.safetensors_header"])
 def test_the_companions_formats_import_nothing_of_ours(module):
     """FIEMAP's structures and the safetensors header are pure, as nvme/ is: the ioctls and
     sysfs are fsmap.py's, the reads safetensors_load.py's."""

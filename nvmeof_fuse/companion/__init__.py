@@ -8,10 +8,10 @@ filesystem on such a namespace the same way (:mod:`.fsfile`);
 which mounts from Python, sits above this layer: :mod:`nvmeof_fuse.inprocess`.)
 """
 
-from .client import File, IOFuture
-from .fsfile import FilesystemFile
+from .client.file import File, IOFuture
+from .client.shm import empty
+from .files.fsfile import FilesystemFile
+from .files.safetensors_load import load_safetensors
 from .protocol import CompanionError
-from .safetensors_load import load_safetensors
-from .shm import empty
 
 __all__ = ["CompanionError", "File", "FilesystemFile", "IOFuture", "empty", "load_safetensors"]

@@ -293,7 +293,7 @@ class _Worker:
     """One worker process: its companion channel, leased queues and FUSE session."""
 
     def __init__(self, args: argparse.Namespace) -> None:
-        from nvmeof_fuse.companion.channel import SocketChannel
+        from nvmeof_fuse.companion.client.channel import SocketChannel
 
         self.args = args
         self.index = args.index
@@ -309,7 +309,7 @@ class _Worker:
     async def ask(self, op: str, timeout: float | None = None, payload: bytes = b"",
                   **fields: Any) -> dict:
         from nvmeof_fuse.companion import protocol
-        from nvmeof_fuse.companion.direct import wait_future
+        from nvmeof_fuse.companion.client.own_queues import wait_future
 
         future = self.channel.call_future(op, payload=payload, **fields)
         limit = self.timeout if timeout is None else timeout
@@ -321,7 +321,7 @@ class _Worker:
         return protocol.raise_for_reply(header)
 
     async def serve(self) -> None:
-        from nvmeof_fuse.companion.lease import lease_from, options_from, renew_timeout
+        from nvmeof_fuse.companion.client.lease import lease_from, options_from, renew_timeout
         from nvmeof_fuse.host.attached import attach
         from nvmeof_fuse.host.controller import make_transport
 
@@ -459,7 +459,7 @@ class _Worker:
     @contextlib.asynccontextmanager
     async def _write_lock(self, nsid: int, offset: int, length: int) -> AsyncIterator[None]:
         """The main process's range lock of a write's bytes, given back without waiting."""
-        from nvmeof_fuse.companion.direct import wait_future
+        from nvmeof_fuse.companion.client.own_queues import wait_future
         from nvmeof_fuse.companion.protocol import NoAnswer, raise_for_reply
 
         future = self.channel.call_future("lock", nsid=nsid, offset=offset, length=length,

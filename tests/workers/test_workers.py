@@ -215,7 +215,7 @@ def test_a_worker_takes_the_sizes_of_a_rescan_and_forwards_a_namespace_gone():
 
 
 def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
-    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.companion.server.server import CompanionServer
     from nvmeof_fuse.workers.worker import FuseWorkers
 
     ctrl = ram_controller((1, 512, 64), (2, 4096, 16))
@@ -241,7 +241,7 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
     and a rescan sends none (the workers drop theirs and forward their I/O), and the main
     process says why once (it used to die on the send)."""
     from nvmeof_fuse.companion import protocol
-    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.companion.server.server import CompanionServer
     from nvmeof_fuse.workers.worker import MAX_FOLLOWED_NAMESPACES, FuseWorkers
 
     biggest = [[0xFFFFFFFE, 4096, (1 << 64) - 1]] * MAX_FOLLOWED_NAMESPACES
@@ -319,7 +319,7 @@ def _serving_pool(count: int, on_notify, timeout: float = 30.0):
     """FuseWorkers with ``count - 1`` serving workers (pid 100 + index), each with a
     companion session whose events go to ``on_notify(pool, index, event)`` (sent unless it
     returns False)."""
-    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.companion.server.server import CompanionServer
     from nvmeof_fuse.workers.worker import FuseWorkers
 
     server = CompanionServer(ram_controller((1, 512, 64)))

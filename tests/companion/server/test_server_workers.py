@@ -1,0 +1,370 @@
+"""What the companion server does for FUSE workers (the daemon side): leases on any transport
+from queue IDs kept for them, write locks that leave the kernel's pages alone, forwarded FUSE
+requests with bytes back, and their reports."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import trio
+import trio.testing
+from companion_fakes import LeasingController, serving, wait_for
+from multipath_fakes import Port, options
+
+from nvmeof_fuse.companion.client.channel import SocketChannel
+from nvmeof_fuse.companion.protocol import CompanionError
+from nvmeof_fuse.companion.server.server import CompanionServer
+from nvmeof_fuse.host.multipath import head as multipath
+
+
+def channel(server) -> SocketChannel:
+    return SocketChannel("\0" + server.info()["socket"][1:], 10)
+
+
+def worker_of(server):
+    """A FUSE worker's side (its channel, not yet leased) on ``server``'s socket, as index 1."""
+    import argparse
+
+    from nvmeof_fuse.workers.worker import _Worker
+
+    return _Worker(argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
+                                      index=1, fd=-1, read_only=False, debug=False))
+
+
+@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+def test_workers_lease_the_last_queue_ids_on_any_transport(tmp_path, transport):
+    ctrl = LeasingController(companion_queues=4, transport=transport)
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 2
+        worker, other, client = channel(server), channel(server), channel(server)
+        try:
+            assert worker.call("lease", want=1, worker=True)["qids"] == [5]
+            assert other.call("lease", want=1, worker=True)["qids"] == [6]
+            # companion clients get the others, never the workers'
+            assert client.call("lease", want=4)["qids"] == [3, 4]
+            third = channel(server)
+            try:
+                with pytest.raises(CompanionError, match="FUSE workers are taken"):
+                    third.call("lease", want=1, worker=True)
+                worker.close()  # a worker that dies gives its queue IDs back
+                assert wait_for(lambda: third.call("lease", want=1, worker=True)["qids"]
+                                == [5])
+            finally:
+                third.close()
+        finally:
+            for ch in (worker, other, client):
+                ch.close()
+
+
+def test_stats_count_fuse_workers_apart_from_companion_clients(tmp_path):
+    ctrl = LeasingController(companion_queues=4, transport="tcp")
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 1
+        worker, client = channel(server), channel(server)
+        try:
+            worker.call("lease", want=1, worker=True)
+            client.call("lease", want=1)
+            counts = {k: server.snapshot()[k] for k in
+                      ("clients", "clients_total", "fuse_workers", "fuse_workers_total", "leases")}
+            assert counts == {"clients": 1, "clients_total": 1, "fuse_workers": 1,
+                              "fuse_workers_total": 1, "leases": 1}
+            assert [s["qids"] for s in server.snapshot()["sessions"]] == [[3]]
+            worker.close()
+            assert wait_for(lambda: server.snapshot()["fuse_workers"] == 0)
+            assert server.snapshot()["clients"] == 1 and server.snapshot()["leases"] == 1
+        finally:
+            worker.close()
+            client.close()
+    assert server.snapshot()["clients"] == 0
+
+
+def test_without_workers_no_process_leases_as_one(tmp_path):
+    with serving(LeasingController(), tmp_path) as (server, _):
+        ch = channel(server)
+        try:
+            with pytest.raises(CompanionError, match="no FUSE workers"):
+                ch.call("lease", want=1, worker=True)
+            with pytest.raises(CompanionError, match="no FUSE workers"):
+                ch.call("fuse", kind="meta", opcode=3, unique=1, nodeid=1)
+        finally:
+            ch.close()
+
+
+def test_a_workers_write_lock_leaves_the_kernels_pages_alone(tmp_path):
+    """A FUSE write's pages are locked while it runs: dropping them would wait for it."""
+    with serving(LeasingController(), tmp_path) as (server, _):
+        dropped = []
+
+        async def drop(nsid, offset, length):
+            dropped.append((nsid, offset, length))
+
+        server.on_write = drop
+        ch = channel(server)
+        try:
+            token = ch.call("lock", nsid=1, offset=0, length=512, hold_s=5,
+                            keep_cache=True)["token"]
+            ch.call("unlock", token=token, nsid=1)
+            token = ch.call("lock", nsid=1, offset=512, length=512, hold_s=5)["token"]
+            ch.call("unlock", token=token, nsid=1)
+            assert dropped == [(1, 512, 512)]  # only the companion client's write
+        finally:
+            ch.close()
+
+
+def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_worker(tmp_path):
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
+            server, _):
+        seen = []
+
+        async def on_fuse(header, payload):
+            seen.append((header["kind"], payload))
+            return {"_payload": b"\x01reply" * 100, "more": 1}
+
+        server.on_fuse = on_fuse
+        server.worker_queues = 1
+        ch = channel(server)
+        try:
+            ch.call("lease", want=1, worker=True)
+            reply = ch.call("fuse", payload=b"request", kind="meta", opcode=1, unique=9,
+                            nodeid=1)
+            assert reply["_payload"] == b"\x01reply" * 100 and reply["more"] == 1
+            assert seen == [("meta", b"request")]
+            ch.call("report", worker={"index": 1, "pid": 42, "namespaces": {}})
+            assert server.worker_stats() == [{"index": 1, "pid": 42, "namespaces": {},
+                                              "qids": [6]}]
+            assert server.snapshot()["sessions"] == []  # a worker is no companion client
+        finally:
+            ch.close()
+
+
+def test_only_a_fuse_worker_sends_fuse_requests_and_names_its_own_pid(tmp_path):
+    """A companion client cannot post a worker's ``ready`` or ack, nor report as one."""
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
+            server, _):
+        seen = []
+
+        async def on_fuse(header, payload):
+            seen.append(header["kind"])
+            return {}
+
+        server.on_fuse = on_fuse
+        server.worker_queues = 1
+        client, worker = channel(server), channel(server)
+        try:
+            ready = {"kind": "ready", "index": 1, "pid": os.getpid(), "qids": [6]}
+            for kind, fields in (("ready", ready), ("meta", {"opcode": 1, "unique": 1,
+                                                             "nodeid": 1})):
+                with pytest.raises(CompanionError, match="only the mount's FUSE workers"):
+                    client.call("fuse", **{"kind": kind, **fields})
+            with pytest.raises(CompanionError, match="only a FUSE worker"):
+                client.call("report", worker={"index": 1, "pid": os.getpid()})
+            worker.call("lease", want=1, worker=True)
+            for kind in ("ready", "namespaces"):
+                with pytest.raises(CompanionError, match=f"fuse {kind}: pid 1 is not the "
+                                   f"sender's \\({os.getpid()}\\)"):
+                    worker.call("fuse", **{**ready, "kind": kind, "pid": 1, "generation": 1})
+            worker.call("fuse", **ready)
+            worker.call("fuse", kind="namespaces", index=1, pid=os.getpid(), generation=1)
+            worker.call("fuse", kind="meta", opcode=1, unique=1, nodeid=1)
+            assert seen == ["ready", "namespaces", "meta"]
+        finally:
+            client.close()
+            worker.close()
+
+
+def test_workers_are_sent_events_and_the_sender_learns_which_were(tmp_path):
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
+            server, _):
+        server.worker_queues = 1
+        client, worker = channel(server), channel(server)
+        heard = []
+        worker.on_event = heard.append
+        try:
+            client.call("hello")
+            worker.call("lease", want=1, worker=True)
+            told = trio.from_thread.run(server.tell_workers, {"event": "namespaces"},
+                                        trio_token=server.trio_token)
+            assert [(s.pid, s.fuse_worker) for s in told] == [(os.getpid(), True)]
+            assert wait_for(lambda: [e.get("event") for e in heard] == ["namespaces"])
+        finally:
+            client.close()
+            worker.close()
+
+
+def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():
+    port = Port()
+
+    async def main() -> None:
+        opts = [options(addr, companion_queues=4) for addr in list(port.targets)[:2]]
+        async with multipath.connect(opts, connect_path=port.connect) as head:
+            async with trio.open_nursery() as nursery:
+                server = CompanionServer(head)
+                server.worker_queues = 2
+                nursery.start_soon(server._revoke_leases_on_loss)
+
+                def leasable(ctrl):
+                    ctrl.lease_qids, ctrl.io_queue_size = [3, 4, 5, 6], lambda: 32
+                for path in head.paths:
+                    leasable(path.ctrl)
+                session = server.new_session("pid 3 uid 0")
+                events = []
+
+                async def notify(event):
+                    events.append(event)
+                session.notify = notify
+                first = await server.lease(session, 1, worker=True)
+                assert (first["traddr"], first["qids"]) == ("192.0.2.1", [5])
+                port[0].go_away()
+                port[0].fail_queues()
+                for _ in range(2):
+                    await head.namespaces[1].read(0, 512)
+                await trio.sleep(0.1)
+                port.on_connect = leasable
+                assert [e["event"] for e in events] == ["revoked"]
+                again = await server.lease(session, 1, worker=True)
+                assert (again["traddr"], again["qids"]) == ("192.0.2.2", [5])
+                nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons_lock(tmp_path):
+    """A worker's side over the fake fabric: its lease, its own queues and bounce pool of
+    whole transfers, and each write under the daemon's range lock (none held after)."""
+    from companion_fakes import FakeFabric
+
+    from nvmeof_fuse.companion.client.lease import lease_from, options_from
+    from nvmeof_fuse.fs.mount_options import MountOptions
+    from nvmeof_fuse.fs.operations import pack_fh
+    from nvmeof_fuse.host.attached import attach
+    from nvmeof_fuse.workers.fs import WorkerFS
+
+    ctrl = LeasingController(companion_queues=4)
+    fabric = FakeFabric(ctrl)
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 1
+        worker = worker_of(server)
+
+        async def main():
+            first = await worker.ask("lease", want=1, worker=True)
+            options = options_from(first, 10.0)
+
+            async def lease_source():
+                return lease_from(first)
+
+            async with attach(options, lease_source, fabric(options), bounce_buffers=4) as own:
+                assert own.bounce.chunk >= own.max_transfer
+                fs = WorkerFS(own, MountOptions(), forward_read=None, forward_write=None,
+                              write_lock=worker._write_lock)
+                data = bytes(range(256)) * 40  # 10,240 bytes, unaligned at both ends
+                assert await fs.write(pack_fh(1, 2, True), 1000, data) == len(data)
+                assert bytes(await fs.read(pack_fh(2, 2, False), 1000, len(data))) == data
+                assert bytes(await fs.read(pack_fh(3, 1, False), 0, 1 << 20)) == \
+                    bytes(ctrl.disks[1][:1 << 20])
+
+        try:
+            trio.run(main)
+        finally:
+            worker.channel.close()
+        assert bytes(ctrl.disks[2][1000:1000 + 10240]) == bytes(range(256)) * 40
+        assert set(fabric.connects) == {6} and {q for _, q in fabric.commands} == {6}
+        assert wait_for(lambda: not server._locked)  # every write lock given back
+
+
+def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their_io(tmp_path):
+    """The lease a worker asks for (all namespaces) names none on a mount of more than
+    MAX_FOLLOWED_NAMESPACES: the worker connects its queues and forwards every READ and
+    WRITE to the main process, as after a rescan past that bound."""
+    from companion_fakes import FakeFabric
+
+    from nvmeof_fuse.companion.client.lease import lease_from, options_from
+    from nvmeof_fuse.fs.mount_options import MountOptions
+    from nvmeof_fuse.fs.operations import pack_fh
+    from nvmeof_fuse.host.attached import attach
+    from nvmeof_fuse.workers.fs import WorkerFS
+    from nvmeof_fuse.workers.worker import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES
+
+    count = MAX_FOLLOWED_NAMESPACES + 1
+    ctrl = LeasingController(companion_queues=4, specs=[(n, 512, 8) for n in range(1, count + 1)])
+    fabric = FakeFabric(ctrl)
+    with serving(ctrl, tmp_path) as (server, _):
+        server.worker_queues = 1
+        worker = worker_of(server)
+        forwarded = []
+
+        async def forward_read(fh, off, size):
+            forwarded.append(("read", fh))
+            return b"r" * size
+
+        async def forward_write(fh, off, data):
+            forwarded.append(("write", fh))
+            return len(data)
+
+        async def main():
+            first = await worker.ask("lease", want=WORKER_QUEUES, worker=True)  # as it does
+            assert first["namespaces"] == [] and first["namespace_count"] == count
+            options = options_from(first, 10.0)
+
+            async def lease_source():
+                return lease_from(first)
+
+            async with attach(options, lease_source, fabric(options), bounce_buffers=4) as own:
+                assert own.namespaces == {}
+                fs = WorkerFS(own, MountOptions(), forward_read=forward_read,
+                              forward_write=forward_write, write_lock=worker._write_lock)
+                assert await fs.read(pack_fh(2, 7, False), 0, 512) == b"r" * 512
+                assert await fs.write(pack_fh(3, count, True), 512, b"w" * 512) == 512
+                assert forwarded == [("read", pack_fh(2, 7, False)),
+                                     ("write", pack_fh(3, count, True))]
+
+        try:
+            trio.run(main)
+        finally:
+            worker.channel.close()
+        assert set(fabric.connects) == {6} and fabric.commands == []  # connected, unused
+
+
+def test_a_rescan_shows_a_new_size_only_after_the_worker_took_it(tmp_path, caplog):
+    """A worker over the companion socket takes a rescan's sizes in its own time (here
+    slowly); the listeners after the workers' (the files' new sizes) run only once it said
+    it took them, so that no read it serves is cut at the old end."""
+    import logging
+    import os
+    import time
+    from types import SimpleNamespace
+
+    from nvmeof_fuse.host.attached import NamespaceShape
+    from nvmeof_fuse.workers.worker import FuseWorkers
+
+    ctrl = LeasingController(companion_queues=4)
+    order: list[str] = []
+    with serving(ctrl, tmp_path) as (server, _):
+        pool = FuseWorkers(None, None, server, 2)
+        worker = worker_of(server)
+
+        def follow(shapes):
+            time.sleep(0.3)  # slow: the main process must wait for it
+            order.append(f"worker took n1 of {shapes[1][1]} LBAs")
+
+        try:
+            worker.fs = SimpleNamespace(follow=follow)
+            worker.channel.on_event = worker._on_event  # (its own loop's task, in a worker)
+            worker.channel.call("lease", want=1, worker=True)
+            pool.ready[1] = os.getpid()
+            pool.procs[1] = SimpleNamespace(pid=os.getpid(), returncode=None)
+            ctrl.namespaces[1].resize(NamespaceShape(1, 512, 32768))
+
+            async def rescan():  # host.events calls its listeners in order
+                for listener in (pool.follow, files_follow):
+                    await listener([])
+
+            async def files_follow(changes):
+                order.append("files show the new size")
+
+            with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
+                trio.from_thread.run(rescan, trio_token=server.trio_token)
+        finally:
+            worker.channel.close()
+        assert order == ["worker took n1 of 32768 LBAs", "files show the new size"]
+        assert caplog.messages == []  # it said so, in time
