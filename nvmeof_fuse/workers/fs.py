@@ -1,7 +1,8 @@
 """The filesystem as a FUSE worker serves it: READ and WRITE on this process's own queues.
 
-A worker reads requests from a cloned /dev/fuse descriptor (:func:`.session.clone_fd`), and
-the kernel hands it any request, not only READ and WRITE.  Those two it serves itself, on
+A worker reads requests from a cloned /dev/fuse descriptor
+(:func:`~nvmeof_fuse.fs.devfuse.clone_fd`), and the kernel hands it any request, not only
+READ and WRITE.  Those two it serves itself, on
 the namespaces of its own controller (queues leased from the main process), with handles
 read out of their numbers (:func:`.operations.pack_fh`).  Everything else its session
 forwards to the main process, which holds the open handles and the ``.nvmeof`` reports;

@@ -2,7 +2,7 @@
 
 Python threads share one core, so a mount scales with processes.  With ``--workers N`` the
 main process (the daemon) is worker 0 and starts N-1 more; each reads requests from a /dev/fuse
-descriptor of its own, cloned from the mount's (:func:`~nvmeof_fuse.fs.session.clone_fd`).
+descriptor of its own, cloned from the mount's (:func:`~nvmeof_fuse.fs.devfuse.clone_fd`).
 A worker is a companion client of the main process: it leases I/O queue IDs over the
 companion socket (on any transport: it moves data through bounce memory it registers
 itself), connects them with the mount's controller ID (:func:`~nvmeof_fuse.host.attached.attach`,
@@ -150,7 +150,7 @@ class FuseWorkers:
                 await trio.sleep(0.1)
 
     async def _spawn(self, index: int) -> trio.Process:
-        from nvmeof_fuse.fs.session import clone_fd
+        from nvmeof_fuse.fs.devfuse import clone_fd
 
         fd = clone_fd(self.session.fd)
         try:

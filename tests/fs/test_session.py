@@ -18,9 +18,10 @@ import trio
 import trio.testing
 
 from nvmeof_fuse.fs import wire
+from nvmeof_fuse.fs.devfuse import FuseMountError, mount_fd
 from nvmeof_fuse.fs.mount import MountOptions, serve
 from nvmeof_fuse.fs.operations import NamespaceFS
-from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd, receive_buffer
+from nvmeof_fuse.fs.session import FuseSession, receive_buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes import make_controller  # noqa: E402
@@ -156,7 +157,7 @@ def test_two_mounts_in_one_process(tmp_path):
 
 
 def test_queued_requests_each_get_one_reply():
-    """Many requests queued at once (workers take most of them straight from the
+    """Many requests queued at once (tasks take most of them straight from the
     descriptor): every one is answered once, with its own data.  Over RAM (a controller
     that starts no I/O) no request is offered to a callback."""
     asked: list = []
@@ -218,7 +219,7 @@ def test_the_reader_runs_its_request_and_hands_the_reading_on():
     """Leader/follower: the task that read the last queued request runs it (no hand-over),
     another task reads meanwhile, so a handler that waits holds up only its own task; the
     end of the session lets every worker exit."""
-    from nvmeof_fuse.fs.session import _SessionEnded, _Workers
+    from nvmeof_fuse.fs.requestloop import RequestLoop, SessionEnded
 
     async def main():
         ran: list[str] = []
@@ -237,7 +238,7 @@ def test_the_reader_runs_its_request_and_hands_the_reading_on():
         def take():
             name = ours.recv(64).decode()  # BlockingIOError when none is queued
             if name == "end":
-                raise _SessionEnded
+                raise SessionEnded
             if name == "none":
                 return None  # answered while read: no handler
             read_by[name] = trio.lowlevel.current_task()
@@ -245,10 +246,10 @@ def test_the_reader_runs_its_request_and_hands_the_reading_on():
 
         with ours, theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
-                workers = _Workers(nursery, ours.fileno(), take)
-                workers.start()
+                loop = RequestLoop(nursery, ours.fileno(), take)
+                loop.start()
                 await trio.testing.wait_all_tasks_blocked()
-                assert workers.reading and workers.parked  # parked on the descriptor
+                assert loop.reading and loop.parked  # parked on the descriptor
                 theirs.send(b"held1")
                 theirs.send(b"none")
                 theirs.send(b"a")
@@ -266,14 +267,14 @@ def test_the_reader_runs_its_request_and_hands_the_reading_on():
                 await trio.testing.wait_all_tasks_blocked()
                 assert sorted(ran) == ["a", "b", "held1", "held2"]
                 theirs.send(b"end")
-            assert workers.closing and not workers.idle
+            assert loop.closing and not loop.idle
 
     trio.run(main)
 
 
 def test_a_destroy_ends_the_session_and_stop_reading_wakes_the_reader():
     """DESTROY ends run(); stop_reading() wakes the reader parked on the descriptor (and
-    the idle workers), so run() returns."""
+    the idle tasks), so run() returns."""
     async def main():
         for ending in ("destroy", "stop"):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -284,12 +285,12 @@ def test_a_destroy_ends_the_session_and_stop_reading_wakes_the_reader():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(session.run)
                     await trio.testing.wait_all_tasks_blocked()
-                    assert session._workers is not None and session._workers.parked
+                    assert session._loop is not None and session._loop.parked
                     if ending == "destroy":
                         theirs.send(request(wire.DESTROY, unique=9))
                     else:
                         session.stop_reading()
-                assert session._workers is None  # run() returned
+                assert session._loop is None  # run() returned
                 if ending == "destroy":
                     assert struct.unpack("<IiQ", theirs.recv(64)) == (16, 0, 9)
                     assert session.gone
@@ -313,9 +314,9 @@ def test_stop_reading_before_run_takes_nothing():
 
 
 def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
-    """Requests answered while read (FORGETs, ...) or handed to workers: the reader yields
+    """Requests answered while read (FORGETs, ...) or handed to other tasks: the reader yields
     every BATCH of them, so a stream of them starves no other task."""
-    from nvmeof_fuse.fs.session import BATCH, _Workers
+    from nvmeof_fuse.fs.requestloop import BATCH, RequestLoop
 
     async def main():
         ticks = 0
@@ -338,29 +339,29 @@ def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
         with ours, theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(other)
-                workers = _Workers(nursery, ours.fileno(), take)
-                workers.start()
+                loop = RequestLoop(nursery, ours.fileno(), take)
+                loop.start()
                 while stream:
                     await trio.sleep(0)
-                workers.close()
+                loop.close()
                 nursery.cancel_scope.cancel()
         assert seen[-1] > seen[0]  # the other task ran while the stream was read
 
     trio.run(main)
 
 
-async def _start_polling_workers(nursery, fd, take):
+async def _start_polling_loop(nursery, fd, take):
     """Workers whose idle poll has a budget no test run outlasts (the tests bound the poll
     by the requests they let arrive, never by time), started and parked on ``fd``."""
     from nvmeof_fuse.fs.idlepoll import MIN_ALONE, IdlePoll
-    from nvmeof_fuse.fs.session import _Workers
+    from nvmeof_fuse.fs.requestloop import RequestLoop
 
-    workers = _Workers(nursery, fd, take)
-    workers.idle_poll = IdlePoll(poll_max=3600.0)
-    workers.idle_poll.alone = MIN_ALONE  # as after a client that kept one request in flight
-    workers.start()
+    loop = RequestLoop(nursery, fd, take)
+    loop.idle_poll = IdlePoll(poll_max=3600.0)
+    loop.idle_poll.alone = MIN_ALONE  # as after a client that kept one request in flight
+    loop.start()
     await trio.testing.wait_all_tasks_blocked()
-    return workers
+    return loop
 
 
 def test_a_worker_that_answered_the_last_request_polls_for_the_next():
@@ -368,7 +369,7 @@ def test_a_worker_that_answered_the_last_request_polls_for_the_next():
     request polls the descriptor before it parks: a request that arrives meanwhile is run
     by it, and the reader parked on the descriptor never wakes; the session's end met while
     polling lets every worker exit."""
-    from nvmeof_fuse.fs.session import _SessionEnded
+    from nvmeof_fuse.fs.requestloop import SessionEnded
 
     async def main():
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -390,17 +391,17 @@ def test_a_worker_that_answered_the_last_request_polls_for_the_next():
                 empty_reads = 0
                 name = arriving.pop()
                 if name == "end":
-                    raise _SessionEnded
+                    raise SessionEnded
                 return job, (name,)
             return job, (ours.recv(64).decode(),)  # BlockingIOError when none is queued
 
         with ours, theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
-                workers = await _start_polling_workers(nursery, ours.fileno(), take)
+                loop = await _start_polling_loop(nursery, ours.fileno(), take)
                 theirs.send(b"first")
             assert ran_by.keys() == {"first", "second"}
             assert ran_by["second"] is not ran_by["first"]  # not the reader: it stayed parked
-            assert workers.closing and not workers.idle
+            assert loop.closing and not loop.idle
 
     trio.run(main)
 
@@ -408,7 +409,7 @@ def test_a_worker_that_answered_the_last_request_polls_for_the_next():
 def test_no_poll_while_a_request_is_in_flight():
     """A handler still waiting (on the target) keeps the others from polling: its answer
     must not wait behind a poll on this thread."""
-    from nvmeof_fuse.fs.session import _SessionEnded
+    from nvmeof_fuse.fs.requestloop import SessionEnded
 
     async def main():
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -428,7 +429,7 @@ def test_no_poll_while_a_request_is_in_flight():
             # poll ran while "held" was in flight: end it too, so the assertion below fails
             # instead of the test spinning for the poll's hour.
             if "held" in done or empty_reads > 50:
-                raise _SessionEnded
+                raise SessionEnded
             try:
                 return job, (ours.recv(64).decode(),)
             except BlockingIOError:
@@ -437,13 +438,13 @@ def test_no_poll_while_a_request_is_in_flight():
 
         with ours, theirs, trio.fail_after(STEP):
             async with trio.open_nursery() as nursery:
-                workers = await _start_polling_workers(nursery, ours.fileno(), take)
+                loop = await _start_polling_loop(nursery, ours.fileno(), take)
                 theirs.send(b"held")
                 await trio.testing.wait_all_tasks_blocked()
                 # As when "held" has waited long and a serial client's requests went by it:
                 # the next idle moment follows a single request, the rule that alone allows
                 # a poll, and only "held" in flight forbids it.
-                workers.served = 0
+                loop.served = 0
                 theirs.send(b"quick")
                 await trio.testing.wait_all_tasks_blocked()
                 assert done == ["quick"] and empty_reads < 10  # read, then parked at once
@@ -512,19 +513,19 @@ def test_reads_in_flight_together_are_answered_by_callbacks():
                     theirs.send(read(unique, offset))
                 await trio.testing.wait_all_tasks_blocked()
                 assert [s[:2] for s in started] == [(512, 64), (1024, 64)]  # not the first
-                workers = session._workers
-                assert workers is not None and workers.running == 3
+                loop = session._loop
+                assert loop is not None and loop.running == 3
                 data = bytes(ns.device.data[512:576])
                 started[0][2](memoryview(data))  # as the queue's reaper does
                 assert await next_reply(theirs) == (11, data)
                 started[1][2](None)  # failed: _read runs it (held, as the first)
                 session.stop_reading()
                 await trio.testing.wait_all_tasks_blocked()
-                assert session._workers is workers  # two reads still in flight
+                assert session._loop is loop  # two reads still in flight
                 release.set()
             replies = dict([await next_reply(theirs) for _ in range(2)])
             assert replies == {10: bytes(ns.device.data[:64]), 12: bytes(ns.device.data[1024:1088])}
-            assert session._workers is None and workers.running == 0
+            assert session._loop is None and loop.running == 0
         session.close()
 
     trio.run(main)

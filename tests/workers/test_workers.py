@@ -29,10 +29,10 @@ from ramdisk import ram_controller
 from tcp_target import NQN
 
 from nvmeof_fuse.fs import info
+from nvmeof_fuse.fs.devfuse import FUSE_DEV_IOC_CLONE
 from nvmeof_fuse.fs.mount import read_mountinfo
 from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS, pack_fh, unpack_fh
-from nvmeof_fuse.fs.session import FUSE_DEV_IOC_CLONE
 from nvmeof_fuse.fs.wire import FUSEError
 from nvmeof_fuse.workers.fs import FORWARD_CHUNK, WorkerFS
 
