@@ -10,21 +10,32 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
 
 import trio
 
 from nvmeof_fuse.errors import NVMeoFError
 
+if TYPE_CHECKING:
+    from nvmeof_fuse.companion.server.server import CompanionServer
+    from nvmeof_fuse.fs.info import ControllerLike
+    from nvmeof_fuse.fs.mount_options import MountOptions
+    from nvmeof_fuse.fs.operations import NamespaceFS
+    from nvmeof_fuse.host.connect_options import ConnectOptions
+
 log = logging.getLogger("nvmeof-fuse")
 
 FLUSH_TIMEOUT = 30.0  # s for the final flush of each namespace
 
-Ready = Callable[[Any, Any], None]
+Ready = Callable[["ControllerLike", "CompanionServer"], None]
 """``ready(controller, companion_server)``: called once the mount exists."""
+Connect = Callable[["ConnectOptions"], AbstractAsyncContextManager["ControllerLike"]]
+"""``connect(options)``: the controller a mount serves, connected while in the context (a
+multipath head: :func:`paths_connect`)."""
 
 
-async def flush_all(ctrl: Any) -> None:
+async def flush_all(ctrl: ControllerLike) -> None:
     """Flush every namespace, each bounded and shielded (runs while shutting down)."""
     state = getattr(ctrl, "state", "live")
     if state != "live":  # nothing would answer: do not wait for a reconnect here
@@ -44,22 +55,23 @@ async def flush_all(ctrl: Any) -> None:
         log.info("flushed %s", ", ".join(flushed))
 
 
-def paths_connect(mopts: Any) -> Callable[[Any], Any]:
+def paths_connect(mopts: MountOptions) -> Connect:
     """How a mount connects: a multipath head over ``conn`` (path 0) and ``mopts.paths``
     with ``mopts.iopolicy``; with one path it hands commands straight to its controller,
     and paths can still be added to it (``nvmeof-fuse add-path``)."""
     from nvmeof_fuse.host.multipath.head import connect as connect_paths
     from nvmeof_fuse.host.multipath.path import path_options
 
-    def connect(conn: Any) -> Any:
-        extra = [path_options(conn, uri) for uri in getattr(mopts, "paths", ())]
-        return connect_paths([conn, *extra], policy=getattr(mopts, "iopolicy", "queue-depth"))
+    def connect(conn: ConnectOptions) -> AbstractAsyncContextManager[ControllerLike]:
+        extra = [path_options(conn, uri) for uri in mopts.paths]
+        return connect_paths([conn, *extra], policy=mopts.iopolicy)
 
     return connect
 
 
-async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
-                      connect: Any = None, stop: trio.Event | None = None) -> None:
+async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str,
+                      ready: Ready, connect: Connect | None = None,
+                      stop: trio.Event | None = None) -> None:
     """Serve ``conn``'s controller at ``mountpoint`` until unmounted or ``stop`` is set.
 
     Setting ``stop`` is the orderly way out: the filesystem drains and unmounts and
@@ -69,26 +81,27 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     """
     from nvmeof_fuse.companion.server.server import CompanionServer
     from nvmeof_fuse.fs.mount import check_fuse_server, check_mountpoint_async, serve
-    from nvmeof_fuse.workers.worker import FuseWorkers, worker_queues
+    from nvmeof_fuse.workers.supervisor import FuseWorkers
 
     if connect is None:
         connect = paths_connect(mopts)
     path = await check_mountpoint_async(mountpoint)  # fail before connecting
     check_fuse_server(mopts.fuse)
-    workers = getattr(mopts, "worker_processes", 1)
-    if workers > 1:  # queue IDs for the workers to lease, beside the companion clients'
+    workers = FuseWorkers(mopts.worker_processes, read_only=mopts.read_only,
+                          timeout=conn.timeout, debug=mopts.debug)
+    if workers.role.queues:  # queue IDs for the workers to lease, beside the companion clients'
         conn = dataclasses.replace(conn, companion_queues=conn.companion_queues
-                                   + worker_queues(workers))
+                                   + workers.role.queues)
     async with connect(conn) as ctrl:
         try:
             async with trio.open_nursery() as inner:
-                companion = CompanionServer(ctrl, read_only=mopts.read_only)
-                companion.worker_queues = worker_queues(workers)
+                companion = CompanionServer(ctrl, read_only=mopts.read_only,
+                                            roles=[workers.role])
                 await inner.start(companion.serve)
                 fs_scope = trio.CancelScope()
                 pool: FuseWorkers | None = None
 
-                async def filesystem(task_status: trio.TaskStatus[Any]) -> None:
+                async def filesystem(task_status: trio.TaskStatus[NamespaceFS]) -> None:
                     with fs_scope:
                         await serve(ctrl, path, mopts, companion=companion,
                                     task_status=task_status)
@@ -97,11 +110,9 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                     inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
 
                 fs = await inner.start(filesystem)
-                if workers > 1:
-                    pool = FuseWorkers(fs.kernel, fs, companion, workers,
-                                       read_only=mopts.read_only, timeout=conn.timeout,
-                                       debug=mopts.debug)
-                    await inner.start(pool.run)
+                if workers.count > 1:
+                    pool = workers
+                    await inner.start(pool.run, fs.kernel, fs, companion)
                 companion.on_write = fs.drop_cached  # companion writes bypass the page cache
                 companion.delegations.files_open = fs.file_open
                 fs.before_open = companion.delegations.wait_returned

@@ -24,7 +24,7 @@ import trio
 from .companion.client import local
 from .companion.cuda import gpu
 from .companion.protocol import CompanionError
-from .companion.server.session import Session
+from .companion.server.session import ClientSession
 from .daemon import serve_mount
 from .errors import InvalidArgument, NVMeoFError
 from .host.memory import buffer_address
@@ -73,7 +73,7 @@ class Mount:
         self._connect = connect
         self.controller: Any = None
         self.server: Any = None
-        self.session: Session | None = None
+        self.session: ClientSession | None = None
         self._registrations: list[Registration] = []
         self._bridge = SyncController(conn, connect=self._serving, ready_timeout=ready_timeout,
                                       stop_timeout=STOP_TIMEOUT)

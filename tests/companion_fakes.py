@@ -131,9 +131,11 @@ class AddressController:
 
 
 @contextlib.contextmanager
-def serving(ctrl: AddressController, tmp_path: Any, *, read_only: bool = False):
-    """Serve ``ctrl``'s companion socket on a trio thread; yields (server, mount dir)."""
-    server = CompanionServer(ctrl, read_only=read_only)
+def serving(ctrl: AddressController, tmp_path: Any, *, read_only: bool = False,
+            roles: Any = ()):
+    """Serve ``ctrl``'s companion socket on a trio thread, with the mount's own ``roles``;
+    yields (server, mount dir)."""
+    server = CompanionServer(ctrl, read_only=read_only, roles=roles)
     started = threading.Event()
     state: dict[str, Any] = {}
 

@@ -140,14 +140,13 @@ def _iopolicy(args: argparse.Namespace) -> str:
 MAX_WORKERS = 256
 
 
-def _workers(args: argparse.Namespace) -> int:
-    """``--workers`` or ``-o workers=`` (default DEFAULT_WORKERS), checked."""
-    from nvmeof_fuse.fs.mount_options import DEFAULT_WORKERS
-
+def _workers(args: argparse.Namespace) -> dict[str, int]:
+    """``--workers`` or ``-o workers=``, checked: MountOptions' field, or nothing (its
+    default) when neither names a count."""
     named = _one_value(args, "workers", "worker counts")
     if named is None:
-        return DEFAULT_WORKERS
-    return _int("--workers", named, 1, MAX_WORKERS)
+        return {}
+    return {"workers": _int("--workers", named, 1, MAX_WORKERS)}
 
 
 def _fuse_server(args: argparse.Namespace) -> str:
@@ -221,7 +220,7 @@ def mount_options(args: argparse.Namespace) -> Any:
         fuse=_fuse_server(args),
         paths=mount_paths(args),
         iopolicy=_iopolicy(args),
-        workers=_workers(args),
+        **_workers(args),
     )
 
 

@@ -27,7 +27,7 @@ class MountOptions:
     fuse: str = "builtin"  # the FUSE server, one of FUSE_SERVERS
     paths: tuple[str, ...] = ()  # further paths to the subsystem (URIs): --path, -o path=
     iopolicy: str = "queue-depth"  # how commands spread over the paths (host.iopolicy)
-    workers: int = 1  # processes serving READ/WRITE, the main one included (nvmeof_fuse.workers)
+    workers: int = DEFAULT_WORKERS  # processes serving READ/WRITE, the main one among them
 
     @property
     def worker_processes(self) -> int:

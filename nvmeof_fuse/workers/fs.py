@@ -26,10 +26,7 @@ from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS, _fuse_error
 from nvmeof_fuse.host.attached import NamespaceShape
-
-FORWARD_CHUNK = 32 << 10
-"""Bytes per forwarded READ or WRITE piece (the main process's socket carries messages of
-up to 64 KiB)."""
+from nvmeof_fuse.workers.messages import FORWARD_CHUNK
 
 ForwardRead = Callable[[int, int, int], Awaitable[bytes]]
 """``read(fh, offset, size)`` in the main process: the bytes (fewer at the end)."""

@@ -34,7 +34,8 @@ from nvmeof_fuse.fs.mount import read_mountinfo
 from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS, pack_fh, unpack_fh
 from nvmeof_fuse.fs.wire import FUSEError
-from nvmeof_fuse.workers.fs import FORWARD_CHUNK, WorkerFS
+from nvmeof_fuse.workers.fs import WorkerFS
+from nvmeof_fuse.workers.messages import FORWARD_CHUNK
 
 ROOT = Path(__file__).resolve().parents[2]
 STEP = 60.0  # s: bound on any one wait (a loaded host)
@@ -96,7 +97,7 @@ def test_stats_sum_every_worker_and_show_each():
         def snapshot(self):
             return {}
 
-        def worker_stats(self):
+        def own_reports(self):
             return [worker]
 
     class Ctrl:
@@ -214,23 +215,31 @@ def test_a_worker_takes_the_sizes_of_a_rescan_and_forwards_a_namespace_gone():
     assert kept.size == 32 * 512
 
 
-def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
+def _pool_on(ctrl, count: int, **options):
+    """FuseWorkers of ``count`` processes, their role registered with a companion server of
+    ``ctrl``, and that server given to them as run() gives it (no process started)."""
     from nvmeof_fuse.companion.server.server import CompanionServer
-    from nvmeof_fuse.workers.worker import FuseWorkers
+    from nvmeof_fuse.workers.supervisor import FuseWorkers
 
+    pool = FuseWorkers(count, **options)
+    pool.companion = CompanionServer(ctrl, roles=[pool.role])
+    return pool
+
+
+def test_the_main_process_sends_every_worker_and_only_workers_the_new_sizes():
     ctrl = ram_controller((1, 512, 64), (2, 4096, 16))
-    server = CompanionServer(ctrl)
+    pool = _pool_on(ctrl, 2)
+    server = pool.companion
     told: dict[str, list] = {}
     for peer, worker in (("worker", True), ("client", False)):
         session = server.new_session(peer)
-        session.fuse_worker = worker
+        session.role = pool.role if worker else None
 
         async def notify(event, peer=peer):
             told.setdefault(peer, []).append(event)
             return True
 
         session.notify = notify
-    pool = FuseWorkers(None, None, server, 2)
     trio.run(pool.follow, [])
     assert told == {"worker": [{"event": "namespaces", "generation": 1,
                                 "namespaces": [[1, 512, 64], [2, 4096, 16]]}]}
@@ -241,16 +250,15 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
     and a rescan sends none (the workers drop theirs and forward their I/O), and the main
     process says why once (it used to die on the send)."""
     from nvmeof_fuse.companion import protocol
-    from nvmeof_fuse.companion.server.server import CompanionServer
-    from nvmeof_fuse.workers.worker import MAX_FOLLOWED_NAMESPACES, FuseWorkers
+    from nvmeof_fuse.workers.messages import MAX_FOLLOWED_NAMESPACES
 
     biggest = [[0xFFFFFFFE, 4096, (1 << 64) - 1]] * MAX_FOLLOWED_NAMESPACES
     assert len(protocol.encode({"id": 0, "ok": True, "event": "namespaces",
                                 "namespaces": biggest})) < protocol.MAX_MESSAGE
     ctrl = ram_controller(*((nsid, 512, 8) for nsid in range(1, MAX_FOLLOWED_NAMESPACES + 2)))
-    server = CompanionServer(ctrl)
-    session = server.new_session("worker")
-    session.fuse_worker = True
+    pool = _pool_on(ctrl, 2)
+    session = pool.companion.new_session("worker", 42)
+    session.role = pool.role
     told: list = []
 
     async def notify(event):
@@ -258,10 +266,9 @@ def test_past_the_namespaces_one_message_holds_workers_are_sent_none_and_told_on
         return True
 
     session.notify = notify
-    pool = FuseWorkers(None, None, server, 2)
     ready = {"kind": "ready", "index": 1, "pid": 42, "qids": [6]}
     with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
-        assert trio.run(pool.on_fuse, ready, b"") == {}  # its lease named none: said once
+        assert trio.run(pool.on_fuse, session, ready, b"") == {}  # its lease named none: once
         trio.run(pool.follow, [])
         trio.run(pool.follow, [])
     assert told == [{"event": "namespaces", "namespaces": [], "generation": g} for g in (1, 2)]
@@ -319,14 +326,10 @@ def _serving_pool(count: int, on_notify, timeout: float = 30.0):
     """FuseWorkers with ``count - 1`` serving workers (pid 100 + index), each with a
     companion session whose events go to ``on_notify(pool, index, event)`` (sent unless it
     returns False)."""
-    from nvmeof_fuse.companion.server.server import CompanionServer
-    from nvmeof_fuse.workers.worker import FuseWorkers
-
-    server = CompanionServer(ram_controller((1, 512, 64)))
-    pool = FuseWorkers(None, None, server, count, timeout=timeout)
+    pool = _pool_on(ram_controller((1, 512, 64)), count, timeout=timeout)
     for index in range(1, count):
-        session = server.new_session(f"pid {100 + index} uid 0", 100 + index)
-        session.fuse_worker = True
+        session = pool.companion.new_session(f"pid {100 + index} uid 0", 100 + index)
+        session.role = pool.role
 
         async def notify(event, index=index):
             return await on_notify(pool, index, event) is not False
@@ -347,17 +350,19 @@ async def _running(pool):
 
     pool._spawn = spawn
     async with trio.open_nursery() as nursery:
-        await nursery.start(pool.run)
+        await nursery.start(pool.run, None, None, pool.companion)
         await trio.testing.wait_all_tasks_blocked()
         for index, proc in procs.items():
-            await pool.on_fuse({"kind": "ready", "index": index, "pid": proc.pid, "qids": []},
+            await pool.on_fuse(SimpleNamespace(pid=proc.pid),
+                               {"kind": "ready", "index": index, "pid": proc.pid, "qids": []},
                                b"")
         yield procs
         nursery.cancel_scope.cancel()
 
 
 async def _ack(pool, index, event):
-    await pool.on_fuse({"kind": "namespaces", "index": index, "pid": 100 + index,
+    await pool.on_fuse(SimpleNamespace(pid=100 + index),
+                       {"kind": "namespaces", "index": index, "pid": 100 + index,
                         "generation": event["generation"]}, b"")
 
 
@@ -391,7 +396,7 @@ def test_a_rescan_goes_on_once_every_serving_worker_took_the_new_sizes():
 def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(
         caplog, timeout, bound):
     """As long as the mount's command timeout, at most :data:`SIZES_TIMEOUT`."""
-    from nvmeof_fuse.workers.worker import SIZES_TIMEOUT
+    from nvmeof_fuse.workers.supervisor import SIZES_TIMEOUT
 
     assert bound == min(timeout, SIZES_TIMEOUT)
 
@@ -417,7 +422,7 @@ def test_a_worker_that_never_says_it_took_the_sizes_holds_a_rescan_only_so_long(
 def test_a_worker_that_dies_or_does_not_serve_yet_holds_no_rescan(caplog):
     """Its replacement (or the worker itself, once it serves) takes the sizes with its
     lease, or keeps them until its filesystem is up."""
-    from nvmeof_fuse.workers.worker import SIZES_TIMEOUT
+    from nvmeof_fuse.workers.supervisor import SIZES_TIMEOUT
 
     procs: dict = {}
 
@@ -454,7 +459,7 @@ def test_a_rescan_waits_for_no_worker_it_did_not_send_the_sizes(caplog):
         pool = _serving_pool(4, on_notify)
         for session in pool.companion.sessions:
             sessions[session.pid] = session
-        sessions[102].fuse_worker = False  # leases once the sending passed it
+        sessions[102].role = None  # leases once the sending passed it
         async with _running(pool):
             with caplog.at_level(logging.WARNING, logger="nvmeof-fuse"):
                 await pool.follow([])

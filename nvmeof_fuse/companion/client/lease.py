@@ -19,12 +19,13 @@ def lease_from(reply: dict) -> Lease:
 
 
 def options_from(reply: dict, timeout: float) -> ConnectOptions:
-    """How to connect: the mount's own target, host identity and recovery rules."""
+    """How to connect: the mount's own target, host identity and recovery rules, with
+    ``timeout`` as the command timeout (a File's bound, at least the mount's)."""
     return ConnectOptions(
         traddr=reply["traddr"], nqn=reply["subnqn"], transport=reply["transport"],
         trsvcid=reply["trsvcid"], host_traddr=reply["host_traddr"],
         hostnqn=reply["hostnqn"], hostid=reply["hostid"], nr_io_queues=len(reply["qids"]),
-        companion_queues=0, keep_alive_tmo=0, timeout=max(timeout, reply["timeout"]),
+        companion_queues=0, keep_alive_tmo=0, timeout=timeout,
         reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
         fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),
         dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"))

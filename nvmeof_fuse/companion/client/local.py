@@ -19,7 +19,7 @@ class LocalMount(Protocol):
 
     mountpoint: str
     server: Any  # its CompanionServer
-    session: Any  # the in-process Session on that server
+    session: Any  # the in-process ClientSession on that server
 
     def run(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T: ...
 

@@ -85,7 +85,7 @@ class DirectQueues:
                        for shape in self._first.namespaces}
         self.polled = PolledReads({shape.nsid: shape for shape in self._first.namespaces},
                                   per_command, timeout, self.read_on_loop, self._polled_lost)
-        options = options_from(reply, timeout)
+        options = options_from(reply, max(timeout, reply["timeout"]))  # the mount's at least
         self.renew_timeout = renew_timeout(options)
         self._registrations: Registrations
         self._dmabufs: DmabufCache | None = None  # made on the first CUDA transfer

@@ -4,9 +4,9 @@ A request is cut into tasks of at most ``task_size`` bytes, as kvikio's compat
 mode cuts it.  Each task borrows the bounce memory it needs when that much is
 free (waiting tasks are served in order as memory comes back), asks the daemon
 to move its LBAs between the target and that memory, and copies between it and
-the caller's memory on a worker thread.  No thread waits on the network: a
+the caller's memory on a copy thread.  No thread waits on the network: a
 task's next step is started by the reply, so the bytes in flight are bounded by
-the bounce memory, not by the workers, and one task's copy runs while the next
+the bounce memory, not by the copy threads, and one task's copy runs while the next
 task's data is on the wire.
 """
 

@@ -7,7 +7,7 @@ tasks of at most ``task_size`` bytes (:mod:`~nvmeof_fuse.companion.client.shared
 pipelined.
 
 Requests go out without a thread waiting for them; the reply starts the next
-step, and copies run on the file's worker threads.
+step, and copies run on the file's copy threads.
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class DaemonIO:
 
     def _write_task(self, transfer: Transfer, mem: CallerMemory, file_offset: int,
                     offset: int, length: int, at: int) -> None:
-        """On a worker: the caller's bytes into staging memory, then the write goes out."""
+        """On a copy thread: the caller's bytes into staging memory, then the write goes out."""
         staging = self._staging
         try:
             mem.get(offset - file_offset, staging.addr + at, length)
@@ -150,7 +150,7 @@ class DaemonIO:
 
     def _send(self, transfer: Transfer, piece: Held | None, then: Step | None,
               request: Callable[..., concurrent.futures.Future], *args: Any) -> None:
-        """Send one request; once answered, ``then`` on a worker, give the staging ``piece``
+        """Send one request; once answered, ``then`` on a copy thread, give the staging ``piece``
         back, and count the task done."""
         try:
             future = request(*args)

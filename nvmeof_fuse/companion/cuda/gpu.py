@@ -1,6 +1,6 @@
 """CUDA memory for the companion API: each driver call in the memory's own context, on any thread.
 
-A caller's thread may never have touched CUDA (a worker of ``File``, a data
+A caller's thread may never have touched CUDA (a copy thread of ``File``, a data
 loader's thread), and a process may drive several GPUs.  So every call that
 acts on a context (dma-buf export, synchronize, GPUDirect flush, copies,
 pinning) pushes the context that owns the memory around it and pops it after,

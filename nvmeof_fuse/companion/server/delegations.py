@@ -35,7 +35,7 @@ import trio
 from ..protocol import MAX_NAMED_NAMESPACES
 
 if TYPE_CHECKING:
-    from .session import Session
+    from .session import ClientSession
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ them it takes range locks."""
 class Delegation:
     """A namespace delegated to one client's session."""
 
-    session: Session
+    session: ClientSession
     nsid: int
     token: int
     limit: float  # s the client has to hand it back once recalled
@@ -74,19 +74,19 @@ class Delegations:
     def held(self, nsid: int) -> Delegation | None:
         return self._by_nsid.get(nsid)
 
-    def of(self, session: Session, token: int) -> Delegation | None:
+    def of(self, session: ClientSession, token: int) -> Delegation | None:
         """The delegation ``session`` holds under ``token``, if any."""
         for d in self._by_nsid.values():
             if d.session is session and d.token == token:
                 return d
         return None
 
-    def live_tokens(self, session: Session) -> list[int]:
+    def live_tokens(self, session: ClientSession) -> list[int]:
         """The tokens of ``session``'s delegations, granted and not recalled."""
         return [d.token for d in self._by_nsid.values()
                 if d.session is session and d.active and not d.recalled]
 
-    async def grant(self, session: Session, ns: Any, nsid: int, limit: float) -> int | None:
+    async def grant(self, session: ClientSession, ns: Any, nsid: int, limit: float) -> int | None:
         """Delegate ``ns`` to ``session`` (or confirm it holds it, its writes now bounded
         by ``limit``): the token, or None when somebody else uses the namespace, it was
         recalled or the session holds the most it may (the caller takes a range lock
@@ -113,7 +113,7 @@ class Delegations:
         d.limit = max(d.limit, limit)
         return d.token
 
-    def _count(self, session: Session) -> int:
+    def _count(self, session: ClientSession) -> int:
         return sum(d.session is session for d in self._by_nsid.values())
 
     async def _hold(self, ns: Any, d: Delegation) -> None:

@@ -3,8 +3,9 @@
 The daemon listens on an abstract Unix ``SOCK_SEQPACKET`` socket whose name it
 publishes in ``MOUNT/.nvmeof/companion.json``.  A client of another uid (other
 than root) is refused with a one-line error.  Each accepted client gets a
-:class:`~nvmeof_fuse.companion.server.session.Session`; when the client closes or
-dies, its in-flight requests finish and its registrations are released.
+:class:`~nvmeof_fuse.companion.server.session.ClientSession`; when the client closes or
+dies, its in-flight requests finish and its registrations are released.  The mount's own
+processes that use the socket too hold a role (:mod:`.roles`), registered at construction.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import os
 import secrets
 import socket
 import struct
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import trio
@@ -26,7 +27,8 @@ from ...host.multipath.path import path_options
 from .. import protocol
 from ..protocol import Piece, ProtocolError
 from .delegations import Delegations
-from .session import CompanionStats, ReadOnly, Registered, Session
+from .roles import Role
+from .session import ClientSession, CompanionStats, ReadOnly, Registered
 
 log = logging.getLogger(__name__)
 
@@ -67,25 +69,27 @@ def received_fds(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
 class CompanionServer:
     """Serves companion clients of one mounted controller."""
 
-    def __init__(self, controller: Any, *, read_only: bool = False) -> None:
+    def __init__(self, controller: Any, *, read_only: bool = False,
+                 roles: Sequence[Role] = ()) -> None:
         self.controller = controller
         self.read_only = read_only
         self.owner_uid = os.geteuid()
         self.address = f"\0nvmeof-fuse/{os.getpid()}/{secrets.token_hex(8)}"
-        self.stats = CompanionStats()
-        self.sessions: set[Session] = set()
+        self.roles = tuple(roles)
+        """The mount's own kinds of process (:mod:`.roles`); each keeps the last queue IDs."""
+        self._kept = sum(role.queues for role in self.roles)  # queue IDs the roles keep
+        self._role_requests = {op: (role, handler) for role in self.roles
+                          for op, handler in role.requests.items()}
+        self.stats = CompanionStats(own={name: 0 for role in self.roles
+                                         for name in (role.counter, role.counter + "_total")})
+        self.sessions: set[ClientSession] = set()
         self.quarantine: list[Registered] = []  # regions whose command timed out
         # Awaited with the nsid, offset and length (0: all of it) after each write, before
         # the client hears it is done: the mount drops the kernel's cached pages there,
         # which the write went around.
         self.on_write: Callable[[int, int, int], Awaitable[None]] | None = None
         self._locked: dict[trio.Event, tuple[int, int, int]] = {}  # lock -> nsid, its bytes
-        self._keep_cache: set[trio.Event] = set()  # locks of FUSE workers' writes
-        self.worker_queues = 0
-        """Queue IDs of the leasable ones kept for FUSE workers (the last ones)."""
-        self.on_fuse: Callable[[dict, bytes], Awaitable[dict[str, Any]]] | None = None
-        """Answers the FUSE requests a FUSE worker forwards (``fuse``): set by the daemon
-        when the mount has workers."""
+        self._keep_cache: set[trio.Event] = set()  # locks of writes the page cache saw
         self.delegations = Delegations(self._written)
 
     def info(self) -> dict[str, Any]:
@@ -97,12 +101,12 @@ class CompanionServer:
         if self.on_write is not None:
             await self.on_write(nsid, offset, length)
 
-    def snapshot(self, asking: Session | None = None) -> dict[str, Any]:
+    def snapshot(self, asking: ClientSession | None = None) -> dict[str, Any]:
         """The companion counters, and each client's (``sessions``).  For a client's
         ``stats`` request (``asking``) the list starts with its own and holds at most
         :data:`MAX_LISTED_SESSIONS`, so that the reply fits a message; ``sessions_omitted``
         counts the rest."""
-        clients = [s for s in self.sessions if not s.fuse_worker]
+        clients = [s for s in self.sessions if s.role is None]
         omitted = 0
         if asking is not None:
             clients.sort(key=lambda s: s is not asking)
@@ -121,13 +125,14 @@ class CompanionServer:
         """Whether process ``pid`` still has a session (its queue IDs are still its own)."""
         return any(s.peer.startswith(f"pid {pid} ") for s in self.sessions)
 
-    def worker_stats(self) -> list[dict[str, Any]]:
-        """What each FUSE worker last reported (its index, pid, queues, namespaces' stats)."""
-        return sorted(({**s.worker, "qids": s.qids} for s in self.sessions
-                       if s.worker is not None), key=lambda w: w.get("index", 0))
+    def own_reports(self) -> list[dict[str, Any]]:
+        """What each of the mount's own processes last reported of itself (a role's
+        session, :mod:`.roles`), with the queue IDs it holds."""
+        return [{**s.own_report, "qids": s.qids} for s in self.sessions
+                if s.own_report is not None]
 
-    def new_session(self, peer: str, pid: int | None = None) -> Session:
-        session = Session(self.controller, self.stats, peer, read_only=self.read_only,
+    def new_session(self, peer: str, pid: int | None = None) -> ClientSession:
+        session = ClientSession(self.controller, self.stats, peer, read_only=self.read_only,
                           quarantine=self.quarantine)
         session.pid = pid
         self.sessions.add(session)
@@ -135,13 +140,13 @@ class CompanionServer:
         self.stats.clients_total += 1
         return session
 
-    def end_session(self, session: Session) -> None:
+    def end_session(self, session: ClientSession) -> None:
         session.end_waits()
         session.close()
         self._unlease(session)
         self.sessions.discard(session)
-        if session.fuse_worker:
-            self.stats.fuse_workers -= 1
+        if session.role is not None:
+            self.stats.own[session.role.counter] -= 1
         else:
             self.stats.clients -= 1
 
@@ -163,7 +168,7 @@ class CompanionServer:
             listener.listen(64)
             task_status.started()
             async with trio.open_nursery() as nursery:
-                if not (self.leasing() and self.leasing(worker=True)):
+                if any(not self.leasing(role) for role in (None, *self.roles)):
                     nursery.start_soon(self._revoke_leases_on_loss)
                 while True:
                     conn, _ = await listener.accept()
@@ -212,7 +217,7 @@ class CompanionServer:
                 self.end_session(session)
                 log.info("companion: client pid %d gone; its registrations are released", pid)
 
-    async def _requests(self, conn: trio.socket.SocketType, session: Session,
+    async def _requests(self, conn: trio.socket.SocketType, session: ClientSession,
                         send_lock: trio.Lock) -> None:
         async with trio.open_nursery() as nursery:  # exits once in-flight requests are done
             session.nursery = nursery
@@ -237,7 +242,7 @@ class CompanionServer:
                 session.end_waits()  # its locks go; its commands in flight still finish
 
     async def _answer(self, conn: trio.socket.SocketType, send_lock: trio.Lock,
-                      session: Session, data: bytes, fds: list[int]) -> None:
+                      session: ClientSession, data: bytes, fds: list[int]) -> None:
         request_id = 0
         try:
             header, payload = protocol.decode(data)
@@ -245,7 +250,7 @@ class CompanionServer:
             self.stats.requests += 1
             result = await self.dispatch(session, header, payload, fds)
             fds = []  # dispatch took them
-            data = result.pop("_payload", b"")  # bytes back: a forwarded FUSE reply
+            data = result.pop("_payload", b"")  # bytes back (a role's handler may give some)
             reply = protocol.encode({"id": request_id, "ok": True, **result}, data)
         except protocol.PlacementRefused as exc:  # expected: counted as such, not an error
             reply = protocol.reply_error(request_id, exc)
@@ -265,7 +270,7 @@ class CompanionServer:
             except OSError:
                 pass  # the client is gone; its session ends with the connection
 
-    async def dispatch(self, session: Session, header: dict, payload: bytes,
+    async def dispatch(self, session: ClientSession, header: dict, payload: bytes,
                        fds: list[int]) -> dict[str, Any]:
         """Run one request; takes ownership of ``fds`` (closing them on error)."""
         op = header.get("op")
@@ -303,14 +308,12 @@ class CompanionServer:
             session.unregister(f(header, "region"))
             return {}
         if op == "lease":
-            return await self.lease(session, f(header, "want"),
-                                    worker=header.get("worker") is True,
+            return await self.lease(session, f(header, "want"), role=self._claimed(header),
                                     nsids=protocol.nsids_field(header))
-        if op == "fuse":
-            if self.on_fuse is None:
-                raise ProtocolError("this mount has no FUSE workers")
-            self._check_fuse_sender(session, header)
-            return await self.on_fuse(header, payload)
+        if op in self._role_requests:  # one only a role's sessions send
+            role, handler = self._role_requests[op]
+            self._check_role(session, role, op)
+            return await handler(session, header, payload)
         if op in ("add_path", "remove_path"):
             return await self.change_path(op, str(f(header, "uri", str)))
         if op == "unlease":
@@ -327,11 +330,7 @@ class CompanionServer:
             return {}
         if op == "report":  # also renews the client's delegations: those still its own
             session.report(header.get("moved") or {}, header.get("placement"))
-            if isinstance(header.get("worker"), dict):  # a FUSE worker's counts
-                if not session.fuse_worker:
-                    raise ProtocolError("report: only a FUSE worker (after its lease) "
-                                        "reports a worker's counts")
-                session.worker = header["worker"]
+            self._own_report(session, header)
             return {"delegated": self.delegations.live_tokens(session)}
         if op == "stats":
             session.report(header.get("moved") or {}, header.get("placement"))
@@ -350,48 +349,68 @@ class CompanionServer:
             path = await head.remove_path(uri)
         return {"index": path.index, "uri": path.uri}
 
-    def _unlease(self, session: Session) -> None:
+    def _unlease(self, session: ClientSession) -> None:
         if session.qids:
             session.qids = []
-            if not session.fuse_worker:
+            if session.role is None:
                 self.stats.leases -= 1
 
-    @staticmethod
-    def _check_fuse_sender(session: Session, header: dict) -> None:
-        """Only a FUSE worker's session (it leased a worker's queues) forwards FUSE
-        requests, and a ``ready`` or ``namespaces`` one names its own pid."""
-        if not session.fuse_worker:
-            raise ProtocolError("fuse: only the mount's FUSE workers (after their lease) "
-                                "send FUSE requests")
-        kind = header.get("kind")
-        if kind in ("ready", "namespaces"):
-            pid = protocol.field(header, "pid")
-            if pid != session.pid:
-                raise ProtocolError(f"fuse {kind}: pid {pid} is not the sender's "
-                                    f"({session.pid})")
+    # -- the mount's own processes (roles) ---------------------------------------------------
 
-    def _count_as_worker(self, session: Session) -> None:
-        """A session that leases a FUSE worker's queues is one of the mount's own
-        processes: counted under ``fuse_workers``, not ``clients``."""
-        if session.fuse_worker:
+    def _claimed(self, header: dict) -> Role | None:
+        """The role a ``lease`` request claims by its flag (None: a companion client's)."""
+        return next((role for role in self.roles if header.get(role.flag) is True), None)
+
+    @staticmethod
+    def _check_role(session: ClientSession, role: Role, op: str) -> None:
+        """Only a session holding ``role`` (it leased the role's queues) sends ``op``."""
+        if not role.queues:
+            raise ProtocolError(f"this mount has no {role.name}s")
+        if session.role is not role:
+            raise ProtocolError(f"{op}: only the mount's {role.name}s (after their lease) "
+                                f"send {op} requests")
+
+    def _own_report(self, session: ClientSession, header: dict) -> None:
+        """A role's session reports its own figures under the role's flag."""
+        for role in self.roles:
+            if isinstance(header.get(role.flag), dict):
+                if session.role is not role:
+                    raise ProtocolError(f"report: only a {role.name} (after its lease) "
+                                        f"reports a {role.name}'s counts")
+                session.own_report = header[role.flag]
+
+    def _take_role(self, session: ClientSession, role: Role) -> None:
+        """A session that leases a role's queues is one of the mount's own processes:
+        counted under the role's counter, not ``clients``."""
+        if session.role is role:
             return
-        session.fuse_worker = True
+        session.role = role
         stats = self.stats
         stats.clients -= 1
         stats.clients_total -= 1
-        stats.fuse_workers += 1
-        stats.fuse_workers_total += 1
+        stats.own[role.counter] += 1
+        stats.own[role.counter + "_total"] += 1
+
+    async def tell(self, role: Role, event: dict[str, Any]) -> list[ClientSession]:
+        """Send ``event`` to every session holding ``role``: those it was sent to."""
+        told = []
+        for session in list(self.sessions):
+            if session.role is role and session.notify is not None:
+                if await session.notify(event):
+                    told.append(session)
+        return told
 
     # -- queues of a client's own ----------------------------------------------------------
 
-    def leasing(self, worker: bool = False) -> str:
-        """Why clients cannot have queues of their own here; empty when they can.  A FUSE
-        worker (``worker``) moves data through memory of its own on any transport."""
+    def leasing(self, role: Role | None = None) -> str:
+        """Why clients (or the sessions of ``role``) cannot have queues of their own here;
+        empty when they can.  A role's processes move data through memory of their own,
+        on any transport."""
         ctrl = self.controller
         options = getattr(ctrl, "options", None)
-        if worker:
-            return "" if self.worker_queues else "this mount has no FUSE workers"
-        if options is None or options.companion_queues <= self.worker_queues:
+        if role is not None:
+            return "" if role.queues else f"this mount has no {role.name}s"
+        if options is None or options.companion_queues <= self._kept:
             return "queue leasing is off on this mount (--companion-queues 0)"
         if not getattr(ctrl.transport, "places_in_other_processes", False):
             return (f"the mount's {ctrl.transport.name} transport gives no direct placement "
@@ -434,24 +453,25 @@ class CompanionServer:
                     session.lessor = None  # told once; the next lease names the path
                     await session.notify({"event": "revoked", "state": lessor.state})
 
-    async def lease(self, session: Session, want: int, worker: bool = False,
+    async def lease(self, session: ClientSession, want: int, role: Role | None = None,
                     nsids: list[int] | None = None) -> dict[str, Any]:
-        """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting).
+        """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting);
+        of those kept for ``role``, when it claims one.
 
         A session keeps its queue IDs until it ends; asking again (after its queues
         failed) waits for the controller to be live and names its controller ID.  The
         reply names the namespaces ``nsids`` names (:meth:`named_nsids`).
         """
-        why = self.leasing(worker)
+        why = self.leasing(role)
         if why:
             raise NoLease(why)
-        if worker:
-            self._count_as_worker(session)
+        if role is not None:
+            self._take_role(session, role)
         ctrl = self.controller
         choose = getattr(ctrl, "lease_controller", None)  # a multipath head: pick a path
         with session.waiting() as wait:
             if choose is not None:
-                ctrl = await choose(session.lease_place, any_transport=worker)
+                ctrl = await choose(session.lease_place, any_transport=role is not None)
             else:
                 await ctrl.wait_live(fail_fast=False)
         if wait.cancelled_caught:
@@ -462,18 +482,17 @@ class CompanionServer:
             session.lease_place = (opts.transport, opts.traddr, opts.trsvcid)
         if not session.qids:
             taken = {q for s in self.sessions for q in s.qids}
-            split = max(0, len(ctrl.lease_qids) - self.worker_queues)  # workers': the last
-            pool = ctrl.lease_qids[split:] if worker else ctrl.lease_qids[:split]
+            pool = self._pool(ctrl.lease_qids, role)
             free = [q for q in pool if q not in taken]
-            if not free and worker:
-                raise NoLease(f"all {len(pool)} queue IDs of this mount's FUSE workers are "
+            if not free and role is not None:
+                raise NoLease(f"all {len(pool)} queue IDs of this mount's {role.name}s are "
                               "taken")
             if not free:
                 self.stats.lease_refusals += 1
                 raise NoLease(f"all {len(ctrl.lease_qids)} companion queues of this mount are "
                               "leased (--companion-queues)")
             session.qids = free[:max(1, want)]
-            if not worker:
+            if role is None:
                 self.stats.leases += 1
             log.info("companion: %s leases queues %s", session.peer,
                      ",".join(map(str, session.qids)))
@@ -487,7 +506,8 @@ class CompanionServer:
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
             "ctrl_loss_tmo": opts.ctrl_loss_tmo, "fast_io_fail_tmo": opts.fast_io_fail_tmo,
-            "namespaces": self.namespace_shapes(nsids, worker=worker),
+            "namespaces": self.namespace_shapes(
+                nsids, max_named=role.max_named if role is not None else None),
             "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
         }
@@ -499,28 +519,31 @@ class CompanionServer:
             return sorted(namespaces)
         return sorted(n for n in set(nsids) if n in namespaces)
 
+    def _pool(self, qids: list[int], role: Role | None) -> list[int]:
+        """The leasable queue IDs of ``role``'s sessions, or of companion clients': the
+        roles keep the last ones, each its share in the order they were registered."""
+        start = max(0, len(qids) - self._kept)
+        if role is None:
+            return qids[:start]
+        for each in self.roles:
+            if each is role:
+                return qids[start:start + role.queues]
+            start += each.queues
+        return []
+
     def namespace_shapes(self, nsids: list[int] | None = None, *,
-                         worker: bool = False) -> list[list[int]]:
+                         max_named: int | None = None) -> list[list[int]]:
         """``[nsid, lba_size, nlb]`` of the namespaces ``nsids`` names, as a lease names
         them (a client addresses them by these).  Without ``nsids``: all while they fit a
-        reply (:func:`~.protocol.fits_budget`), for a FUSE worker while they are at most
-        ``MAX_NAMED_NAMESPACES``; else none."""
+        reply (:func:`~.protocol.fits_budget`), or while they are at most ``max_named``
+        when given (a role's lease); else none."""
         namespaces = self.controller.namespaces
         shapes = [[n, namespaces[n].lba_size, namespaces[n].nlb]
                   for n in self.named_nsids(nsids)]
-        if nsids is None and (len(shapes) > protocol.MAX_NAMED_NAMESPACES if worker
+        if nsids is None and (len(shapes) > max_named if max_named is not None
                               else not protocol.fits_budget(shapes)):
             return []
         return shapes
-
-    async def tell_workers(self, event: dict[str, Any]) -> list[Session]:
-        """Send ``event`` to every FUSE worker's session: those it was sent to."""
-        told = []
-        for session in list(self.sessions):
-            if session.fuse_worker and session.notify is not None:
-                if await session.notify(event):
-                    told.append(session)
-        return told
 
     @staticmethod
     def _secrets(opts: Any) -> dict[str, str]:
@@ -541,15 +564,15 @@ class CompanionServer:
                 found[name] = source.text(allow)
         return found
 
-    async def lock(self, session: Session, nsid: int, offset: int, length: int,
+    async def lock(self, session: ClientSession, nsid: int, offset: int, length: int,
                    timeout: float, delegate: bool = False,
                    keep_cache: bool = False) -> dict[str, Any]:
         """Hold the range lock of a write the client makes on its own queues: its token.
 
         Held until :meth:`unlock`, the client's end, or ``timeout`` plus a grace.  With
         ``delegate``, the whole namespace instead when nobody else uses it (``delegated``
-        in the reply; :mod:`~nvmeof_fuse.companion.server.delegations`).  ``keep_cache``: a FUSE
-        worker's write, which the kernel's page cache saw (its pages stay, and are locked
+        in the reply; :mod:`~nvmeof_fuse.companion.server.delegations`).  ``keep_cache``: a
+        write the kernel's page cache saw, a FUSE request's (its pages stay, and are locked
         while the write runs: dropping them would wait for the write).
         """
         if self.read_only:
@@ -594,7 +617,7 @@ class CompanionServer:
             return {"token": session.next_token}
         raise NoLease("the client went away while waiting for a write lock")
 
-    async def unlock(self, session: Session, token: int, nsid: int) -> None:
+    async def unlock(self, session: ClientSession, token: int, nsid: int) -> None:
         """The client's write is done: drop cached pages, then release its lock (or the
         client hands back its delegation)."""
         delegation = self.delegations.of(session, token)
@@ -610,7 +633,7 @@ class CompanionServer:
         finally:
             release.set()
 
-    async def write(self, session: Session, nsid: int, offset: int, length: int,
+    async def write(self, session: ClientSession, nsid: int, offset: int, length: int,
                     *args: Any) -> None:
         """``session.write(nsid, offset, length, *args)``, then ``on_write``."""
         await session.write(nsid, offset, length, *args)

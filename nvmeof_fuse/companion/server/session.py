@@ -1,6 +1,6 @@
 """One companion client's registrations and requests, inside the mount daemon.
 
-A :class:`Session` owns the memory a client registered with the mounted
+A :class:`ClientSession` owns the memory a client registered with the mounted
 controller (memfd mappings, dma-bufs, or in-process addresses) and runs its
 reads and writes.  Data always moves between the target and that memory by
 RDMA: a read never copies payload in the daemon, and a write copies only the
@@ -19,7 +19,7 @@ import os
 import stat
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -38,6 +38,9 @@ from .. import protocol
 from ..cuda.dmabuf import register_dmabuf
 from ..protocol import Piece
 
+if TYPE_CHECKING:
+    from .roles import Role
+
 log = logging.getLogger(__name__)
 
 
@@ -49,16 +52,14 @@ class ReadOnly(NVMeoFError):
 class CompanionStats:
     """Counters shown in ``.nvmeof/stats.json`` under ``companion``."""
 
-    clients: int = 0  # companion clients connected now (FUSE workers apart)
+    clients: int = 0  # companion clients connected now (the mount's own processes apart)
     clients_total: int = 0
-    fuse_workers: int = 0  # the mount's FUSE worker processes connected now
-    fuse_workers_total: int = 0
     refused: int = 0
     regions: int = 0
     requests: int = 0
     errors: int = 0
     dmabuf_refused: int = 0  # dma-bufs the transport could not take: the client stages
-    leases: int = 0  # clients holding queue IDs of their own (FUSE workers apart)
+    leases: int = 0  # clients holding queue IDs of their own (the mount's processes apart)
     lease_refusals: int = 0
     client_queue_read_bytes: int = 0  # moved over the clients' own queues (daemon not involved)
     client_queue_write_bytes: int = 0
@@ -67,9 +68,15 @@ class CompanionStats:
     staged_read_bytes: int = 0  # through a client's bounce memory
     staged_write_bytes: int = 0
     daemon_copied_bytes: int = 0  # payload the daemon itself copied (write edges only)
+    own: dict[str, int] = field(default_factory=dict)
+    """The sessions of each role (:mod:`.roles`): its counter now and ``_total`` ever."""
 
     def snapshot(self) -> dict[str, int]:
-        return dict(self.__dict__)
+        """The counters, each role's right after the clients'."""
+        counts = dict(self.__dict__)
+        own = counts.pop("own")
+        clients = {name: counts.pop(name) for name in ("clients", "clients_total")}
+        return {**clients, **own, **counts}
 
 
 PATH_COUNTERS = ("client_queue_read_bytes", "client_queue_write_bytes", "direct_read_bytes",
@@ -107,7 +114,7 @@ def _close_fd(fd: int) -> Callable[[], None]:
     return lambda: os.close(fd)
 
 
-class Session:
+class ClientSession:
     """Registrations and requests of one client of a mounted controller."""
 
     def __init__(self, controller: Any, stats: CompanionStats, peer: str, *,
@@ -123,8 +130,8 @@ class Session:
         self.counts = dict.fromkeys(PATH_COUNTERS, 0)
         self.placement: dict[str, str] = {}  # kind of memory -> how the client moves it
         self.qids: list[int] = []  # leased queue IDs
-        self.worker: dict | None = None  # a FUSE worker's last report (it is one)
-        self.fuse_worker = False  # a FUSE worker's session (it leased a worker's queues)
+        self.role: Role | None = None  # one of the mount's own processes (it leased as one)
+        self.own_report: dict | None = None  # what such a process last reported of itself
         self.lessor: Any = None  # with several paths: the path's controller they are on
         self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
         self.lease_transport = ""  # what its own queues run over (rdma, tcp)

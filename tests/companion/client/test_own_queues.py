@@ -77,9 +77,9 @@ def test_a_lost_queue_renews_the_lease_and_the_request_completes(served, monkeyp
     ctrl, fabric, server, mnt = served
     asked, lease = [], server.lease
 
-    async def leasing(session, want, worker=False, nsids=None):
+    async def leasing(session, want, role=None, nsids=None):
         asked.append(nsids)
-        return await lease(session, want, worker=worker, nsids=nsids)
+        return await lease(session, want, role=role, nsids=nsids)
 
     monkeypatch.setattr(server, "lease", leasing)
     out = nvmeof_fuse.empty(8192)

@@ -261,8 +261,10 @@ def test_a_reply_asking_for_all_namespaces_names_all_while_they_fit_else_none(co
     else:  # 1 TiB of 512-byte LBAs
         shape = SimpleNamespace(lba_size=512, nlb=1 << 31, size=1 << 40)
     ctrl.namespaces = {top - i if largest else i + 1: shape for i in range(count)}
-    server = CompanionServer(ctrl)
-    server.worker_queues = 1
+    from nvmeof_fuse.workers.supervisor import FuseWorkers
+
+    role = FuseWorkers(2).role  # a mount with a FUSE worker, as the daemon registers it
+    server = CompanionServer(ctrl, roles=[role])
     hello = server.hello()
     assert len(hello["namespaces"]) in (0, count) and hello["namespace_count"] == count
     protocol.reply_ok(1 << 62, **hello)  # raises past MAX_MESSAGE
@@ -270,7 +272,7 @@ def test_a_reply_asking_for_all_namespaces_names_all_while_they_fit_else_none(co
     assert len(client["namespaces"]) in (0, count)
     protocol.reply_ok(1 << 62, **client)
     worker = trio.run(functools.partial(server.lease, server.new_session("pid 2 uid 0"), 1,
-                                        worker=True))
+                                        role=role))
     named = len(worker["namespaces"])
     assert named == (count if count <= protocol.MAX_NAMED_NAMESPACES else 0)
     protocol.reply_ok(1 << 62, **worker)

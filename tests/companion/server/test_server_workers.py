@@ -4,6 +4,7 @@ requests with bytes back, and their reports."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -16,10 +17,18 @@ from nvmeof_fuse.companion.client.channel import SocketChannel
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.companion.server.server import CompanionServer
 from nvmeof_fuse.host.multipath import head as multipath
+from nvmeof_fuse.workers.supervisor import FuseWorkers
 
 
 def channel(server) -> SocketChannel:
     return SocketChannel("\0" + server.info()["socket"][1:], 10)
+
+
+def workers_role(count: int = 2, **requests):
+    """The FUSE workers' role of a mount of ``count`` processes, as the daemon registers it
+    (with ``requests`` in place of the supervisor's handlers, where given)."""
+    role = FuseWorkers(count).role
+    return dataclasses.replace(role, requests=requests) if requests else role
 
 
 def worker_of(server):
@@ -35,8 +44,7 @@ def worker_of(server):
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
 def test_workers_lease_the_last_queue_ids_on_any_transport(tmp_path, transport):
     ctrl = LeasingController(companion_queues=4, transport=transport)
-    with serving(ctrl, tmp_path) as (server, _):
-        server.worker_queues = 2
+    with serving(ctrl, tmp_path, roles=[workers_role(3)]) as (server, _):
         worker, other, client = channel(server), channel(server), channel(server)
         try:
             assert worker.call("lease", want=1, worker=True)["qids"] == [5]
@@ -59,8 +67,7 @@ def test_workers_lease_the_last_queue_ids_on_any_transport(tmp_path, transport):
 
 def test_stats_count_fuse_workers_apart_from_companion_clients(tmp_path):
     ctrl = LeasingController(companion_queues=4, transport="tcp")
-    with serving(ctrl, tmp_path) as (server, _):
-        server.worker_queues = 1
+    with serving(ctrl, tmp_path, roles=[workers_role()]) as (server, _):
         worker, client = channel(server), channel(server)
         try:
             worker.call("lease", want=1, worker=True)
@@ -80,7 +87,7 @@ def test_stats_count_fuse_workers_apart_from_companion_clients(tmp_path):
 
 
 def test_without_workers_no_process_leases_as_one(tmp_path):
-    with serving(LeasingController(), tmp_path) as (server, _):
+    with serving(LeasingController(), tmp_path, roles=[workers_role(1)]) as (server, _):
         ch = channel(server)
         try:
             with pytest.raises(CompanionError, match="no FUSE workers"):
@@ -113,16 +120,14 @@ def test_a_workers_write_lock_leaves_the_kernels_pages_alone(tmp_path):
 
 
 def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_worker(tmp_path):
-    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
-            server, _):
-        seen = []
+    seen = []
 
-        async def on_fuse(header, payload):
-            seen.append((header["kind"], payload))
-            return {"_payload": b"\x01reply" * 100, "more": 1}
+    async def on_fuse(session, header, payload):
+        seen.append((header["kind"], payload))
+        return {"_payload": b"\x01reply" * 100, "more": 1}
 
-        server.on_fuse = on_fuse
-        server.worker_queues = 1
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path,
+                 roles=[workers_role(fuse=on_fuse)]) as (server, _):
         ch = channel(server)
         try:
             ch.call("lease", want=1, worker=True)
@@ -131,8 +136,8 @@ def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_work
             assert reply["_payload"] == b"\x01reply" * 100 and reply["more"] == 1
             assert seen == [("meta", b"request")]
             ch.call("report", worker={"index": 1, "pid": 42, "namespaces": {}})
-            assert server.worker_stats() == [{"index": 1, "pid": 42, "namespaces": {},
-                                              "qids": [6]}]
+            assert server.own_reports() == [{"index": 1, "pid": 42, "namespaces": {},
+                                             "qids": [6]}]
             assert server.snapshot()["sessions"] == []  # a worker is no companion client
         finally:
             ch.close()
@@ -140,16 +145,19 @@ def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_work
 
 def test_only_a_fuse_worker_sends_fuse_requests_and_names_its_own_pid(tmp_path):
     """A companion client cannot post a worker's ``ready`` or ack, nor report as one."""
-    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
+    pool = FuseWorkers(2)
+    seen = []
+
+    async def seeing(session, header, payload):  # the supervisor's own checks; a meta
+        if header["kind"] != "meta":               # request it would answer by its session
+            await pool.on_fuse(session, header, payload)
+        seen.append(header["kind"])  # answered
+        return {}
+
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path,
+                 roles=[dataclasses.replace(pool.role, requests={"fuse": seeing})]) as (
             server, _):
-        seen = []
-
-        async def on_fuse(header, payload):
-            seen.append(header["kind"])
-            return {}
-
-        server.on_fuse = on_fuse
-        server.worker_queues = 1
+        pool.companion = server
         client, worker = channel(server), channel(server)
         try:
             ready = {"kind": "ready", "index": 1, "pid": os.getpid(), "qids": [6]}
@@ -174,18 +182,18 @@ def test_only_a_fuse_worker_sends_fuse_requests_and_names_its_own_pid(tmp_path):
 
 
 def test_workers_are_sent_events_and_the_sender_learns_which_were(tmp_path):
-    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path) as (
-            server, _):
-        server.worker_queues = 1
+    role = workers_role()
+    with serving(LeasingController(companion_queues=4, transport="tcp"), tmp_path,
+                 roles=[role]) as (server, _):
         client, worker = channel(server), channel(server)
         heard = []
         worker.on_event = heard.append
         try:
             client.call("hello")
             worker.call("lease", want=1, worker=True)
-            told = trio.from_thread.run(server.tell_workers, {"event": "namespaces"},
+            told = trio.from_thread.run(server.tell, role, {"event": "namespaces"},
                                         trio_token=server.trio_token)
-            assert [(s.pid, s.fuse_worker) for s in told] == [(os.getpid(), True)]
+            assert [(s.pid, s.role) for s in told] == [(os.getpid(), role)]
             assert wait_for(lambda: [e.get("event") for e in heard] == ["namespaces"])
         finally:
             client.close()
@@ -199,8 +207,8 @@ def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():
         opts = [options(addr, companion_queues=4) for addr in list(port.targets)[:2]]
         async with multipath.connect(opts, connect_path=port.connect) as head:
             async with trio.open_nursery() as nursery:
-                server = CompanionServer(head)
-                server.worker_queues = 2
+                role = workers_role(3)
+                server = CompanionServer(head, roles=[role])
                 nursery.start_soon(server._revoke_leases_on_loss)
 
                 def leasable(ctrl):
@@ -213,7 +221,7 @@ def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():
                 async def notify(event):
                     events.append(event)
                 session.notify = notify
-                first = await server.lease(session, 1, worker=True)
+                first = await server.lease(session, 1, role=role)
                 assert (first["traddr"], first["qids"]) == ("192.0.2.1", [5])
                 port[0].go_away()
                 port[0].fail_queues()
@@ -222,7 +230,7 @@ def test_a_workers_lease_moves_with_its_path_and_stays_on_its_fabric():
                 await trio.sleep(0.1)
                 port.on_connect = leasable
                 assert [e["event"] for e in events] == ["revoked"]
-                again = await server.lease(session, 1, worker=True)
+                again = await server.lease(session, 1, role=role)
                 assert (again["traddr"], again["qids"]) == ("192.0.2.2", [5])
                 nursery.cancel_scope.cancel()
 
@@ -242,8 +250,7 @@ def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons
 
     ctrl = LeasingController(companion_queues=4)
     fabric = FakeFabric(ctrl)
-    with serving(ctrl, tmp_path) as (server, _):
-        server.worker_queues = 1
+    with serving(ctrl, tmp_path, roles=[workers_role()]) as (server, _):
         worker = worker_of(server)
 
         async def main():
@@ -283,13 +290,12 @@ def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their
     from nvmeof_fuse.fs.operations import pack_fh
     from nvmeof_fuse.host.attached import attach
     from nvmeof_fuse.workers.fs import WorkerFS
-    from nvmeof_fuse.workers.worker import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES
+    from nvmeof_fuse.workers.messages import MAX_FOLLOWED_NAMESPACES, WORKER_QUEUES
 
     count = MAX_FOLLOWED_NAMESPACES + 1
     ctrl = LeasingController(companion_queues=4, specs=[(n, 512, 8) for n in range(1, count + 1)])
     fabric = FakeFabric(ctrl)
-    with serving(ctrl, tmp_path) as (server, _):
-        server.worker_queues = 1
+    with serving(ctrl, tmp_path, roles=[workers_role()]) as (server, _):
         worker = worker_of(server)
         forwarded = []
 
@@ -335,12 +341,12 @@ def test_a_rescan_shows_a_new_size_only_after_the_worker_took_it(tmp_path, caplo
     from types import SimpleNamespace
 
     from nvmeof_fuse.host.attached import NamespaceShape
-    from nvmeof_fuse.workers.worker import FuseWorkers
 
     ctrl = LeasingController(companion_queues=4)
     order: list[str] = []
-    with serving(ctrl, tmp_path) as (server, _):
-        pool = FuseWorkers(None, None, server, 2)
+    pool = FuseWorkers(2)
+    with serving(ctrl, tmp_path, roles=[pool.role]) as (server, _):
+        pool.companion = server  # as run() gives it
         worker = worker_of(server)
 
         def follow(shapes):
