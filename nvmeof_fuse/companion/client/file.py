@@ -29,6 +29,7 @@ import re
 import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from ...errors import InvalidArgument, NVMeoFError
@@ -61,7 +62,8 @@ INFO_TIMEOUT = 10.0  # s for reading .nvmeof/companion.json (a hung mount blocks
 _warned: set[str] = set()
 
 
-def _warn_once(key: str, message: str) -> None:
+def warn_once(key: str, message: str) -> None:
+    """Log ``message`` as a warning the first time ``key`` comes, in this process."""
     if key not in _warned:
         _warned.add(key)
         log.warning(message)
@@ -134,9 +136,17 @@ class _NoDirect(Exception):
     """Why CUDA memory cannot be placed directly (then it is staged)."""
 
 
-open_other: Any = None
-"""``(path, **options) -> file or None``: set by :mod:`.fsfile`, which opens a regular file
-of a filesystem on a namespace (this module does not import it: no import circle)."""
+_open_other: Callable[..., Any] | None = None
+
+
+def open_others_with(opener: Callable[..., Any]) -> None:
+    """Have ``File(path, **options)`` ask ``opener(path, **options)`` first: another kind of
+    file for a path it knows, or None.  The package registers the opener of a regular file
+    of a filesystem on a namespace (:mod:`~nvmeof_fuse.companion.files.fsfile`), which
+    sits above this module: this module never imports it."""
+    global _open_other
+    _open_other = opener
+
 
 STAGED_HOST = "staged: only arrays from nvmeof_fuse.empty() are shared with the mount daemon"
 
@@ -152,9 +162,9 @@ class File:
 
     def __new__(cls, path: str, *args: Any, **options: Any) -> Any:
         """A namespace file; a regular file of a filesystem on one opens as
-        :class:`~.fsfile.FilesystemFile` instead."""
-        if cls is File and open_other is not None:
-            other = open_other(path, *args, **options)
+        :class:`~nvmeof_fuse.companion.files.fsfile.FilesystemFile` instead."""
+        if cls is File and _open_other is not None:
+            other = _open_other(path, *args, **options)
             if other is not None:
                 return other
         return super().__new__(cls)
@@ -238,7 +248,7 @@ class File:
             direct, why = open_direct(self._channel, self.timeout, queues, self.nsid)
             if direct is not None:
                 return direct
-        _warn_once(f"lease:{why}", f"nvmeof_fuse: {why}; moving data over the mount "
+        warn_once(f"lease:{why}", f"nvmeof_fuse: {why}; moving data over the mount "
                    "daemon's queues instead (slower; counted as direct_* or staged_*)")
         return None
 
@@ -277,7 +287,7 @@ class File:
             return
         self._placement[kind] = how
         if warning:
-            _warn_once(f"{kind}:{how}", warning)
+            warn_once(f"{kind}:{how}", warning)
         self._report_placement()
 
     def _report_placement(self) -> None:
@@ -409,7 +419,7 @@ class File:
     def _placed(self, mem: _Memory, buf_offset: int, size: int) -> Placed | None:
         """The caller's memory registered with the daemon, or None: staged (and why, once)."""
         if self.compat_mode:
-            _warn_once("staged:compat", "nvmeof_fuse: compat mode is on; staging data "
+            warn_once("staged:compat", "nvmeof_fuse: compat mode is on; staging data "
                        "through a bounce buffer (slower; the daemon counts it as staged)")
             return None
         if mem.device is not None:
@@ -423,7 +433,7 @@ class File:
             return Placed(rid, 0, functools.partial(self._channel.forget, rid))
         found = shm.find(addr, size)
         if found is None:
-            _warn_once("staged:host", "nvmeof_fuse: the buffer is not shared memory (use "
+            warn_once("staged:host", "nvmeof_fuse: the buffer is not shared memory (use "
                        "nvmeof_fuse.empty()); staging data through a bounce buffer (slower; "
                        "the daemon counts it as staged)")
             return None
@@ -488,7 +498,7 @@ class File:
                 staging.pinned = (self._cuda, device.context)
             except gpu.CudaError as exc:
                 self._pin_failure = str(exc)
-                _warn_once(f"pin:{exc}", f"nvmeof_fuse: cannot page-lock the staging "
+                warn_once(f"pin:{exc}", f"nvmeof_fuse: cannot page-lock the staging "
                            f"memory ({exc}); copies to and from the GPU run slower")
 
     # -- transfers ---------------------------------------------------------------------------
@@ -547,7 +557,7 @@ class File:
             size = max(0, min(size, self.nbytes - file_offset))
         handle = gpu.stream_handle(stream)
         if not size:
-            return IOFuture(_finished(0))
+            return IOFuture.finished(0)
         # reads go through the daemon while our queues wait for a lease again (a lost path
         # of a multipath mount: the daemon's other paths serve them); writes wait, as they
         # may be under a delegation of ours
@@ -633,7 +643,7 @@ class File:
             try:
                 region, at, temporary = direct.host_region(addr, size, mem.owner)
             except NVMeoFError as exc:
-                _warn_once(f"own-reg:{exc}", f"nvmeof_fuse: cannot register the buffer for "
+                warn_once(f"own-reg:{exc}", f"nvmeof_fuse: cannot register the buffer for "
                            f"our own queues ({exc}); using the mount daemon")
                 return None
             if not write and not temporary:  # the common case first: nothing to do after
@@ -791,8 +801,3 @@ def _discard(inflight: set, lock: threading.Lock, future: concurrent.futures.Fut
     with lock:
         inflight.discard(future)
 
-
-def _finished(result: int) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-    future.set_result(result)
-    return future

@@ -24,6 +24,14 @@ class IOFuture:
         self._finish = finish
         self._limit = limit
 
+    @classmethod
+    def finished(cls, result: int) -> IOFuture:
+        """A future already done: ``get()`` gives ``result`` (nothing to move, or moved
+        before it was asked for)."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(result)
+        return cls(future)
+
     def get(self, timeout: float | None = None) -> int:
         timeout = self._limit if timeout is None else timeout
         try:

@@ -6,8 +6,8 @@
 
 The file's byte range is mapped with FS_IOC_FIEMAP (its dirty pages written first,
 ``FIEMAP_FLAG_SYNC``), and each clean extent is read from the namespace by the
-same paths as a namespace read (:class:`~.client.File` on the loop's backing
-file: the client's own queues, dma-bufs, staging).  Holes and unwritten extents
+same paths as a namespace read (:class:`~nvmeof_fuse.companion.client.file.File` on
+the loop's backing file: the client's own queues, dma-bufs, staging).  Holes and unwritten extents
 become zeros with no I/O; any other extent, and every file of a filesystem
 other than ext4 or xfs, is read by the kernel (``os.preadv``).
 
@@ -32,11 +32,11 @@ import time
 from typing import Any
 
 from ...errors import InvalidArgument
-from ..client import file as client
 from ..client import shm
-from ..client.file import File, _warn_once
+from ..client.file import File, warn_once
 from ..client.future import IOFuture
 from ..client.shared_bounce import CallerMemory
+from ..cuda import gpu
 from ..protocol import CompanionError
 from . import fiemap as fm
 from . import fsmap
@@ -56,7 +56,7 @@ _TICK_NS = time.clock_getres(COARSE) * 1e9
 class FilesystemFile:
     """A regular file of an ext4 or xfs filesystem on a loop device over a namespace file
     of an nvmeof-fuse mount (a partition of one too).  Keyword options not named here go
-    to the namespace's :class:`~.client.File`."""
+    to the namespace's :class:`~nvmeof_fuse.companion.client.file.File`."""
 
     def __init__(self, path: str, *, retries: int = RETRIES, chunk: int = CHUNK,
                  **options: Any) -> None:
@@ -124,7 +124,7 @@ class FilesystemFile:
                 os.close(self._write_fd)
 
     def _tell(self, why: str) -> None:
-        _warn_once(f"fsfile:{why}", f"nvmeof_fuse: {self.path}: the kernel reads "
+        warn_once(f"fsfile:{why}", f"nvmeof_fuse: {self.path}: the kernel reads "
                    f"{'this file' if why == self._kernel_only else 'part of it'}: {why}")
 
     # -- reads ---------------------------------------------------------------------------------
@@ -138,11 +138,11 @@ class FilesystemFile:
     def pread(self, buf: Any, size: int | None = None, file_offset: int = 0,
               buf_offset: int = 0, *, stream: Any = None) -> IOFuture:
         """:meth:`read`, done when it returns (the future holds its result)."""
-        return IOFuture(client._finished(self.read(buf, size, file_offset, buf_offset,
-                                                   stream=stream)))
+        return IOFuture.finished(self.read(buf, size, file_offset, buf_offset,
+                                           stream=stream))
 
     def pread_batch(self, requests: list[tuple[Any, int, int]]) -> list[IOFuture]:
-        return [IOFuture(client._finished(n)) for n in self.read_batch(requests)]
+        return [IOFuture.finished(n) for n in self.read_batch(requests)]
 
     def read_batch(self, requests: list[tuple[Any, int | None, int]], *, buf_offset: int = 0,
                    stream: Any = None) -> list[int]:
@@ -158,7 +158,7 @@ class FilesystemFile:
             wanted.append((mem, at, size, file_offset))
         if not wanted:
             return []
-        handle = client.gpu.stream_handle(stream)
+        handle = gpu.stream_handle(stream)
         why = self._kernel_only or self._journalled()
         for _attempt in range(self._retries + 1):
             if why:
@@ -310,7 +310,7 @@ class FilesystemFile:
             else:
                 data = os.pread(self._fd, n, file_offset + done)
                 got = len(data)
-                CallerMemory(client.gpu.ops(), mem.device, mem.addr, at + done, stream,
+                CallerMemory(gpu.ops(), mem.device, mem.addr, at + done, stream,
                              mem.owner).put_bytes(0, data)
             if not got:
                 break
@@ -325,7 +325,7 @@ class FilesystemFile:
         and journals; the bytes written."""
         if self._closed:
             raise CompanionError(f"{self.path} is closed", errno.EBADF)
-        _warn_once("fsfile:write", "nvmeof_fuse: writes to a file on a filesystem go "
+        warn_once("fsfile:write", "nvmeof_fuse: writes to a file on a filesystem go "
                    "through the kernel (os.pwrite on the file)")
         if self._write_fd < 0:
             try:
@@ -342,8 +342,8 @@ class FilesystemFile:
             if mem.device is None:
                 data: Any = memoryview((ctypes.c_char * n).from_address(mem.addr + at + done))
             else:
-                data = CallerMemory(client.gpu.ops(), mem.device, mem.addr, at + done,
-                                    client.gpu.stream_handle(stream), mem.owner).get_bytes(0, n)
+                data = CallerMemory(gpu.ops(), mem.device, mem.addr, at + done,
+                                    gpu.stream_handle(stream), mem.owner).get_bytes(0, n)
             done += os.pwrite(self._write_fd, data, file_offset + done)
         return done
 
@@ -382,7 +382,7 @@ def _zero(mem: Any, at: int, size: int, stream: int | None) -> None:
     if mem.device is None:
         ctypes.memset(mem.addr + at, 0, size)
         return
-    caller = CallerMemory(client.gpu.ops(), mem.device, mem.addr, at, stream, mem.owner)
+    caller = CallerMemory(gpu.ops(), mem.device, mem.addr, at, stream, mem.owner)
     for start in range(0, size, len(ZEROS)):
         caller.put_bytes(start, ZEROS[:min(len(ZEROS), size - start)])
 
@@ -413,6 +413,3 @@ def open_file(path: Any, *args: Any, **options: Any) -> FilesystemFile | None:
 
 def _regular(st: os.stat_result) -> bool:
     return stat.S_ISREG(st.st_mode)
-
-
-client.open_other = open_file
