@@ -29,6 +29,7 @@ from .daemon import serve_mount
 from .errors import InvalidArgument, NVMeoFError
 from .host.memory import buffer_address
 from .host.sync import SyncController
+from .transport import registry
 
 T = TypeVar("T")
 READY_TIMEOUT = 120.0  # s for connect + mount
@@ -205,8 +206,8 @@ class Mount:
         self.close()
 
 
-def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
-          trsvcid: int = 4420, read_only: bool = False, allow_other: bool = False,
+def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = registry.DEFAULT,
+          trsvcid: int = registry.IO_PORT, read_only: bool = False, allow_other: bool = False,
           uid: int | None = None, gid: int | None = None, mode: int | None = None,
           fuse: str = "builtin", connect: Any = None, ready_timeout: float = READY_TIMEOUT,
           **options: Any) -> Mount:

@@ -26,6 +26,7 @@ from nvmeof_fuse.cli.options import (
     one_line,
     parse_command_line,
 )
+from nvmeof_fuse.transport import registry
 
 if TYPE_CHECKING:  # trio is imported where it runs: `mount --daemon` checks options without it
     import trio
@@ -166,7 +167,7 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.secrets_fd is not None:
             receive_secrets(args, args.secrets_fd)
         apply_source(args)
-        conn = connect_options(args, nqn=args.nqn, default_port=4420)
+        conn = connect_options(args, nqn=args.nqn, default_port=registry.IO_PORT)
         mopts = mount_options(args)
         if args.daemon:
             cmd, secrets = daemon_command(argv)

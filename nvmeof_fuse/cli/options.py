@@ -13,6 +13,7 @@ from typing import Any
 
 from nvmeof_fuse.cli.mounthelper import refuse_secret_option
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.transport import registry
 
 PROG = "nvmeof-fuse"
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
@@ -172,7 +173,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
     kwargs: dict[str, Any] = {
         "traddr": args.traddr,
         "nqn": _nqn("--nqn", nqn),
-        "transport": args.transport or "rdma",
+        "transport": args.transport or registry.DEFAULT,
         "trsvcid": _int("--trsvcid", args.trsvcid, 1, 65535) or default_port,
         "host_traddr": args.host_traddr,
         "hostnqn": _nqn("--hostnqn", args.hostnqn),
@@ -231,8 +232,9 @@ def add_connection(p: argparse.ArgumentParser, *, port_help: str,
                    addr_required: bool = True) -> list[argparse.Action]:
     """The connection's arguments (nvme-cli's names), shared by mount, discover, mount-all."""
     return [
-        p.add_argument("-t", "--transport", choices=["rdma", "tcp"],
-                       help="rdma (default) or tcp"),
+        p.add_argument("-t", "--transport", choices=list(registry.NAMES),
+                       help=" or ".join(f"{name} (default)" if name == registry.DEFAULT
+                                        else name for name in registry.NAMES)),
         p.add_argument("-a", "--traddr", required=addr_required, help="target address"),
         p.add_argument("-s", "--trsvcid", help=port_help),
         p.add_argument("-w", "--host-traddr", help="local address to connect from"),

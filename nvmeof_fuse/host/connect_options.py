@@ -24,8 +24,8 @@ class ConnectOptions:
 
     traddr: str
     nqn: str
-    transport: str = "rdma"
-    trsvcid: int = 4420
+    transport: str = registry.DEFAULT
+    trsvcid: int = registry.IO_PORT
     host_traddr: str | None = None
     hostnqn: str | None = None
     hostid: str | None = None
@@ -56,11 +56,10 @@ class ConnectOptions:
     """NVMe/TCP: CRC32C data digests (nvme-cli's --data-digest)."""
 
     def validate(self) -> None:
-        if self.transport not in registry.NAMES:
-            raise InvalidArgument(f"--transport {self.transport!r} is not supported "
-                                  f"(supported: {', '.join(registry.NAMES)})")
-        if (self.hdr_digest or self.data_digest) and self.transport != "tcp":
-            raise InvalidArgument("--hdr-digest and --data-digest apply only to -t tcp")
+        fabric = registry.capabilities(self.transport)
+        if (self.hdr_digest or self.data_digest) and not fabric.digests:
+            raise InvalidArgument("--hdr-digest and --data-digest apply only to "
+                                  f"{registry.with_digests()}")
         if not 0 < self.trsvcid < 65536:
             raise InvalidArgument(f"--trsvcid {self.trsvcid} is not a port number (1-65535)")
         if self.nr_io_queues is not None and not 1 <= self.nr_io_queues <= 65535:

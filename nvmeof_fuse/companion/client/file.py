@@ -300,8 +300,9 @@ class File:
     def _own_path(self) -> str:
         """How host memory moves on this file's own queues."""
         assert self._direct is not None
-        if self._direct.transport_name == "tcp":
-            return "received and sent by this process's own NVMe/TCP queues"
+        fabric = self._direct.fabric
+        if fabric is not None and not fabric.places_directly:
+            return f"received and sent by this process's own {fabric.title} queues"
         return "registered with this process's own queues"
 
     def _refuse_cuda(self, reason: str) -> None:

@@ -43,6 +43,7 @@ from ...host.controller import ConnectOptions, make_transport
 from ...host.memory import Region
 from ...host.sync import SyncController
 from ...nvme import command as nvme_cmd
+from ...transport import registry
 from .. import protocol
 from ..cuda import gpu
 from ..cuda.dmabuf import DmabufCache, register_dmabuf
@@ -108,8 +109,9 @@ class DirectQueues:
         return getattr(self._transport, "dmabuf_refusal", "")
 
     @property
-    def transport_name(self) -> str:
-        return getattr(self._transport, "name", "")
+    def fabric(self) -> registry.Capabilities | None:
+        """What our transport can do (None before it is made)."""
+        return registry.TRANSPORTS.get(getattr(self._transport, "name", ""))
 
     def at_loop_end(self, fn: Any) -> None:
         """Call ``fn()`` on the loop once it has ended its jobs: a job submitted and not

@@ -12,6 +12,7 @@ from ...errors import InvalidArgument
 from ...nvme import NamespaceIds
 from ...nvme.ana import AnaState
 from ...nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
+from ...transport import registry
 from ..connect_options import ConnectOptions
 from .ana import PathAna
 
@@ -34,12 +35,12 @@ def path_options(base: ConnectOptions, uri: str) -> ConnectOptions:
     where = parse_uri(uri)
     if where.nsid is not None:
         raise InvalidArgument(f"path {uri}: a path names no namespace (drop /{where.nsid})")
-    tcp = where.transport == "tcp"
+    digests = registry.capabilities(where.transport).digests
     return dataclasses.replace(
         base, transport=where.transport, traddr=where.traddr,
         trsvcid=where.trsvcid if where.trsvcid is not None else DEFAULT_PORT,
-        nqn=where.subnqn, hdr_digest=base.hdr_digest and tcp,
-        data_digest=base.data_digest and tcp)
+        nqn=where.subnqn, hdr_digest=base.hdr_digest and digests,
+        data_digest=base.data_digest and digests)
 
 
 class Path:
