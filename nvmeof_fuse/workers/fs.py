@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
-from typing import Any
 
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.fs.info import ControllerLike
 from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS, _fuse_error
 from nvmeof_fuse.host.attached import NamespaceShape
@@ -32,15 +32,16 @@ ForwardRead = Callable[[int, int, int], Awaitable[bytes]]
 """``read(fh, offset, size)`` in the main process: the bytes (fewer at the end)."""
 ForwardWrite = Callable[[int, int, bytes], Awaitable[int]]
 """``write(fh, offset, data)`` in the main process: the bytes written."""
-WriteLock = Callable[[int, int, int], AbstractAsyncContextManager[Any]]
+WriteLock = Callable[[int, int, int], AbstractAsyncContextManager[None]]
 """``write_lock(nsid, offset, length)``: the main process's range lock of those bytes."""
 
 
 class WorkerFS(NamespaceFS):
     """:class:`NamespaceFS` in a FUSE worker (see the module)."""
 
-    def __init__(self, controller: Any, options: MountOptions, *, forward_read: ForwardRead,
-                 forward_write: ForwardWrite, write_lock: WriteLock) -> None:
+    def __init__(self, controller: ControllerLike, options: MountOptions, *,
+                 forward_read: ForwardRead, forward_write: ForwardWrite,
+                 write_lock: WriteLock) -> None:
         super().__init__(controller, options, shared_handles=True)
         self.forwarded = 0  # READs and WRITEs the main process served for us
         self.forward_read = forward_read
@@ -106,7 +107,7 @@ class WorkerFS(NamespaceFS):
         async with self.write_lock(ns.nsid, off, len(data)):
             return await ns.write(off, data)
 
-    async def _write_forwarded(self, fh: int, off: int, buf: Any) -> int:
+    async def _write_forwarded(self, fh: int, off: int, buf: bytes | memoryview) -> int:
         self.forwarded += 1
         view = memoryview(buf)
         done = 0
