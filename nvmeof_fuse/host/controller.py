@@ -10,6 +10,11 @@ When the connection is lost (a failed work request, a command or keep-alive
 timeout), the queues are torn down and rebuilt every ``reconnect_delay`` seconds
 for up to ``ctrl_loss_tmo`` seconds, as the kernel's fabrics code does.  I/O
 waits meanwhile and is retried on the new queues; registered memory stays valid.
+
+Why one module: a controller's life is one state table (:mod:`.state`), and each step of
+it (connect, enable, the queues, keep-alive, reconnect, shutdown) acts on the same queues,
+nursery and state; what needs none of that lives apart (options, auth, events, the
+reconnect policy, memory).
 """
 
 from __future__ import annotations

@@ -13,6 +13,11 @@ that mounted, any memory.  Anything else is staged through pinned bounce
 memory shared with the daemon and copied here, like kvikio's compat mode: it
 still works, :attr:`File.placement` says why, it is logged once, and the
 daemon counts those bytes as staged.
+
+Why one module: ``File`` is the public face, and each call chooses among the ways its
+bytes can move (this process's own queues, polled or on its loop, the daemon's queues,
+staging, CUDA) by one file's state (registrations, placement, transfers in flight); each
+way lives in a module of its own beside this one.
 """
 
 from __future__ import annotations

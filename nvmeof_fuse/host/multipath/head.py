@@ -23,6 +23,10 @@ needs to know about paths.
 - With one path the head hands commands straight to that path's controller: choosing a
   path costs nothing then.  A path whose controller gave up is connected anew every
   ``--reconnect-delay``, so the mount works again when the target comes back.
+
+Why one module: failover, ANA, admission and reviving a path all act on one head's paths
+and which of them serve; what needs no head lives apart (a path, its ANA states, the I/O
+policies, the memory of every path).
 """
 
 from __future__ import annotations

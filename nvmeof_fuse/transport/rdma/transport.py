@@ -23,6 +23,10 @@ CQ that raises no wakeup unless a caller waits on it, and a waiting caller is
 parked without a cancel scope; one watchdog per queue enforces the timeouts.
 A command started with :meth:`RdmaQueue.start` has no caller task at all: the task
 that reaps its completion calls its callback.
+
+Why one module: the transport and its queue pairs share each queue's protection domain,
+memory regions and completion channels; the wire formats at the top are pure and tested
+on their own, and the queue that callers' threads drive lives apart (:mod:`.polled`).
 """
 
 from __future__ import annotations
