@@ -1,4 +1,5 @@
-"""The .nvmeof reports: the connection section of stats and stats.json."""
+"""The .nvmeof reports: the connection section of stats and stats.json, and the figures of
+FUSE workers summed with the main process's."""
 
 from __future__ import annotations
 
@@ -42,3 +43,32 @@ def test_the_companion_handed_down_by_the_daemon_is_reported():
     assert ("companion client pid 9 uid 1000:\n  regions           : 2\n"
             "  staged_read_bytes : 4096\n"
             "  placement cuda    : staged: NVMe/TCP receives data\n") in text
+
+
+def test_stats_sum_every_worker_and_show_each():
+    op = {"ops": 10, "bytes": 40960, "errors": 1,
+          "latency_us": {"p50": 5.0, "p99": 9.0, "max": 12.0, "mean": 6.0}}
+    main = {"n1": {"uptime_s": 1.0, "ops": {"read": op}, "counters": {"x": 1}}}
+    worker = {"index": 1, "pid": 99, "namespaces": {"n1": {
+        "ops": {"read": {**op, "ops": 30, "latency_us": {"p50": 4.0, "p99": 20.0,
+                                                        "max": 30.0, "mean": 2.0}},
+                "write": op}, "counters": {"x": 2}}}}
+
+    class Companion:
+        def snapshot(self):
+            return {}
+
+        def own_reports(self):
+            return [worker]
+
+    class Ctrl:
+        namespaces = {1: type("Ns", (), {"stats": type("S", (), {
+            "snapshot": staticmethod(lambda: main["n1"])})})()}
+
+    doc = info.stats_dict(Ctrl(), Companion())
+    read = doc["n1"]["ops"]["read"]
+    assert (read["ops"], read["bytes"], read["errors"]) == (40, 40960 * 2, 2)
+    assert read["latency_us"]["max"] == 30.0 and read["latency_us"]["mean"] == 3.0
+    assert doc["n1"]["ops"]["write"]["ops"] == 10 and doc["n1"]["counters"] == {"x": 3}
+    assert [w["index"] for w in doc["workers"]] == [0, 1]
+    assert doc["workers"][0]["namespaces"]["n1"]["ops"]["read"]["ops"] == 10  # main's own

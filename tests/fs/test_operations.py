@@ -12,11 +12,12 @@ import trio
 
 from nvmeof_fuse.errors import CommandTimeout
 from nvmeof_fuse.fs.mount_options import MountOptions
-from nvmeof_fuse.fs.operations import NamespaceFS
+from nvmeof_fuse.fs.operations import NamespaceFS, pack_fh, unpack_fh
 from nvmeof_fuse.fs.wire import ROOT_INODE, DirBuffer, EntryAttributes, FUSEError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes import make_controller  # noqa: E402
+from ramdisk import ram_controller  # noqa: E402
 
 
 def call(fn, *args):
@@ -259,3 +260,38 @@ def test_an_unavailable_namespace_shows_with_size_0_and_open_fails_with_enxio(fs
         call(fs.open, inode, os.O_RDONLY, None)
     assert refused.value.errno == errno.ENXIO
     assert not fs.file_open(1) and fs.handles == {}
+
+
+@pytest.mark.parametrize("nsid,writable", [(1, True), (7, False), (0xFFFFFFFE, True), (0, False)])
+def test_a_shared_handle_says_what_it_opened(nsid, writable):
+    assert unpack_fh(pack_fh(12345, nsid, writable)) == (nsid, writable)
+
+
+def test_any_process_reads_a_namespace_handle_it_did_not_open():
+    ctrl = ram_controller((1, 512, 64), (2, 4096, 16))
+    opener = NamespaceFS(ctrl, shared_handles=True)
+    other = NamespaceFS(ctrl, shared_handles=True)
+
+    async def main():
+        fi = await opener.open(opener.ns_inodes[2], os.O_RDWR, None)
+        assert fi.fh >> 1 & 0xFFFFFFFF == 2
+        h = other.handles[fi.fh]  # never opened here
+        assert h.node.ns.nsid == 2 and h.writable
+        report = await opener.open(opener.nodes[opener._root.entries[b".nvmeof"]]
+                                   .entries[b"stats.json"], os.O_RDONLY, None)
+        with pytest.raises(KeyError):
+            other.handles[report.fh]  # a report: only its opener can read it
+        assert other.handles.get(report.fh) is None
+
+    trio.run(main)
+
+
+def test_without_workers_handles_stay_plain_counters():
+    fs = NamespaceFS(ram_controller((1, 512, 64)))
+
+    async def main():
+        a = await fs.open(fs.ns_inodes[1], os.O_RDWR, None)
+        b = await fs.open(fs.ns_inodes[1], os.O_RDONLY, None)
+        assert (a.fh, b.fh) == (1, 2)
+
+    trio.run(main)

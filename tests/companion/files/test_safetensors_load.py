@@ -184,16 +184,6 @@ def test_a_dtype_numpy_lacks_is_named():
         _numpy_maker()(tensors_[0])
 
 
-def test_offsets_are_absolute_and_in_file_order():
-    header = json.dumps({"b": {"dtype": "U8", "shape": [3], "data_offsets": [4, 7]},
-                         "a": {"dtype": "I32", "shape": [1], "data_offsets": [0, 4]},
-                         "__metadata__": {"x": "y"}}).encode()
-    found, meta = sth.parse_header(header, 8 + len(header) + 7)
-    assert meta == {"x": "y"}
-    assert [(t.name, t.start, t.nbytes) for t in found] == [
-        ("a", 8 + len(header), 4), ("b", 8 + len(header) + 4, 3)]
-
-
 class ShortFile:
     """A :class:`~.client.File` stand-in of ``content`` whose reads past ``cut`` come back
     short, as after the file shrank under the load."""
