@@ -24,7 +24,7 @@ from nvmeof_fuse.companion.server.server import CompanionServer
 from nvmeof_fuse.errors import TransportError
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.host.memory import BouncePool, DataRef
-from nvmeof_fuse.host.namespace.namespace import Namespace
+from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.nvme import Completion
 
 OPC_FLUSH, OPC_WRITE, OPC_READ = 0x00, 0x01, 0x02

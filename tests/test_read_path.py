@@ -32,7 +32,7 @@ from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.operations import NamespaceFS
 from nvmeof_fuse.fs.session import FuseSession
 from nvmeof_fuse.host.controller import ConnectOptions, Controller
-from nvmeof_fuse.host.namespace.namespace import Namespace
+from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.host.state import CONNECTING, LIVE
 
 LBA = 512

@@ -35,7 +35,7 @@ from .controller import (
     reconnect_attempts,
 )
 from .memory import host_buffer
-from .namespace.namespace import Namespace
+from .namespace import Namespace
 from .state import CONNECTING, LIVE
 
 log = logging.getLogger(__name__)

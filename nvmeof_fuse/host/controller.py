@@ -51,7 +51,7 @@ from .connect_options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F
 from .events import AsyncEvents, active_nsids
 from .hostid import host_identity
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
-from .namespace.namespace import Namespace
+from .namespace import Namespace
 from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 

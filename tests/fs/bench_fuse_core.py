@@ -54,7 +54,7 @@ def serve(mountpoint: str, queues: int) -> None:
     from nvmeof_fuse.fs.mount import MountOptions
     from nvmeof_fuse.fs.mount import serve as serve_mount
     from nvmeof_fuse.host.memory import BouncePool
-    from nvmeof_fuse.host.namespace.namespace import Namespace
+    from nvmeof_fuse.host.namespace import Namespace
 
     async def main() -> None:
         async with trio.open_nursery() as nursery:

@@ -18,7 +18,7 @@ from nvmeof_fuse.host.events import (
     active_nsids,
     rescan,
 )
-from nvmeof_fuse.host.namespace.namespace import Namespace
+from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.host.state import DELETING, LIVE
 from nvmeof_fuse.nvme import Cns, Completion, IdentifyNamespace, NVMeStatusError
 

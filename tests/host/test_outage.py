@@ -19,7 +19,7 @@ from nvmeof_fuse.companion.client.own_queues import lease_from
 from nvmeof_fuse.companion.server.server import CompanionServer
 from nvmeof_fuse.host.attached import EDGE_BUFFERS, attach
 from nvmeof_fuse.host.controller import ConnectOptions, Controller
-from nvmeof_fuse.host.namespace.namespace import Namespace
+from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.host.state import CONNECTING, LIVE
 
 NQN = "nqn.2014-08.org.example:outage"

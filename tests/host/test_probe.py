@@ -18,7 +18,7 @@ from fabric_fakes import FakeQueue, FakeTarget, FakeTransport
 
 from nvmeof_fuse.errors import TransportError
 from nvmeof_fuse.host.controller import PROBES_IN_FLIGHT, ConnectOptions, Controller
-from nvmeof_fuse.host.namespace.namespace import Namespace
+from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.host.state import CONNECTING, LIVE
 
 NQN = "nqn.2014-08.org.example:probe"

@@ -28,7 +28,7 @@ import trio  # noqa: E402
 from test_transport_queue import CQ, FAKE_VERBS, PD, QP, WC, Channel  # noqa: E402
 
 from nvmeof_fuse.host.controller import ConnectOptions, Controller  # noqa: E402
-from nvmeof_fuse.host.namespace.namespace import Namespace  # noqa: E402
+from nvmeof_fuse.host.namespace import Namespace  # noqa: E402
 from nvmeof_fuse.host.state import CONNECTING, LIVE  # noqa: E402
 from nvmeof_fuse.transport.rdma import transport as rdma  # noqa: E402
 from nvmeof_fuse.transport.region import host_buffer  # noqa: E402

@@ -99,7 +99,7 @@ def test_while_its_queues_are_not_live_a_worker_forwards_its_io():
 
 def test_a_worker_takes_the_sizes_of_a_rescan_and_forwards_a_namespace_gone():
     from nvmeof_fuse.host.attached import NamespaceShape
-    from nvmeof_fuse.host.namespace.namespace import Namespace
+    from nvmeof_fuse.host.namespace import Namespace
 
     issuer = SimpleNamespace()  # no I/O here: sizes only
     ctrl = SimpleNamespace(live=True, namespaces={

@@ -59,7 +59,7 @@ from ..controller import (
 from ..controller import connect as connect_controller
 from ..events import NamespaceChange
 from ..memory import BouncePool, DataRef, Region, buffer_address, host_buffer
-from ..namespace.namespace import Namespace
+from ..namespace import Namespace
 from ..state import DEAD, DELETING, LIVE
 from .ana import PathAna
 from .iopolicy import DEFAULT_POLICY, PathSelector

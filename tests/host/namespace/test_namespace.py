@@ -9,7 +9,7 @@ import trio.testing
 
 from nvmeof_fuse.errors import CommandTimeout, InvalidArgument, TransportError
 from nvmeof_fuse.host.memory import BouncePool, DataRef, host_buffer
-from nvmeof_fuse.host.namespace.namespace import Namespace
+from nvmeof_fuse.host.namespace import Namespace
 from nvmeof_fuse.nvme import command as cmd
 
 OPC_FLUSH, OPC_WRITE, OPC_READ, OPC_WRITE_ZEROES = 0x00, 0x01, 0x02, 0x08
