@@ -4,7 +4,7 @@ A worker reads requests from a cloned /dev/fuse descriptor
 (:func:`~nvmeof_fuse.fs.devfuse.clone_fd`), and the kernel hands it any request, not only
 READ and WRITE.  Those two it serves itself, on
 the namespaces of its own controller (queues leased from the main process), with handles
-read out of their numbers (:func:`.operations.pack_fh`).  Everything else its session
+read out of their numbers (:func:`~nvmeof_fuse.fs.operations.pack_fh`).  Everything else its session
 forwards to the main process, which holds the open handles and the ``.nvmeof`` reports;
 so do READs of a report and I/O on a namespace this worker does not know (added since it
 started).  Its writes hold the main process's range lock of their LBAs (``write_lock``),

@@ -3,9 +3,9 @@
 A socket receives into host memory only, so over NVMe/TCP a client's CUDA memory moves
 through the file's staging memory (page-locked once), copied to and from the GPU in this
 process.  The tasks and their pipeline are those of staging through the daemon
-(:class:`~.daemon_io.DaemonIO`); only each task's request differs: its LBAs move over this
+(:class:`~.via_daemon.DaemonIO`); only each task's request differs: its LBAs move over this
 client's own queues instead of being asked of the daemon, so the daemon leaves the data
-path (a write still holds its range lock: :mod:`.client_delegation`).
+path (a write still holds its range lock: :mod:`.locked_writes`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ NOT_STARTED = "our own queues were closed before this request started"
 
 class OwnQueueRequests:
     """A channel's ``read_async`` and ``write_async``, as staged tasks make them, run on a
-    client's own queues (:class:`~.direct.DirectQueues`) into and out of ``staging``."""
+    client's own queues (:class:`~.own_queues.DirectQueues`) into and out of ``staging``."""
 
     def __init__(self, direct: Any, staging: Staging, lba_size: int) -> None:
         self._direct = direct

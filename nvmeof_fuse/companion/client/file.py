@@ -604,7 +604,7 @@ class File:
     def _staged(self, io: Any, mem: _Memory, buf_offset: int, size: int, file_offset: int,
                 write: bool, stream: int | None, extra: float = 0.0) -> IOFuture:
         """A transfer staged through ``io``'s staging memory (the daemon's queues, or our
-        own NVMe/TCP queues: :mod:`.own_staging`) and copied to or from the caller's memory
+        own NVMe/TCP queues: :mod:`.cuda_via_own_tcp`) and copied to or from the caller's memory
         here; ``extra`` seconds are added to its wait."""
         device = mem.device
         if device is not None:

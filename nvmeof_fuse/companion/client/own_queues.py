@@ -8,7 +8,7 @@ HostNQN and HostID, and DH-HMAC-CHAP with the mount's secrets, which the lease
 reply carries: :mod:`nvmeof_fuse.host.attached`), registers its own memory there,
 and moves data between the target and that memory with nobody in between.  Over
 NVMe/TCP a socket receives into host memory only: CUDA memory is staged by this
-process (:mod:`.own_staging`).  One trio loop on one thread (:class:`SyncController`)
+process (:mod:`.cuda_via_own_tcp`).  One trio loop on one thread (:class:`SyncController`)
 completes every request's future: no thread per request.
 
 Reads never involve the daemon.  A write asks the daemon for the range lock a
@@ -20,7 +20,7 @@ This module holds the queues' life (connect, reconnect, the daemon's events and 
 and the loop's transfers; each other concern has a module of its own: the lease
 (:mod:`.lease`), the registration cache (:mod:`.registrations`), polled reads in the
 callers' threads (:mod:`.polled`) and the client side of write delegations
-(:mod:`.client_delegation`).
+(:mod:`.locked_writes`).
 """
 
 from __future__ import annotations

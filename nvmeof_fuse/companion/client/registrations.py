@@ -1,5 +1,6 @@
 """A companion client's registrations: caller memory registered in its own PD, kept while
-the object that owns the pages lives (the registration cache of :class:`~.direct.DirectQueues`)."""
+the object that owns the pages lives (the registration cache of
+:class:`~.own_queues.DirectQueues`)."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def stream_handle(stream: Any) -> int | None:
 
 
 class Cuda:
-    """The companion API's CUDA work over a driver (:class:`~.cuda_driver.LibCuda`)."""
+    """The companion API's CUDA work over a driver (:class:`~.driver.LibCuda`)."""
 
     def __init__(self, driver: Any = None) -> None:
         self._driver = driver

@@ -6,7 +6,7 @@
 
 The file's byte range is mapped with FS_IOC_FIEMAP (its dirty pages written first,
 ``FIEMAP_FLAG_SYNC``), and each clean extent is read from the namespace by the
-same paths as a namespace read (:class:`~nvmeof_fuse.companion.client.file.File` on
+same paths as a namespace read (:class:`~nvmeof_fuse.File` on
 the loop's backing file: the client's own queues, dma-bufs, staging).  Holes and unwritten extents
 become zeros with no I/O; any other extent, and every file of a filesystem
 other than ext4 or xfs, is read by the kernel (``os.preadv``).
@@ -56,7 +56,7 @@ _TICK_NS = time.clock_getres(COARSE) * 1e9
 class FilesystemFile:
     """A regular file of an ext4 or xfs filesystem on a loop device over a namespace file
     of an nvmeof-fuse mount (a partition of one too).  Keyword options not named here go
-    to the namespace's :class:`~nvmeof_fuse.companion.client.file.File`."""
+    to the namespace's :class:`~nvmeof_fuse.File`."""
 
     def __init__(self, path: str, *, retries: int = RETRIES, chunk: int = CHUNK,
                  **options: Any) -> None:
@@ -389,11 +389,11 @@ def _zero(mem: Any, at: int, size: int, stream: int | None) -> None:
 
 def open_file(path: Any, *args: Any, **options: Any) -> FilesystemFile | None:
     """The :class:`FilesystemFile` of ``path`` when it is a regular file that is not a
-    namespace file of a mount; None for :class:`~.client.File` to open it itself.
+    namespace file of a mount; None for :class:`~nvmeof_fuse.File` to open it itself.
 
-    A name like a namespace file's (``n1``) is left to :class:`~.client.File` before anything
+    A name like a namespace file's (``n1``) is left to :class:`~nvmeof_fuse.File` before anything
     is asked of the filesystem: on a hung mount a stat would never return, and
-    :class:`~.client.File` bounds its wait (open such a file of a filesystem with
+    :class:`~nvmeof_fuse.File` bounds its wait (open such a file of a filesystem with
     :class:`FilesystemFile` itself)."""
     try:
         path = os.fspath(path)

@@ -4,7 +4,7 @@
     tensors = nvmeof_fuse.load_safetensors(path, device="cuda:0")                 # torch
 
 The header is read and checked (:mod:`.safetensors_header`); then every
-tensor gets storage of its own and all are read in one batch by :class:`~.client.File`:
+tensor gets storage of its own and all are read in one batch by :class:`~nvmeof_fuse.File`:
 a namespace file of a mount, or a file of a filesystem on one (:mod:`.fsfile`).  torch is
 imported only when ``device`` asks for it.
 """
@@ -23,7 +23,7 @@ from . import safetensors_header as sth
 def load_safetensors(path: str, device: Any = None, **options: Any) -> dict[str, Any]:
     """The tensors of the safetensors file at ``path`` by name: numpy arrays when ``device``
     is None or ``"numpy"``, else torch tensors on ``device`` (``"cpu"``, ``"cuda"``,
-    ``"cuda:1"``, a ``torch.device``).  ``options`` go to :class:`~.client.File`."""
+    ``"cuda:1"``, a ``torch.device``).  ``options`` go to :class:`~nvmeof_fuse.File`."""
     make = _numpy_maker() if device is None or device == "numpy" else _torch_maker(device)
     with File(path, **options) as f:
         tensors = _header(path, f)

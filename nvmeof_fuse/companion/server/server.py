@@ -535,7 +535,7 @@ class CompanionServer:
                          max_named: int | None = None) -> list[list[int]]:
         """``[nsid, lba_size, nlb]`` of the namespaces ``nsids`` names, as a lease names
         them (a client addresses them by these).  Without ``nsids``: all while they fit a
-        reply (:func:`~.protocol.fits_budget`), or while they are at most ``max_named``
+        reply (:func:`~..protocol.fits_budget`), or while they are at most ``max_named``
         when given (a role's lease); else none."""
         namespaces = self.controller.namespaces
         shapes = [[n, namespaces[n].lba_size, namespaces[n].nlb]

@@ -11,7 +11,7 @@ request it finds done, as MPI or kvikio runtimes make progress while waiting.
 - One lock guards the slots (command IDs) and every verbs call on the queue.
 - Exactly one waiter polls at a time; others sleep on a condition and take over
   when it leaves.  A poller spins for about twice the queue's recent latency for
-  commands of its size (:mod:`.pollbudget`), then arms the CQs and sleeps on the
+  commands of its size (:mod:`..pollbudget`), then arms the CQs and sleeps on the
   completion channel's fd: nothing spins while nobody waits, and every wait is
   bounded by the caller's deadline.
 - Doorbells are coalesced while a caller collects what one poll reaped: a command

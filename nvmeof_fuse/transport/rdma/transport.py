@@ -10,7 +10,7 @@ for small writes, inside the command capsule.
 Completions wake trio through the completion channel's fd; while completions
 keep coming the reaper polls without sleeping.  A command alone on its queue is
 polled for by its caller instead, for about twice the queue's recent latency for
-commands of its size (as the kernel's hybrid polling: :mod:`.pollbudget`), so a QD1
+commands of its size (as the kernel's hybrid polling: :mod:`..pollbudget`), so a QD1
 reader pays no sleep and wake-up per I/O; past that, or with an idle queue, nothing
 polls and the channel is armed.
 With several commands in flight nothing polls before sleeping either: a command
@@ -58,7 +58,7 @@ _CM_ACCEPT = struct.Struct("<HH28x")  # recfmt, crqsize
 STOP_TIMEOUT = 5.0  # s for a queue's reaper to end once stopped
 POLL_MAX = 0.002
 """Seconds of recent latency past which a command alone on its queue is not polled for
-(but for a probe now and then: :mod:`.pollbudget`); below, its caller polls for twice that."""
+(but for a probe now and then: :mod:`..pollbudget`); below, its caller polls for twice that."""
 YIELD_EVERY = POLL_MAX
 """Seconds a caller polling for its command alone may go on without a scheduler pass."""
 ACK_TIMEOUT = 16
@@ -118,7 +118,7 @@ class Request:
 
     def __init__(self, cid: int, slot: int, data: DataRef | None) -> None:
         self.cid = cid
-        """Its command ID: ``slot`` and the slot's generation (:mod:`.cids`)."""
+        """Its command ID: ``slot`` and the slot's generation (:mod:`..cids`)."""
         self.slot = slot
         """Its capsule, response and send work request."""
         self.data = data
@@ -561,7 +561,7 @@ class RdmaQueue:
 
     def oldest_command(self) -> Request | None:
         """The command in flight the longest, or None (``pending`` keeps the order commands
-        were allocated in): what :mod:`.overdue` looks at."""
+        were allocated in): what :mod:`..overdue` looks at."""
         for request in self._slots.pending.values():
             return request
         return None

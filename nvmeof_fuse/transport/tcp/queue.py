@@ -3,12 +3,12 @@
 Capsules go out from the trio thread: a command alone at once, others in flight with it
 by a sender task, in one ``sendmsg`` per trio batch.  A write's data rides in the capsule
 up to the in-capsule limit; otherwise it answers the controller's R2Ts in H2CData PDUs
-(:mod:`.tcp_data`), sent by the receiver thread the moment it reads a bulk R2T.  A
+(:mod:`.data`), sent by the receiver thread the moment it reads a bulk R2T.  A
 per-socket send lock keeps PDUs from interleaving; the trio thread never waits for it.
 
-What comes in is read by the queue's :class:`~.tcp_reader.PduReader`: small PDUs on the
+What comes in is read by the queue's :class:`~.reader.PduReader`: small PDUs on the
 trio thread, large ones (and the stream after them) by the queue's receiver thread, whose
-answers reach trio in batches through the queue's :class:`~.mailbox.Mailbox`, the one
+answers reach trio in batches through the queue's :class:`~..mailbox.Mailbox`, the one
 bridge from its threads into trio.  Only the trio thread changes a command's state.
 
 Anything that breaks the protocol (a bad digest, a length that disagrees with its header,
@@ -49,7 +49,7 @@ from .splice import Splicer, open_splicer
 
 
 class Peer(Protocol):
-    """What a queue needs of its transport (:class:`~.tcp.TcpTransport`)."""
+    """What a queue needs of its transport (:class:`~.transport.TcpTransport`)."""
 
     traddr: str
     trsvcid: int

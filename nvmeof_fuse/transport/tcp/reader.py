@@ -9,7 +9,7 @@ pairs for answered commands and ``(request, R2T header)`` pairs for R2Ts, gather
 Two threads use it, never at once.  The queue's trio task reads small PDUs, each only
 once it is whole in the buffer (:meth:`PduReader.receive_nowait`, then
 :meth:`PduReader.one_pdu`), so it never waits on the socket there.  From a PDU over
-:data:`~.tcp_data.BULK_BYTES` on, the queue's receiver thread reads the stream, headers and
+:data:`~.data.BULK_BYTES` on, the queue's receiver thread reads the stream, headers and
 data, in blocking calls bounded by the socket's receive timeout (:meth:`PduReader.run`),
 as the kernel's io_work does, and hands its inbox to the trio thread before each receive
 that may block.  It answers a bulk R2T itself, through its owner.  Anything that breaks
@@ -163,7 +163,7 @@ class PduReader:
     def _lookup(self, cid: int, what: str) -> Request:
         """The request in flight under ``cid``: sent, not answered yet (as far as the
         reader knows; the trio thread releases it only once the answer is handed over).
-        A command ID carries its slot's generation (:mod:`.cids`): one of an earlier use
+        A command ID carries its slot's generation (:mod:`..cids`): one of an earlier use
         of the slot is not in flight."""
         request = self._pending.get(cid)
         if request is None or self._answered.get(cid) == request.serial:

@@ -2,10 +2,10 @@
 
 The PDUs are built and parsed in :mod:`nvmeof_fuse.nvme.tcp_pdu`.  This module opens the
 connections: one TCP connection per NVMe queue, opened with ICReq/ICResp (honouring the
-target's CPDA, MAXH2CDATA and digests), then handed to a :class:`~.tcp_queue.TcpQueue`,
+target's CPDA, MAXH2CDATA and digests), then handed to a :class:`~.queue.TcpQueue`,
 which moves capsules and data, and reads what comes back with its
-:class:`~.tcp_reader.PduReader`.  Data moves once, received into and sent from the
-caller's memory (:mod:`.tcp_data`), which needs no registration: :meth:`TcpTransport.register`
+:class:`~.reader.PduReader`.  Data moves once, received into and sent from the
+caller's memory (:mod:`.data`), which needs no registration: :meth:`TcpTransport.register`
 hands back a trivial one, and refuses GPU memory by name.
 
 ``python -m nvmeof_fuse.transport.tcp HOST PORT`` probes a port: it prints the ICResp.
@@ -37,7 +37,7 @@ class TcpTransport:
     places_in_other_processes = True
     """A companion client connects queues of its own (a connection each, with the mount's
     controller ID) and receives into its own host memory: the daemon leaves the data path."""
-    counts_read_data = True  # a read succeeds only with all its C2HData (tcp_reader)
+    counts_read_data = True  # a read succeeds only with all its C2HData (reader.py)
     dmabuf_refusal = HOST_MEMORY_ONLY
     """Why dma-bufs (GPU memory) are not registered here."""
 

@@ -16,7 +16,7 @@ import trio
 from companion_fakes import FakeFabric, LeasingController, serving, wait_for
 
 import nvmeof_fuse
-from nvmeof_fuse.companion.client import locked_writes as client_delegation
+from nvmeof_fuse.companion.client import locked_writes
 from nvmeof_fuse.companion.client import own_queues as direct
 from nvmeof_fuse.companion.client.file import QUEUES_PER_CLIENT, File
 from nvmeof_fuse.companion.protocol import CompanionError
@@ -490,7 +490,7 @@ def test_a_recall_that_never_arrives_is_caught_by_the_renewal(served, monkeypatc
 def test_a_delegation_whose_term_ran_out_is_confirmed_before_the_next_write(
         served, monkeypatch):
     ctrl, fabric, server, mnt = served
-    monkeypatch.setattr(client_delegation, "DELEGATION_TERM", 0.2)
+    monkeypatch.setattr(locked_writes, "DELEGATION_TERM", 0.2)
     monkeypatch.setattr(direct, "REPORT_INTERVAL", 3600.0)  # no renewals
     asked = _count_lock_asks(server, monkeypatch)
     buf = nvmeof_fuse.empty(10_000)
