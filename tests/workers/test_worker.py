@@ -3,8 +3,6 @@ main process's range lock, and the sizes of a rescan, over the real companion so
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import logging
 import os
 import time
@@ -13,6 +11,7 @@ from types import SimpleNamespace
 import trio
 import trio.testing
 from companion_fakes import LeasingController, serving, wait_for
+from workers_fakes import worker_of, workers_role
 
 from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import pack_fh
@@ -50,20 +49,6 @@ def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
                               "generation": g}) for g in (1, 2)]
 
 
-def workers_role(count: int = 2, **requests):
-    """The FUSE workers' role of a mount of ``count`` processes, as the daemon registers it
-    (with ``requests`` in place of the supervisor's handlers, where given)."""
-    role = FuseWorkers(count).role
-    return dataclasses.replace(role, requests=requests) if requests else role
-
-
-def worker_of(server):
-    """A FUSE worker's side (its channel, not yet leased) on ``server``'s socket, as index 1."""
-
-    from nvmeof_fuse.workers.worker import _Worker
-
-    return _Worker(argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
-                                      index=1, fd=-1, read_only=False, debug=False))
 
 
 def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons_lock(tmp_path):

@@ -13,6 +13,7 @@ import trio
 import trio.testing
 from companion_fakes import LeasingController, serving, wait_for
 from multipath_fakes import Port, options
+from workers_fakes import workers_role
 
 from nvmeof_fuse.companion.client.channel import SocketChannel
 from nvmeof_fuse.companion.protocol import CompanionError
@@ -25,21 +26,6 @@ def channel(server) -> SocketChannel:
     return SocketChannel("\0" + server.info()["socket"][1:], 10)
 
 
-def workers_role(count: int = 2, **requests):
-    """The FUSE workers' role of a mount of ``count`` processes, as the daemon registers it
-    (with ``requests`` in place of the supervisor's handlers, where given)."""
-    role = FuseWorkers(count).role
-    return dataclasses.replace(role, requests=requests) if requests else role
-
-
-def worker_of(server):
-    """A FUSE worker's side (its channel, not yet leased) on ``server``'s socket, as index 1."""
-    import argparse
-
-    from nvmeof_fuse.workers.worker import _Worker
-
-    return _Worker(argparse.Namespace(socket="@" + server.info()["socket"][1:], timeout=10.0,
-                                      index=1, fd=-1, read_only=False, debug=False))
 
 
 @pytest.mark.parametrize("transport", ["rdma", "tcp"])
