@@ -10,17 +10,24 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
-from typing import Any
+from contextlib import AbstractAsyncContextManager
+from typing import TYPE_CHECKING
 
 import trio
 
 from nvmeof_fuse import ratelimit
 from nvmeof_fuse.concurrency import run_bounded
 from nvmeof_fuse.errors import NVMeoFError
-from nvmeof_fuse.ratelimit import RateLimitedLog, brief_list
+from nvmeof_fuse.ratelimit import brief_list
+
+if TYPE_CHECKING:
+    from nvmeof_fuse.companion.server.server import CompanionServer
+    from nvmeof_fuse.fs.info import ControllerLike, NamespaceLike
+    from nvmeof_fuse.fs.mount_options import MountOptions
+    from nvmeof_fuse.fs.operations import NamespaceFS
+    from nvmeof_fuse.host.connect_options import ConnectOptions
 
 log = logging.getLogger("nvmeof-fuse")
-limited = RateLimitedLog(log)
 
 FLUSH_TIMEOUT = 30.0
 """Seconds the final flush takes at most, all namespaces together."""
@@ -28,11 +35,14 @@ FLUSHES_IN_FLIGHT = 8
 """Final flushes in flight at once: however many namespaces were written, they neither crowd
 the I/O queues nor keep the loop from the keep-alive, which runs until they are done."""
 
-Ready = Callable[[Any, Any], None]
+Ready = Callable[["ControllerLike", "CompanionServer"], None]
 """``ready(controller, companion_server)``: called once the mount exists."""
+Connect = Callable[["ConnectOptions"], AbstractAsyncContextManager["ControllerLike"]]
+"""``connect(options)``: the controller a mount serves, connected while in the context (a
+multipath head: :func:`paths_connect`)."""
 
 
-def written_namespaces(ctrl: Any) -> list[tuple[int, Any]]:
+def written_namespaces(ctrl: ControllerLike) -> list[tuple[int, NamespaceLike]]:
     """``(nsid, namespace)`` of those written since their last flush, by NSID; a namespace
     that cannot say (no ``written``) counts as written."""
     return [(nsid, ns) for nsid, ns in sorted(ctrl.namespaces.items())
@@ -44,7 +54,7 @@ def _names(nsids: list[int]) -> str:
     return brief_list(f"n{nsid}" for nsid in nsids)
 
 
-async def flush_all(ctrl: Any) -> None:
+async def flush_all(ctrl: ControllerLike) -> None:
     """Flush the namespaces written since their last flush, FLUSHES_IN_FLIGHT at once, all
     within FLUSH_TIMEOUT, shielded (this runs while shutting down); what could not be
     flushed is said in one line.  The controller (its keep-alive too) runs meanwhile."""
@@ -58,7 +68,7 @@ async def flush_all(ctrl: Any) -> None:
     flushed: list[int] = []
     failed: list[tuple[int, NVMeoFError]] = []
 
-    async def flush(item: tuple[int, Any]) -> None:
+    async def flush(item: tuple[int, NamespaceLike]) -> None:
         nsid, ns = item
         try:
             await ns.flush()
@@ -90,22 +100,23 @@ async def report_suppressed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
         ratelimit.report_suppressed()
 
 
-def paths_connect(mopts: Any) -> Callable[[Any], Any]:
+def paths_connect(mopts: MountOptions) -> Connect:
     """How a mount connects: a multipath head over ``conn`` (path 0) and ``mopts.paths``
     with ``mopts.iopolicy``; with one path it hands commands straight to its controller,
     and paths can still be added to it (``nvmeof-fuse add-path``)."""
-    from nvmeof_fuse.host.multipath import connect as connect_paths
-    from nvmeof_fuse.host.path import path_options
+    from nvmeof_fuse.host.multipath.head import connect as connect_paths
+    from nvmeof_fuse.host.multipath.path import path_options
 
-    def connect(conn: Any) -> Any:
-        extra = [path_options(conn, uri) for uri in getattr(mopts, "paths", ())]
-        return connect_paths([conn, *extra], policy=getattr(mopts, "iopolicy", "queue-depth"))
+    def connect(conn: ConnectOptions) -> AbstractAsyncContextManager[ControllerLike]:
+        extra = [path_options(conn, uri) for uri in mopts.paths]
+        return connect_paths([conn, *extra], policy=mopts.iopolicy)
 
     return connect
 
 
-async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
-                      connect: Any = None, stop: trio.Event | None = None) -> str:
+async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str,
+                      ready: Ready, connect: Connect | None = None,
+                      stop: trio.Event | None = None) -> str:
     """Serve ``conn``'s controller at ``mountpoint`` until unmounted or ``stop`` is set;
     what the orderly disconnect skipped ('' if nothing: the mount's last line says it).
 
@@ -114,29 +125,30 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
     flush and the shutdown complete.  Cancelling instead tears everything down at
     once (the controller's queues too), so use it only to abandon a mount.
     """
-    from nvmeof_fuse.companion.server import CompanionServer
+    from nvmeof_fuse.companion.server.server import CompanionServer
     from nvmeof_fuse.fs.mount import check_fuse_server, check_mountpoint_async, serve
-    from nvmeof_fuse.workers import FuseWorkers, worker_queues
+    from nvmeof_fuse.workers.supervisor import FuseWorkers
 
     if connect is None:
         connect = paths_connect(mopts)
     path = await check_mountpoint_async(mountpoint)  # fail before connecting
     check_fuse_server(mopts.fuse)
-    workers = getattr(mopts, "worker_processes", 1)
-    if workers > 1:  # queue IDs for the workers to lease, beside the companion clients'
+    workers = FuseWorkers(mopts.worker_processes, read_only=mopts.read_only,
+                          timeout=conn.timeout, debug=mopts.debug)
+    if workers.role.queues:  # queue IDs for the workers to lease, beside the companion clients'
         conn = dataclasses.replace(conn, companion_queues=conn.companion_queues
-                                   + worker_queues(workers))
+                                   + workers.role.queues)
     async with connect(conn) as ctrl:
         try:
             async with trio.open_nursery() as inner:
                 inner.start_soon(report_suppressed)
-                companion = CompanionServer(ctrl, read_only=mopts.read_only)
-                companion.worker_queues = worker_queues(workers)
+                companion = CompanionServer(ctrl, read_only=mopts.read_only,
+                                            roles=[workers.role])
                 await inner.start(companion.serve)
                 fs_scope = trio.CancelScope()
                 pool: FuseWorkers | None = None
 
-                async def filesystem(task_status: trio.TaskStatus[Any]) -> None:
+                async def filesystem(task_status: trio.TaskStatus[NamespaceFS]) -> None:
                     with fs_scope:
                         await serve(ctrl, path, mopts, companion=companion,
                                     task_status=task_status)
@@ -145,11 +157,9 @@ async def serve_mount(conn: Any, mopts: Any, mountpoint: str, ready: Ready,
                     inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
 
                 fs = await inner.start(filesystem)
-                if workers > 1:
-                    pool = FuseWorkers(fs.kernel, fs, companion, workers,
-                                       read_only=mopts.read_only, timeout=conn.timeout,
-                                       debug=mopts.debug)
-                    await inner.start(pool.run)
+                if workers.count > 1:
+                    pool = workers
+                    await inner.start(pool.run, fs.kernel, fs, companion)
                 companion.on_write = fs.drop_cached  # companion writes bypass the page cache
                 companion.delegations.files_open = fs.file_open
                 fs.before_open = companion.delegations.wait_returned

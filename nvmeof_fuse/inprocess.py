@@ -21,13 +21,15 @@ from typing import Any, TypeVar
 
 import trio
 
-from .companion import gpu, local
+from .companion.client import local
+from .companion.cuda import gpu
 from .companion.protocol import CompanionError
-from .companion.session import Session
+from .companion.server.session import ClientSession
 from .daemon import serve_mount
 from .errors import InvalidArgument, NVMeoFError
 from .host.memory import buffer_address
 from .host.sync import SyncController
+from .transport import registry
 
 T = TypeVar("T")
 READY_TIMEOUT = 120.0  # s for connect + mount
@@ -72,7 +74,7 @@ class Mount:
         self._connect = connect
         self.controller: Any = None
         self.server: Any = None
-        self.session: Session | None = None
+        self.session: ClientSession | None = None
         self._registrations: list[Registration] = []
         self._bridge = SyncController(conn, connect=self._serving, ready_timeout=ready_timeout,
                                       stop_timeout=STOP_TIMEOUT)
@@ -132,7 +134,7 @@ class Mount:
 
     def open(self, nsid: int, **kwargs: Any) -> Any:
         """An :class:`~nvmeof_fuse.File` on namespace ``nsid``."""
-        from .companion.client import File
+        from .companion.client.file import File
 
         return File(self.path(nsid), **kwargs)
 
@@ -204,8 +206,8 @@ class Mount:
         self.close()
 
 
-def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
-          trsvcid: int = 4420, read_only: bool = False, allow_other: bool = False,
+def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = registry.DEFAULT,
+          trsvcid: int = registry.IO_PORT, read_only: bool = False, allow_other: bool = False,
           uid: int | None = None, gid: int | None = None, mode: int | None = None,
           fuse: str = "builtin", connect: Any = None, ready_timeout: float = READY_TIMEOUT,
           **options: Any) -> Mount:
@@ -216,7 +218,7 @@ def mount(mountpoint: str, *, traddr: str, nqn: str, transport: str = "rdma",
     ``queue_size``, ``keep_alive_tmo``, ``reconnect_delay``, ``ctrl_loss_tmo``, ``timeout``).
     ``fuse`` picks the FUSE server: ``"builtin"`` (ours) or ``"pyfuse3"`` (an extra).
     """
-    from .fs.options import DEFAULT_MODE, MountOptions
+    from .fs.mount_options import DEFAULT_MODE, MountOptions
     from .host.controller import ConnectOptions
 
     try:

@@ -29,11 +29,11 @@ SECRET = "DHHC-1:00:AAECAwQFBgcICQoLDA0ODxAREhMUFRYXGBkaGxwdHh+KfiaR:"
 
 
 def fake_multipath(connect, state=None):
-    """A fake ``nvmeof_fuse.host.multipath`` (the daemon connects through it): the first
+    """A fake ``nvmeof_fuse.host.multipath.head`` (the daemon connects through it): the first
     path through the fake ``connect``; the policy and further paths go to ``state``."""
     import types
 
-    mod = types.ModuleType("nvmeof_fuse.host.multipath")
+    mod = types.ModuleType("nvmeof_fuse.host.multipath.head")
 
     def path_options(base, uri):
         return uri
@@ -88,7 +88,7 @@ async def connect(opts):
             nursery.cancel_scope.cancel()
 mod.connect = connect
 sys.modules[mod.__name__] = mod
-sys.modules["nvmeof_fuse.host.multipath"] = cli_fakes.fake_multipath(connect)
+sys.modules["nvmeof_fuse.host.multipath.head"] = cli_fakes.fake_multipath(connect)
 sys.exit(entry.main(sys.argv[1:]))
 """
 

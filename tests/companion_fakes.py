@@ -20,7 +20,7 @@ from typing import Any
 
 import trio
 
-from nvmeof_fuse.companion.server import CompanionServer
+from nvmeof_fuse.companion.server.server import CompanionServer
 from nvmeof_fuse.errors import TransportError
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.host.memory import BouncePool, DataRef
@@ -131,9 +131,11 @@ class AddressController:
 
 
 @contextlib.contextmanager
-def serving(ctrl: AddressController, tmp_path: Any, *, read_only: bool = False):
-    """Serve ``ctrl``'s companion socket on a trio thread; yields (server, mount dir)."""
-    server = CompanionServer(ctrl, read_only=read_only)
+def serving(ctrl: AddressController, tmp_path: Any, *, read_only: bool = False,
+            roles: Any = ()):
+    """Serve ``ctrl``'s companion socket on a trio thread, with the mount's own ``roles``;
+    yields (server, mount dir)."""
+    server = CompanionServer(ctrl, read_only=read_only, roles=roles)
     started = threading.Event()
     state: dict[str, Any] = {}
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from nvmeof_fuse.companion import shm
-from nvmeof_fuse.companion.cuda_driver import INVALID_CONTEXT, CudaError, PointerInfo
+from nvmeof_fuse.companion.client import shm
+from nvmeof_fuse.companion.cuda.driver import INVALID_CONTEXT, CudaError, PointerInfo
 
 MEMORYTYPE_DEVICE = 2
 
@@ -54,7 +54,7 @@ class FakeTensor:
 
 
 class FakeDriver:
-    """:class:`~nvmeof_fuse.companion.cuda_driver.LibCuda`'s methods, on the CPU."""
+    """:class:`~nvmeof_fuse.companion.cuda.driver.LibCuda`'s methods, on the CPU."""
 
     def __init__(self, devices: int = 2, *, vmm: bool = False) -> None:
         self.contexts = {device: 0xC0DE0 + device for device in range(devices)}
@@ -215,7 +215,7 @@ class FakeDriver:
 
 def install(driver: FakeDriver | None = None) -> tuple[FakeDriver, Any]:
     """Install a fake driver behind the companion API's CUDA seam: ``(driver, seam)``."""
-    from nvmeof_fuse.companion import gpu
+    from nvmeof_fuse.companion.cuda import gpu
 
     driver = driver or FakeDriver()
     seam = gpu.Cuda(driver)

@@ -14,8 +14,8 @@ from typing import Any
 
 import trio
 
-from nvmeof_fuse.host.byterange import ByteRangeIO
-from nvmeof_fuse.host.stats import IoStats
+from nvmeof_fuse.host.namespace.byterange import ByteRangeIO
+from nvmeof_fuse.host.namespace.stats import IoStats
 
 
 class RamDevice:

@@ -1,12 +1,38 @@
-"""Each layer imports only the layers below it.
+"""The house: its layers and its three kinds of process, each importing only what it may.
 
-nvme, transport < host < fs, companion < daemon, inprocess (nvmeof_fuse.mount), cli.
+Layers, lowest first; each imports only those below it (tests import anything):
+
+    errors, concurrency, procstat,    nothing of ours but errors
+    ratelimit
+    nvme/                             wire formats: bytes in, bytes and events out, no I/O
+    transport/ (rdma/, tcp/)          sockets, queue pairs, registered memory
+    host/ (multipath/, namespace/)    controllers, paths, namespaces
+    fs/, companion/                   the FUSE filesystem; the companion API (neither imports
+                                      the other)
+    workers/, daemon, inprocess       the mount's processes (inprocess: nvmeof_fuse.mount)
+    cli/                              the command line
+
+Inside companion/, protocol.py (the socket's wire format) and cuda/ sit at the bottom;
+client/ and server/ beside each other, never importing each other; files/ above client/.
+
+The processes, and what each runs:
+
+- the mount daemon: daemon.py, workers/supervisor.py, companion/server/, fs/, host/ and below;
+  never the client library (companion/client/);
+- a FUSE worker (python -m nvmeof_fuse.workers): workers/worker.py, workers/fs.py, fs/ and
+  companion/client/ (it is a companion client of the daemon); never the daemon's side
+  (companion/server/, workers/supervisor.py, daemon.py);
+- a companion client, a user's process (nvmeof_fuse.File): companion/ (client/, files/,
+  cuda/) and host/ and below; never the daemon's side, fs/ or workers/.
+
+workers/messages.py is what the daemon and its workers say to each other: both import it.
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +53,8 @@ def within(modules: set[str], package: str) -> list[str]:
     return sorted(m for m in modules if m == package or m.startswith(package + "."))
 
 
-@pytest.mark.parametrize("module", ["nvmeof_fuse.transport.rdma", "nvmeof_fuse.transport.tcp",
-                                    "nvmeof_fuse.nvme"])
+@pytest.mark.parametrize("module", ["nvmeof_fuse.transport.rdma.transport",
+                                    "nvmeof_fuse.transport.tcp.transport", "nvmeof_fuse.nvme"])
 def test_wire_formats_and_transports_load_nothing_of_the_host(module):
     assert within(loaded_after_import(module), "nvmeof_fuse.host") == []
 
@@ -44,9 +70,10 @@ def test_the_host_loads_nothing_of_the_filesystem_or_the_companion(module):
 TOP = ("nvmeof_fuse.daemon", "nvmeof_fuse.inprocess", "nvmeof_fuse.cli")
 
 
-@pytest.mark.parametrize("module", ["nvmeof_fuse.companion", "nvmeof_fuse.companion.server",
-                                    "nvmeof_fuse.companion.direct", "nvmeof_fuse.companion.fsfile",
-                                    "nvmeof_fuse.companion.safetensors_load",
+@pytest.mark.parametrize("module", ["nvmeof_fuse.companion", "nvmeof_fuse.companion.server.server",
+                                    "nvmeof_fuse.companion.client.own_queues",
+                                    "nvmeof_fuse.companion.files.fsfile",
+                                    "nvmeof_fuse.companion.files.safetensors_load",
                                     "nvmeof_fuse.fs.mount"])
 def test_the_filesystem_and_the_companion_load_nothing_above_them(module):
     loaded = loaded_after_import(module)
@@ -131,13 +158,12 @@ def test_no_module_above_the_transports_names_one():
     named = {(module, target) for module, targets in import_graph().items()
              for target in targets
              if not module.startswith("nvmeof_fuse.transport")
-             and target.rpartition(".")[2].startswith(("rdma", "tcp"))
-             and target.startswith("nvmeof_fuse.transport.")}
+             and target.startswith(("nvmeof_fuse.transport.rdma", "nvmeof_fuse.transport.tcp"))}
     assert named == set()
 
 
-@pytest.mark.parametrize("module", ["nvmeof_fuse.companion.fiemap",
-                                    "nvmeof_fuse.companion.safetensors_header"])
+@pytest.mark.parametrize("module", ["nvmeof_fuse.companion.files.fiemap",
+                                    "nvmeof_fuse.companion.files.safetensors_header"])
 def test_the_companions_formats_import_nothing_of_ours(module):
     """FIEMAP's structures and the safetensors header are pure, as nvme/ is: the ioctls and
     sysfs are fsmap.py's, the reads safetensors_load.py's."""
@@ -166,3 +192,198 @@ def test_the_import_graph_holds_function_local_and_type_checking_imports(tmp_pat
 def test_no_module_imports_itself_round_a_circle():
     """No import circle, not even one hidden inside functions or under TYPE_CHECKING."""
     assert circles(import_graph()) == []
+
+
+# --- the layers and the processes, from the import graph ----------------------------------
+
+LAYERS = (
+    ("nvmeof_fuse.errors", "nvmeof_fuse.concurrency", "nvmeof_fuse.procstat",
+     "nvmeof_fuse.ratelimit"),
+    ("nvmeof_fuse.nvme",),
+    ("nvmeof_fuse.transport",),
+    ("nvmeof_fuse.host",),
+    ("nvmeof_fuse.fs", "nvmeof_fuse.companion"),
+    ("nvmeof_fuse.workers", "nvmeof_fuse.daemon", "nvmeof_fuse.inprocess"),
+    ("nvmeof_fuse.cli",),
+)
+"""Lowest first: a module imports only modules of its own room or of a lower layer."""
+
+NEVER = (
+    # beside each other in one layer
+    ("nvmeof_fuse.fs", "nvmeof_fuse.companion", "the filesystem and the companion API are apart"),
+    ("nvmeof_fuse.companion", "nvmeof_fuse.fs", "the filesystem and the companion API are apart"),
+    ("nvmeof_fuse.workers", "nvmeof_fuse.daemon", "the daemon starts the workers, not back"),
+    ("nvmeof_fuse.workers", "nvmeof_fuse.inprocess", "nvmeof_fuse.mount serves through the daemon"),
+    ("nvmeof_fuse.daemon", "nvmeof_fuse.inprocess", "nvmeof_fuse.mount serves through the daemon"),
+    # inside companion/
+    ("nvmeof_fuse.companion.client", "nvmeof_fuse.companion.server",
+     "the client library runs in users' processes, the server in the mount daemon"),
+    ("nvmeof_fuse.companion.server", "nvmeof_fuse.companion.client",
+     "the server runs in the mount daemon, the client library in users' processes"),
+    ("nvmeof_fuse.companion.client", "nvmeof_fuse.companion.files",
+     "files on filesystems sit above the client (it asks their opener: open_others_with)"),
+    ("nvmeof_fuse.companion.server", "nvmeof_fuse.companion.files", "files are the client's"),
+    ("nvmeof_fuse.companion.files", "nvmeof_fuse.companion.server", "files are the client's"),
+    ("nvmeof_fuse.companion.cuda", "nvmeof_fuse.companion.client", "CUDA is below both sides"),
+    ("nvmeof_fuse.companion.cuda", "nvmeof_fuse.companion.server", "CUDA is below both sides"),
+    ("nvmeof_fuse.companion.cuda", "nvmeof_fuse.companion.files", "CUDA is below both sides"),
+    # the processes
+    ("nvmeof_fuse.workers.worker", "nvmeof_fuse.companion.server",
+     "a FUSE worker is a companion client of the daemon"),
+    ("nvmeof_fuse.workers.fs", "nvmeof_fuse.companion.server",
+     "a FUSE worker is a companion client of the daemon"),
+    ("nvmeof_fuse.workers.worker", "nvmeof_fuse.workers.supervisor",
+     "the worker process and the daemon share only workers/messages.py"),
+    ("nvmeof_fuse.workers.fs", "nvmeof_fuse.workers.supervisor",
+     "the worker process and the daemon share only workers/messages.py"),
+    ("nvmeof_fuse.workers.messages", "nvmeof_fuse.workers.supervisor",
+     "the worker process and the daemon share only workers/messages.py"),
+    ("nvmeof_fuse.workers.supervisor", "nvmeof_fuse.workers.worker",
+     "the daemon and the worker process share only workers/messages.py"),
+    ("nvmeof_fuse.workers.supervisor", "nvmeof_fuse.workers.fs",
+     "the daemon and the worker process share only workers/messages.py"),
+    ("nvmeof_fuse.workers.supervisor", "nvmeof_fuse.companion.client",
+     "the daemon serves companion clients; it is none"),
+    ("nvmeof_fuse.daemon", "nvmeof_fuse.companion.client",
+     "the daemon serves companion clients; it is none"),
+)
+"""``(importer, imported, why)``: no module in the first package imports one in the second."""
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def layer(module: str) -> int:
+    """The layer of ``module`` (the package's face, ``nvmeof_fuse``, stands on top)."""
+    for rank, packages in enumerate(LAYERS):
+        if any(_within(module, package) for package in packages):
+            return rank
+    return len(LAYERS)
+
+
+def wrong_way(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that runs up a layer or breaks one of :data:`NEVER`, as a line."""
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            if layer(target) > layer(module):
+                found.append(f"{module} -> {target}: runs up a layer")
+            for importer, imported, why in NEVER:
+                if _within(module, importer) and _within(target, imported):
+                    found.append(f"{module} -> {target}: {why}")
+    return found
+
+
+def test_the_checker_finds_imports_the_wrong_way():
+    graph = {"nvmeof_fuse.companion.client.file": {"nvmeof_fuse.companion.server.server"},
+             "nvmeof_fuse.host.controller": {"nvmeof_fuse.workers.supervisor"},
+             "nvmeof_fuse.workers.worker": {"nvmeof_fuse.workers.messages"},
+             "nvmeof_fuse.workers.supervisor": {"nvmeof_fuse.workers.messages",
+                                                "nvmeof_fuse.companion.server.roles"}}
+    assert wrong_way(graph) == [
+        "nvmeof_fuse.companion.client.file -> nvmeof_fuse.companion.server.server: the client "
+        "library runs in users' processes, the server in the mount daemon",
+        "nvmeof_fuse.host.controller -> nvmeof_fuse.workers.supervisor: runs up a layer"]
+
+
+def test_no_import_runs_the_wrong_way_between_layers_or_processes():
+    """Across layers only downwards; companion's client and server apart; each process only
+    what it runs (see the module)."""
+    assert wrong_way(import_graph()) == []
+
+
+@pytest.mark.parametrize(("module", "never"), [
+    ("nvmeof_fuse.companion", ("nvmeof_fuse.companion.server", "nvmeof_fuse.fs",
+                               "nvmeof_fuse.workers", "nvmeof_fuse.daemon")),
+    ("nvmeof_fuse.workers.worker", ("nvmeof_fuse.companion.server", "nvmeof_fuse.daemon",
+                                    "nvmeof_fuse.workers.supervisor")),
+])
+def test_a_process_loads_nothing_of_the_others_side(module, never):
+    """What a user's process (``import nvmeof_fuse``'s companion API) and a FUSE worker load,
+    run for real: nothing of the daemon's side."""
+    loaded = loaded_after_import(module)
+    assert [m for m in sorted(loaded) if any(_within(m, p) for p in never)] == []
+
+
+# --- rooms of a fit size, one concept each --------------------------------------------------
+
+MAX_SHARE = 0.15
+"""Of the package's lines, what one folder's own modules (its subfolders apart) may hold."""
+LONG_MODULE = 700
+WHY_ONE_MODULE = "Why one module:"
+
+
+def _lines(path: Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for _ in f)
+
+
+def test_no_folder_holds_over_15_percent_of_the_package():
+    own: dict[str, int] = {}
+    for path in PACKAGE.rglob("*.py"):
+        folder = str(path.parent.relative_to(PACKAGE.parent))
+        own[folder] = own.get(folder, 0) + _lines(path)
+    total = sum(own.values())
+    over = {folder: f"{n / total:.1%}" for folder, n in own.items() if n > MAX_SHARE * total}
+    assert over == {}
+
+
+def test_a_long_module_says_why_it_is_one_concept():
+    """A module over 700 lines says, in its docstring, why it is one (or it is split)."""
+    unsaid = [str(path.relative_to(PACKAGE.parent)) for path in sorted(PACKAGE.rglob("*.py"))
+              if _lines(path) > LONG_MODULE
+              and WHY_ONE_MODULE not in (ast.get_docstring(ast.parse(path.read_text())) or "")]
+    assert unsaid == []
+
+
+def test_nothing_above_the_transports_compares_a_transport_name():
+    """Transports declare what they can do (transport/registry.py: Capabilities); nothing
+    above transport/ tests for "rdma" or "tcp"."""
+    from nvmeof_fuse.transport.registry import NAMES
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = _module_name(path, PACKAGE)
+        if layer(module) <= layer("nvmeof_fuse.transport"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Compare):
+                continue
+            for operand in (node.left, *node.comparators):
+                items = operand.elts if isinstance(operand, ast.Tuple | ast.List | ast.Set) \
+                    else [operand]
+                if any(isinstance(i, ast.Constant) and i.value in NAMES for i in items):
+                    found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
+    assert found == []
+
+
+# --- every module is tested, and docs/architecture.md lists it ------------------------------
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+TESTS = PACKAGE.parent / "tests"
+
+
+def test_every_module_has_its_test_file_or_the_architecture_names_the_tests():
+    """tests/ mirrors the package (tests/host/test_controller.py for host/controller.py);
+    a module without a test file of its name has a line in docs/architecture.md's table
+    that names it and the tests that cover it."""
+    text = ARCHITECTURE.read_text()
+    rows = [line for line in text.splitlines() if line.startswith("|")]
+    unlisted, untested = [], []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if path.name in ("__init__.py", "__main__.py"):
+            continue
+        name = f"`{rel}`"
+        row = next((r for r in rows if name in r.split("|")[1]), None)
+        if row is None:
+            unlisted.append(str(rel))
+            continue
+        mirrored = TESTS / rel.parent / f"test_{path.name}"
+        if not mirrored.exists() and "tests/" not in row:
+            untested.append(str(rel))
+    assert (unlisted, untested) == ([], [])
+    named = {t for row in rows for t in row.split("`") if t.startswith("tests/")}
+    assert [t for t in sorted(named) if not os.path.exists(PACKAGE.parent / t.split("::")[0])] \
+        == []

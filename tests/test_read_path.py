@@ -1,16 +1,18 @@
-"""One read path (issue #42, acceptance 2): a FUSE READ goes session -> operations ->
-namespace -> byte range -> controller -> transport, and never back into a module it left.
+"""One read path (issue #42, acceptance 2): a FUSE READ goes request loop -> session ->
+operations -> namespace -> byte range -> controller -> transport, and never back into a
+module it left.
 
 A real FuseSession serves a fake kernel (a SOCK_SEQPACKET socket) with the real NamespaceFS,
 Namespace, ByteRangeIO and Controller, over tests/fabric_fakes.py's transport.  Where the
 transport takes a command (``execute`` for a read that a task waits for, ``start`` for one a
-callback answers), the test walks the Python stack back to the session and records which
-module each frame belongs to.  Read from the session down, those modules must be exactly
+callback answers), the test walks the Python stack back to the request loop and records
+which module each frame belongs to.  Read from the request loop down, those modules must be exactly
 the chain above: each module once, in that order (a U-turn, say byte range -> namespace,
 shows as a module twice, and a path that skips the byte range shows as a shorter chain).
 
-At QD1 each READ runs in a worker task (the await chain is the stack); at QD16 the reads
-that arrive while others are in flight start with a callback instead (a plain call chain).
+At QD1 each READ runs in a task of the request loop (the await chain is the stack); at QD16
+the reads that arrive while others are in flight start with a callback instead (a plain call
+chain).
 Both are checked, and both must have happened.
 """
 
@@ -39,18 +41,20 @@ CHUNK = 16384
 STEP = 20  # s: bound on every wait
 
 LAYERS = {
+    "nvmeof_fuse.fs.requestloop": "request loop",
     "nvmeof_fuse.fs.session": "session",
     "nvmeof_fuse.fs.operations": "operations",
-    "nvmeof_fuse.host.namespace": "namespace",
-    "nvmeof_fuse.host.byterange": "byte range",
+    "nvmeof_fuse.host.namespace.namespace": "namespace",
+    "nvmeof_fuse.host.namespace.byterange": "byte range",
     "nvmeof_fuse.host.controller": "controller",
     "fabric_fakes": "transport",
 }
-CHAIN = ["session", "operations", "namespace", "byte range", "controller", "transport"]
+CHAIN = ["request loop", "session", "operations", "namespace", "byte range", "controller",
+         "transport"]
 
 
 def modules_on_stack(frame) -> list[str]:
-    """The modules of the frames from the session's down to ``frame``, each run of frames
+    """The modules of the frames from the request loop's down to ``frame``, each run of frames
     in one module counted once; frames outside the package (trio's) are left out, and a
     module of the package outside the chain shows by its own name."""
     names: list[str] = []
@@ -175,8 +179,8 @@ def test_the_check_sees_a_u_turn():
     def in_byterange(then):
         return then()
 
-    fake = SimpleNamespace(namespace={"__name__": "nvmeof_fuse.host.namespace"},
-                           byterange={"__name__": "nvmeof_fuse.host.byterange"})
+    fake = SimpleNamespace(namespace={"__name__": "nvmeof_fuse.host.namespace.namespace"},
+                           byterange={"__name__": "nvmeof_fuse.host.namespace.byterange"})
     namespace_frame = type(in_namespace)(in_namespace.__code__, fake.namespace)
     byterange_frame = type(in_byterange)(in_byterange.__code__, fake.byterange)
     chain = namespace_frame(lambda: byterange_frame(

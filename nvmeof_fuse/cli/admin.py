@@ -22,6 +22,7 @@ from nvmeof_fuse.cli.options import (
     one_line,
 )
 from nvmeof_fuse.errors import InvalidArgument, NVMeoFError
+from nvmeof_fuse.transport import registry
 
 MAX_PARALLEL_MOUNTS = 4
 
@@ -57,7 +58,7 @@ def _discovery_records(t: DiscoveryTarget) -> list[dict]:
                             trsvcid=t.trsvcid, host_traddr=t.host_traddr,
                             hostnqn=t.hostnqn, hostid=t.hostid, hdr_digest=False,
                             data_digest=False)
-    port = 8009 if t.transport == "tcp" else 4420
+    port = registry.capabilities(t.transport).discovery_port
     conn = connect_options(ns, nqn=DISCOVERY_NQN, default_port=port)
     return trio.run(discover, conn).to_dict().get("records", [])
 
@@ -72,7 +73,7 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
             common += [flag, value]
     probe = mount_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
                                        "nqn.2014-08.org.example:probe", "/"])
-    connect_options(probe, nqn=probe.nqn, default_port=4420)  # secret files read
+    connect_options(probe, nqn=probe.nqn, default_port=registry.IO_PORT)  # secret files read
     mount_options(probe)
     return common, probe.log_file
 
@@ -92,7 +93,7 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
 
     common, log_file = _common_mount_args(args)
     if args.traddr is not None:
-        targets = [DiscoveryTarget(args.transport or "rdma", args.traddr, args.trsvcid,
+        targets = [DiscoveryTarget(args.transport or registry.DEFAULT, args.traddr, args.trsvcid,
                                    args.host_traddr, args.hostnqn, args.hostid)]
     else:
         targets = mountall.read_discovery_conf(args.discovery_conf)

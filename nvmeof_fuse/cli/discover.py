@@ -20,6 +20,7 @@ from nvmeof_fuse.cli.options import (
     one_line,
 )
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.transport import registry
 
 LIST_TIMEOUT = 10.0  # s for reading a mount's .nvmeof files
 
@@ -63,7 +64,7 @@ def cmd_discover(args: argparse.Namespace) -> int:
 
     from nvmeof_fuse.host.discovery import discover
 
-    port = 8009 if args.transport == "tcp" else 4420
+    port = registry.capabilities(args.transport or registry.DEFAULT).discovery_port
     conn = connect_options(args, nqn=DISCOVERY_NQN, default_port=port)
     page = trio.run(discover, conn)
     if args.output_format == "json":

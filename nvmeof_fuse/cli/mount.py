@@ -26,6 +26,7 @@ from nvmeof_fuse.cli.options import (
     one_line,
     parse_command_line,
 )
+from nvmeof_fuse.transport import registry
 
 if TYPE_CHECKING:  # trio is imported where it runs: `mount --daemon` checks options without it
     import trio
@@ -40,14 +41,14 @@ log = logging.getLogger(PROG)
 
 def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
     """``mount``'s arguments; the actions, from which :func:`daemon_command` rebuilds a line."""
-    from nvmeof_fuse.fs.options import DEFAULT_WORKERS
-    from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY as DEFAULT_IOPOLICY
-    from nvmeof_fuse.host.iopolicy import POLICIES as IOPOLICIES
-    from nvmeof_fuse.host.options import (
+    from nvmeof_fuse.fs.mount_options import DEFAULT_WORKERS
+    from nvmeof_fuse.host.connect_options import (
         DEFAULT_COMPANION_QUEUES,
         DEFAULT_MAX_NAMESPACES,
         QUEUES_PER_CLIENT,
     )
+    from nvmeof_fuse.host.multipath.iopolicy import DEFAULT_POLICY as DEFAULT_IOPOLICY
+    from nvmeof_fuse.host.multipath.iopolicy import POLICIES as IOPOLICIES
 
     actions = add_connection(m, port_help="transport service id (default 4420)",
                              addr_required=False)
@@ -181,7 +182,7 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
         if args.secrets_fd is not None:
             receive_secrets(args, args.secrets_fd)
         apply_source(args)
-        conn = connect_options(args, nqn=args.nqn, default_port=4420)
+        conn = connect_options(args, nqn=args.nqn, default_port=registry.IO_PORT)
         mopts = mount_options(args)
         if args.daemon:
             cmd, secrets = daemon_command(argv)

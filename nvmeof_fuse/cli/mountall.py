@@ -16,10 +16,10 @@ from dataclasses import asdict, dataclass, field
 
 from nvmeof_fuse.errors import InvalidArgument
 from nvmeof_fuse.nvme.uri import NVMeURI
+from nvmeof_fuse.transport import registry
 
 DISCOVERY_CONF = "/etc/nvme/discovery.conf"
 FSTYPE = "fuse.nvmeof-fuse"
-TRANSPORTS = ("rdma", "tcp")
 NVME_SUBSYSTEM = "nvme subsystem"
 REFERRAL = "discovery subsystem referral"
 FROM_DISCOVERY = ("transport", "traddr", "trsvcid", "nqn", "nsid", "namespace_id", "path")
@@ -126,7 +126,7 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
             o.status, o.reason = "skipped", "a referral to another discovery controller"
         elif not subnqn.startswith("nqn.") or "/" in subnqn:
             o.status, o.reason = "skipped", f"{subnqn!r} is not an NQN usable as a directory name"
-        elif trtype not in TRANSPORTS:
+        elif trtype not in registry.NAMES:
             o.status, o.reason = "skipped", f"transport {trtype} is not supported"
         elif (trtype, traddr, trsvcid) in places.get(subnqn, set()):
             o.status, o.reason = "skipped", "the same address as a path above"
@@ -144,7 +144,8 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
         elif point in mounted:
             o.status, o.reason = "failed", f"a {mounted[point]} filesystem is mounted there"
         else:
-            o.argv = ["mount", "-t", trtype, "-a", traddr, "-s", trsvcid or "4420",
+            o.argv = ["mount", "-t", trtype, "-a", traddr,
+                      "-s", trsvcid or str(registry.capabilities(trtype).port),
                       "-n", subnqn, *common, point]
         if o.status in ("mount", "already mounted"):
             seen.add(subnqn)

@@ -20,6 +20,7 @@ from typing import IO
 
 from nvmeof_fuse.errors import InvalidArgument
 from nvmeof_fuse.nvme.uri import FORM, looks_like_uri, parse_uri
+from nvmeof_fuse.transport import registry
 
 PROGRAM = "nvmeof-fuse"
 FSTYPE = "fuse.nvmeof-fuse"
@@ -173,7 +174,7 @@ def apply_source(args: argparse.Namespace) -> None:
     elif args.traddr is None or args.nqn is None:
         what = f"{source!r} is not an NVMe URI" if source is not None else "no target given"
         raise InvalidArgument(f"{what}: give {FORM}, or -a ADDRESS -n NQN")
-    args.transport = args.transport or "rdma"
+    args.transport = args.transport or registry.DEFAULT
     args.fsname = source
 
 

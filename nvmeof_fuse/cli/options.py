@@ -13,6 +13,7 @@ from typing import Any
 
 from nvmeof_fuse.cli.mounthelper import refuse_secret_option
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.transport import registry
 
 PROG = "nvmeof-fuse"
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
@@ -127,7 +128,7 @@ def mount_paths(args: argparse.Namespace) -> tuple[str, ...]:
 
 def _iopolicy(args: argparse.Namespace) -> str:
     """``--iopolicy`` or ``-o iopolicy=`` (default queue-depth), checked."""
-    from nvmeof_fuse.host.iopolicy import DEFAULT_POLICY, POLICIES
+    from nvmeof_fuse.host.multipath.iopolicy import DEFAULT_POLICY, POLICIES
 
     policy = _one_value(args, "iopolicy", "iopolicies")
     if policy is None:
@@ -140,19 +141,18 @@ def _iopolicy(args: argparse.Namespace) -> str:
 MAX_WORKERS = 256
 
 
-def _workers(args: argparse.Namespace) -> int:
-    """``--workers`` or ``-o workers=`` (default DEFAULT_WORKERS), checked."""
-    from nvmeof_fuse.fs.options import DEFAULT_WORKERS
-
+def _workers(args: argparse.Namespace) -> dict[str, int]:
+    """``--workers`` or ``-o workers=``, checked: MountOptions' field, or nothing (its
+    default) when neither names a count."""
     named = _one_value(args, "workers", "worker counts")
     if named is None:
-        return DEFAULT_WORKERS
-    return _int("--workers", named, 1, MAX_WORKERS)
+        return {}
+    return {"workers": _int("--workers", named, 1, MAX_WORKERS)}
 
 
 def _max_namespaces(args: argparse.Namespace) -> int | None:
     """``--max-namespaces`` or ``-o max_namespaces=`` (None: the default), checked."""
-    from nvmeof_fuse.host.options import MAX_NSID
+    from nvmeof_fuse.host.connect_options import MAX_NSID
 
     named = _one_value(args, "max_namespaces", "namespace caps")
     return _int("--max-namespaces", named, 1, MAX_NSID)
@@ -160,7 +160,7 @@ def _max_namespaces(args: argparse.Namespace) -> int | None:
 
 def _fuse_server(args: argparse.Namespace) -> str:
     """The FUSE server named by ``--fuse`` or ``-o fuse=`` (default: builtin, ours)."""
-    from nvmeof_fuse.fs.options import FUSE_SERVERS
+    from nvmeof_fuse.fs.mount_options import FUSE_SERVERS
 
     items = (flag.partition("=") for flag in mount_flags(args.options))
     named = {value for key, _, value in items if key == "fuse"}
@@ -176,12 +176,12 @@ def _fuse_server(args: argparse.Namespace) -> str:
 
 def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) -> Any:
     """ConnectOptions from the parsed nvme-cli style options."""
-    from nvmeof_fuse.host.options import MAX_SHUTDOWN_TIMEOUT, ConnectOptions
+    from nvmeof_fuse.host.connect_options import MAX_SHUTDOWN_TIMEOUT, ConnectOptions
 
     kwargs: dict[str, Any] = {
         "traddr": args.traddr,
         "nqn": _nqn("--nqn", nqn),
-        "transport": args.transport or "rdma",
+        "transport": args.transport or registry.DEFAULT,
         "trsvcid": _int("--trsvcid", args.trsvcid, 1, 65535) or default_port,
         "host_traddr": args.host_traddr,
         "hostnqn": _nqn("--hostnqn", args.hostnqn),
@@ -220,7 +220,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
 
 
 def mount_options(args: argparse.Namespace) -> Any:
-    from nvmeof_fuse.fs.options import DEFAULT_MODE, MountOptions
+    from nvmeof_fuse.fs.mount_options import DEFAULT_MODE, MountOptions
 
     mode = _mode(args.mode)
     return MountOptions(
@@ -235,7 +235,7 @@ def mount_options(args: argparse.Namespace) -> Any:
         fuse=_fuse_server(args),
         paths=mount_paths(args),
         iopolicy=_iopolicy(args),
-        workers=_workers(args),
+        **_workers(args),
     )
 
 
@@ -246,8 +246,9 @@ def add_connection(p: argparse.ArgumentParser, *, port_help: str,
                    addr_required: bool = True) -> list[argparse.Action]:
     """The connection's arguments (nvme-cli's names), shared by mount, discover, mount-all."""
     return [
-        p.add_argument("-t", "--transport", choices=["rdma", "tcp"],
-                       help="rdma (default) or tcp"),
+        p.add_argument("-t", "--transport", choices=list(registry.NAMES),
+                       help=" or ".join(f"{name} (default)" if name == registry.DEFAULT
+                                        else name for name in registry.NAMES)),
         p.add_argument("-a", "--traddr", required=addr_required, help="target address"),
         p.add_argument("-s", "--trsvcid", help=port_help),
         p.add_argument("-w", "--host-traddr", help="local address to connect from"),

@@ -51,7 +51,7 @@ def _socket_of(mountpoint: str) -> str:
 
 
 def cmd_change_path(args: argparse.Namespace) -> int:
-    from nvmeof_fuse.companion.channel import SocketChannel
+    from nvmeof_fuse.companion.client.channel import SocketChannel
     from nvmeof_fuse.nvme.uri import looks_like_uri, parse_uri
 
     op = "add_path" if args.command == "add-path" else "remove_path"

@@ -208,7 +208,7 @@ def plan_read(offset: int, length: int, lba_size: int, dest_region: int, dest_of
     the edge buffer (``2 * lba_size`` bytes at ``edge_offset`` of
     ``edge_region``) and the caller copies the wanted bytes from there.
     """
-    from ..host.byterange import split_range
+    from ..host.namespace.byterange import split_range
 
     sp = split_range(offset, length, lba_size)
     pieces, edges = [], []
@@ -232,7 +232,7 @@ class WritePlan:
 
 
 def plan_write(offset: int, length: int, lba_size: int) -> WritePlan:
-    from ..host.byterange import split_range
+    from ..host.namespace.byterange import split_range
 
     sp = split_range(offset, length, lba_size)
     head = sp.head.data if sp.head else slice(0, 0)

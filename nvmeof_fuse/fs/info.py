@@ -8,7 +8,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from nvmeof_fuse.host.stats import IoStats
+from nvmeof_fuse.host.namespace.stats import IoStats
 
 
 class NamespaceLike(Protocol):
@@ -206,9 +206,10 @@ def _sum_op(a: dict | None, b: dict) -> dict:
 
 
 def worker_reports(companion: CompanionLike | None) -> list[dict[str, Any]]:
-    """What each FUSE worker process last reported (none without workers)."""
-    reports = getattr(companion, "worker_stats", None)
-    return reports() if reports is not None else []
+    """What each FUSE worker process last reported (none without workers), by index: the
+    companion server keeps what the mount's own processes report of themselves."""
+    reports = getattr(companion, "own_reports", None)
+    return sorted(reports(), key=lambda w: w.get("index", 0)) if reports is not None else []
 
 
 def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:

@@ -20,10 +20,11 @@ import trio
 
 from nvmeof_fuse.concurrency import in_thread, unwrap_groups
 from nvmeof_fuse.errors import NVMeoFError
+from nvmeof_fuse.fs.devfuse import FuseMountError, mount_fd
 from nvmeof_fuse.fs.info import CompanionLike, ControllerLike
+from nvmeof_fuse.fs.mount_options import FUSE_SERVERS, MountOptions
 from nvmeof_fuse.fs.operations import Kernel, NamespaceFS
-from nvmeof_fuse.fs.options import FUSE_SERVERS, MountOptions
-from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd
+from nvmeof_fuse.fs.session import FuseSession
 from nvmeof_fuse.fs.wire import InitParams
 
 __all__ = [
@@ -262,26 +263,26 @@ async def serve(
                     "not %d workers", options.workers)
     fuse = await start_server(ops, path, options)
     ops.kernel = fuse
-    session = _Session(ops, fuse, path, drain_timeout)
+    shielded = _ShieldedServer(ops, fuse, path, drain_timeout)
     log.info("mounted at %s%s", path, "" if options.fuse == "builtin" else
              f" (FUSE server: {options.fuse})")
     listeners = getattr(getattr(controller, "events", None), "listeners", [])
     listeners.append(ops.apply_changes)  # namespaces added, removed, resized on the target
     try:
         with unwrap_groups():
-            await session.run(task_status)
+            await shielded.run(task_status)
     finally:
         listeners.remove(ops.apply_changes)
         ops.kernel = None
-        if not (session.gone or fuse.gone):
+        if not (shielded.gone or fuse.gone):
             with trio.CancelScope(shield=True), trio.move_on_after(CHECK_TIMEOUT):
                 await _lazy_unmount(path)
         fuse.close()
         log.info("unmounted %s", path)
 
 
-class _Session:
-    """The FUSE session in a shielded task, so that cancelling us drains instead of aborting."""
+class _ShieldedServer:
+    """The FUSE server in a shielded task, so that cancelling us drains instead of aborting."""
 
     def __init__(self, ops: NamespaceFS, fuse: FuseServer, path: str,
                  drain_timeout: float) -> None:

@@ -25,7 +25,7 @@ import trio
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.fs.info import ControllerLike, NamespaceLike
-from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.wire import (
     ROOT_INODE,
     DirBuffer,

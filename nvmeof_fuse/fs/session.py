@@ -1,45 +1,33 @@
-"""Our FUSE session on ``/dev/fuse``: mount with fusermount3, read requests, answer them.
+"""Our FUSE session on ``/dev/fuse``: read requests, answer them.
 
 The protocol is :mod:`nvmeof_fuse.fs.wire`; the answers come from an operations object
-(:class:`nvmeof_fuse.fs.operations.NamespaceFS`).  Worker tasks read and run the requests,
-leader/follower (:class:`_Workers`): one of them at a time is the reader, which reads with
-nonblocking reads and parks in ``wait_readable`` only when the kernel has none queued; once
-it has a request, it makes another worker the reader and runs the request itself (so a slow
-request never holds up the others, and none is handed from task to task).  A worker that
-has answered one reads the next queued request itself and runs it, and when it answered the
-last one in flight it polls briefly for the next before it sleeps (:mod:`.idlepoll`).
-Each reply goes out with one ``writev`` (a READ's data straight from the buffer the
-namespace lends, before the task yields again).
+(:class:`nvmeof_fuse.fs.operations.NamespaceFS`); tasks read and run the requests,
+leader/follower (:class:`~.requestloop.RequestLoop`); the descriptor comes from
+:mod:`.devfuse`.  Each reply goes out with one ``writev`` (a READ's data straight from the
+buffer the namespace lends, before the task yields again).
 A WRITE's data is read into a buffer of its own, which the write task owns until it
 completes, so it is never copied here.  Those buffers are page-aligned and reused: see
 :func:`receive_buffer`.
 A READ or WRITE that arrives while others are in flight runs no task at all where the
 namespace can start it with a callback (one command, a free bounce buffer, a free range
 lock): the reaper that sees its completion sends the reply (:meth:`FuseSession._start_read`);
-one that fails goes back to the workers and runs as above.
+one that fails goes back to the request loop and runs as above.
 """
 
 from __future__ import annotations
 
 import errno
-import fcntl
 import logging
 import mmap
 import os
 import select
-import socket
-import struct
-import subprocess
-import time
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import trio
 
-from nvmeof_fuse.concurrency import tasks_runnable
 from nvmeof_fuse.fs import wire
-from nvmeof_fuse.fs.idlepoll import IdlePoll
+from nvmeof_fuse.fs.requestloop import RequestLoop, SessionEnded
 from nvmeof_fuse.fs.wire import (
     IN_HEADER,
     IN_HEADER_SIZE,
@@ -53,9 +41,6 @@ from nvmeof_fuse.fs.wire import (
 
 log = logging.getLogger(__name__)
 
-FUSERMOUNT = "fusermount3"
-BATCH = 64  # requests read before the reader lets the handlers run
-
 
 def receive_buffer(size: int) -> mmap.mmap:
     """A buffer that /dev/fuse reads a request's data into: page-aligned (an anonymous
@@ -64,278 +49,9 @@ def receive_buffer(size: int) -> mmap.mmap:
     return mmap.mmap(-1, size)
 
 
-FUSE_DEV_IOC_CLONE = 0x8004E500  # _IOR(229, 0, uint32_t): <linux/fuse.h>
-DEV_FUSE = "/dev/fuse"
-
 Forward = Callable[[int, int, int, bytes], Awaitable[bytes]]
 """``forward(opcode, unique, nodeid, request)``: the reply of a request another process
 answers (a FUSE worker's metadata goes to the main process)."""
-
-
-def clone_fd(session_fd: int) -> int:
-    """Another /dev/fuse descriptor on ``session_fd``'s connection (FUSE_DEV_IOC_CLONE): the
-    kernel hands each request to whichever descriptor reads it, and a request read from a
-    descriptor must be answered on that one.  Raises OSError (an old kernel: ENOTTY)."""
-    fd = os.open(DEV_FUSE, os.O_RDWR | os.O_CLOEXEC)
-    try:
-        fcntl.ioctl(fd, FUSE_DEV_IOC_CLONE, struct.pack("I", session_fd))
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-class FuseMountError(Exception):
-    """fusermount3 could not mount (its message), or sent no /dev/fuse descriptor."""
-
-
-def mount_fd(path: str, options: list[str]) -> int:
-    """Mount a FUSE file system at ``path`` with fusermount3 and return the /dev/fuse fd.
-
-    fusermount3 (setuid root, so this works for users too) opens /dev/fuse, mounts it and
-    passes the descriptor back over the socket named by ``_FUSE_COMMFD``, as libfuse does.
-    Blocking: call it in a thread.
-    """
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    with ours, theirs:
-        env = dict(os.environ, _FUSE_COMMFD=str(theirs.fileno()))
-        try:
-            result = subprocess.run([FUSERMOUNT, "-o", ",".join(options), "--", path], env=env,
-                                    pass_fds=(theirs.fileno(),), capture_output=True, text=True,
-                                    timeout=60, check=False)
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            raise FuseMountError(f"cannot run {FUSERMOUNT}: {exc}") from None
-        theirs.close()
-        if result.returncode != 0:
-            msg = result.stderr.strip().removeprefix(f"{FUSERMOUNT}: ")
-            raise FuseMountError(msg or f"{FUSERMOUNT} failed with status {result.returncode}")
-        ours.setblocking(False)
-        try:
-            _, fds, _, _ = socket.recv_fds(ours, 1, 1)
-        except BlockingIOError:
-            fds = []
-        if not fds:
-            raise FuseMountError(f"{FUSERMOUNT} mounted but passed no /dev/fuse descriptor")
-        for extra in fds[1:]:
-            os.close(extra)
-        return fds[0]
-
-
-class _SessionEnded(Exception):
-    """The kernel ended the session (DESTROY, unmounted, or the fake kernel closed)."""
-
-
-Job = tuple[Callable[..., Awaitable[None]], tuple[Any, ...]]
-
-
-class _Workers:
-    """Tasks that read requests and run them.  At most one of them, the reader, reads the
-    descriptor: it reads every queued request (nonblocking) and parks in ``wait_readable``
-    only when there is none.  Each request it read but the last goes to a parked worker (a
-    reschedule; a new worker only when none is idle).  The last one, read just before the
-    kernel had no more (the only one, at QD1), it runs itself, in the same step, once it has
-    handed the reading on to another worker (leader/follower): no hand-over of that request,
-    one trio scheduler round less per request at QD1, and a handler that waits still holds
-    up only its own task.  A worker that has finished a request first takes one already
-    queued in the kernel (no hand-over at all: under load most requests go this way), and
-    parks only when there is none.  When it has answered the last request in flight and no
-    other task can run, it first polls the descriptor briefly (:class:`IdlePoll`), so a
-    client that keeps one request in flight does not wake us from a sleep for each.
-
-    ``take`` reads one request: its (handler, args), or None when it needs no handler;
-    it raises BlockingIOError when none is queued and _SessionEnded at the end."""
-
-    def __init__(self, nursery: trio.Nursery, fd: int, take: Callable[[], Job | None]) -> None:
-        self.nursery = nursery
-        self.fd = fd
-        self.take = take
-        self.queue: deque[Job] = deque()  # read by the reader, for the workers
-        self.reading = False  # a worker is the reader (reading, or parked on the descriptor)
-        self.parked = False  # ... parked in wait_readable
-        self.drained = False  # the last reader stopped at EAGAIN: the next may park at once
-        self.idle: list[trio.lowlevel.Task] = []
-        self.closing = False
-        self.running = 0  # requests being run
-        self.served = 0  # requests run since the last idle moment (see _poll)
-        self.idle_poll = IdlePoll()
-
-    def start(self) -> None:
-        self.nursery.start_soon(self._work)
-
-    def _wake(self) -> None:
-        """Get a worker going: an idle one (a reschedule), else a new one."""
-        if self.idle:
-            trio.lowlevel.reschedule(self.idle.pop())
-        else:
-            self.nursery.start_soon(self._work)
-
-    async def _read(self) -> Job | None:
-        """As the reader: read the queued requests, handing all but the last to workers;
-        park while none is queued.  Returns the last one, for this task to run, or None
-        once closing (the session ended, or stop_reading)."""
-        take, fd, queue = self.take, self.fd, self.queue
-        held: Job | None = None  # read last: run here if the kernel has no more
-        got = 0
-        if self.drained:  # the last reader just found none: wait (epoll sees any since)
-            self.drained = False
-            await self._park(fd)
-        while not self.closing:
-            try:
-                job = take()
-            except BlockingIOError:
-                if held is not None:
-                    self.drained = True
-                    return held
-                got = 0
-                await self._park(fd)
-                continue
-            except _SessionEnded:
-                self.close()
-                break
-            got += 1
-            if job is not None:  # (None: answered here: INIT, FORGET, ...)
-                if held is not None:
-                    queue.append(held)
-                    self._wake()
-                held = job
-            if got >= BATCH:  # let the handlers run
-                got = 0
-                if held is not None:
-                    queue.append(held)
-                    self._wake()
-                    held = None
-                await trio.lowlevel.checkpoint()
-        return held  # closing: a request read is still answered
-
-    async def _park(self, fd: int) -> None:
-        self.parked = True
-        try:
-            await trio.lowlevel.wait_readable(fd)
-        except trio.ClosedResourceError:  # close() woke us
-            if not self.closing:
-                raise
-        finally:
-            self.parked = False
-
-    async def _work(self) -> None:
-        idle, take, queue = self.idle, self.take, self.queue
-        task = trio.lowlevel.current_task()
-        ran = 0  # requests run one after another without a checkpoint
-
-        def abort(_: object) -> trio.lowlevel.Abort:
-            idle.remove(task)
-            return trio.lowlevel.Abort.SUCCEEDED
-
-        while True:
-            job: Job | None
-            if queue:
-                job = queue.popleft()
-            elif self.closing:
-                if not self.running:
-                    return
-                idle.append(task)  # a callback may still hand a request back (end())
-                await trio.lowlevel.wait_task_rescheduled(abort)
-                continue
-            elif not self.reading:
-                self.reading = True
-                try:
-                    job = await self._read()
-                finally:
-                    self.reading = False
-                if job is None:
-                    continue
-                if not self.closing:
-                    self._wake()  # the next reader, while this task runs the request
-                ran = 0  # the reader's wait or the hand-on's yield let the others run
-                await self._run(job)
-                continue
-            else:  # another task reads: run what is already queued in the kernel
-                try:
-                    job = take()
-                except BlockingIOError:
-                    job = None if self.running else self._poll()
-                except _SessionEnded:
-                    self.close()
-                    continue
-                if job is None:
-                    if self.closing:  # (the poll met the session's end)
-                        continue
-                    ran = 0
-                    idle.append(task)
-                    await trio.lowlevel.wait_task_rescheduled(abort)
-                    continue
-            await self._run(job)
-            ran += 1
-            if ran >= BATCH:  # handlers that never yield must not starve the rest
-                ran = 0
-                await trio.lowlevel.checkpoint()
-
-    async def _run(self, job: Job) -> None:
-        self.served += 1
-        self.running += 1
-        try:
-            await job[0](*job[1])
-        finally:
-            self.running -= 1  # what end() does, inline: this runs for every request
-            if self.closing and not self.running:
-                self._release_idle()
-
-    def begin(self) -> None:
-        """A request goes on with no worker (a callback will answer it): it counts as
-        running, so that no worker polls for the next request while it is in flight, and
-        the workers stay, once closing, until it is answered (or handed back)."""
-        self.running += 1
-
-    def end(self, retry: Job | None = None) -> None:
-        """A running request was answered; or it is handed back, to run as ``retry``."""
-        self.running -= 1
-        if retry is not None:
-            self.queue.append(retry)
-            self._wake()
-        elif self.closing and not self.running:
-            self._release_idle()
-
-    def _release_idle(self) -> None:
-        """Closing, with nothing running: the idle workers wait for this, to exit."""
-        while self.idle:
-            trio.lowlevel.reschedule(self.idle.pop())
-
-    def _poll(self) -> Job | None:
-        """At an idle moment (the last request in flight answered, none queued): poll the
-        descriptor for the next request for up to the idle poll's budget, if no other task
-        can run meanwhile (nothing waits on this thread but the descriptor and others' I/O,
-        which the poll delays by at most the budget).  Between reads it yields the CPU to
-        any thread that can run on it: the client may be one."""
-        served, self.served = self.served, 0
-        budget = self.idle_poll.budget(served)
-        if not budget or self.closing or tasks_runnable():
-            return None
-        take, clock, yield_cpu = self.take, time.perf_counter, os.sched_yield
-        start = clock()
-        while (now := clock()) < start + budget:
-            try:
-                job = take()
-            except BlockingIOError:
-                yield_cpu()
-                continue
-            except _SessionEnded:
-                self.close()
-                return None
-            if job is not None:
-                self.idle_poll.caught(now - start)
-                return job
-        self.idle_poll.missed()
-        return None
-
-    def close(self) -> None:
-        """Take no more requests: the workers exit once the requests read are answered."""
-        if self.closing:
-            return
-        self.closing = True
-        while self.idle:
-            trio.lowlevel.reschedule(self.idle.pop())
-        if self.parked:  # the reader parked in wait_readable: wake it (the public way)
-            trio.lowlevel.notify_closing(self.fd)
 
 
 class FuseSession:
@@ -372,7 +88,7 @@ class FuseSession:
         self.negotiated: wire.Negotiated | None = None
         self.gone = False  # the kernel ended the session (unmounted): nothing to unmount
         self.initialized = trio.Event()
-        self._workers: _Workers | None = None  # while run() serves
+        self._loop: RequestLoop | None = None  # while run() serves
         self._stopped = False  # stop_reading() was called
         # Receive buffers of WRITE data, for reuse (the most recently freed first, still
         # in the cache): at most one per request the kernel lets us hold (max_background
@@ -395,16 +111,16 @@ class FuseSession:
         try:
             async with trio.open_nursery() as nursery:
                 park = self.fd if self._exclusive is None else self._exclusive.fileno()
-                self._workers = _Workers(nursery, park, self._next_request)
-                self._workers.start()
+                self._loop = RequestLoop(nursery, park, self._next_request)
+                self._loop.start()
         finally:
-            self._workers = None
+            self._loop = None
 
     def stop_reading(self) -> None:
         """Take no new requests; :meth:`run` returns once those in flight are answered."""
         self._stopped = True
-        if self._workers is not None:
-            self._workers.close()
+        if self._loop is not None:
+            self._loop.close()
 
     def _take(self) -> mmap.mmap:
         return self._free.pop() if self._free else receive_buffer(self._bufsize)
@@ -412,7 +128,7 @@ class FuseSession:
     def _next_request(self) -> tuple[Callable[..., Awaitable[None]], tuple[Any, ...]] | None:
         """Read one request: its handler and arguments, or None when it needs none
         (answered here, no answer due, or interrupted).  Raises BlockingIOError when none
-        is queued and _SessionEnded when the kernel ends the session."""
+        is queued and SessionEnded when the kernel ends the session."""
         bufs = self._bufs
         if bufs[1] is None:
             bufs[1] = self._take()
@@ -425,13 +141,13 @@ class FuseSession:
                 return None
             if exc.errno == errno.ENODEV:  # unmounted: the kernel ended the session
                 self.gone = True
-                raise _SessionEnded from None
+                raise SessionEnded from None
             raise
         head = bufs[0]
         if n < IN_HEADER_SIZE:  # 0: the other end closed (only a test's fake kernel does that)
             if n == 0:
                 self.gone = True
-                raise _SessionEnded
+                raise SessionEnded
             log.warning("ignored a FUSE request of %d bytes", n)
             return None
         _, opcode, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(head)
@@ -461,7 +177,7 @@ class FuseSession:
         if opcode == wire.DESTROY:
             self._send(wire.empty_reply(unique))
             self.gone = True
-            raise _SessionEnded
+            raise SessionEnded
         return self._meta, (opcode, unique, nodeid, request)
 
     def _init(self, unique: int, request: bytes) -> None:
@@ -499,23 +215,23 @@ class FuseSession:
         READs or WRITEs are in flight: alone, one is better served by its task, which polls
         for its completion (and then for the next request), so that a QD1 client does not
         wait for a wake-up per request.  False: run :meth:`_read`."""
-        workers, start = self._workers, self._start_read_op
-        assert workers is not None and start is not None  # a worker reads; the caller checked
+        loop, start = self._loop, self._start_read_op
+        assert loop is not None and start is not None  # a task reads; the caller checked
 
         def answer(data: memoryview | None) -> None:
             try:
                 if data is None:  # failed: _read runs it again, for a retry or the errno
-                    workers.end((self._read, (unique, fh, offset, size)))
+                    loop.end((self._read, (unique, fh, offset, size)))
                 else:
                     self._in_flight -= 1
                     self._send_data(unique, data)
-                    workers.end()
+                    loop.end()
             except Exception as exc:  # noqa: BLE001 -- called by a queue's reaper, which must go on
                 log.warning("cannot answer a FUSE read of %d bytes at %d: %s", size, offset, exc)
 
         if not start(fh, offset, size, answer):
             return False
-        workers.begin()
+        loop.begin()
         return True
 
     async def _read(self, unique: int, fh: int, offset: int, size: int) -> None:
@@ -539,25 +255,25 @@ class FuseSession:
                      buf: mmap.mmap) -> bool:
         """Start a WRITE that a callback answers once the target has its data
         (``ops.start_write``), as :meth:`_start_read`.  False: run :meth:`_write`."""
-        workers, start = self._workers, self._start_write_op
-        assert workers is not None and start is not None  # a worker reads; the caller checked
+        loop, start = self._loop, self._start_write_op
+        assert loop is not None and start is not None  # a task reads; the caller checked
 
         def answer(landed: bool) -> None:
             try:
                 if not landed:  # failed: _write runs it again, for a retry or the errno
-                    workers.end((self._write, (unique, fh, offset, size, buf)))
+                    loop.end((self._write, (unique, fh, offset, size, buf)))
                 else:
                     self._in_flight -= 1
                     self._send(wire.write_reply(unique, size))
                     self._free.append(buf)
-                    workers.end()
+                    loop.end()
             except Exception as exc:  # noqa: BLE001 -- called by a queue's reaper, which must go on
                 log.warning("cannot answer a FUSE write of %d bytes at %d: %s", size, offset,
                             exc)
 
         if not start(fh, offset, memoryview(buf)[:size], answer):
             return False
-        workers.begin()
+        loop.begin()
         return True
 
     async def _write(self, unique: int, fh: int, offset: int, size: int,

@@ -107,7 +107,7 @@ class AttachedController(Controller):
         self.lease: Lease | None = None
         self._polled = polled
         self.polled_queues: list = []
-        """Queues handed to callers' threads (:mod:`nvmeof_fuse.transport.rdma_polled`):
+        """Queues handed to callers' threads (:mod:`nvmeof_fuse.transport.rdma.polled`):
         not in ``io_queues``; replaced (never changed) on each reconnect."""
 
     async def start(self) -> None:

@@ -14,6 +14,11 @@ Before it resumes, the controller reached again must be of the subsystem we
 mounted, and every namespace is looked at again: one whose identity changed is
 replaced, and nothing that waited for the old one goes to the new one
 (:mod:`.identity`).
+
+Why one module: a controller's life is one state table (:mod:`.state`), and each step of
+it (connect, enable, the queues, keep-alive, reconnect, shutdown) acts on the same queues,
+nursery and state; what needs none of that lives apart (options, auth, events, the
+reconnect policy, memory).
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
 from . import auth
+from .connect_options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
 from .events import (
     IDENTIFY_IN_FLIGHT,
     AsyncEvents,
@@ -59,7 +65,6 @@ from .hostid import host_identity
 from .identity import check_controller
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
-from .options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
 from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 

@@ -47,7 +47,7 @@ from ..nvme.status import SCT_GENERIC
 from ..ratelimit import LIST_SHOWN, RateLimitedLog, brief_list
 from ..transport.base import Queue
 from .identity import IdentityIndex, namespace_identity, replaced_line
-from .options import DEFAULT_MAX_NAMESPACES
+from .connect_options import DEFAULT_MAX_NAMESPACES
 from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """What a namespace needs from whatever runs its commands: the :class:`CommandIssuer`.
 
-A :class:`~nvmeof_fuse.host.namespace.Namespace` builds its NVM commands itself; a
+A :class:`~nvmeof_fuse.host.namespace.namespace.Namespace` builds its NVM commands itself; a
 :class:`~nvmeof_fuse.host.controller.Controller` runs them on its I/O queues, and a
 multipath head could run them on one of its paths.  The namespace depends on this
 protocol only, so that neither module imports the other's owner back.

@@ -90,7 +90,7 @@ class CallFuture(Generic[T]):
 
 
 class SyncNamespace:
-    """Blocking view of one :class:`~nvmeof_fuse.host.namespace.Namespace`."""
+    """Blocking view of one :class:`~nvmeof_fuse.host.namespace.namespace.Namespace`."""
 
     def __init__(self, owner: SyncController, namespace: Any) -> None:
         self._owner = owner

@@ -406,7 +406,7 @@ def _ram_workers(session: object, args: argparse.Namespace) -> list:
     """Start ``args.workers - 1`` processes serving the mount on cloned descriptors."""
     import subprocess
 
-    from nvmeof_fuse.fs.session import clone_fd
+    from nvmeof_fuse.fs.devfuse import clone_fd
 
     procs = []
     keep = (getattr(args, "image_fd", None),)

@@ -147,7 +147,7 @@ def main() -> int:
         count, version = ctypes.c_int(), ctypes.c_int()
         assert lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0, "no device"
         lib.cuDriverGetVersion(ctypes.byref(version))
-        from nvmeof_fuse.companion import gpu
+        from nvmeof_fuse.companion.cuda import gpu
 
         names = []
         for ordinal in range(count.value):
@@ -163,7 +163,7 @@ def main() -> int:
     @check("driver calls on a thread that never touched CUDA, in the memory's context")
     def _seam() -> str:
         torch = torch_cuda()
-        from nvmeof_fuse.companion import gpu
+        from nvmeof_fuse.companion.cuda import gpu
 
         t = torch.empty(3 * MIB + 5, dtype=torch.uint8, device="cuda")  # context: this thread
 
@@ -187,7 +187,7 @@ def main() -> int:
     def _vmm() -> str:
         torch_cuda()
         code = ("import os, torch, concurrent.futures as cf\n"
-                "from nvmeof_fuse.companion import gpu\n"
+                "from nvmeof_fuse.companion.cuda import gpu\n"
                 "t = torch.empty(5 << 20, dtype=torch.uint8, device='cuda')\n"
                 "def go():\n"
                 "    c = gpu.ops(); m = c.memory(t)\n"

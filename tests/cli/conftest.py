@@ -31,7 +31,7 @@ def host(monkeypatch):
     disc_mod.discover = discover
     monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.controller", ctrl_mod)
     monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.discovery", disc_mod)
-    monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.multipath",
+    monkeypatch.setitem(sys.modules, "nvmeof_fuse.host.multipath.head",
                         fake_multipath(connect, state))
     return state
 

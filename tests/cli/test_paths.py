@@ -31,7 +31,7 @@ def daemon(monkeypatch, tmp_path):
         def close(self):
             calls.append("closed")
 
-    monkeypatch.setattr("nvmeof_fuse.companion.channel.SocketChannel", Channel)
+    monkeypatch.setattr("nvmeof_fuse.companion.client.channel.SocketChannel", Channel)
     return tmp_path, calls
 
 

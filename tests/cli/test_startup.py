@@ -45,5 +45,5 @@ def test_a_bad_option_fails_before_trio_is_imported():
 
 
 def test_the_options_module_needs_no_trio():
-    result = run("-c", "import sys, nvmeof_fuse.host.options; print('trio' in sys.modules)")
+    result = run("-c", "import sys, nvmeof_fuse.host.connect_options; print('trio' in sys.modules)")
     assert result.stdout.strip() == "False", result.stderr

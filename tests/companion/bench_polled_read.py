@@ -31,10 +31,11 @@ from bench_rdma_queue import fake_register, make_queue  # noqa: E402
 from bench_rdma_queue import run as core_run  # noqa: E402
 
 import nvmeof_fuse  # noqa: E402
-from nvmeof_fuse.companion import client, direct  # noqa: E402
-from nvmeof_fuse.companion.polled import PolledReads  # noqa: E402
-from nvmeof_fuse.companion.registrations import Registrations  # noqa: E402
-from nvmeof_fuse.transport.rdma_polled import PolledQueue  # noqa: E402
+from nvmeof_fuse.companion.client import file as client  # noqa: E402
+from nvmeof_fuse.companion.client import own_queues as direct  # noqa: E402
+from nvmeof_fuse.companion.client.polled import PolledReads  # noqa: E402
+from nvmeof_fuse.companion.client.registrations import Registrations  # noqa: E402
+from nvmeof_fuse.transport.rdma.polled import PolledQueue  # noqa: E402
 
 LBA = 4096
 NLB_TOTAL = 1 << 20

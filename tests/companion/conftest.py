@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from fake_cuda import FakeDriver, install
 
-from nvmeof_fuse.companion import gpu
+from nvmeof_fuse.companion.cuda import gpu
 
 
 @pytest.fixture

@@ -1,4 +1,5 @@
-"""The .nvmeof reports: the connection section of stats and stats.json."""
+"""The .nvmeof reports: the connection section of stats and stats.json, and the figures of
+FUSE workers summed with the main process's."""
 
 from __future__ import annotations
 
@@ -63,3 +64,32 @@ def test_stats_of_many_namespaces_list_those_that_did_io_and_count_the_rest():
     for n in range(1, 977):
         del ctrl.namespaces[n]
     assert len(ctrl.namespaces) == 1022 and "idle_namespaces" not in info.stats_dict(ctrl)
+
+
+def test_stats_sum_every_worker_and_show_each():
+    op = {"ops": 10, "bytes": 40960, "errors": 1,
+          "latency_us": {"p50": 5.0, "p99": 9.0, "max": 12.0, "mean": 6.0}}
+    main = {"n1": {"uptime_s": 1.0, "ops": {"read": op}, "counters": {"x": 1}}}
+    worker = {"index": 1, "pid": 99, "namespaces": {"n1": {
+        "ops": {"read": {**op, "ops": 30, "latency_us": {"p50": 4.0, "p99": 20.0,
+                                                        "max": 30.0, "mean": 2.0}},
+                "write": op}, "counters": {"x": 2}}}}
+
+    class Companion:
+        def snapshot(self):
+            return {}
+
+        def own_reports(self):
+            return [worker]
+
+    class Ctrl:
+        namespaces = {1: type("Ns", (), {"io_stats": type("S", (), {
+            "snapshot": staticmethod(lambda: main["n1"])})})()}
+
+    doc = info.stats_dict(Ctrl(), Companion())
+    read = doc["n1"]["ops"]["read"]
+    assert (read["ops"], read["bytes"], read["errors"]) == (40, 40960 * 2, 2)
+    assert read["latency_us"]["max"] == 30.0 and read["latency_us"]["mean"] == 3.0
+    assert doc["n1"]["ops"]["write"]["ops"] == 10 and doc["n1"]["counters"] == {"x": 3}
+    assert [w["index"] for w in doc["workers"]] == [0, 1]
+    assert doc["workers"][0]["namespaces"]["n1"]["ops"]["read"]["ops"] == 10  # main's own

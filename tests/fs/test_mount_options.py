@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from nvmeof_fuse.fs.mount import MountError, check_nsid, fuse_options
-from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.mount_options import MountOptions
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes import make_controller  # noqa: E402

@@ -11,12 +11,19 @@ import pytest
 import trio
 
 from nvmeof_fuse.errors import CommandTimeout
-from nvmeof_fuse.fs.operations import NamespaceFS
-from nvmeof_fuse.fs.options import MountOptions
+from nvmeof_fuse.fs.mount_options import MountOptions
+from nvmeof_fuse.fs.operations import (
+    GENERATION_MAX,
+    NamespaceFS,
+    fh_generation,
+    pack_fh,
+    unpack_fh,
+)
 from nvmeof_fuse.fs.wire import ROOT_INODE, DirBuffer, EntryAttributes, FUSEError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes import make_controller  # noqa: E402
+from ramdisk import ram_controller  # noqa: E402
 
 
 def call(fn, *args):
@@ -294,3 +301,45 @@ def test_a_long_directory_lists_whole_across_readdir_calls(monkeypatch):
         names += page
     assert names == [".nvmeof", *(f"n{nsid}" for nsid in range(1, 501))]
     assert call(fs.getattr, ROOT_INODE, None).st_nlink == 3  # ., .. and .nvmeof's ..
+
+
+@pytest.mark.parametrize("nsid,writable", [(1, True), (7, False), (0xFFFFFFFE, True), (0, False)])
+def test_a_shared_handle_says_what_it_opened(nsid, writable):
+    assert unpack_fh(pack_fh(12345, nsid, writable)) == (nsid, writable)
+
+
+def test_a_shared_handle_names_the_namespaces_generation_up_to_the_most_it_holds():
+    assert fh_generation(pack_fh(12345, 7, True, 3)) == 3
+    assert unpack_fh(pack_fh(12345, 7, True, 3)) == (7, True)
+    assert fh_generation(pack_fh(1, 7, True, 1000)) == GENERATION_MAX
+    assert pack_fh((1 << 40) + 5, 0xFFFFFFFE, True, 254) < 1 << 64  # the serial wraps
+
+
+def test_any_process_reads_a_namespace_handle_it_did_not_open():
+    ctrl = ram_controller((1, 512, 64), (2, 4096, 16))
+    opener = NamespaceFS(ctrl, shared_handles=True)
+    other = NamespaceFS(ctrl, shared_handles=True)
+
+    async def main():
+        fi = await opener.open(opener.ns_inodes[2], os.O_RDWR, None)
+        assert fi.fh >> 1 & 0xFFFFFFFF == 2
+        h = other.handles[fi.fh]  # never opened here
+        assert h.node.ns.nsid == 2 and h.writable
+        report = await opener.open(opener.nodes[opener._root.entries[b".nvmeof"]]
+                                   .entries[b"stats.json"], os.O_RDONLY, None)
+        with pytest.raises(KeyError):
+            other.handles[report.fh]  # a report: only its opener can read it
+        assert other.handles.get(report.fh) is None
+
+    trio.run(main)
+
+
+def test_without_workers_handles_stay_plain_counters():
+    fs = NamespaceFS(ram_controller((1, 512, 64)))
+
+    async def main():
+        a = await fs.open(fs.ns_inodes[1], os.O_RDWR, None)
+        b = await fs.open(fs.ns_inodes[1], os.O_RDONLY, None)
+        assert (a.fh, b.fh) == (1, 2)
+
+    trio.run(main)

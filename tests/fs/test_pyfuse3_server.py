@@ -13,8 +13,8 @@ import trio
 
 from nvmeof_fuse.fs import mount, pyfuse3_server
 from nvmeof_fuse.fs.mount import MountError, check_fuse_server
+from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import NamespaceFS
-from nvmeof_fuse.fs.options import MountOptions
 from nvmeof_fuse.fs.pyfuse3_server import (
     Pyfuse3MountError,
     Pyfuse3Operations,

@@ -20,7 +20,7 @@ import trio.testing
 from nvmeof_fuse.fs import wire
 from nvmeof_fuse.fs.mount import MountOptions, serve
 from nvmeof_fuse.fs.operations import NamespaceFS
-from nvmeof_fuse.fs.session import FuseMountError, FuseSession, mount_fd, receive_buffer
+from nvmeof_fuse.fs.session import FuseSession, receive_buffer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fakes import make_controller  # noqa: E402
@@ -118,14 +118,6 @@ needs_fuse = pytest.mark.skipif(
 
 
 @needs_fuse
-def test_fusermount3_errors_are_one_line(tmp_path):
-    with pytest.raises(FuseMountError, match=r"^unknown option 'bogus'$"):
-        mount_fd(str(tmp_path), ["bogus"])
-    with pytest.raises(FuseMountError, match=r"^failed to access mountpoint .*/nowhere: "):
-        mount_fd(str(tmp_path / "nowhere"), ["fsname=x"])
-
-
-@needs_fuse
 def test_two_mounts_in_one_process(tmp_path):
     """Each mount has its own session: one process can serve several."""
     paths = [tmp_path / "a", tmp_path / "b"]
@@ -156,7 +148,7 @@ def test_two_mounts_in_one_process(tmp_path):
 
 
 def test_queued_requests_each_get_one_reply():
-    """Many requests queued at once (workers take most of them straight from the
+    """Many requests queued at once (tasks take most of them straight from the
     descriptor): every one is answered once, with its own data.  Over RAM (a controller
     that starts no I/O) no request is offered to a callback."""
     asked: list = []
@@ -214,66 +206,9 @@ def test_queued_requests_each_get_one_reply():
     assert not asked
 
 
-def test_the_reader_runs_its_request_and_hands_the_reading_on():
-    """Leader/follower: the task that read the last queued request runs it (no hand-over),
-    another task reads meanwhile, so a handler that waits holds up only its own task; the
-    end of the session lets every worker exit."""
-    from nvmeof_fuse.fs.session import _SessionEnded, _Workers
-
-    async def main():
-        ran: list[str] = []
-        read_by: dict[str, object] = {}
-        ran_by: dict[str, object] = {}
-        release = trio.Event()
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ours.setblocking(False)
-
-        async def job(name: str) -> None:
-            ran_by[name] = trio.lowlevel.current_task()
-            if name.startswith("held"):
-                await release.wait()
-            ran.append(name)
-
-        def take():
-            name = ours.recv(64).decode()  # BlockingIOError when none is queued
-            if name == "end":
-                raise _SessionEnded
-            if name == "none":
-                return None  # answered while read: no handler
-            read_by[name] = trio.lowlevel.current_task()
-            return job, (name,)
-
-        with ours, theirs, trio.fail_after(STEP):
-            async with trio.open_nursery() as nursery:
-                workers = _Workers(nursery, ours.fileno(), take)
-                workers.start()
-                await trio.testing.wait_all_tasks_blocked()
-                assert workers.reading and workers.parked  # parked on the descriptor
-                theirs.send(b"held1")
-                theirs.send(b"none")
-                theirs.send(b"a")
-                await trio.testing.wait_all_tasks_blocked()
-                assert ran == ["a"]  # not held up by held1
-                theirs.send(b"held2")
-                await trio.testing.wait_all_tasks_blocked()
-                theirs.send(b"b")
-                await trio.testing.wait_all_tasks_blocked()
-                assert ran == ["a", "b"]
-                # Read alone (or last of a burst): run by the task that read it.
-                assert all(read_by[n] is ran_by[n] for n in ("a", "held2", "b"))
-                assert ran_by["held1"] is not ran_by["held2"]
-                release.set()
-                await trio.testing.wait_all_tasks_blocked()
-                assert sorted(ran) == ["a", "b", "held1", "held2"]
-                theirs.send(b"end")
-            assert workers.closing and not workers.idle
-
-    trio.run(main)
-
-
 def test_a_destroy_ends_the_session_and_stop_reading_wakes_the_reader():
     """DESTROY ends run(); stop_reading() wakes the reader parked on the descriptor (and
-    the idle workers), so run() returns."""
+    the idle tasks), so run() returns."""
     async def main():
         for ending in ("destroy", "stop"):
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -284,12 +219,12 @@ def test_a_destroy_ends_the_session_and_stop_reading_wakes_the_reader():
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(session.run)
                     await trio.testing.wait_all_tasks_blocked()
-                    assert session._workers is not None and session._workers.parked
+                    assert session._loop is not None and session._loop.parked
                     if ending == "destroy":
                         theirs.send(request(wire.DESTROY, unique=9))
                     else:
                         session.stop_reading()
-                assert session._workers is None  # run() returned
+                assert session._loop is None  # run() returned
                 if ending == "destroy":
                     assert struct.unpack("<IiQ", theirs.recv(64)) == (16, 0, 9)
                     assert session.gone
@@ -310,147 +245,6 @@ def test_stop_reading_before_run_takes_nothing():
         with pytest.raises(BlockingIOError):
             theirs.recv(64)  # not answered: not taken
     session.close()
-
-
-def test_the_reader_lets_other_tasks_run_in_a_long_stream_of_requests():
-    """Requests answered while read (FORGETs, ...) or handed to workers: the reader yields
-    every BATCH of them, so a stream of them starves no other task."""
-    from nvmeof_fuse.fs.session import BATCH, _Workers
-
-    async def main():
-        ticks = 0
-        seen: list[int] = []
-        stream = [None] * (3 * BATCH)
-
-        def take():
-            if not stream:
-                raise BlockingIOError
-            seen.append(ticks)
-            return stream.pop()
-
-        async def other():
-            nonlocal ticks
-            while True:
-                ticks += 1
-                await trio.lowlevel.checkpoint()
-
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        with ours, theirs, trio.fail_after(STEP):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(other)
-                workers = _Workers(nursery, ours.fileno(), take)
-                workers.start()
-                while stream:
-                    await trio.sleep(0)
-                workers.close()
-                nursery.cancel_scope.cancel()
-        assert seen[-1] > seen[0]  # the other task ran while the stream was read
-
-    trio.run(main)
-
-
-async def _start_polling_workers(nursery, fd, take):
-    """Workers whose idle poll has a budget no test run outlasts (the tests bound the poll
-    by the requests they let arrive, never by time), started and parked on ``fd``."""
-    from nvmeof_fuse.fs.idlepoll import MIN_ALONE, IdlePoll
-    from nvmeof_fuse.fs.session import _Workers
-
-    workers = _Workers(nursery, fd, take)
-    workers.idle_poll = IdlePoll(poll_max=3600.0)
-    workers.idle_poll.alone = MIN_ALONE  # as after a client that kept one request in flight
-    workers.start()
-    await trio.testing.wait_all_tasks_blocked()
-    return workers
-
-
-def test_a_worker_that_answered_the_last_request_polls_for_the_next():
-    """With nothing in flight and nothing else to run, the worker that answered the last
-    request polls the descriptor before it parks: a request that arrives meanwhile is run
-    by it, and the reader parked on the descriptor never wakes; the session's end met while
-    polling lets every worker exit."""
-    from nvmeof_fuse.fs.session import _SessionEnded
-
-    async def main():
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ours.setblocking(False)
-        ran_by: dict[str, object] = {}
-        arriving: list[str] = []  # come after a few empty reads: while a worker polls
-        empty_reads = 0
-
-        async def job(name: str) -> None:
-            ran_by[name] = trio.lowlevel.current_task()
-            arriving.append({"first": "second", "second": "end"}[name])
-
-        def take():
-            nonlocal empty_reads
-            if arriving:
-                if empty_reads < 3:
-                    empty_reads += 1
-                    raise BlockingIOError
-                empty_reads = 0
-                name = arriving.pop()
-                if name == "end":
-                    raise _SessionEnded
-                return job, (name,)
-            return job, (ours.recv(64).decode(),)  # BlockingIOError when none is queued
-
-        with ours, theirs, trio.fail_after(STEP):
-            async with trio.open_nursery() as nursery:
-                workers = await _start_polling_workers(nursery, ours.fileno(), take)
-                theirs.send(b"first")
-            assert ran_by.keys() == {"first", "second"}
-            assert ran_by["second"] is not ran_by["first"]  # not the reader: it stayed parked
-            assert workers.closing and not workers.idle
-
-    trio.run(main)
-
-
-def test_no_poll_while_a_request_is_in_flight():
-    """A handler still waiting (on the target) keeps the others from polling: its answer
-    must not wait behind a poll on this thread."""
-    from nvmeof_fuse.fs.session import _SessionEnded
-
-    async def main():
-        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        ours.setblocking(False)
-        release = trio.Event()
-        empty_reads = 0
-        done: list[str] = []
-
-        async def job(name: str) -> None:
-            if name == "held":
-                await release.wait()
-            done.append(name)
-
-        def take():
-            nonlocal empty_reads
-            # After "held": the poll that follows ends the session.  Past 50 empty reads a
-            # poll ran while "held" was in flight: end it too, so the assertion below fails
-            # instead of the test spinning for the poll's hour.
-            if "held" in done or empty_reads > 50:
-                raise _SessionEnded
-            try:
-                return job, (ours.recv(64).decode(),)
-            except BlockingIOError:
-                empty_reads += 1
-                raise
-
-        with ours, theirs, trio.fail_after(STEP):
-            async with trio.open_nursery() as nursery:
-                workers = await _start_polling_workers(nursery, ours.fileno(), take)
-                theirs.send(b"held")
-                await trio.testing.wait_all_tasks_blocked()
-                # As when "held" has waited long and a serial client's requests went by it:
-                # the next idle moment follows a single request, the rule that alone allows
-                # a poll, and only "held" in flight forbids it.
-                workers.served = 0
-                theirs.send(b"quick")
-                await trio.testing.wait_all_tasks_blocked()
-                assert done == ["quick"] and empty_reads < 10  # read, then parked at once
-                release.set()
-            assert done == ["quick", "held"]
-
-    trio.run(main)
 
 
 def session_on_a_socket(ctrl) -> tuple[FuseSession, FakeKernel]:
@@ -512,19 +306,19 @@ def test_reads_in_flight_together_are_answered_by_callbacks():
                     theirs.send(read(unique, offset))
                 await trio.testing.wait_all_tasks_blocked()
                 assert [s[:2] for s in started] == [(512, 64), (1024, 64)]  # not the first
-                workers = session._workers
-                assert workers is not None and workers.running == 3
+                loop = session._loop
+                assert loop is not None and loop.running == 3
                 data = bytes(ns.device.data[512:576])
                 started[0][2](memoryview(data))  # as the queue's reaper does
                 assert await next_reply(theirs) == (11, data)
                 started[1][2](None)  # failed: _read runs it (held, as the first)
                 session.stop_reading()
                 await trio.testing.wait_all_tasks_blocked()
-                assert session._workers is workers  # two reads still in flight
+                assert session._loop is loop  # two reads still in flight
                 release.set()
             replies = dict([await next_reply(theirs) for _ in range(2)])
             assert replies == {10: bytes(ns.device.data[:64]), 12: bytes(ns.device.data[1024:1088])}
-            assert session._workers is None and workers.running == 0
+            assert session._loop is None and loop.running == 0
         session.close()
 
     trio.run(main)

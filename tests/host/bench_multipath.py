@@ -26,8 +26,8 @@ sys.path[:0] = [os.path.join(os.path.dirname(__file__), "..")]
 import trio  # noqa: E402
 from tcp_target import NQN, serve_like_nvmet  # noqa: E402
 
-from nvmeof_fuse.host import multipath  # noqa: E402
 from nvmeof_fuse.host.controller import ConnectOptions, connect  # noqa: E402
+from nvmeof_fuse.host.multipath import head as multipath  # noqa: E402
 
 WAYS = ("controller", "head, 1 path", "head, 2 paths", "2 paths failover")
 

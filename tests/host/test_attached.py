@@ -3,7 +3,7 @@
 import pytest
 
 from nvmeof_fuse.host.attached import polled_share
-from nvmeof_fuse.host.options import QUEUES_PER_CLIENT
+from nvmeof_fuse.host.connect_options import QUEUES_PER_CLIENT
 
 
 @pytest.mark.parametrize(("wanted", "leased", "share"), [
@@ -20,7 +20,7 @@ def test_the_loop_keeps_half_of_the_leased_queues_at_least(wanted, leased, share
 
 
 def test_a_full_lease_polls_as_many_queues_as_a_file_asks_for():
-    from nvmeof_fuse.companion.direct import POLLED_QUEUES
+    from nvmeof_fuse.companion.client.own_queues import POLLED_QUEUES
 
     assert polled_share(POLLED_QUEUES, QUEUES_PER_CLIENT) == POLLED_QUEUES
 

@@ -15,8 +15,8 @@ import trio
 import trio.testing
 from fabric_fakes import FakeTarget, FakeTransport
 
-from nvmeof_fuse.companion.direct import lease_from
-from nvmeof_fuse.companion.server import CompanionServer
+from nvmeof_fuse.companion.client.own_queues import lease_from
+from nvmeof_fuse.companion.server.server import CompanionServer
 from nvmeof_fuse.host.attached import EDGE_BUFFERS, attach
 from nvmeof_fuse.host.controller import ConnectOptions, Controller
 from nvmeof_fuse.host.namespace import Namespace

@@ -85,7 +85,7 @@ def churn(path: str, offset: int, size: int, stop: str) -> None:
     queue of small reads; over 128 KiB after it: the polled queues' large reads).
     A request that fails prints its error instead: the caller decides what is right.
     """
-    from nvmeof_fuse.companion.direct import POLLED_MAX_BYTES
+    from nvmeof_fuse.companion.client.own_queues import POLLED_MAX_BYTES
 
     data, out = nvmeof_fuse.empty(size), np.zeros(size, dtype=np.uint8)
     small = min(size, POLLED_MAX_BYTES // 2)
@@ -191,7 +191,7 @@ UDMABUF_CREATE = (1 << 30) | (24 << 16) | (ord("u") << 8) | 0x42  # _IOW('u', 0x
 
 def udmabuf_export(base: int, length: int) -> int:
     """A real dma-buf of shared memory (/dev/udmabuf), as the fake driver's export."""
-    from nvmeof_fuse.companion import shm
+    from nvmeof_fuse.companion.client import shm
 
     mem, offset = shm.find(base, length)
     request = bytearray(struct.pack("IIQQ", mem.fd, 1, offset, length))  # CLOEXEC

@@ -24,8 +24,8 @@ from fabrics import make_fabric
 from kernel_initiator import connected, pread_direct
 from vm import NVMET_PORTS, rdma_objects, sh, target_away, wait_for
 
-from nvmeof_fuse.companion.channel import SocketChannel
-from nvmeof_fuse.companion.direct import POLLED_MAX_BYTES
+from nvmeof_fuse.companion.client.channel import SocketChannel
+from nvmeof_fuse.companion.client.own_queues import POLLED_MAX_BYTES
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.procstat import process_tree
 

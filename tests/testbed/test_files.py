@@ -22,9 +22,9 @@ import safetensors.numpy as safetensors_numpy
 from vm import sh, wait_for
 
 import nvmeof_fuse
-from nvmeof_fuse.companion import fiemap as fm
-from nvmeof_fuse.companion import fsmap
-from nvmeof_fuse.companion.fsfile import FilesystemFile
+from nvmeof_fuse.companion.files import fiemap as fm
+from nvmeof_fuse.companion.files import fsmap
+from nvmeof_fuse.companion.files.fsfile import FilesystemFile
 from nvmeof_fuse.companion.protocol import CompanionError
 
 MNT = "/tmp/nvmeof-files"

@@ -54,7 +54,7 @@ def expected(i: int) -> bytes:
 
 
 def test_writes_racing_across_workers_and_a_companion_client_never_tear(fabric, workers_mnt):
-    from nvmeof_fuse.companion.client import File
+    from nvmeof_fuse.companion.client.file import File
 
     point, _ = workers_mnt
     path = f"{point}/n1"

@@ -4,7 +4,7 @@
                                                         [--profile]
 
 Runs ``Namespace.read_into`` (4 KiB, registered memory) through the real ``Controller``,
-``RdmaQueue`` and reaper, over the fake verbs of test_rdma_queue.py whose target answers
+``RdmaQueue`` and reaper, over the fake verbs of rdma/test_transport_queue.py whose target answers
 every capsule at once (its SEND completion and response are there for the next poll, and an
 armed CQ signals the completion channel, a pipe).  Prints CPU microseconds per I/O
 (``time.process_time``), or with ``--profile`` the top of a cProfile.  Only the host's own
@@ -21,15 +21,16 @@ import sys
 import time
 from types import SimpleNamespace
 
-sys.path[:0] = [os.path.dirname(__file__), os.path.join(os.path.dirname(__file__), "..")]
+sys.path[:0] = [os.path.join(os.path.dirname(__file__), "rdma"),
+                os.path.join(os.path.dirname(__file__), "..")]
 
 import trio  # noqa: E402
-from test_rdma_queue import CQ, FAKE_VERBS, PD, QP, WC, Channel  # noqa: E402
+from test_transport_queue import CQ, FAKE_VERBS, PD, QP, WC, Channel  # noqa: E402
 
 from nvmeof_fuse.host.controller import ConnectOptions, Controller  # noqa: E402
 from nvmeof_fuse.host.namespace import Namespace  # noqa: E402
 from nvmeof_fuse.host.state import CONNECTING, LIVE  # noqa: E402
-from nvmeof_fuse.transport import rdma  # noqa: E402
+from nvmeof_fuse.transport.rdma import transport as rdma  # noqa: E402
 from nvmeof_fuse.transport.region import host_buffer  # noqa: E402
 
 LBA = 4096

@@ -1,0 +1,38 @@
+"""The client side of a queue lease: what the daemon's ``lease`` reply grants, and how to
+connect the leased queues (the mount's own target, host identity and recovery rules)."""
+
+from __future__ import annotations
+
+from ...host.attached import Lease, NamespaceShape
+from ...host.controller import ConnectOptions
+
+RENEW_FOREVER = 365 * 86400.0  # s: bound of a lease wait when the mount never gives up
+
+
+def lease_from(reply: dict) -> Lease:
+    return Lease(qids=tuple(reply["qids"]), cntlid=reply["cntlid"],
+                 queue_size=reply["queue_size"], in_capsule_bytes=reply["in_capsule_bytes"],
+                 max_transfer=reply["max_transfer"],
+                 namespaces=tuple(NamespaceShape(*shape) for shape in reply["namespaces"]),
+                 traddr=reply.get("traddr"), trsvcid=reply.get("trsvcid"))
+
+
+def options_from(reply: dict, timeout: float) -> ConnectOptions:
+    """How to connect: the mount's own target, host identity and recovery rules, with
+    ``timeout`` as the command timeout (a File's bound, at least the mount's)."""
+    return ConnectOptions(
+        traddr=reply["traddr"], nqn=reply["subnqn"], transport=reply["transport"],
+        trsvcid=reply["trsvcid"], host_traddr=reply["host_traddr"],
+        hostnqn=reply["hostnqn"], hostid=reply["hostid"], nr_io_queues=len(reply["qids"]),
+        companion_queues=0, keep_alive_tmo=0, timeout=timeout,
+        reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
+        fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),
+        dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"))
+
+
+def renew_timeout(options: ConnectOptions) -> float:
+    """How long a wait for a lease (again, after a reconnect) may take: the mount's own
+    controller-loss bound and two command timeouts, or as good as forever."""
+    if options.ctrl_loss_tmo < 0:
+        return RENEW_FOREVER
+    return options.ctrl_loss_tmo + 2 * options.timeout

@@ -1,0 +1,1 @@
+"""CUDA memory for the companion: the driver calls, contexts and streams, dma-bufs."""

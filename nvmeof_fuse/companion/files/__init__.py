@@ -1,0 +1,1 @@
+"""Files of a filesystem on a mounted namespace (FIEMAP), and safetensors checkpoints."""

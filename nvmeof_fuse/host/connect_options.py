@@ -1,0 +1,109 @@
+"""What to connect to and how (:class:`ConnectOptions`), checked without any I/O.
+
+Apart from the controller, so that the CLI can check a mount's options (``mount
+--daemon`` does before it starts the daemon) without importing trio.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..errors import InvalidArgument
+from ..transport import registry
+from . import auth
+
+DEFAULT_COMPANION_QUEUES = 16
+"""Four clients' worth of queue IDs (they cost the target nothing until a client connects)."""
+MAX_SHUTDOWN_TIMEOUT = 255
+"""Seconds: the longest ``--shutdown-timeout`` (Linux's module parameter is a byte)."""
+QUEUES_PER_CLIENT = 4
+"""I/O queues a companion ``File`` leases and connects: 2 polled, 2 on its loop."""
+DEFAULT_MAX_NAMESPACES = 65536
+"""Active namespaces a mount serves at most (the first by NSID), unless
+``--max-namespaces`` says otherwise: each costs about 1 KiB of memory and two Identify
+commands at mount (docs/reliability.md, "Many namespaces").  NVMe allows 0xFFFFFFFE."""
+MAX_NSID = 0xFFFFFFFE
+
+
+@dataclass
+class ConnectOptions:
+    """What to connect to and how; the names follow nvme-cli's options."""
+
+    traddr: str
+    nqn: str
+    transport: str = registry.DEFAULT
+    trsvcid: int = registry.IO_PORT
+    host_traddr: str | None = None
+    hostnqn: str | None = None
+    hostid: str | None = None
+    nr_io_queues: int | None = None
+    companion_queues: int = DEFAULT_COMPANION_QUEUES
+    """Extra I/O queue IDs asked for at connect time and leased to companion clients."""
+    queue_size: int = 128
+    keep_alive_tmo: float = 5.0
+    reconnect_delay: float = 10.0
+    """Seconds between reconnect attempts after the connection is lost."""
+    ctrl_loss_tmo: float = 600.0
+    """Seconds to keep reconnecting before I/O fails for good; 0: never, -1: forever."""
+    fast_io_fail_tmo: float = -1.0
+    """Seconds after a loss from which I/O fails while reconnecting goes on; -1: off."""
+    timeout: float = 30.0
+    """Per-command timeout in seconds."""
+    max_namespaces: int = DEFAULT_MAX_NAMESPACES
+    """Active namespaces served at most, the first by NSID; the rest are refused in one
+    line."""
+    connect_timeout: float = 10.0
+    """Seconds for one transport connect (TCP connect and ICResp, RDMA-CM)."""
+    shutdown_timeout: float = 5.0
+    """Seconds an orderly shutdown waits for the controller at least (Linux's
+    ``shutdown_timeout``); RTD3E raises it, up to ``SHUTDOWN_TIMEOUT_CAP``."""
+    dhchap_secret: str | None = field(default=None, repr=False)
+    """DH-HMAC-CHAP host secret (DHHC-1:0N:...:) or the path of a file holding it (read
+    again at each connect and reconnect)."""
+    dhchap_ctrl_secret: str | None = field(default=None, repr=False)
+    """Controller secret (or its file): the host also authenticates the controller."""
+    allow_insecure_secret_file: bool = False
+    """Read secret files that group or others may access (refused otherwise, as ssh does)."""
+    hdr_digest: bool = False
+    """NVMe/TCP: CRC32C header digests (nvme-cli's --hdr-digest)."""
+    data_digest: bool = False
+    """NVMe/TCP: CRC32C data digests (nvme-cli's --data-digest)."""
+
+    def validate(self) -> None:
+        fabric = registry.capabilities(self.transport)
+        if (self.hdr_digest or self.data_digest) and not fabric.digests:
+            raise InvalidArgument("--hdr-digest and --data-digest apply only to "
+                                  f"{registry.with_digests()}")
+        if not 0 < self.trsvcid < 65536:
+            raise InvalidArgument(f"--trsvcid {self.trsvcid} is not a port number (1-65535)")
+        if self.nr_io_queues is not None and not 1 <= self.nr_io_queues <= 65535:
+            raise InvalidArgument(f"--nr-io-queues {self.nr_io_queues} must be 1-65535")
+        if not 0 <= self.companion_queues <= 65534:
+            raise InvalidArgument(f"--companion-queues {self.companion_queues} must be 0-65534")
+        if not 2 <= self.queue_size <= 65536:
+            raise InvalidArgument(f"--queue-size {self.queue_size} must be 2-65536")
+        if not 0 <= self.keep_alive_tmo <= 65535:
+            raise InvalidArgument(f"--keep-alive-tmo {self.keep_alive_tmo} must be 0-65535 s")
+        if not 1 <= self.reconnect_delay <= 65535:
+            raise InvalidArgument(f"--reconnect-delay {self.reconnect_delay} must be 1-65535 s")
+        if not (self.ctrl_loss_tmo == -1 or 0 <= self.ctrl_loss_tmo <= 2**31):
+            raise InvalidArgument(f"--ctrl-loss-tmo {self.ctrl_loss_tmo} must be -1 (forever) "
+                                  "or 0 or more seconds")
+        if not (self.fast_io_fail_tmo == -1 or 0 <= self.fast_io_fail_tmo <= 2**31):
+            raise InvalidArgument(f"--fast-io-fail-tmo {self.fast_io_fail_tmo} must be -1 (off) "
+                                  "or 0 or more seconds")
+        if not 1 <= self.shutdown_timeout <= MAX_SHUTDOWN_TIMEOUT:
+            raise InvalidArgument(f"--shutdown-timeout {self.shutdown_timeout:g} must be "
+                                  f"1-{MAX_SHUTDOWN_TIMEOUT} s")
+        if not 1 <= self.max_namespaces <= MAX_NSID:
+            raise InvalidArgument(f"--max-namespaces {self.max_namespaces} must be "
+                                  f"1-{MAX_NSID}")
+        if not self.nqn:
+            raise InvalidArgument("--nqn is required")
+        for source in self.dhchap_sources():
+            if source is not None:
+                source.load(self.allow_insecure_secret_file)
+
+    def dhchap_sources(self) -> tuple[auth.SecretSource | None, auth.SecretSource | None]:
+        """Where the host's and the controller's DH-HMAC-CHAP secrets come from (not read)."""
+        return auth.secret_sources(self.dhchap_secret, self.dhchap_ctrl_secret)

@@ -1,0 +1,217 @@
+"""NVMe/TCP host transport (NVMe/TCP Transport Specification) on trio.
+
+The PDUs are built and parsed in :mod:`nvmeof_fuse.nvme.tcp_pdu`.  This module opens the
+connections: one TCP connection per NVMe queue, opened with ICReq/ICResp (honouring the
+target's CPDA, MAXH2CDATA and digests), then handed to a :class:`~.queue.TcpQueue`,
+which moves capsules and data, and reads what comes back with its
+:class:`~.reader.PduReader`.  Data moves once, received into and sent from the
+caller's memory (:mod:`.data`), which needs no registration: :meth:`TcpTransport.register`
+hands back a trivial one, and refuses GPU memory by name.
+
+``python -m nvmeof_fuse.transport.tcp HOST PORT`` probes a port: it prints the ICResp.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import struct
+
+import trio
+
+from ...errors import ConnectError, TransportError
+from ...nvme import tcp_pdu as pdu
+from ...nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
+from .. import registry
+from .data import HOST_MEMORY_ONLY, TcpRegistration, is_device_memory
+from .queue import TcpQueue
+
+ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
+
+
+class TcpTransport:
+    """The TCP side of one controller: a connection per queue, nothing shared but options."""
+
+    name = "tcp"
+    needs_keyed_sgls = False
+    places_in_other_processes = True
+    """A companion client connects queues of its own (a connection each, with the mount's
+    controller ID) and receives into its own host memory: the daemon leaves the data path."""
+    counts_read_data = True  # a read succeeds only with all its C2HData (reader.py)
+    dmabuf_refusal = HOST_MEMORY_ONLY
+    """Why dma-bufs (GPU memory) are not registered here."""
+
+    def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
+                 connect_timeout: float = 10.0, *, header_digest: bool = False,
+                 data_digest: bool = False, splice: bool = False) -> None:
+        self.traddr = traddr
+        # Large write data by vmsplice/splice (see .splice) instead of a copy into the
+        # socket.  Off by default: the copy was faster in the testbed's A/B
+        # (docs/performance-history.md); kept for a measurement on a real NIC.
+        self.splice = splice
+        self.trsvcid = trsvcid
+        self.host_traddr = host_traddr
+        self.connect_timeout = connect_timeout
+        self.header_digest = header_digest
+        self.data_digest = data_digest
+        self._queues: list[TcpQueue] = []
+
+    @property
+    def address(self) -> str:
+        return f"tcp {self.traddr}:{self.trsvcid}"
+
+    def register(self, addr: int, length: int, owner: object) -> TcpRegistration:
+        """A trivial registration of host memory; GPU memory is refused by name."""
+        if is_device_memory(owner):
+            raise TransportError(f"cannot register GPU memory: {HOST_MEMORY_ONLY}")
+        return TcpRegistration(addr, length, owner)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, iova: int) -> TcpRegistration:
+        """Refused: a socket cannot receive into a dma-buf (the caller stages instead)."""
+        raise TransportError(f"cannot register the dma-buf: {HOST_MEMORY_ONLY}")
+
+    async def _open(self, what: str) -> trio.socket.SocketType:
+        where = f"{self.traddr}:{self.trsvcid}"
+        sock = None
+        try:
+            with trio.fail_after(self.connect_timeout):
+                infos = await trio.socket.getaddrinfo(self.traddr, self.trsvcid,
+                                                      type=socket.SOCK_STREAM)
+                family, kind, proto, _, addr = infos[0]
+                sock = trio.socket.socket(family, kind, proto)
+                if self.host_traddr:
+                    await sock.bind((self.host_traddr, 0))
+                await sock.connect(addr)
+        except trio.TooSlowError:
+            reason = f"timed out after {self.connect_timeout:g} s"
+        except socket.gaierror as exc:
+            reason = f"failed: cannot resolve the address ({exc.strerror})"
+        except OSError as exc:
+            if exc.errno in (errno.ECONNREFUSED, errno.ECONNRESET):
+                reason = "refused: is an NVMe/TCP port listening there?"
+            elif self.host_traddr and exc.errno == errno.EADDRNOTAVAIL:
+                reason = f"failed: --host-traddr {self.host_traddr} is not a local address"
+            else:
+                reason = f"failed: {exc.strerror or exc}"
+        except BaseException:  # cancelled (a reconnect try cut short): no socket left open
+            if sock is not None:
+                sock.close()
+            raise
+        else:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            # Close with a reset, dropping what is still queued (as Linux nvme_tcp_alloc_queue,
+            # sock_no_linger): spliced H2CData in the send queue would refer to the caller's
+            # pages, which a failed command's caller gets back once the socket is closed.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            return sock
+        if sock is not None:
+            sock.close()
+        raise ConnectError(f"NVMe/TCP {what} connect to {where} {reason}")
+
+    async def connect_queue(self, nursery: trio.Nursery, qid: int, size: int,
+                            in_capsule_bytes: int = 0, cntlid: int = 0) -> TcpQueue:
+        """Open queue ``qid``'s connection, exchange ICReq/ICResp, start its receive task."""
+        what = "admin queue" if qid == 0 else f"I/O queue {qid}"
+        sock = await self._open(what)
+        try:
+            resp = await self._initialize(sock, what)
+        except BaseException:
+            sock.close()
+            raise
+        if qid == 0:
+            in_capsule_bytes = max(in_capsule_bytes, ADMIN_IN_CAPSULE_BYTES)
+        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp)
+        self._queues.append(queue)
+        await nursery.start(queue.receive)
+        return queue
+
+    async def _initialize(self, sock, what: str) -> ICResp:
+        where = f"{self.traddr}:{self.trsvcid}"
+        buf = bytearray(pdu.IC_PDU_LENGTH)
+        try:
+            with trio.fail_after(self.connect_timeout):
+                await sock.send(icreq_pdu(header_digest=self.header_digest,
+                                          data_digest=self.data_digest))
+                got = 0
+                while got < len(buf):
+                    n = await sock.recv_into(memoryview(buf)[got:])
+                    if n == 0:
+                        raise ConnectError(f"NVMe/TCP {what}: {where} closed the connection "
+                                           "before its ICResp")
+                    got += n
+        except trio.TooSlowError:
+            raise ConnectError(f"NVMe/TCP {what}: no ICResp from {where} within "
+                               f"{self.connect_timeout:g} s") from None
+        except OSError as exc:
+            raise ConnectError(f"NVMe/TCP {what}: {where} failed during ICReq/ICResp: "
+                               f"{exc.strerror or exc}") from None
+        try:
+            resp = parse_icresp(bytes(buf))
+            pdu.check_icresp(resp, header_digest=self.header_digest,
+                             data_digest=self.data_digest)
+        except ValueError as exc:
+            raise ConnectError(f"NVMe/TCP {what}: {where} answered with {exc}") from None
+        return resp
+
+    async def drop_queues(self) -> None:
+        """Stop and close every queue (waiting commands fail with TransportError)."""
+        queues, self._queues = self._queues, []
+        for queue in reversed(queues):
+            await queue.stop()
+            queue.close()
+
+    def close(self) -> None:
+        for queue in reversed(self._queues):
+            queue.close()
+        self._queues.clear()
+
+
+def _create(traddr: str, trsvcid: int, host_traddr: str | None = None, *,
+            connect_timeout: float, hdr_digest: bool = False,
+            data_digest: bool = False) -> TcpTransport:
+    return TcpTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
+                        header_digest=hdr_digest, data_digest=data_digest)
+
+
+registry.register("tcp", _create)
+
+
+def probe(host: str, port: int, timeout: float = 10.0) -> ICResp:
+    """Open a TCP connection, send an ICReq and return the target's ICResp."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout) as sock:
+            sock.sendall(icreq_pdu())
+            reply = b""
+            while len(reply) < pdu.IC_PDU_LENGTH:
+                chunk = sock.recv(pdu.IC_PDU_LENGTH - len(reply))
+                if not chunk:
+                    raise ConnectError(f"{host}:{port} closed the connection before its ICResp")
+                reply += chunk
+    except OSError as exc:
+        raise ConnectError(f"NVMe/TCP probe of {host}:{port} failed: {exc}") from exc
+    try:
+        return parse_icresp(reply)
+    except ValueError as exc:
+        raise ConnectError(f"{host}:{port} answered with {exc}") from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m nvmeof_fuse.transport.tcp HOST PORT``: print the ICResp or the error."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print("usage: python -m nvmeof_fuse.transport.tcp HOST PORT", file=sys.stderr)
+        return 2
+    try:
+        resp = probe(args[0], int(args[1]))
+    except (ConnectError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"ICResp from {args[0]}:{args[1]}: pfv={resp.pfv} cpda={resp.cpda} "
+          f"maxh2cdata={resp.maxh2cdata}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
