@@ -11,14 +11,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from nvmeof_fuse.cli import admin, discover, mount, paths
+from nvmeof_fuse.cli import admin, discover, mount, paths, tlskeys
 from nvmeof_fuse.cli.mounthelper import helper_argv
 from nvmeof_fuse.cli.options import PROG, leaf, one_line, parse_command_line
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.ratelimit import cap_lines
 
 COMMANDS = ("mount", "discover", "list", "mount-all", "install-helper", "add-path",
-            "remove-path")
+            "remove-path", "gen-tls-key", "check-tls-key")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     discover.add_parsers(sub)  # discover, list
     admin.add_parsers(sub)  # mount-all, install-helper
     paths.add_parsers(sub)  # add-path, remove-path
+    tlskeys.add_parsers(sub)  # gen-tls-key, check-tls-key
     return parser
 
 
@@ -70,6 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return admin.cmd_install_helper(args)
         if args.command in ("add-path", "remove-path"):
             return paths.cmd_change_path(args)
+        if args.command == "gen-tls-key":
+            return tlskeys.cmd_gen_tls_key(args)
+        if args.command == "check-tls-key":
+            return tlskeys.cmd_check_tls_key(args)
         return discover.cmd_list(args)
     except BaseException as exc:
         inner = leaf(exc)
