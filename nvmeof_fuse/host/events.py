@@ -46,8 +46,8 @@ from ..nvme.events import (
 from ..nvme.status import SCT_GENERIC
 from ..ratelimit import LIST_SHOWN, RateLimitedLog, brief_list
 from ..transport.base import Queue
-from .identity import IdentityIndex, namespace_identity, replaced_line
 from .connect_options import DEFAULT_MAX_NAMESPACES
+from .identity import IdentityIndex, namespace_identity, replaced_line
 from .state import LIVE, CtrlState
 
 log = logging.getLogger(__name__)
