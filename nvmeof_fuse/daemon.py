@@ -52,6 +52,9 @@ not answering."""
 FLUSHES_IN_FLIGHT = 8
 """Final flushes in flight at once: however many namespaces were written, they neither crowd
 the I/O queues nor keep the loop from the keep-alive, which runs until they are done."""
+CUT_SLACK = 0.01
+"""Seconds before its deadline at which a flush may end that was cut by it: a command's
+timeout is cut to the deadline to within 10 ms (``Controller.command_timeout``)."""
 FLUSH_BACKSTOP = 1.0
 """Seconds past its deadline at which the final flush stops waiting: its commands time out
 at the deadline (their timeouts are cut to it), then wait for their connection's teardown,
@@ -108,14 +111,14 @@ async def flush_all(ctrl: ControllerLike, deadline: float) -> list[str]:
     by ``deadline`` (trio time), shielded (this runs while shutting down); each outcome is
     said in one line.  The controller (its keep-alive too) runs meanwhile.  What was not
     flushed, for the mount's last line."""
+    written = written_namespaces(ctrl)
+    if not written:
+        return []
     state = getattr(ctrl, "state", "live")
     if state != "live":  # nothing would answer: do not wait for a reconnect here
         note = f"no final flush: the connection to the controller is {state}"
         log.warning("%s", note)
         return [note]
-    written = written_namespaces(ctrl)
-    if not written:
-        return []
     began = trio.current_time()
     if began >= deadline:  # (the drain ran to it: its commands' connection is gone)
         note = f"no final flush of {_names([nsid for nsid, _ in written])}: no time was left"
@@ -130,7 +133,7 @@ async def flush_all(ctrl: ControllerLike, deadline: float) -> list[str]:
             await ns.flush()
             flushed.append(nsid)
         except NVMeoFError as exc:
-            if trio.current_time() < deadline:  # else its timeout was cut: not confirmed
+            if trio.current_time() < deadline - CUT_SLACK:  # else cut: not confirmed
                 failed.append((nsid, exc))
 
     with trio.move_on_at(deadline + FLUSH_BACKSTOP, shield=True):
@@ -232,7 +235,8 @@ async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str
                                     exit_plan=exiting, task_status=task_status)
                     if pool is not None:  # their descriptors end with the mount: they drain
                         ending = exiting()
-                        ending.skipped += await pool.stop(ending.drain_by)
+                        ending.skipped += await pool.stop(ending.drain_by,
+                                                          asked_at=ending.began)
                     inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
 
                 fs = await inner.start(filesystem)
@@ -255,7 +259,8 @@ async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str
                     exiting()
                     if pool is None:
                         inner.cancel_scope.cancel()
-                    else:  # the filesystem drains, then its workers, then the rest stops
+                    else:  # the filesystem and its workers drain, then the rest stops
+                        pool.ask_to_stop()
                         fs_scope.cancel()
         finally:
             plan = exiting()

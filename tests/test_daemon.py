@@ -6,7 +6,6 @@ one line."""
 from __future__ import annotations
 
 import logging
-
 from types import SimpleNamespace
 
 import pytest

@@ -45,6 +45,9 @@ FSNAME = "nvmeof-fuse"
 SUBTYPE = "nvmeof-fuse"  # mounts show up as fstype fuse.nvmeof-fuse, the type fstab names
 CHECK_TIMEOUT = 10.0  # s for stat()s of the mountpoint: a hung FUSE mount blocks them
 DRAIN_TIMEOUT = 30.0  # s for open files to close, then requests in flight, once asked to stop
+ANSWER_LEAST = 1.0
+"""Seconds of a drain with a deadline (the mount's exit) kept for answering the requests in
+flight: the wait for open files to be closed ends this long before it."""
 # Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us (INIT's max_background).
 # The kernel's default of 12 (FUSE_DEFAULT_MAX_BACKGROUND) holds back a queue depth of 16.
 # 32 matches the controller's bounce buffers, which each request in flight holds; with FUSE
@@ -331,7 +334,8 @@ class _ShieldedServer:
         in flight: each for ``drain_timeout``, or all of it by the exit's ``drain_by``."""
         began = trio.current_time()
         plan = self.exit_plan() if self.exit_plan is not None else None
-        files_by = plan.drain_by if plan is not None else began + self.drain_timeout
+        files_by = (max(began, plan.drain_by - ANSWER_LEAST) if plan is not None
+                    else began + self.drain_timeout)
         with trio.move_on_at(files_by, shield=True):
             self.gone = await _lazy_unmount(self.path)
             if self.ops.handles:

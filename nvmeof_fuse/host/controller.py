@@ -440,7 +440,19 @@ class Controller:
                     if tries >= IO_RETRIES:
                         raise out_of_tries(sqe, tries, failure) from None
                     tries += 1
-            await self.wait_live()
+            try:
+                await self.wait_live()
+            except ControllerLost as lost:
+                if not self._stopping or str(lost) != self._stopping:
+                    raise
+                # the mount stops: say what the command met
+                if isinstance(failure, Completion):
+                    cause = failure.status_name()
+                elif self._lost_reason:  # (its own failure may be only the teardown's)
+                    cause = f"the connection was lost: {self._lost_reason}"
+                else:
+                    cause = str(failure)
+                raise ControllerLost(f"{lost} ({cause})") from None
             if self._replaced:  # replaced by a reconnect since it was first sent: not here
                 self._refuse_if_replaced(sqe, lambda at: at[1] > first_sent)
             queue = self.pick_queue(nbytes)

@@ -159,17 +159,24 @@ class FuseWorkers:
         log.info("FUSE worker %d started (pid %d)", index, proc.pid)
         return proc
 
-    async def stop(self, deadline: float) -> list[str]:
-        """Ask every worker to drain (SIGTERM: no new requests, those read answered) and
-        wait for it until ``deadline`` (trio time: the mount's exit gives the drain that
-        long); kill those that did not exit.  What was cut short, for the mount's last line
-        (a worker killed with requests in flight: the kernel fails them)."""
+    def ask_to_stop(self) -> None:
+        """Ask every worker to drain (SIGTERM: no new requests, those read answered); none
+        is started any more.  The main process serves what comes meanwhile."""
         self.stopping = True
-        procs = sorted(self.procs.items())
-        for _, proc in procs:
+        for proc in self.procs.values():
             with contextlib.suppress(OSError):
                 proc.send_signal(signal.SIGTERM)
-        began = trio.current_time()
+
+    async def stop(self, deadline: float, *, asked_at: float | None = None) -> list[str]:
+        """Ask every worker to drain (:meth:`ask_to_stop`, unless asked already) and wait
+        for it until ``deadline`` (trio time: the mount's exit gives the drain that long,
+        from ``asked_at``, the request to stop); kill those that did not exit.  What was
+        cut short, for the mount's last line (a worker killed with requests in flight: the
+        kernel fails them)."""
+        procs = sorted(self.procs.items())
+        if not self.stopping:
+            self.ask_to_stop()
+        began = trio.current_time() if asked_at is None else asked_at
         skipped = []
         with trio.CancelScope(shield=True):
             with trio.move_on_at(deadline):

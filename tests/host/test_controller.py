@@ -640,7 +640,8 @@ def test_once_the_mount_stops_a_command_waiting_for_a_reconnect_fails_at_once():
             assert not failed and ctrl.state is CONNECTING
             stopped = trio.current_time()
             ctrl.wind_down("/mnt is being unmounted", stopped + 9)
-        assert failed == [(stopped, "/mnt is being unmounted")]
+        assert failed == [(stopped, "/mnt is being unmounted (the connection was lost: "
+                                    "work request failed: retry counter exceeded)")]
 
     run(test)
 

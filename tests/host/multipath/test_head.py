@@ -561,7 +561,8 @@ def test_the_heads_shutdown_timeout_is_its_longest_paths():
     port = Port()
 
     async def main() -> None:
-        opts = [options(addr, shutdown_timeout=s) for addr, s in zip(port.targets, (5, 7))]
+        addrs = list(port.targets)
+        opts = [options(addrs[0], shutdown_timeout=5), options(addrs[1], shutdown_timeout=7)]
         async with multipath.connect(opts, connect_path=port.connect) as head:
             assert head.shutdown_timeout() == 7
 
