@@ -118,8 +118,9 @@ class FakeTcpTarget:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         await self._connection(trio.SocketStream(trio.socket.from_stdlib_socket(conn)))
 
-    async def _connection(self, stream: trio.SocketStream) -> None:
+    async def _connection(self, socket_stream: trio.SocketStream) -> None:
         self.connections += 1
+        stream = OneSenderAtATime(socket_stream)
         reader = Reader(stream)
         self.streams.append(stream)
         state = {"qid": None, "writes": {}, "sqflow_off": False, "cntlid": 0}
@@ -409,6 +410,24 @@ class FakeTcpTarget:
         elif len(got) == r2t_end:  # the next piece (r2t_bytes)
             await self._r2t(stream, cid, min(length - r2t_end, self.r2t_bytes or length),
                             r2t_end)
+
+
+class OneSenderAtATime:
+    """A connection's stream whose ``send_all`` waits its turn: a held Asynchronous Event
+    Request may be completed by another task (a test's notice) while the connection's own
+    task sends a command's data, and trio refuses two senders at once (BusyResourceError,
+    which ended the whole target).  A PDU sent in one ``send_all`` stays whole."""
+
+    def __init__(self, stream: trio.SocketStream) -> None:
+        self._stream = stream
+        self._sending = trio.Lock()
+
+    async def send_all(self, data) -> None:
+        async with self._sending:
+            await self._stream.send_all(data)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
 
 
 class Reader:

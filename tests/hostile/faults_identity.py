@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import struct
 
-import trio
 from hostile_target import Fault, HostileTarget, fault, status_field
 from tcp_target import FABRICS
 
@@ -130,13 +129,8 @@ class NguidSwapByNotice(NguidSwap):
 
     async def notify(self, target: HostileTarget) -> None:
         """Complete the held AER: a notice (type 2h, info 0h, log page 04h)."""
-        stream, cid = self.held.pop()
-        while True:  # (the connection's own task may be sending: wait for it)
-            try:
-                await target.complete(stream, cid, 0x2 | 0x00 << 8 | 0x04 << 16)
-                return
-            except trio.BusyResourceError:
-                await trio.sleep(0.01)
+        stream, cid = self.held.pop()  # (its send waits for the connection's own task's)
+        await target.complete(stream, cid, 0x2 | 0x00 << 8 | 0x04 << 16)
 
     def log_page(self, target, lid, offset, length, page):
         if lid == 0x04 and self.swapped:
