@@ -216,7 +216,14 @@ def rounds_done(out: str) -> int:
         return sum(1 for line in f if line.startswith('{"round"'))
 
 
-@pytest.mark.parametrize("transport", ["rdma", "tcp"])
+@pytest.mark.parametrize("transport", [
+    "rdma",
+    # by default, TCP outages under fio verify (test_fio_verify_writes_at_depth_ride_out_an_
+    # outage[tcp]) and a companion client's own TCP queues through one (test_companion's
+    # test_a_client_on_its_own_queues_rides_out_a_target_outage[tcp-120]) prove it; the
+    # same job for 240 s: scripts/soak tcp
+    pytest.param("tcp", marks=pytest.mark.slow),
+])
 def test_fio_and_companion_clients_ride_out_an_outage(testbed, tmp_path, transport):
     """Issue #44: the port goes away for OUTAGE s while fio writes n1 with crc32c verify,
     one companion client re-reads a pattern on n2 (on queues of its own over RDMA) and
