@@ -23,7 +23,8 @@ def options_from(reply: dict, timeout: float) -> ConnectOptions:
     return ConnectOptions(
         traddr=reply["traddr"], nqn=reply["subnqn"], transport=reply["transport"],
         trsvcid=reply["trsvcid"], host_traddr=reply["host_traddr"],
-        hostnqn=reply["hostnqn"], hostid=reply["hostid"], nr_io_queues=len(reply["qids"]),
+        host_iface=reply.get("host_iface"), hostnqn=reply["hostnqn"], hostid=reply["hostid"],
+        nr_io_queues=len(reply["qids"]),
         companion_queues=0, keep_alive_tmo=0, timeout=timeout,
         reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
         fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),

@@ -526,7 +526,7 @@ class CompanionServer:
         return {
             "qids": session.qids, "cntlid": ctrl.cntlid, "transport": ctrl.transport.name,
             "traddr": opts.traddr, "trsvcid": opts.trsvcid, "host_traddr": opts.host_traddr,
-            "subnqn": opts.nqn, "hostnqn": ctrl.identity.hostnqn,
+            "host_iface": opts.host_iface, "subnqn": opts.nqn, "hostnqn": ctrl.identity.hostnqn,
             "hostid": str(ctrl.identity.hostid), "queue_size": ctrl.io_queue_size(),
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,

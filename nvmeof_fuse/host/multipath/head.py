@@ -78,6 +78,7 @@ from ..logread import read_whole
 from ..memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from ..namespace import Namespace
 from ..state import DEAD, DELETING, LIVE
+from ..topology.sysfs import Topology
 from .ana import PathAna
 from .iopolicy import DEFAULT_POLICY, PathSelector
 from .path import Path, PathRefused, path_uri
@@ -116,8 +117,9 @@ class MultipathController:
     starts_io = True
 
     def __init__(self, nursery: trio.Nursery, *, policy: str = DEFAULT_POLICY,
-                 connect: Connect | None = None) -> None:
+                 connect: Connect | None = None, topology: Topology | None = None) -> None:
         self._nursery = nursery
+        self._topology = topology
         self._connect: Connect = connect or connect_controller
         self.selector: PathSelector[Path] = PathSelector(policy)
         self.paths: list[Path] = []
@@ -157,6 +159,16 @@ class MultipathController:
     @property
     def policy(self) -> str:
         return self.selector.policy
+
+    @property
+    def topology(self) -> Topology:
+        """Where the paths' devices sit (sysfs, read at first use; where it cannot be read,
+        one line says so and paths are chosen as without it)."""
+        if self._topology is None:
+            self._topology = Topology()
+            if self._topology.unavailable:
+                log.info("%s", self._topology.unavailable)
+        return self._topology
 
     @property
     def primary(self) -> Controller | None:
@@ -665,7 +677,7 @@ class MultipathController:
                 "outstanding": ctrl.outstanding if ctrl is not None else 0,
                 "ios": ios, "bytes": nbytes,
                 "losses": path.losses, "reconnects": path.reconnects,
-                "failovers": path.failovers,
+                "failovers": path.failovers, **path.device_snapshot(self.topology),
             })
         return out
 
@@ -997,7 +1009,8 @@ def _same_place(text: str, path: Path) -> bool:
 
 @contextlib.asynccontextmanager
 async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
-                  connect_path: Connect | None = None) -> AsyncIterator[MultipathController]:
+                  connect_path: Connect | None = None,
+                  topology: Topology | None = None) -> AsyncIterator[MultipathController]:
     """Connect the paths (the first one first: it sets the subsystem and namespaces) and
     yield the head; on exit every path's controller shuts down and the memory is freed.
 
@@ -1012,7 +1025,9 @@ async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
     try:
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
-                head = MultipathController(nursery, policy=policy, connect=connect_path)
+                head = MultipathController(nursery, policy=policy, connect=connect_path,
+                                           topology=topology)
+                head.topology  # noqa: B018 - read now: where it cannot be, one line says so
                 try:
                     for i, options in enumerate(paths):
                         await head.add_path(options, must_connect=i == 0)
