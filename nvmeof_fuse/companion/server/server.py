@@ -23,6 +23,7 @@ from typing import Any
 import trio
 
 from ...errors import InvalidArgument, NVMeoFError
+from ...host.multipath.nearest import lease_wish
 from ...host.multipath.path import path_options
 from ...host.namespace import GONE
 from .. import protocol
@@ -319,7 +320,7 @@ class CompanionServer:
             return {}
         if op == "lease":
             return await self.lease(session, f(header, "want"), role=self._claimed(header),
-                                    nsids=protocol.nsids_field(header))
+                                    nsids=protocol.nsids_field(header), **lease_wish(header))
         if op in self._role_requests:  # one only a role's sessions send
             role, handler = self._role_requests[op]
             self._check_role(session, role, op)
@@ -479,13 +480,13 @@ class CompanionServer:
                     await session.notify({"event": "revoked", "state": lessor.state})
 
     async def lease(self, session: ClientSession, want: int, role: Role | None = None,
-                    nsids: list[int] | None = None) -> dict[str, Any]:
+                    nsids: list[int] | None = None, **wish: Any) -> dict[str, Any]:
         """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting);
         of those kept for ``role``, when it claims one.
 
         A session keeps its queue IDs until it ends; asking again (after its queues
-        failed) waits for the controller to be live and names its controller ID.  The
-        reply names the namespaces ``nsids`` names (:meth:`named_nsids`).
+        failed) waits for the controller to be live and names its controller ID.  The reply
+        names the namespaces ``nsids`` names (:meth:`named_nsids`), and the path (lease_wish).
         """
         why = self.leasing(role)
         if why:
@@ -496,7 +497,8 @@ class CompanionServer:
         choose = getattr(ctrl, "lease_controller", None)  # a multipath head: pick a path
         with session.waiting() as wait:
             if choose is not None:
-                ctrl = await choose(session.lease_place, any_transport=role is not None)
+                ctrl = await choose(session.lease_place, any_transport=role is not None, **wish,
+                                    load=lambda c: sum(s.lessor is c for s in self.sessions))
             else:
                 await ctrl.wait_live(fail_fast=False)
         if wait.cancelled_caught:
@@ -536,6 +538,7 @@ class CompanionServer:
                 pinned=session.pinned),
             "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
+            **({"path": self.controller.nearness(ctrl, wish.get("near"))} if choose else {}),
         }
 
     def named_nsids(self, nsids: list[int] | None = None) -> list[int]:

@@ -78,9 +78,11 @@ from ..logread import read_whole
 from ..memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from ..namespace import Namespace
 from ..state import DEAD, DELETING, LIVE
+from ..topology.pcie import Distance
 from ..topology.sysfs import Topology
 from .ana import PathAna
 from .iopolicy import DEFAULT_POLICY, PathSelector
+from .nearest import MemoryPlace, distance, nearest
 from .path import Path, PathRefused, path_uri
 from .pathmemory import HeadPool, PathsRegistration, PathsTransport
 
@@ -120,6 +122,7 @@ class MultipathController:
                  connect: Connect | None = None, topology: Topology | None = None) -> None:
         self._nursery = nursery
         self._topology = topology
+        self._advised: set[MemoryPlace] = set()  # memory told its nearest path is SYS
         self._connect: Connect = connect or connect_controller
         self.selector: PathSelector[Path] = PathSelector(policy)
         self.paths: list[Path] = []
@@ -705,12 +708,17 @@ class MultipathController:
         return PathsTransport(self._transports, self._register)
 
     async def lease_controller(self, prefer: tuple[str, str, int] | None = None,
-                               any_transport: bool = False) -> Controller:
+                               any_transport: bool = False, *, near: MemoryPlace | None = None,
+                               path: int | None = None,
+                               load: Callable[[Controller], int] | None = None) -> Controller:
         """A live path whose transport lets companion clients connect queues of their own
         (``any_transport``: any live path, for a FUSE worker, which moves data through memory
         of its own): ``prefer`` (transport, traddr, trsvcid: where the client's queues were)
         if it is live, else another of the same transport (the client's queues keep theirs);
-        waits while none is; ControllerLost once none can be."""
+        waits while none is; ControllerLost once none can be.  Among those ANA lets serve:
+        path ``path`` if named and live, else the nearest ``near`` (:mod:`.nearest`; of equals
+        the one with the least ``load``), else the first."""
+        named_index = path  # (the loop below names each path ``path``)
         while True:
             leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
                         and (any_transport or getattr(p.ctrl.transport,
@@ -725,10 +733,44 @@ class MultipathController:
                         return path.ctrl  # type: ignore[return-value]
                 usable = [p for p in leasable
                           if first is None or p.usable_state(first) is not None]
-                return (usable or leasable)[0].ctrl  # type: ignore[return-value]
+                pool = usable or leasable
+                named = [p for p in pool if p.index == named_index]
+                if named:
+                    return named[0].ctrl  # type: ignore[return-value]
+                if near is None:
+                    return pool[0].ctrl  # type: ignore[return-value]
+                chosen = nearest(pool, lambda p: self.distance(p, near),
+                                 lambda p: load(p.ctrl) if load is not None else 0)
+                self._advise(chosen, near)
+                return chosen.ctrl  # type: ignore[return-value]
             self._check_servable()
             with trio.move_on_after(NO_PATH_WAIT):
                 await self._changed.wait()
+
+    def distance(self, path: Path, near: MemoryPlace) -> Distance | None:
+        """How far ``near`` is from ``path``'s local device; None where it cannot be told."""
+        return distance(near, path.pci_device(self.topology), self.topology)
+
+    def nearness(self, ctrl: Controller, near: MemoryPlace | None) -> dict[str, Any] | None:
+        """The lease reply's ``path``: which path ``ctrl`` is, its device, and how far
+        ``near`` is from it (``distance`` None: not known)."""
+        path = next((p for p in self.paths if p.ctrl is ctrl), None)
+        if path is None:
+            return None
+        device = path.local_device
+        known = self.distance(path, near) if near is not None else None
+        return {"index": path.index, "device": device.name if device is not None else None,
+                "distance": known.name if known is not None else None,
+                "memory": str(near) if near is not None else None}
+
+    def _advise(self, path: Path, near: MemoryPlace) -> None:
+        """One line, once per memory, when even its nearest path crosses the sockets."""
+        if self.distance(path, near) != Distance.SYS or near in self._advised:
+            return
+        self._advised.add(near)
+        log.warning("%s: its nearest path, %s via %s, is SYS to it (across the sockets), where "
+                    "reads lose up to 70%%: add a path through a NIC on its socket "
+                    "(--path URI?host_iface=DEVICE)", near, path.name, path.local_device)
 
     # -- commands (the CommandIssuer) --------------------------------------------------------
 

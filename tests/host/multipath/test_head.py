@@ -19,6 +19,7 @@ from nvmeof_fuse.fs import info
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.host.multipath import head as multipath
 from nvmeof_fuse.host.multipath.head import MultipathController
+from nvmeof_fuse.host.multipath.nearest import MemoryPlace
 from nvmeof_fuse.host.multipath.path import PathRefused, path_options
 from nvmeof_fuse.host.multipath.pathmemory import PathsRegistration
 from nvmeof_fuse.host.state import LIVE
@@ -548,3 +549,85 @@ def test_a_machine_without_sysfs_says_why_once_and_serves_as_before(monkeypatch,
     lines = [r.getMessage() for r in caplog.records if "PCIe topology" in r.getMessage()]
     assert lines == [f"no PCIe topology: {tmp_path}/none/bus/pci/devices cannot be read "
                      "(No such file or directory); paths are chosen as without one"]
+
+
+def near_port(tmp_path) -> tuple[Port, Topology, dict[str, str]]:
+    """Two paths, through mlx5_0 (socket 0) and mlx5_7 (socket 1) of the two-socket server."""
+    pairs = two_socket_server(FakeSysfs(tmp_path))
+    port = Port()
+    port.devices = {"192.0.2.1": LocalDevice("infiniband", "mlx5_0"),
+                    "192.0.2.2": LocalDevice("infiniband", "mlx5_7")}
+    return port, Topology(str(tmp_path)), {nic: gpu for gpu, nic in pairs.items()}
+
+
+def test_a_lease_goes_to_the_path_nearest_the_clients_memory(tmp_path):
+    port, topology, gpu_of = near_port(tmp_path)
+
+    async def test(head: MultipathController) -> None:
+        near_second = MemoryPlace(gpu=gpu_of["mlx5_7"])
+        ctrl = await head.lease_controller(near=near_second)
+        assert ctrl is head.paths[1].ctrl
+        assert head.nearness(ctrl, near_second) == {
+            "index": 1, "device": "mlx5_7", "distance": "PIX",
+            "memory": f"GPU {gpu_of['mlx5_7']}"}
+        assert await head.lease_controller(near=MemoryPlace(gpu=gpu_of["mlx5_1"])) \
+            is head.paths[0].ctrl  # PXB beats SYS
+        assert await head.lease_controller(near=MemoryPlace(numa_node=1)) is head.paths[1].ctrl
+        assert await head.lease_controller(near=near_second, path=0) is head.paths[0].ctrl
+        assert await head.lease_controller() is head.paths[0].ctrl  # nothing said: the first
+        # a GPU sysfs does not show: as without a topology
+        assert await head.lease_controller(near=MemoryPlace(gpu="0000:ee:00.0")) \
+            is head.paths[0].ctrl
+
+    run(test, port, topology=topology)
+
+
+def test_paths_at_one_distance_share_the_leases(tmp_path):
+    port, topology, gpu_of = near_port(tmp_path)
+    port.devices["192.0.2.2"] = LocalDevice("infiniband", "mlx5_1")  # both on socket 0
+
+    async def test(head: MultipathController) -> None:
+        leases = {id(p.ctrl): 0 for p in head.paths}
+        for _ in range(4):
+            ctrl = await head.lease_controller(near=MemoryPlace(numa_node=0),
+                                               load=lambda c: leases[id(c)])
+            leases[id(ctrl)] += 1
+        assert sorted(leases.values()) == [2, 2]
+
+    run(test, port, topology=topology)
+
+
+def test_a_lease_moves_to_the_next_nearest_path_while_its_own_is_down(tmp_path):
+    port, topology, gpu_of = near_port(tmp_path)
+
+    async def test(head: MultipathController) -> None:
+        near = MemoryPlace(gpu=gpu_of["mlx5_7"])
+        port[1].set_ana(AnaState.INACCESSIBLE)
+        head.paths[1].kick()
+        await trio.sleep(0.1)
+        assert await head.lease_controller(near=near) is head.paths[0].ctrl
+        port[1].set_ana(AnaState.OPTIMIZED)
+        head.paths[1].kick()
+        await trio.sleep(0.1)
+        assert await head.lease_controller(near=near) is head.paths[1].ctrl
+
+    run(test, port, topology=topology)
+
+
+def test_a_gpu_whose_nearest_path_is_sys_is_told_once(tmp_path, caplog):
+    port, topology, gpu_of = near_port(tmp_path)
+    port.devices["192.0.2.2"] = LocalDevice("infiniband", "mlx5_1")  # both on socket 0
+    far = MemoryPlace(gpu=gpu_of["mlx5_6"])
+
+    async def test(head: MultipathController) -> None:
+        for _ in range(3):
+            await head.lease_controller(near=far)
+        await head.lease_controller(near=MemoryPlace(gpu=gpu_of["mlx5_0"]))
+
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.multipath.head"):
+        run(test, port, topology=topology)
+    lines = [r.getMessage() for r in caplog.records if "SYS" in r.getMessage()]
+    assert lines == [f"GPU {gpu_of['mlx5_6']}: its nearest path, path 0 (rdma 192.0.2.1:4420) "
+                     "via mlx5_0, is SYS to it (across the sockets), where reads lose up to "
+                     "70%: add a path through a NIC on its socket (--path "
+                     "URI?host_iface=DEVICE)"]
