@@ -88,9 +88,10 @@ def nearest(paths: Sequence[P], distance_of: Callable[[P], Distance | None],
 def lease_wish(header: dict[str, Any]) -> dict[str, Any]:
     """What a lease request asks of its path: ``path`` (an index: that path while it is
     live), ``memory`` (``{"gpu": PCI address}`` or ``{"numa_node": N}``: the nearest path
-    to it, which the reply's ``path`` names with its device and distance).  Both may be
-    absent; InvalidArgument, in one line, for a bad one."""
+    to it, which the reply's ``path`` names with its device and distance), as keyword
+    arguments of the lease, only those given; InvalidArgument, in one line, for a bad one."""
     path = header.get("path")
     if path is not None and (type(path) is not int or not 0 <= path < 2**31):
         raise InvalidArgument(f"lease's path {path!r} is not a path index")
-    return {"near": MemoryPlace.from_field(header.get("memory")), "path": path}
+    wish = {"near": MemoryPlace.from_field(header.get("memory")), "path": path}
+    return {key: value for key, value in wish.items() if value is not None}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from nvmeof_fuse.errors import InvalidArgument
-from nvmeof_fuse.host.multipath.nearest import MemoryPlace, nearest
+from nvmeof_fuse.host.multipath.nearest import MemoryPlace, lease_wish, nearest
 from nvmeof_fuse.host.topology.pcie import Distance
 
 
@@ -44,3 +44,11 @@ def test_the_nearest_then_the_least_loaded_then_the_first():
 def test_unknown_distances_choose_as_without_a_topology():
     assert nearest(["a", "b"], lambda p: None, {"a": 5, "b": 0}.get) == "a"
     assert nearest(["a", "b"], {"a": None, "b": Distance.SYS}.get, lambda p: 0) == "b"
+
+
+def test_a_lease_request_asks_only_what_it_says():
+    assert lease_wish({"want": 2}) == {}
+    assert lease_wish({"path": 1, "memory": {"numa_node": 0}}) == \
+        {"path": 1, "near": MemoryPlace(numa_node=0)}
+    with pytest.raises(InvalidArgument, match="lease's path -1 is not a path index"):
+        lease_wish({"path": -1})
