@@ -3,6 +3,11 @@
 :func:`serve_mount` is what ``nvmeof-fuse mount`` and :func:`nvmeof_fuse.mount`
 run: connect, listen for companion clients, mount, serve until unmounted or
 cancelled, then flush the namespaces written since their last flush and disconnect.
+
+Its exit, from the request to stop (an unmount, SIGTERM, SIGINT) to the disconnect, keeps
+one deadline whatever the target does (:class:`ExitPlan`): the drain, the FUSE workers and
+the final flush share what the orderly shutdown's own timeout leaves of it, and what was
+cut short is said in the mount's last line.
 """
 
 from __future__ import annotations
@@ -29,17 +34,64 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nvmeof-fuse")
 
-FLUSH_TIMEOUT = 30.0
-"""Seconds the final flush takes at most, all namespaces together."""
+EXIT_TIMEOUT = 14.0
+"""Seconds from the request to stop (an unmount, SIGTERM, SIGINT) to the disconnect, whatever
+the target does: issue #56's 15 s to the daemon's end, less a second for the disconnect and
+the process's own end.  The orderly shutdown has its own timeout at the end of it
+(``--shutdown-timeout``, 5 s by default, RTD3E up to 10 s); the drain, the FUSE workers and the
+final flush share what is before it (:class:`ExitPlan`)."""
+FLUSH_LEAST = 3.0
+"""Seconds the final flush has at least, however long the drain took (the drain ends this
+long before the flush must).  Linux bounds neither: ``sync`` at unmount waits for a Flush
+through the I/O timeout (30 s) and every reconnect after it, up to ``ctrl_loss_tmo``, and
+``nvme disconnect`` flushes nothing, but cancels the I/O in flight and shuts the controller
+down, which commits a volatile write cache too.  A healthy target's Flush takes
+milliseconds, and seconds only with a large cache to write out: what the flush gets, 9 s with
+the default shutdown timeout and 3 s at least, is that, and a target silent for longer is
+not answering."""
 FLUSHES_IN_FLIGHT = 8
 """Final flushes in flight at once: however many namespaces were written, they neither crowd
 the I/O queues nor keep the loop from the keep-alive, which runs until they are done."""
+CUT_SLACK = 0.01
+"""Seconds before its deadline at which a flush may end that was cut by it: a command's
+timeout is cut to the deadline to within 10 ms (``Controller.command_timeout``)."""
+FLUSH_BACKSTOP = 1.0
+"""Seconds past its deadline at which the final flush stops waiting: its commands time out
+at the deadline (their timeouts are cut to it), then wait for their connection's teardown,
+our own work; this cuts only what would go on past that."""
 
 Ready = Callable[["ControllerLike", "CompanionServer"], None]
 """``ready(controller, companion_server)``: called once the mount exists."""
 Connect = Callable[["ConnectOptions"], AbstractAsyncContextManager["ControllerLike"]]
 """``connect(options)``: the controller a mount serves, connected while in the context (a
 multipath head: :func:`paths_connect`)."""
+
+
+@dataclasses.dataclass
+class ExitPlan:
+    """When each part of a mount's exit must be done (trio time), decided when it is asked
+    to stop, and what was cut short (for the mount's last line).
+
+    The orderly shutdown keeps its whole timeout at the end; the final flush must be done
+    before that, and the drain of the filesystem and the FUSE workers :data:`FLUSH_LEAST`
+    before the flush.  Every command the mount sends until the shutdown, and every I/O
+    command in flight when it was asked to stop, times out by ``flush_by`` (the
+    controller's ``wind_down``).  All of it ends by ``exit_by``: :data:`EXIT_TIMEOUT` after
+    the request, or later only where ``--shutdown-timeout`` alone asks for more.
+    """
+
+    began: float
+    drain_by: float
+    flush_by: float
+    exit_by: float
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def starting(cls, now: float, shutdown_timeout: float) -> ExitPlan:
+        """The plan of an exit asked for at ``now``, for a shutdown of ``shutdown_timeout``."""
+        exit_by = now + max(EXIT_TIMEOUT, shutdown_timeout + FLUSH_LEAST)
+        flush_by = exit_by - shutdown_timeout
+        return cls(now, flush_by - FLUSH_LEAST, flush_by, exit_by)
 
 
 def written_namespaces(ctrl: ControllerLike) -> list[tuple[int, NamespaceLike]]:
@@ -54,17 +106,24 @@ def _names(nsids: list[int]) -> str:
     return brief_list(f"n{nsid}" for nsid in nsids)
 
 
-async def flush_all(ctrl: ControllerLike) -> None:
+async def flush_all(ctrl: ControllerLike, deadline: float) -> list[str]:
     """Flush the namespaces written since their last flush, FLUSHES_IN_FLIGHT at once, all
-    within FLUSH_TIMEOUT, shielded (this runs while shutting down); what could not be
-    flushed is said in one line.  The controller (its keep-alive too) runs meanwhile."""
-    state = getattr(ctrl, "state", "live")
-    if state != "live":  # nothing would answer: do not wait for a reconnect here
-        log.warning("no final flush: the connection to the controller is %s", state)
-        return
+    by ``deadline`` (trio time), shielded (this runs while shutting down); each outcome is
+    said in one line.  The controller (its keep-alive too) runs meanwhile.  What was not
+    flushed, for the mount's last line."""
     written = written_namespaces(ctrl)
     if not written:
-        return
+        return []
+    state = getattr(ctrl, "state", "live")
+    if state != "live":  # nothing would answer: do not wait for a reconnect here
+        note = f"no final flush: the connection to the controller is {state}"
+        log.warning("%s", note)
+        return [note]
+    began = trio.current_time()
+    if began >= deadline:  # (the drain ran to it: its commands' connection is gone)
+        note = f"no final flush of {_names([nsid for nsid, _ in written])}: no time was left"
+        log.warning("%s", note)
+        return [note]
     flushed: list[int] = []
     failed: list[tuple[int, NVMeoFError]] = []
 
@@ -74,22 +133,28 @@ async def flush_all(ctrl: ControllerLike) -> None:
             await ns.flush()
             flushed.append(nsid)
         except NVMeoFError as exc:
-            failed.append((nsid, exc))
+            if trio.current_time() < deadline - CUT_SLACK:  # else cut: not confirmed
+                failed.append((nsid, exc))
 
-    with trio.move_on_after(FLUSH_TIMEOUT, shield=True) as scope:
+    with trio.move_on_at(deadline + FLUSH_BACKSTOP, shield=True):
         await run_bounded(written, flush, FLUSHES_IN_FLIGHT)
     of = f"the {len(written)} of {len(ctrl.namespaces)} namespaces written since their last flush"
+    skipped = []
     if flushed:
         log.info("flushed %s (%s)", _names(sorted(flushed)), of)
     if failed:
         nsid, exc = min(failed, key=lambda f: f[0])
         more = f" (and of {len(failed) - 1} more)" if len(failed) > 1 else ""
         log.warning("final flush of n%d failed: %s%s", nsid, exc, more)
-    if scope.cancelled_caught:
-        done = set(flushed) | {nsid for nsid, _ in failed}
-        left = [nsid for nsid, _ in written if nsid not in done]
-        log.warning("final flush not done within %g s: %s not flushed", FLUSH_TIMEOUT,
-                    _names(left))
+        skipped.append(f"final flush of {_names(sorted(n for n, _ in failed))} failed")
+    done = set(flushed) | {nsid for nsid, _ in failed}
+    left = [nsid for nsid, _ in written if nsid not in done]  # the cut, and any not begun
+    if left:
+        note = (f"final flush of {_names(left)} not confirmed within "
+                f"{round(deadline - began, 1):g} s")
+        log.warning("%s", note)
+        skipped.append(note)
+    return skipped
 
 
 async def report_suppressed(*, task_status=trio.TASK_STATUS_IGNORED) -> None:
@@ -138,7 +203,23 @@ async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str
     if workers.role.queues:  # queue IDs for the workers to lease, beside the companion clients'
         conn = dataclasses.replace(conn, companion_queues=conn.companion_queues
                                    + workers.role.queues)
+    plan: ExitPlan | None = None
     async with connect(conn) as ctrl:
+
+        def exiting() -> ExitPlan:
+            """The exit's plan, made when it is first asked for (stop, an unmount from
+            outside, cancellation): from then on the controller winds down by it."""
+            nonlocal plan
+            if plan is None:
+                shutdown_timeout = getattr(ctrl, "shutdown_timeout", None)
+                plan = ExitPlan.starting(trio.current_time(), shutdown_timeout()
+                                         if shutdown_timeout is not None
+                                         else conn.shutdown_timeout)
+                wind_down = getattr(ctrl, "wind_down", None)
+                if wind_down is not None:  # no command caught retrying holds us
+                    wind_down(f"{mountpoint} is being unmounted", plan.flush_by)
+            return plan
+
         try:
             async with trio.open_nursery() as inner:
                 inner.start_soon(report_suppressed)
@@ -151,9 +232,11 @@ async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str
                 async def filesystem(task_status: trio.TaskStatus[NamespaceFS]) -> None:
                     with fs_scope:
                         await serve(ctrl, path, mopts, companion=companion,
-                                    task_status=task_status)
+                                    exit_plan=exiting, task_status=task_status)
                     if pool is not None:  # their descriptors end with the mount: they drain
-                        await pool.stop()
+                        ending = exiting()
+                        ending.skipped += await pool.stop(ending.drain_by,
+                                                          asked_at=ending.began)
                     inner.cancel_scope.cancel()  # unmounted from outside: stop the rest
 
                 fs = await inner.start(filesystem)
@@ -173,14 +256,14 @@ async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str
                 ready(ctrl, companion)
                 if stop is not None:
                     await stop.wait()  # cancelled instead when unmounted from outside
-                    stop_retrying = getattr(ctrl, "stop_retrying", None)
-                    if stop_retrying is not None:  # no command caught retrying holds us
-                        stop_retrying(f"{mountpoint} is being unmounted")
+                    exiting()
                     if pool is None:
                         inner.cancel_scope.cancel()
-                    else:  # the filesystem drains, then its workers, then the rest stops
+                    else:  # the filesystem and its workers drain, then the rest stops
+                        pool.ask_to_stop()
                         fs_scope.cancel()
         finally:
-            await flush_all(ctrl)
+            plan = exiting()
+            plan.skipped += await flush_all(ctrl, plan.flush_by)
             ratelimit.report_suppressed(final=True)
-    return "; ".join(getattr(ctrl, "shutdown_notes", ()))
+    return "; ".join([*plan.skipped, *getattr(ctrl, "shutdown_notes", ())])

@@ -66,6 +66,7 @@ class FakeQueue:
         self.failed: Exception | None = None
         self._cids = itertools.count()
         self._send, self._receive = trio.open_memory_channel[Request](size)
+        self.waits: dict[int, trio.CancelScope] = {}  # command ID -> its caller's wait
 
     @property
     def available(self) -> int:
@@ -77,8 +78,9 @@ class FakeQueue:
             raise copy.copy(self.failed)
         request = self._post(sqe, data)
         with trio.CancelScope(shield=True):  # a command is waited for, not cancelled
-            with trio.move_on_after(timeout):
+            with trio.move_on_after(timeout) as self.waits[request.cid]:
                 await request.finished.wait()
+        del self.waits[request.cid]
         if not request.finished.is_set():
             self.fail(TransportError(f"{self.name}: closed as a command timed out"))
             raise CommandTimeout(f"{self.name}: command {request.cid} got no completion "
@@ -94,6 +96,10 @@ class FakeQueue:
             return False
         self._post(sqe, data, done)
         return True
+
+    def cut_timeouts(self, deadline: float) -> None:
+        for scope in self.waits.values():
+            scope.deadline = min(scope.deadline, deadline)
 
     @property
     def name(self) -> str:

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
@@ -43,7 +44,10 @@ log = logging.getLogger(__name__)
 FSNAME = "nvmeof-fuse"
 SUBTYPE = "nvmeof-fuse"  # mounts show up as fstype fuse.nvmeof-fuse, the type fstab names
 CHECK_TIMEOUT = 10.0  # s for stat()s of the mountpoint: a hung FUSE mount blocks them
-DRAIN_TIMEOUT = 30.0  # s for in-flight requests to finish once asked to stop
+DRAIN_TIMEOUT = 30.0  # s for open files to close, then requests in flight, once asked to stop
+ANSWER_LEAST = 1.0
+"""Seconds of a drain with a deadline (the mount's exit) kept for answering the requests in
+flight: the wait for open files to be closed ends this long before it."""
 # Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us (INIT's max_background).
 # The kernel's default of 12 (FUSE_DEFAULT_MAX_BACKGROUND) holds back a queue depth of 16.
 # 32 matches the controller's bounce buffers, which each request in flight holds; with FUSE
@@ -57,6 +61,14 @@ class MountError(NVMeoFError):
     """The mountpoint is unusable or the kernel refused the mount."""
 
     errno = errno.EBUSY
+
+
+class Exit(Protocol):
+    """A mount's exit as the drain sees it (the daemon's exit plan): by when the drain must
+    be done (trio time), and where it says what it left undone (for the mount's last line)."""
+
+    drain_by: float
+    skipped: list[str]
 
 
 class FuseServer(Kernel, Protocol):
@@ -242,6 +254,7 @@ async def serve(
     options: MountOptions,
     *,
     drain_timeout: float = DRAIN_TIMEOUT,
+    exit_plan: Callable[[], Exit] | None = None,
     companion: CompanionLike | None = None,
     task_status: trio.TaskStatus[NamespaceFS] = trio.TASK_STATUS_IGNORED,
 ) -> None:
@@ -251,8 +264,10 @@ async def serve(
     unmount (``fusermount3 -u``) serve cleans up and returns. On cancellation
     the mount is detached at once (lazy unmount: no new opens), files still
     open get up to ``drain_timeout`` seconds to be closed, in-flight requests
-    finish, then serve re-raises.  ``companion`` (the daemon's companion server) is
-    reported under ``.nvmeof/``.
+    finish, then serve re-raises.  With ``exit_plan`` (the mount's exit, asked for when
+    the drain begins) the drain is done by its ``drain_by`` instead, and says there what it
+    left undone.  ``companion`` (the daemon's companion server) is reported under
+    ``.nvmeof/``.
     """
     path = await check_mountpoint_async(mountpoint)
     check_nsid(controller, options.nsid)
@@ -263,7 +278,7 @@ async def serve(
                     "not %d workers", options.workers)
     fuse = await start_server(ops, path, options)
     ops.kernel = fuse
-    shielded = _ShieldedServer(ops, fuse, path, drain_timeout)
+    shielded = _ShieldedServer(ops, fuse, path, drain_timeout, exit_plan)
     log.info("mounted at %s%s", path, "" if options.fuse == "builtin" else
              f" (FUSE server: {options.fuse})")
     listeners = getattr(getattr(controller, "events", None), "listeners", [])
@@ -285,11 +300,12 @@ class _ShieldedServer:
     """The FUSE server in a shielded task, so that cancelling us drains instead of aborting."""
 
     def __init__(self, ops: NamespaceFS, fuse: FuseServer, path: str,
-                 drain_timeout: float) -> None:
+                 drain_timeout: float, exit_plan: Callable[[], Exit] | None = None) -> None:
         self.ops = ops
         self.fuse = fuse
         self.path = path
         self.drain_timeout = drain_timeout
+        self.exit_plan = exit_plan
         self.done = trio.Event()
         self.main_scope = trio.CancelScope(shield=True)
         self.gone = False  # the mount no longer exists: nothing left to unmount
@@ -314,22 +330,34 @@ class _ShieldedServer:
             self.gone = True
 
     async def _drain(self) -> None:
-        with trio.move_on_after(self.drain_timeout, shield=True):
+        """Detach the mount, wait for its open files to be closed, then answer the requests
+        in flight: each for ``drain_timeout``, or all of it by the exit's ``drain_by``."""
+        began = trio.current_time()
+        plan = self.exit_plan() if self.exit_plan is not None else None
+        files_by = (max(began, plan.drain_by - ANSWER_LEAST) if plan is not None
+                    else began + self.drain_timeout)
+        with trio.move_on_at(files_by, shield=True):
             self.gone = await _lazy_unmount(self.path)
             if self.ops.handles:
                 log.info(
                     "stopping: waiting up to %g s for %d open file(s) on %s to be closed",
-                    self.drain_timeout,
+                    round(files_by - trio.current_time(), 1),
                     len(self.ops.handles),
                     self.path,
                 )
             await self._idle_or_ended()
         if not self.done.is_set():
             self.fuse.stop_reading()  # requests in flight are answered, then run() returns
-            with trio.move_on_after(self.drain_timeout, shield=True):
+            requests_by = (plan.drain_by if plan is not None
+                           else trio.current_time() + self.drain_timeout)
+            with trio.move_on_at(requests_by, shield=True):
                 await self.done.wait()
         if not self.done.is_set():
-            log.warning("requests still in flight after %g s; abandoning them", self.drain_timeout)
+            took = round(trio.current_time() - began, 1)
+            log.warning("requests still in flight after %g s; abandoning them", took)
+            if plan is not None:
+                plan.skipped.append(f"FUSE requests still in flight after {took:g} s "
+                                    "abandoned")
             self.main_scope.cancel()
 
     async def _idle_or_ended(self) -> None:

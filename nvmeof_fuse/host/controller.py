@@ -101,6 +101,10 @@ SHUTDOWN_TIMEOUT_CAP = 10.0
 unmount, SIGTERM or SIGINT ends the daemon within 15 s whatever the target does."""
 LEAST_COMMAND_TIMEOUT = 0.01
 """Seconds: a command's timeout when a bound on its wait has (almost) passed."""
+TEARDOWN_WAIT_LEAST = 1.0
+"""Seconds a failed command waits for its connection's teardown at least, even past a
+deadline: the teardown is our own work (closing the queues), never the target's, and the
+caller may not have its memory back before it."""
 BACKSTOP_GRACE = 0.25
 """Seconds the cancel scope of a bounded bring-up or shutdown waits past its deadline:
 waits with a timeout of their own that ends at the deadline fail first, naming their step
@@ -209,8 +213,10 @@ class Controller:
         self._outage_since = 0.0
         """When the connection was lost and did not hold since (see :meth:`_outage_start`)."""
         self._deadline = math.inf
-        """Trio time by which a reconnect try or the shutdown must be done
-        (:meth:`_waits_until`): the timeouts of its commands are cut to it."""
+        """Trio time by which a reconnect try, the shutdown (:meth:`_waits_until`) or, once
+        the mount stops, everything before the shutdown (:meth:`wind_down`) must be done:
+        the timeouts of the commands sent meanwhile are cut to it."""
+        self._wound_down_by = math.inf  # the mount's deadline, once it stops (wind_down)
         self.shutdown_note = ""
         """What the orderly shutdown skipped ('' if nothing), for the mount's last line."""
         self._keep_alive_failing = FailureStreak(log)  # Keep Alives answered with an error
@@ -238,10 +244,10 @@ class Controller:
         return completion
 
     def command_timeout(self, limit: float | None = None) -> float:
-        """An admin or fabrics command's timeout: ``limit`` (default: the command timeout),
-        cut to what is left of a reconnect try or the shutdown (:meth:`_waits_until`).
-        Commands cannot be cancelled (the target may still move their data): their
-        timeouts are what bounds them."""
+        """A command's timeout: ``limit`` (default: the command timeout), cut to what is
+        left of a reconnect try, the shutdown (:meth:`_waits_until`) or the mount's last
+        seconds (:meth:`wind_down`).  Commands cannot be cancelled (the target may still
+        move their data): their timeouts are what bounds them."""
         timeout = self.options.timeout if limit is None else limit
         if self._deadline != math.inf:  # (to 10 ms: the messages that name it stay short)
             timeout = max(min(timeout, round(self._deadline - trio.current_time(), 2)),
@@ -252,13 +258,14 @@ class Controller:
     def _waits_until(self, deadline: float):
         """Every wait inside ends by ``deadline`` (trio time): the transport's by the cancel
         scope yielded, commands by their timeouts, cut to it (:meth:`command_timeout`).
-        The caller looks at ``cancelled_caught``; a command cut short raises CommandTimeout."""
+        The caller looks at ``cancelled_caught``; a command cut short raises CommandTimeout.
+        Afterwards the mount's deadline holds again, if it stops (:meth:`wind_down`)."""
         self._deadline = deadline
         try:
             with trio.CancelScope(deadline=deadline + BACKSTOP_GRACE) as scope:
                 yield scope
         finally:
-            self._deadline = math.inf
+            self._deadline = self._wound_down_by
 
     def pick_queue(self, nbytes: int = 0) -> Queue:
         """The I/O queue for a command moving ``nbytes``.
@@ -298,8 +305,9 @@ class Controller:
         queue = self.pick_queue(data.length if data is not None else 0)
         sent_in = self.teardowns
         try:
-            completion = await queue.execute(sqe, data, to_controller=to_controller,
-                                             timeout=self.options.timeout)
+            completion = await queue.execute(
+                sqe, data, to_controller=to_controller, timeout=self.options.timeout
+                if self._deadline == math.inf else self.command_timeout())
         except (TransportError, CommandTimeout) as exc:
             completion = await self._run_again(queue, sent_in, exc, sqe, data, to_controller)
         else:
@@ -340,7 +348,7 @@ class Controller:
         sent_in = self.teardowns
         try:
             return await queue.execute(sqe, data, to_controller=to_controller,
-                                       timeout=self.options.timeout)
+                                       timeout=self.command_timeout())
         except (TransportError, CommandTimeout) as exc:
             self.connection_lost(queue, exc)
             await self._torn_down(sent_in)
@@ -363,7 +371,8 @@ class Controller:
             return None
         queue = self.pick_queue(data.length if data is not None else 0)
         if queue.start(sqe, data, done, to_controller=to_controller,
-                       timeout=self.options.timeout):
+                       timeout=self.options.timeout if self._deadline == math.inf
+                       else self.command_timeout()):
             return queue
         return None
 
@@ -432,14 +441,26 @@ class Controller:
                     if tries >= IO_RETRIES:
                         raise out_of_tries(sqe, tries, failure) from None
                     tries += 1
-            await self.wait_live()
+            try:
+                await self.wait_live()
+            except ControllerLost as lost:
+                if not self._stopping or str(lost) != self._stopping:
+                    raise
+                # the mount stops: say what the command met
+                if isinstance(failure, Completion):
+                    cause = failure.status_name()
+                elif self._lost_reason:  # (its own failure may be only the teardown's)
+                    cause = f"the connection was lost: {self._lost_reason}"
+                else:
+                    cause = str(failure)
+                raise ControllerLost(f"{lost} ({cause})") from None
             if self._replaced:  # replaced by a reconnect since it was first sent: not here
                 self._refuse_if_replaced(sqe, lambda at: at[1] > first_sent)
             queue = self.pick_queue(nbytes)
             sent_in = self.teardowns
             try:
                 completion = await queue.execute(sqe, data, to_controller=to_controller,
-                                                 timeout=self.options.timeout)
+                                                 timeout=self.command_timeout())
             except (TransportError, CommandTimeout) as exc:
                 failure = exc
                 continue
@@ -473,12 +494,13 @@ class Controller:
         """Wait until the queues of :attr:`teardowns` ``sent_in`` are torn down (the reconnect
         that follows a loss does that first), or the controller is closed; shielded, since
         the caller must not reuse the command's memory before, and bounded."""
-        with trio.CancelScope(shield=True), trio.move_on_after(self.options.timeout) as scope:
+        limit = max(self.command_timeout(), TEARDOWN_WAIT_LEAST)
+        with trio.CancelScope(shield=True), trio.move_on_after(limit) as scope:
             while self.teardowns <= sent_in and self.state not in (DELETING, DEAD):
                 await self._states.wait_changed()
         if scope.cancelled_caught:
             limited.log("teardown", logging.WARNING, "the queues of a lost connection were "
-                        "not torn down within %g s", self.options.timeout)
+                        "not torn down within %g s", limit)
 
     # -- losing and regaining the connection ---------------------------------------------------
 
@@ -527,11 +549,21 @@ class Controller:
                 raise ControllerLost(self._failing_io or self._stopping)
             await self._states.wait_changed()
 
-    def stop_retrying(self, why: str) -> None:
-        """The mount stops: I/O that waits for a reconnect fails now (ControllerLost(why)),
-        so that no command caught retrying keeps the unmount waiting; commands on a live
-        connection still run (the final flush)."""
+    def wind_down(self, why: str, deadline: float = math.inf) -> None:
+        """The mount stops, and what it still does before the orderly shutdown (the drain,
+        the final flush) must be done by ``deadline`` (trio time).
+
+        I/O that waits for a reconnect fails now (ControllerLost(why)), so that no command
+        caught retrying keeps the unmount waiting; commands on a live connection still run
+        (the final flush), but the timeouts of those sent from now on, and of the I/O
+        commands in flight, are cut to ``deadline`` (:meth:`command_timeout`), as a
+        reconnect try's are to its own.  The shutdown keeps its own
+        :meth:`shutdown_timeout` after it."""
         self._stopping = why
+        self._wound_down_by = deadline
+        self._deadline = min(self._deadline, deadline)
+        for queue in self.io_queues:
+            queue.cut_timeouts(deadline)
         self._states.wake()
 
     async def wait_connected(self) -> bool:

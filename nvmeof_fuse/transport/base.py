@@ -56,6 +56,11 @@ class Queue(Protocol):
         raise.  False: nothing was sent (no free slot, or the queue failed)."""
         ...
 
+    def cut_timeouts(self, deadline: float) -> None:
+        """The commands in flight time out by ``deadline`` (trio time) at the latest, as
+        if their timeouts had been shorter (the mount stops)."""
+        ...
+
     def close(self) -> None: ...
 
 

@@ -51,6 +51,17 @@ class Watchdog:
         if scope is not None and deadline < scope.deadline:
             scope.deadline = deadline
 
+    def cut(self, deadline: float) -> None:
+        """End every wait in flight by ``deadline`` (trio time) at the latest: the mount
+        stops.  A request keeps as its ``timeout`` what it had in all, for its message."""
+        for request in self._requests():
+            if request.deadline > deadline:
+                request.timeout = round(request.timeout - (request.deadline - deadline), 2)
+                request.deadline = deadline
+        scope = self._scope
+        if scope is not None and deadline < scope.deadline:
+            scope.deadline = deadline
+
     async def run(self, *, task_status=trio.TASK_STATUS_IGNORED) -> None:
         """Sleep until the earliest deadline of a waiting caller (parked, or a callback);
         then expire (forever)."""

@@ -46,7 +46,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("nvmeof-fuse")
 
-STOP_TIMEOUT = 30.0  # s for a worker to drain and exit once asked
 RESTART_LIMIT = 3
 """Deaths in a row, each before the worker served, after which no more are started."""
 SIZES_TIMEOUT = 10.0
@@ -160,25 +159,39 @@ class FuseWorkers:
         log.info("FUSE worker %d started (pid %d)", index, proc.pid)
         return proc
 
-    async def stop(self) -> None:
-        """Ask every worker to drain (SIGTERM: no new requests, those read answered) and
-        wait for it, bounded; kill those that did not exit."""
+    def ask_to_stop(self) -> None:
+        """Ask every worker to drain (SIGTERM: no new requests, those read answered); none
+        is started any more.  The main process serves what comes meanwhile."""
         self.stopping = True
-        procs = list(self.procs.values())
-        for proc in procs:
+        for proc in self.procs.values():
             with contextlib.suppress(OSError):
                 proc.send_signal(signal.SIGTERM)
+
+    async def stop(self, deadline: float, *, asked_at: float | None = None) -> list[str]:
+        """Ask every worker to drain (:meth:`ask_to_stop`, unless asked already) and wait
+        for it until ``deadline`` (trio time: the mount's exit gives the drain that long,
+        from ``asked_at``, the request to stop); kill those that did not exit.  What was
+        cut short, for the mount's last line (a worker killed with requests in flight: the
+        kernel fails them)."""
+        procs = sorted(self.procs.items())
+        if not self.stopping:
+            self.ask_to_stop()
+        began = trio.current_time() if asked_at is None else asked_at
+        skipped = []
         with trio.CancelScope(shield=True):
-            with trio.move_on_after(STOP_TIMEOUT):
-                for proc in procs:
+            with trio.move_on_at(deadline):
+                for _, proc in procs:
                     await proc.wait()
-            for proc in procs:
+            for index, proc in procs:
                 if proc.returncode is None:
-                    log.warning("FUSE worker pid %d did not drain within %g s; killed",
-                                proc.pid, STOP_TIMEOUT)
+                    note = (f"FUSE worker {index} (pid {proc.pid}) did not drain within "
+                            f"{round(trio.current_time() - began, 1):g} s; killed")
+                    log.warning("%s", note)
+                    skipped.append(note)
                     with contextlib.suppress(OSError):
                         proc.kill()
                     await proc.wait()
+        return skipped
 
     async def follow(self, changes: list) -> None:
         """Namespaces added, removed or resized on the target (a listener of host.events):

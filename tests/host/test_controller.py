@@ -63,6 +63,9 @@ class FakeQueue:
             raise self.error
         return OK
 
+    def cut_timeouts(self, deadline: float) -> None:
+        pass  # (its commands take 10 ms)
+
 
 class FakeTransport:
     address = "rdma 192.0.2.1:4420"
@@ -620,7 +623,7 @@ def test_secret_files_are_read_again_at_each_connect(tmp_path):
 
 
 def test_once_the_mount_stops_a_command_waiting_for_a_reconnect_fails_at_once():
-    """SIGTERM waited 62 s on a command caught retrying: stop_retrying ends its wait."""
+    """SIGTERM waited 62 s on a command caught retrying: wind_down ends its wait."""
     async def test(ctrl: Controller) -> None:
         Target(refusals=100).attach(ctrl)  # each reconnect fails: the command would wait
         failed = []
@@ -636,8 +639,78 @@ def test_once_the_mount_stops_a_command_waiting_for_a_reconnect_fails_at_once():
             await trio.sleep(25)
             assert not failed and ctrl.state is CONNECTING
             stopped = trio.current_time()
-            ctrl.stop_retrying("/mnt is being unmounted")
-        assert failed == [(stopped, "/mnt is being unmounted")]
+            ctrl.wind_down("/mnt is being unmounted", stopped + 9)
+        assert failed == [(stopped, "/mnt is being unmounted (the connection was lost: "
+                                    "work request failed: retry counter exceeded)")]
+
+    run(test)
+
+
+class SilentIo(FakeQueue):
+    """An I/O queue whose target never answers: each command times out, by its timeout or
+    by a cut (cut_timeouts), whichever comes first."""
+
+    def __init__(self, qid: int) -> None:
+        super().__init__(qid)
+        self.waits: list[tuple[float, trio.CancelScope]] = []  # (its timeout, its wait)
+        self.cuts: list[float] = []
+
+    async def execute(self, sqe, data=None, *, to_controller=False, timeout):
+        with trio.CancelScope(deadline=trio.current_time() + timeout, shield=True) as scope:
+            self.waits.append((timeout, scope))
+            await trio.sleep_forever()
+        raise CommandTimeout(f"I/O queue {self.qid}: command 1 got no completion within "
+                             f"{timeout:g} s")
+
+    def cut_timeouts(self, deadline: float) -> None:
+        self.cuts.append(deadline)
+        for _, scope in self.waits:
+            scope.deadline = min(scope.deadline, deadline)
+
+
+def test_winding_down_cuts_the_io_commands_in_flight_and_sent_after_to_its_deadline():
+    """Issue #56: SIGTERM waited 30 s for a final Flush the target never answered, the
+    command timeout.  From wind_down on, every I/O command ends by the mount's deadline:
+    those in flight (the queue cuts them) and those sent after (their timeouts are cut, as a
+    reconnect try's are); each then fails at once, not waiting for a reconnect."""
+    async def test(ctrl: Controller) -> None:
+        ctrl.io_queues = [queue := SilentIo(1)]
+        ended = []
+
+        async def command() -> None:
+            try:
+                await ctrl.io_command(cmd.flush(1))
+            except (CommandTimeout, ControllerLost) as exc:
+                ended.append((trio.current_time(), type(exc).__name__))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(command)  # in flight when the mount stops: 30 s ahead of it
+            await trio.sleep(2)
+            ctrl.wind_down("/mnt is being unmounted", 11)
+            assert queue.cuts == [11]
+            await trio.sleep(1)
+            nursery.start_soon(command)  # sent after: 8 s left
+        assert [timeout for timeout, _ in queue.waits] == [30, 8]
+        assert ended == [(pytest.approx(11), "ControllerLost")] * 2
+        assert ctrl.state is not LIVE  # the timeout cost the connection, as any timeout
+
+    run(test)
+
+
+def test_the_shutdown_after_winding_down_keeps_its_own_timeout():
+    """The mount's deadline cuts what comes before the orderly shutdown, not the shutdown:
+    it waits its whole shutdown timeout after, and then the mount's deadline holds again."""
+    async def test(ctrl: Controller) -> None:
+        ctrl.admin = ShutdownQueue("never")
+        ctrl.cap = SimpleNamespace(timeout_ms=127_500)
+        ctrl.identify = SimpleNamespace(rtd3e=0)
+        ctrl.wind_down("/mnt is being unmounted", 9)
+        assert ctrl.command_timeout() == 9
+        await trio.sleep(9)
+        await ctrl.shutdown("unmounting")
+        assert trio.current_time() == pytest.approx(14, abs=0.1)
+        assert ctrl.shutdown_note == "shutdown not confirmed within 5 s (CSTS.SHST not set)"
+        assert ctrl.command_timeout() == pytest.approx(0.01)  # the mount's, long passed
 
     run(test)
 

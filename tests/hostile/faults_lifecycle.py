@@ -1,13 +1,13 @@
 """Faults of a target's life cycle (issue #56 items 2, 3 and 7): writes acknowledged without
-their data, a shutdown never confirmed, a target that stops answering after a loss
-(tests/hostile/test_lifecycle.py runs them)."""
+their data, a shutdown never confirmed, a final flush never answered, a target that stops
+answering at the exit or after a loss (tests/hostile/test_lifecycle.py runs them)."""
 
 from __future__ import annotations
 
 import struct
 
 from hostile_target import Fault, HostileTarget, fault
-from tcp_target import ADMIN_KEEP_ALIVE, FABRICS
+from tcp_target import ADMIN_KEEP_ALIVE, FABRICS, FLUSH, READ
 
 PROPERTY_SET, CONNECT, PROPERTY_GET = 0x00, 0x01, 0x04  # fabrics command types
 CSTS = 0x1C
@@ -66,6 +66,41 @@ class ShutdownNeverAnswered(Fault):
     def swallow(self, target, qid, sqe):
         return (qid == 0 and fabrics(sqe, PROPERTY_SET)
                 and struct.unpack_from("<Q", sqe, 48)[0] >> 14 & 3 != 0)
+
+
+# -- silent at the exit (item 3) --------------------------------------------------------------
+
+
+@fault("flush never answered", "an I/O Flush is never answered (the rest is)")
+class FlushNeverAnswered(Fault):
+    def swallow(self, target, qid, sqe):
+        if qid and sqe[0] == FLUSH:
+            self.fired += 1
+            return True
+        return False
+
+
+@fault("silent once armed", "once the test arms it, no command is answered at all, on any "
+       "queue (keep-alives, Flush, the shutdown, a new connection's Connect)")
+class SilentOnceArmed(Fault):
+    armed = False
+
+    def swallow(self, target, qid, sqe):
+        if self.armed:
+            self.fired += 1
+        return self.armed
+
+
+@fault("reads never answered once armed", "once the test arms it, I/O Reads are never "
+       "answered (the rest is)")
+class ReadsNeverAnsweredOnceArmed(Fault):
+    armed = False
+
+    def swallow(self, target, qid, sqe):
+        if self.armed and qid and sqe[0] == READ:
+            self.fired += 1
+            return True
+        return False
 
 
 # -- silent after a loss (item 7) ------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Issue #56 items 2, 3 and 7 against the real daemon and FUSE (tests/hostile/faults_lifecycle.py
 has the faults): a write acknowledged without its data ends in EIO and is never reported
-written; a controller that never confirms its shutdown holds neither the unmount nor SIGTERM
-or SIGINT past 15 s, and the last log line says what was skipped; a target that goes silent
-after a loss is given up on within --ctrl-loss-tmo plus one connect timeout."""
+written; a controller that never confirms its shutdown, a final Flush never answered, a read
+never answered or a target silent at the exit hold neither the unmount nor SIGTERM or SIGINT
+past 15 s, and the last log line says what was skipped; a target that goes silent after a
+loss is given up on within --ctrl-loss-tmo plus one connect timeout."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import sys
 import time
 
 import pytest
-from hostile_harness import DD_SIZE
+from hostile_harness import DD_SIZE, MOUNT_OPTIONS
+
+from nvmeof_fuse import File
 
 EXIT_BOUND = 15.0  # s: unmount, SIGTERM or SIGINT ends the daemon within this (issue #56)
 CTRL_LOSS_TMO = 5  # s: the harness's -l 5
@@ -92,6 +95,43 @@ def test_a_companion_write_acknowledged_without_its_data_fails(hostile):
 
 # -- item 3: a shutdown within a bound -----------------------------------------------------------
 
+
+def stop_daemon(m, stop: str) -> float:
+    """Ask the daemon to stop (``unmount``: fusermount3 -u; or a signal's name) and wait
+    for it, EXIT_BOUND at most; the seconds it took (it exited 0)."""
+    start = time.monotonic()
+    if stop == "unmount":
+        clean, _ = m.unmount(bound=EXIT_BOUND)
+        assert clean, m.log()[-3000:]
+    else:
+        m.proc.send_signal(getattr(signal, stop))
+        m.proc.wait(timeout=EXIT_BOUND)
+        assert m.proc.returncode == 0, m.log()[-3000:]
+    return time.monotonic() - start
+
+
+def last_line(m) -> str:
+    return m.log().strip().splitlines()[-1]
+
+
+def start(hostile, fault: str, workers: int):
+    """A mount on ``fault`` with ``workers`` FUSE workers: the target grants the queues the
+    workers lease (2 I/O queues, its default, leave none)."""
+    return hostile.start(fault, options=(*MOUNT_OPTIONS, "--workers", str(workers)),
+                         io_queues=8)
+
+
+def check_workers_served(m, workers: int) -> None:
+    if workers > 1:
+        assert wait_for_log(m, r"FUSE worker 1 \(pid \d+\) serves on queues", 20), m.log()
+
+
+def write_unflushed(m) -> None:
+    """Write n1 through a companion File, whose writes (unlike a FUSE file's close) leave
+    the flush to the unmount: the final flush has n1 to flush."""
+    with File(str(m.mountpoint / "n1")) as f:
+        assert f.write(b"\x5a" * 4096) == 4096
+
 SHUTDOWN_FAULTS = [
     ("shst never set", "shutdown not confirmed within 5 s (CSTS.SHST not set)"),
     ("shst never set, rtd3e 60 s",  # RTD3E raises the wait, up to 10 s
@@ -107,29 +147,97 @@ def test_a_shutdown_never_confirmed_holds_no_exit_past_15_s(hostile, name, says,
     """Issue #56: the unmount waited 127.5 s (CAP.TO) and SIGTERM did not end it."""
     m = hostile.start(name)
     assert m.mount() == "ready", m.log()
-    start = time.monotonic()
-    if stop == "unmount":
-        clean, _ = m.unmount(bound=EXIT_BOUND)
-        assert clean, m.log()[-3000:]
-    else:
-        m.proc.send_signal(getattr(signal, stop))
-        m.proc.wait(timeout=EXIT_BOUND)
-        assert m.proc.returncode == 0, m.log()[-3000:]
-    took = time.monotonic() - start
+    took = stop_daemon(m, stop)
     assert took < EXIT_BOUND, f"{stop} took {took:.1f} s; {m.log()[-3000:]}"
-    last = m.log().strip().splitlines()[-1]
+    last = last_line(m)
     assert last.startswith("nvmeof-fuse: disconnected from ") and says in last, m.log()[-3000:]
     assert "Traceback" not in m.log(), m.log()
 
 
-def test_a_confirmed_shutdown_leaves_no_note(hostile):
-    m = hostile.start("none")
+@pytest.mark.parametrize("workers", [1, 2], ids=["daemon", "workers"])
+def test_a_confirmed_shutdown_leaves_no_note(hostile, workers):
+    """A healthy target: the final flush of what was written is confirmed, the shutdown
+    too, and nothing is said skipped."""
+    m = start(hostile, "none", workers)
     assert m.mount() == "ready", m.log()
+    write_unflushed(m)
+    check_workers_served(m, workers)
     clean, took = m.unmount()
     assert clean and took < EXIT_BOUND
-    last = m.log().strip().splitlines()[-1]
+    last = last_line(m)
     assert re.fullmatch(r"nvmeof-fuse: disconnected from \S+", last), m.log()[-3000:]
-    assert "not confirmed" not in m.log() and "orderly shutdown" not in m.log(), m.log()
+    assert "flushed n1 (the 1 of 1 namespaces written since their last flush)" in m.log()
+    for skipped in ("not confirmed", "orderly shutdown", "final flush", "did not drain",
+                    "abandon", "lost the connection"):
+        assert skipped not in m.log(), m.log()[-3000:]
+
+
+@pytest.mark.parametrize("stop", STOPS)
+@pytest.mark.parametrize("workers", [1, 2], ids=["daemon", "workers"])
+def test_a_final_flush_never_answered_holds_no_exit_past_15_s(hostile, workers, stop):
+    """Issue #56: SIGTERM took 30.1 s, the command timeout of a final Flush the target never
+    answered.  Its timeout is cut to what the exit leaves the flush (9 s, the shutdown's
+    5 s after it, less what the drain took), and the last line names the namespace not
+    flushed."""
+    m = start(hostile, "flush never answered", workers)
+    assert m.mount() == "ready", m.log()
+    write_unflushed(m)
+    check_workers_served(m, workers)
+    took = stop_daemon(m, stop)
+    assert took < EXIT_BOUND, f"{stop} took {took:.1f} s; {m.log()[-3000:]}"
+    assert m.target.hostile.fired == 1  # the final Flush of n1, and no other
+    last = last_line(m)
+    assert last.startswith("nvmeof-fuse: disconnected from "), m.log()[-3000:]
+    assert re.search(r"final flush of n1 not confirmed within (9|8\.\d) s", last), \
+        m.log()[-3000:]
+    assert "Traceback" not in m.log(), m.log()
+
+
+@pytest.mark.parametrize(("workers", "stop"), [(1, "unmount"), (1, "SIGTERM"), (1, "SIGINT"),
+                                               (2, "SIGTERM")])
+def test_a_target_silent_at_the_exit_holds_no_exit_past_15_s(hostile, workers, stop):
+    """Nothing is answered from the moment the daemon is asked to stop: not the final Flush,
+    not a keep-alive, not the shutdown.  The keep-alive's timeout costs the connection,
+    the flush and the orderly shutdown are skipped, and the last line says both."""
+    m = start(hostile, "silent once armed", workers)
+    assert m.mount() == "ready", m.log()
+    write_unflushed(m)
+    check_workers_served(m, workers)
+    m.target.hostile.armed = True
+    took = stop_daemon(m, stop)
+    assert took < EXIT_BOUND, f"{stop} took {took:.1f} s; {m.log()[-3000:]}"
+    assert m.target.hostile.fired >= 1
+    last = last_line(m)
+    assert last.startswith("nvmeof-fuse: disconnected from "), m.log()[-3000:]
+    assert "final flush of n1 " in last and "shutdown" in last, m.log()[-3000:]
+    assert "Traceback" not in m.log(), m.log()
+
+
+@pytest.mark.parametrize("workers", [1, 2], ids=["daemon", "workers"])
+def test_a_read_in_flight_never_answered_holds_no_sigterm_past_15_s(hostile, workers):
+    """A process reads when SIGTERM comes, and the target never answers the read: the
+    drain waits for it only until the exit's drain deadline, its command times out by the
+    exit's deadline (in the main process: its timeout is cut) or its FUSE worker is killed
+    then, and the reader gets an error."""
+    m = start(hostile, "reads never answered once armed", workers)
+    assert m.mount() == "ready", m.log()
+    check_workers_served(m, workers)
+    m.target.hostile.armed = True
+    reader = subprocess.Popen(["dd", f"if={m.mountpoint / 'n1'}", "of=/dev/null",
+                               "iflag=direct", f"bs={DD_SIZE}", "count=1", "status=none"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    m.stragglers.append(reader)  # (reaped once the daemon is gone, if the test fails)
+    deadline = time.monotonic() + 10
+    while m.target.hostile.fired == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)  # the read is in flight now
+    assert m.target.hostile.fired, m.log()[-3000:]
+    took = stop_daemon(m, "SIGTERM")
+    assert took < EXIT_BOUND, f"SIGTERM took {took:.1f} s; {m.log()[-3000:]}"
+    _, err = reader.communicate(timeout=EXIT_BOUND)
+    assert reader.returncode != 0, err
+    last = last_line(m)
+    assert re.match(r"nvmeof-fuse: disconnected from \S+ \(.+\)$", last), m.log()[-3000:]
+    assert "Traceback" not in m.log(), m.log()
 
 
 # -- item 7: giving up within --ctrl-loss-tmo -----------------------------------------------------

@@ -125,3 +125,28 @@ def test_a_nearer_deadline_parked_later_is_watched_from_then_on():
         assert ended == {2: pytest.approx(3.0), 1: pytest.approx(100.0)}
 
     run(main)
+
+
+def test_a_cut_ends_the_waits_in_flight_by_its_deadline_and_their_message_says_so():
+    """The mount stops (Controller.wind_down): commands in flight with the whole command
+    timeout ahead of them time out by the mount's deadline instead; nearer ones keep theirs."""
+    async def main():
+        ended = {}
+
+        async def caller(queue, r, timeout):
+            try:
+                await queue.watchdog.park(r, timeout)
+            except CommandTimeout as exc:
+                ended[r.cid] = (trio.current_time(), str(exc))
+
+        async with watched(1, 2) as (queue, nursery):
+            nursery.start_soon(caller, queue, queue.pending[1], 30.0)
+            nursery.start_soon(caller, queue, queue.pending[2], 4.0)
+            await trio.sleep(2)
+            queue.watchdog.cut(trio.current_time() + 7.5)
+            await trio.sleep(100)
+        assert ended == {
+            1: (pytest.approx(9.5), "I/O queue 1: command 1 got no completion within 9.5 s"),
+            2: (pytest.approx(4.0), "I/O queue 1: command 2 got no completion within 4 s")}
+
+    run(main)

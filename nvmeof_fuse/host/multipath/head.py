@@ -146,6 +146,7 @@ class MultipathController:
         self._changed = trio.Event()
         self._closed = ""
         self._stopping = ""  # why commands whose connection fails are not run again
+        self._wound_down_by = math.inf  # by when the paths' commands end, once stopping
         self.shutdown_notes: list[str] = []
         """What the paths' orderly shutdowns skipped as the mount closed (for its last line)."""
         self._attempts: dict[int, trio.CancelScope] = {}  # by path index: its connect and serve
@@ -501,6 +502,8 @@ class MultipathController:
         if ctrl.bounce is not None and not isinstance(ctrl.bounce, HeadPool):
             ctrl.bounce.close()  # the path's own buffers: the head's serve instead
         ctrl.bounce = HeadPool(lambda: self.bounce)  # type: ignore[assignment]
+        if self._stopping:  # connected while the mount stops: it winds down with the rest
+            ctrl.wind_down(self._stopping, self._wound_down_by)
         ctrl.events.ana_listeners.append(path.kick)
         ctrl.events.listeners.append(self._follow_namespaces)
         ctrl.events.replaced_listeners.append(
@@ -530,12 +533,14 @@ class MultipathController:
 
     async def _serve_path(self, path: Path, ctrl: Controller) -> None:
         """Until the path is removed or its controller gives up: follow its state and its
-        ANA log; when removed, let its commands end first (bounded)."""
+        ANA log; when removed, let its commands end first, for a command timeout at most,
+        or as long as the mount's last seconds leave before its shutdown (:meth:`wind_down`:
+        its controller's command timeout is cut to that)."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._follow_state, path, ctrl, nursery.cancel_scope)
             nursery.start_soon(self._follow_ana, path, ctrl)
             await path.removed.wait()
-            with trio.move_on_after(ctrl.options.timeout):
+            with trio.move_on_after(ctrl.command_timeout()):
                 while path.outstanding or ctrl.outstanding:
                     await trio.sleep(0.01)
             nursery.cancel_scope.cancel()
@@ -785,15 +790,21 @@ class MultipathController:
             return str(LIVE)
         return str(states[0]) if states else ("dead" if self._closed else "connecting")
 
-    def stop_retrying(self, why: str) -> None:
+    def wind_down(self, why: str, deadline: float = math.inf) -> None:
         """The mount stops: a command whose connection fails from now on, or that waits for
         a path, fails (ControllerLost) instead of waiting for a reconnect, so that no
-        command caught retrying keeps the unmount waiting."""
-        self._stopping = why
+        command caught retrying keeps the unmount waiting; and every path's commands end by
+        ``deadline``, before the shutdowns (:meth:`Controller.wind_down`)."""
+        self._stopping, self._wound_down_by = why, deadline
         for path in self.paths:
             if path.ctrl is not None:
-                path.ctrl.stop_retrying(why)
+                path.ctrl.wind_down(why, deadline)
         self._wake()
+
+    def shutdown_timeout(self) -> float:
+        """Seconds the paths' orderly shutdowns take at most (they run side by side)."""
+        return max((p.ctrl.shutdown_timeout() if p.ctrl is not None
+                    else p.options.shutdown_timeout for p in self.paths), default=0.0)
 
     async def wait_live(self, *, fail_fast: bool = True) -> None:
         while not self.live:

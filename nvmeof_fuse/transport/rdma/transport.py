@@ -914,6 +914,9 @@ class RdmaQueue:
         finally:
             self._poster = None
 
+    def cut_timeouts(self, deadline: float) -> None:
+        self._watchdog.cut(deadline)
+
     def _expire(self, now: float) -> None:
         """Time out the parked callers past their deadline, and stop the queue first.
 

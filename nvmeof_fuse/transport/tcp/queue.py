@@ -600,6 +600,9 @@ class TcpQueue:
 
     # -- timeouts -------------------------------------------------------------------------------
 
+    def cut_timeouts(self, deadline: float) -> None:
+        self._watchdog.cut(deadline)
+
     def _expire(self, now: float) -> None:
         self._mailbox.drain()  # an answer handed over but not yet handled is no timeout
         for request in list(self._pending.values()):

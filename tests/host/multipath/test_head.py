@@ -631,3 +631,65 @@ def test_a_gpu_whose_nearest_path_is_sys_is_told_once(tmp_path, caplog):
                      "via mlx5_0, is SYS to it (across the sockets), where reads lose up to "
                      "70%: add a path through a NIC on its socket (--path "
                      "URI?host_iface=DEVICE)"]
+
+
+# -- the mount's last seconds (issue #56 item 3) ----------------------------------------------
+
+
+def test_winding_down_ends_every_paths_commands_by_the_mounts_deadline_and_the_head_with_them():
+    """Issue #56: a final Flush the target never answered held SIGTERM for the command
+    timeout (30 s), and the paths' teardown would have waited for it once more.  From
+    wind_down on, a command in flight on a path times out by the mount's deadline, fails
+    at once instead of going to the other path, and the head closes right after."""
+    port = Port()
+    ended = []
+
+    async def main() -> None:
+        opts = [options(addr) for addr in port.targets]
+        async with multipath.connect(opts, connect_path=port.connect) as head:
+            for target in port.targets.values():
+                target.go_away()  # nothing is answered from now on
+
+            async def flush() -> None:
+                try:
+                    await head.namespaces[1].flush()
+                except ControllerLost as exc:
+                    ended.append((trio.current_time(), str(exc)))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(flush)
+                await trio.sleep(1)
+                head.wind_down("/mnt is being unmounted", 10)
+        ended.append((trio.current_time(), "closed"))
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    (flushed_at, why), (closed_at, _) = ended
+    assert flushed_at == pytest.approx(10, abs=0.1)
+    assert why.startswith("/mnt is being unmounted (I/O queue 1: "), why
+    assert closed_at == pytest.approx(10, abs=0.1)
+
+
+def test_a_path_connected_while_the_mount_winds_down_winds_down_with_it():
+    port = Port()
+    port[1].go_away()
+
+    async def test(head: MultipathController) -> None:
+        head.wind_down("/mnt is being unmounted", trio.current_time() + 9)
+        port[1].come_back()
+        await trio.sleep(2)
+        assert head.paths[1].state == "live"
+        assert head.paths[1].ctrl.command_timeout() == pytest.approx(7, abs=0.1)
+
+    run(test, port)
+
+
+def test_the_heads_shutdown_timeout_is_its_longest_paths():
+    port = Port()
+
+    async def main() -> None:
+        addrs = list(port.targets)
+        opts = [options(addrs[0], shutdown_timeout=5), options(addrs[1], shutdown_timeout=7)]
+        async with multipath.connect(opts, connect_path=port.connect) as head:
+            assert head.shutdown_timeout() == 7
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
