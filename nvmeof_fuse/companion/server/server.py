@@ -29,6 +29,7 @@ from ...host.namespace import GONE
 from .. import protocol
 from ..protocol import Piece, ProtocolError
 from .delegations import Delegations
+from .path_leases import revoke_leases_of_moved_paths
 from .roles import Role
 from .session import ClientSession, CompanionStats, ReadOnly, Registered
 
@@ -452,7 +453,7 @@ class CompanionServer:
         """
         ctrl = self.controller
         if hasattr(ctrl, "lease_controller"):  # a multipath head: leases live on a path
-            await self._revoke_leases_of_lost_paths(ctrl)
+            await revoke_leases_of_moved_paths(ctrl, self.sessions)
             return
         told = False  # since the controller was last live (resetting, then connecting: once)
         while True:
@@ -465,19 +466,6 @@ class CompanionServer:
             for session in list(self.sessions):
                 if session.qids and session.notify is not None:
                     await session.notify({"event": "revoked", "state": ctrl.state})
-
-    async def _revoke_leases_of_lost_paths(self, head: Any) -> None:
-        """Each client's queues are on one path's controller: when that one stops being
-        live, tell the client, which asks again and gets a live path (its own again when
-        it is back first)."""
-        while True:
-            await head.wait_changed()
-            for session in list(self.sessions):
-                lessor = session.lessor
-                if (session.qids and session.notify is not None and lessor is not None
-                        and not lessor.live):
-                    session.lessor = None  # told once; the next lease names the path
-                    await session.notify({"event": "revoked", "state": lessor.state})
 
     async def lease(self, session: ClientSession, want: int, role: Role | None = None,
                     nsids: list[int] | None = None, **wish: Any) -> dict[str, Any]:
@@ -506,6 +494,7 @@ class CompanionServer:
         if choose is not None:
             opts = ctrl.options
             session.lessor = ctrl
+            session.lease_wish = wish
             session.lease_place = (opts.transport, opts.traddr, opts.trsvcid)
         if not session.qids:
             taken = {q for s in self.sessions for q in s.qids}

@@ -83,9 +83,10 @@ PATH_COUNTERS = ("client_queue_read_bytes", "client_queue_write_bytes", "direct_
                  "direct_write_bytes", "staged_read_bytes", "staged_write_bytes",
                  "dmabuf_refused")
 """Bytes by path (and refused dma-bufs), counted per client as well as in total."""
-PLACEMENT_KINDS = ("shared", "host", "cuda")
+PLACEMENT_KINDS = ("shared", "host", "cuda", "path")
 """The kinds of caller memory a client reports where it places: ``nvmeof_fuse.empty``
-arrays, other host memory, CUDA memory."""
+arrays, other host memory, CUDA memory; and on a multipath mount the path its own queues
+are on (``direct via path 1 (mlx5_1, PIX to GPU 0000:9a:00.0)``)."""
 PLACEMENT_CHARS = 300
 """Characters kept of a client's placement line (printable ASCII: each is one byte in a
 reply, so that any clients' lines fit a ``stats`` reply)."""
@@ -134,6 +135,7 @@ class ClientSession:
         self.own_report: dict | None = None  # what such a process last reported of itself
         self.lessor: Any = None  # with several paths: the path's controller they are on
         self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
+        self.lease_wish: dict[str, Any] = {}  # where its memory is (near), or a path named
         self.lease_transport = ""  # what its own queues run over (rdma, tcp)
         self.write_locks: dict[int, trio.Event] = {}  # token -> set to release the lock
         self.next_token = 0

@@ -718,39 +718,75 @@ class MultipathController:
                                load: Callable[[Controller], int] | None = None) -> Controller:
         """A live path whose transport lets companion clients connect queues of their own
         (``any_transport``: any live path, for a FUSE worker, which moves data through memory
-        of its own): ``prefer`` (transport, traddr, trsvcid: where the client's queues were)
-        if it is live, else another of the same transport (the client's queues keep theirs);
-        waits while none is; ControllerLost once none can be.  Among those ANA lets serve:
-        path ``path`` if named and live, else the nearest ``near`` (:mod:`.nearest`; of equals
-        the one with the least ``load``), else the first."""
-        named_index = path  # (the loop below names each path ``path``)
+        of its own), of ``prefer``'s transport (transport, traddr, trsvcid: where the
+        client's queues were; they keep their transport); waits while none is;
+        ControllerLost once none can be.  Among those ANA lets serve: path ``path`` if named
+        and live, else the nearest ``near`` (:mod:`.nearest`; of equals where the queues
+        were, then the one with the least ``load``); with neither, ``prefer`` if it is live,
+        else the first."""
         while True:
-            leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
-                        and (any_transport or getattr(p.ctrl.transport,
-                                                      "places_in_other_processes", False))
-                        and (prefer is None or p.options.transport == prefer[0])]
-            if leasable:
-                first = min(self.namespaces, default=None)
-                for path in leasable:
-                    place = (path.options.transport, path.options.traddr,
-                             path.options.trsvcid)
-                    if place == prefer:
-                        return path.ctrl  # type: ignore[return-value]
-                usable = [p for p in leasable
-                          if first is None or p.usable_state(first) is not None]
-                pool = usable or leasable
-                named = [p for p in pool if p.index == named_index]
-                if named:
-                    return named[0].ctrl  # type: ignore[return-value]
-                if near is None:
-                    return pool[0].ctrl  # type: ignore[return-value]
-                chosen = nearest(pool, lambda p: self.distance(p, near),
-                                 lambda p: load(p.ctrl) if load is not None else 0)
-                self._advise(chosen, near)
+            pool = self._lease_pool(prefer[0] if prefer is not None else None, any_transport)
+            if pool:
+                if near is None and path is None:  # as before: where its queues were
+                    for each in pool[1]:
+                        if _place(each) == prefer:
+                            return each.ctrl  # type: ignore[return-value]
+                chosen = self._chosen(pool[0], prefer, near, path, load)
+                if near is not None:
+                    self._advise(chosen, near)
                 return chosen.ctrl  # type: ignore[return-value]
             self._check_servable()
             with trio.move_on_after(NO_PATH_WAIT):
                 await self._changed.wait()
+
+    def _lease_pool(self, transport: str | None, any_transport: bool
+                    ) -> tuple[list[Path], list[Path]] | None:
+        """The live paths a lease may go to (of ``transport``, when named, and unless
+        ``any_transport`` only those whose clients connect queues of their own): those ANA
+        lets serve (all where none does), and all of them; None while there are none."""
+        leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
+                    and (any_transport or getattr(p.ctrl.transport,
+                                                  "places_in_other_processes", False))
+                    and (transport is None or p.options.transport == transport)]
+        if not leasable:
+            return None
+        first = min(self.namespaces, default=None)
+        usable = [p for p in leasable if first is None or p.usable_state(first) is not None]
+        return usable or leasable, leasable
+
+    def _chosen(self, pool: list[Path], prefer: tuple[str, str, int] | None,
+                near: MemoryPlace | None, index: int | None,
+                load: Callable[[Controller], int] | None) -> Path:
+        """Of ``pool``: path ``index`` if there, else the nearest ``near`` (where the queues
+        were among equals, then the least loaded), else the first."""
+        named = [p for p in pool if p.index == index]
+        if named:
+            return named[0]
+        if near is None:
+            return pool[0]
+        return nearest(pool, lambda p: self.distance(p, near),
+                       lambda p: (_place(p) != prefer, load(p.ctrl) if load else 0))
+
+    def nearer_path(self, ctrl: Controller, near: MemoryPlace | None = None,
+                    index: int | None = None) -> Path | None:
+        """Where a client's lease on ``ctrl`` belongs now, when that is another path: the
+        one it named (``index``), or one nearer its memory (``near``), live and served by
+        ANA (a near path come back); None where it is best where it is."""
+        current = next((p for p in self.paths if p.ctrl is ctrl), None)
+        if current is None or (near is None and index is None):
+            return None
+        pool = self._lease_pool(current.options.transport, False)
+        if pool is None:
+            return None
+        if index is not None:
+            named = [p for p in pool[0] if p.index == index]
+            return named[0] if named and named[0] is not current else None
+        assert near is not None
+        best = self._chosen(pool[0], _place(current), near, None, None)
+        here, there = self.distance(current, near), self.distance(best, near)
+        if best is current or there is None or (here is not None and here <= there):
+            return None
+        return best
 
     def distance(self, path: Path, near: MemoryPlace) -> Distance | None:
         """How far ``near`` is from ``path``'s local device; None where it cannot be told."""
@@ -1047,6 +1083,11 @@ class MultipathController:
 
 def _outstanding(path: Path) -> int:
     return path.outstanding
+
+
+def _place(path: Path) -> tuple[str, str, int]:
+    """Where a path's controller is, as a lease remembers it: transport, address, port."""
+    return (path.options.transport, path.options.traddr, path.options.trsvcid)
 
 
 def _same_place(text: str, path: Path) -> bool:

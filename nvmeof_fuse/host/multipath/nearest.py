@@ -34,7 +34,7 @@ class MemoryPlace:
         if field is None:
             return None
         if not isinstance(field, dict) or set(field) - {"gpu", "numa_node"} or not field:
-            raise InvalidArgument(f"memory {field!r} is not {{'gpu': PCI address}} or "
+            raise InvalidArgument(f"memory {_shown(field)} is not {{'gpu': PCI address}} or "
                                   "{'numa_node': N}")
         gpu, node = field.get("gpu"), field.get("numa_node")
         if gpu is not None:
@@ -43,9 +43,10 @@ class MemoryPlace:
             except ValueError:
                 gpu = None
             if gpu is None:
-                raise InvalidArgument(f"memory's gpu {field['gpu']!r} is not a PCI address")
+                raise InvalidArgument(f"memory's gpu {_shown(field['gpu'])} is not a PCI address")
         if node is not None and (type(node) is not int or not 0 <= node <= MAX_NUMA_NODE):
-            raise InvalidArgument(f"memory's numa_node {node!r} is not 0-{MAX_NUMA_NODE}")
+            raise InvalidArgument(f"memory's numa_node {_shown(node)} is not "
+                                  f"0-{MAX_NUMA_NODE}")
         return cls(gpu, node)
 
     def to_field(self) -> dict[str, Any]:
@@ -72,14 +73,15 @@ P = TypeVar("P")
 
 
 def nearest(paths: Sequence[P], distance_of: Callable[[P], Distance | None],
-            load: Callable[[P], int]) -> P:
-    """The nearest of ``paths``, the least loaded among equals, the first among those; those
-    whose distance is unknown after, in their order (as without a topology)."""
-    def rank(indexed: tuple[int, P]) -> tuple[int, int, int]:
+            load: Callable[[P], Any]) -> P:
+    """The nearest of ``paths``, the least ``load`` among equals (anything comparable),
+    the first among those; those whose distance is unknown after, in their order (as
+    without a topology)."""
+    def rank(indexed: tuple[int, P]) -> tuple[int, Any, int]:
         at, path = indexed
         known = distance_of(path)
         if known is None:  # as without a topology: the first
-            return (Distance.SYS + 1, 0, at)
+            return (Distance.SYS + 1, (), at)
         return (known, load(path), at)
 
     return min(enumerate(paths), key=rank)[1]
@@ -92,6 +94,12 @@ def lease_wish(header: dict[str, Any]) -> dict[str, Any]:
     arguments of the lease, only those given; InvalidArgument, in one line, for a bad one."""
     path = header.get("path")
     if path is not None and (type(path) is not int or not 0 <= path < 2**31):
-        raise InvalidArgument(f"lease's path {path!r} is not a path index")
+        raise InvalidArgument(f"lease's path {_shown(path)} is not a path index")
     wish = {"near": MemoryPlace.from_field(header.get("memory")), "path": path}
     return {key: value for key, value in wish.items() if value is not None}
+
+
+def _shown(value: Any) -> str:
+    """A client's value in a one-line error, short whatever it sent."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."

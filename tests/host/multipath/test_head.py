@@ -614,6 +614,33 @@ def test_a_lease_moves_to_the_next_nearest_path_while_its_own_is_down(tmp_path):
     run(test, port, topology=topology)
 
 
+def test_a_nearer_path_back_is_where_the_lease_belongs_and_where_it_goes(tmp_path):
+    port, topology, gpu_of = near_port(tmp_path)
+
+    async def test(head: MultipathController) -> None:
+        near = MemoryPlace(gpu=gpu_of["mlx5_7"])
+        first, second = head.paths[0], head.paths[1]
+        where_it_was = ("rdma", "192.0.2.1", 4420)
+        assert await head.lease_controller(where_it_was) is first.ctrl  # nothing said: stays
+        assert await head.lease_controller(where_it_was, near=near) is second.ctrl
+        assert head.nearer_path(first.ctrl, near) is second
+        assert head.nearer_path(second.ctrl, near) is None  # already there
+        assert head.nearer_path(first.ctrl) is None  # nothing said of its memory
+        assert head.nearer_path(second.ctrl, index=0) is first  # a path named: that one
+        port[1].set_ana(AnaState.INACCESSIBLE)
+        second.kick()
+        await trio.sleep(0.1)
+        assert head.nearer_path(first.ctrl, near) is None  # ANA does not let it serve
+        port[1].set_ana(AnaState.OPTIMIZED)
+        second.kick()
+        await trio.sleep(0.1)
+        assert head.nearer_path(first.ctrl, near) is second
+        # memory on socket 0: the first path is the nearest already
+        assert head.nearer_path(first.ctrl, MemoryPlace(numa_node=0)) is None
+
+    run(test, port, topology=topology)
+
+
 def test_a_gpu_whose_nearest_path_is_sys_is_told_once(tmp_path, caplog):
     port, topology, gpu_of = near_port(tmp_path)
     port.devices["192.0.2.2"] = LocalDevice("infiniband", "mlx5_1")  # both on socket 0
