@@ -126,6 +126,8 @@ class CompanionServer:
                 "delegations_recalled": self.delegations.recalled,
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
                               "lease_transport": s.lease_transport if s.qids else "",
+                              **({"lease_path": s.lease_path}
+                                 if s.qids and s.lease_path is not None else {}),
                               **s.counts, "placement": s.placement}
                              for s in clients],
                 **({"sessions_omitted": omitted} if omitted else {})}
@@ -514,6 +516,8 @@ class CompanionServer:
                      ",".join(map(str, session.qids)))
         opts = ctrl.options
         session.lease_transport = ctrl.transport.name
+        path = self.controller.nearness(ctrl, wish.get("near")) if choose else None
+        session.lease_path = path["index"] if path else None
         return {
             "qids": session.qids, "cntlid": ctrl.cntlid, "transport": ctrl.transport.name,
             "traddr": opts.traddr, "trsvcid": opts.trsvcid, "host_traddr": opts.host_traddr,
@@ -527,7 +531,7 @@ class CompanionServer:
                 pinned=session.pinned),
             "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
-            **({"path": self.controller.nearness(ctrl, wish.get("near"))} if choose else {}),
+            **({"path": path} if choose else {}),
         }
 
     def named_nsids(self, nsids: list[int] | None = None) -> list[int]:

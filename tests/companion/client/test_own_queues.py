@@ -615,6 +615,29 @@ def test_a_file_whose_nearer_path_is_back_moves_there_and_says_so(near_served, c
     assert bytes(out) == bytes(ctrl.disks[1][512:512 + 4096])
 
 
+def test_stats_count_the_bytes_of_the_clients_own_queues_by_path(near_served, cuda):
+    ctrl, fabric, server, mnt = near_served
+    out = nvmeof_fuse.empty(8192)
+    with File(str(mnt / "n1"), near=0) as f:
+        assert f.read(out, size=4096) == 4096
+        stats = f.stats()
+        assert stats["client_queue_bytes_by_path"] == {
+            "1": {"client_queue_read_bytes": 4096, "client_queue_write_bytes": 0}}
+        assert stats["sessions"][0]["lease_path"] == 1
+
+        def nearer_back() -> None:
+            ctrl.index, ctrl.back = 0, SimpleNamespace(name="path 0 (rdma 10.0.0.1:4420)")
+            ctrl.changed.set()
+
+        trio.from_thread.run_sync(nearer_back, trio_token=server.trio_token)
+        assert wait_for(lambda: f.placement["path"].startswith("direct via path 0 "))
+        assert f.read(out) == 8192
+        stats = f.stats()
+        assert stats["client_queue_bytes_by_path"]["0"]["client_queue_read_bytes"] == 8192
+        assert stats["sessions"][0]["lease_path"] == 0
+        assert stats["sessions"][0]["client_queue_read_bytes"] == 4096 + 8192
+
+
 @pytest.mark.parametrize("options, message", [
     ({"near": "gpu0"}, "near='gpu0' is not a place"),
     ({"near": 9}, r"near=9: no CUDA device 9 \(cuDeviceGet failed"),
