@@ -805,8 +805,12 @@ class MultipathController:
                 "memory": str(near) if near is not None else None}
 
     def _advise(self, path: Path, near: MemoryPlace) -> None:
-        """One line, once per memory, when even its nearest path crosses the sockets."""
+        """One line, once per memory, when even its nearest path crosses the sockets (not
+        while a nearer one is only down: the lease comes back to it)."""
         if self.distance(path, near) != Distance.SYS or near in self._advised:
+            return
+        if any((d := self.distance(p, near)) is not None and d < Distance.SYS
+               for p in self.paths):
             return
         self._advised.add(near)
         log.warning("%s: its nearest path, %s via %s, is SYS to it (across the sockets), where "

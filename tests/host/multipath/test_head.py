@@ -597,8 +597,9 @@ def test_paths_at_one_distance_share_the_leases(tmp_path):
     run(test, port, topology=topology)
 
 
-def test_a_lease_moves_to_the_next_nearest_path_while_its_own_is_down(tmp_path):
+def test_a_lease_moves_to_the_next_nearest_path_while_its_own_is_down(tmp_path, caplog):
     port, topology, gpu_of = near_port(tmp_path)
+    caplog.set_level(logging.WARNING, logger="nvmeof_fuse.host.multipath.head")
 
     async def test(head: MultipathController) -> None:
         near = MemoryPlace(gpu=gpu_of["mlx5_7"])
@@ -612,6 +613,8 @@ def test_a_lease_moves_to_the_next_nearest_path_while_its_own_is_down(tmp_path):
         assert await head.lease_controller(near=near) is head.paths[1].ctrl
 
     run(test, port, topology=topology)
+    # SYS meanwhile, but a nearer path is only away: no advice to add one
+    assert not [r for r in caplog.records if "SYS" in r.getMessage()]
 
 
 def test_a_nearer_path_back_is_where_the_lease_belongs_and_where_it_goes(tmp_path):
