@@ -22,6 +22,11 @@ class ConnectError(NVMeoFError):
     errno = _errno.ENOTCONN
 
 
+class DeviceMismatch(ConnectError):
+    """A path's queues went through another local device than the one it must use
+    (``host_iface``): the message names both."""
+
+
 class CommandTimeout(NVMeoFError):
     """A command got no completion within its timeout."""
 

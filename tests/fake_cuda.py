@@ -60,6 +60,7 @@ class FakeDriver:
         self.contexts = {device: 0xC0DE0 + device for device in range(devices)}
         self.vmm = vmm  # memory belongs to no context (CONTEXT attribute is NULL)
         self.dmabuf_devices = set(range(devices))  # devices that export dma-bufs
+        self.bus_ids: dict[int, str] = {}  # device -> PCI address (default: bus 1a + device)
         self.export_error: CudaError | None = None
         self.pin_error: CudaError | None = None
         self.calls: list[tuple[str, int]] = []  # (call, context it ran in)
@@ -111,6 +112,12 @@ class FakeDriver:
 
     def dmabuf_supported(self, device: int) -> bool:
         return device in self.dmabuf_devices
+
+    def pci_bus_id(self, device: int) -> str:
+        """As libcuda spells it; CUDA_ERROR_INVALID_DEVICE (101) for one not here."""
+        if device not in self.contexts:
+            raise CudaError("cuDeviceGet", 101, "CUDA_ERROR_INVALID_DEVICE")
+        return self.bus_ids.get(device, f"00000000:{0x1a + device:02X}:00.0")
 
     # -- the context stack ----------------------------------------------------------------
 

@@ -59,6 +59,7 @@ class Port:
         self.serial: dict[str, str] = {}  # the serial number each port's controller reports
         self.controllers: list[Controller] = []
         self.on_connect = None  # called with each new controller, if set
+        self.devices: dict = {}  # the LocalDevice each port's transport goes through
         self._cntlid = 0
 
     def __getitem__(self, i: int) -> FakeTarget:
@@ -73,6 +74,7 @@ class Port:
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
                 transport = FakeTransport(target)
+                transport.local_device = self.devices.get(options.traddr)
                 ctrl = Controller(options, transport, nursery)
 
                 async def connect_admin() -> None:

@@ -118,6 +118,8 @@ def format_list(mountpoint: str, doc: dict[str, Any]) -> str:
         f"{c.get('subnqn', ident.get('subnqn', '?'))} cntlid {c.get('cntlid', '?')}",
     ]
     paths = doc.get("paths") or []
+    if len(paths) == 1:
+        lines[1] += _device_words(paths[0])
     if len(paths) > 1 or any(p.get("ana_state") not in (None, "optimized") for p in paths):
         lines[1] = f"  {c.get('subnqn', ident.get('subnqn', '?'))}, iopolicy " \
                    f"{c.get('iopolicy', '?')}"
@@ -129,12 +131,24 @@ def format_list(mountpoint: str, doc: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + _table(rows)
 
 
+def _device_words(p: dict[str, Any]) -> str:
+    """`` via mlx5_3 (0000:9b:00.0, NUMA 1)``: the local device a path goes through, as far
+    as it is known; empty when it is not."""
+    if not p.get("device"):
+        return ""
+    where = [str(p["device_pci"])] if p.get("device_pci") else []
+    if p.get("device_numa_node") is not None:
+        where.append(f"NUMA {p['device_numa_node']}")
+    return f" via {p['device']}" + (f" ({', '.join(where)})" if where else "")
+
+
 def _path_line(p: dict[str, Any]) -> str:
-    """One path of a multipath mount, as ``nvme list-subsys`` shows one: where, state, ANA."""
+    """One path of a multipath mount, as ``nvme list-subsys`` shows one: where, its local
+    device, state, ANA."""
     cntlid = p.get("cntlid")
     ana = p.get("ana_state") or "ana unknown"
     return (f"  path {p.get('index')}: {p.get('transport')} {p.get('traddr')}:"
-            f"{p.get('trsvcid')} cntlid {cntlid if cntlid is not None else '-'} "
+            f"{p.get('trsvcid')}{_device_words(p)} cntlid {cntlid if cntlid is not None else '-'} "
             f"{p.get('state')} {ana}{'' if p.get('usable') else ' (unused)'}, "
             f"{p.get('ios', 0)} I/Os, {p.get('outstanding', 0)} outstanding")
 

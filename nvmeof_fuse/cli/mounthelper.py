@@ -35,6 +35,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "traddr": ("--traddr", True),
     "trsvcid": ("--trsvcid", True),
     "host_traddr": ("--host-traddr", True),
+    "host_iface": ("--host-iface", True),
     "hostnqn": ("--hostnqn", True),
     "hostid": ("--hostid", True),
     "dhchap_secret_file": ("--dhchap-secret", True),  # the path of a file: see SECRET_KEYS

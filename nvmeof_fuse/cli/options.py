@@ -111,12 +111,12 @@ def _one_value(args: argparse.Namespace, key: str, what: str) -> str | None:
 def mount_paths(args: argparse.Namespace) -> tuple[str, ...]:
     """The further paths of ``--path`` and ``-o path=``, checked (each an NVMe URI of a
     subsystem, without a namespace; none twice)."""
-    from nvmeof_fuse.nvme.uri import parse_uri
+    from nvmeof_fuse.nvme.uri import parse_uri, split_path_keys
 
     uris = [*getattr(args, "paths", []), *_flag_values(args, "path")]
     seen = set()
     for uri in uris:
-        where = parse_uri(uri)
+        where = parse_uri(split_path_keys(uri)[0])
         if where.nsid is not None:
             raise UsageError(f"path {uri} names a namespace (/{where.nsid}): a path is a "
                              "subsystem's address; --nsid picks the namespace")
@@ -184,6 +184,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "transport": args.transport or registry.DEFAULT,
         "trsvcid": _int("--trsvcid", args.trsvcid, 1, 65535) or default_port,
         "host_traddr": args.host_traddr,
+        "host_iface": getattr(args, "host_iface", None),
         "hostnqn": _nqn("--hostnqn", args.hostnqn),
         "hostid": _hostid(args.hostid),
         "dhchap_secret": getattr(args, "dhchap_secret", None),  # discovery.conf has none
@@ -252,6 +253,10 @@ def add_connection(p: argparse.ArgumentParser, *, port_help: str,
         p.add_argument("-a", "--traddr", required=addr_required, help="target address"),
         p.add_argument("-s", "--trsvcid", help=port_help),
         p.add_argument("-w", "--host-traddr", help="local address to connect from"),
+        p.add_argument("--host-iface", metavar="DEVICE",
+                       help="local device to connect through: NVMe/TCP binds to this netdev; "
+                            "NVMe/RDMA refuses a route RDMA-CM binds to another RDMA device "
+                            "(mlx5_3). A further path names its own: URI?host_iface=DEVICE"),
         p.add_argument("-g", "--hdr-digest", action="store_true",
                        help="NVMe/TCP header digests (CRC32C)"),
         p.add_argument("-G", "--data-digest", action="store_true",

@@ -262,7 +262,8 @@ PATH_COLUMNS = (("path", "index"), ("transport", "transport"), ("address", None)
                 ("cntlid", "cntlid"), ("ana group", "ana_group"), ("ana state", "ana_state"),
                 ("state", "state"), ("usable", "usable"), ("outstanding", "outstanding"),
                 ("ios", "ios"), ("bytes", "bytes"), ("losses", "losses"),
-                ("reconnects", "reconnects"))
+                ("reconnects", "reconnects"), ("device", "device"),
+                ("numa", "device_numa_node"))
 
 
 def paths_list(ctrl: Any) -> list[dict[str, Any]]:
@@ -280,7 +281,7 @@ def paths_text(ctrl: Any) -> bytes:
             if key is None:
                 value = f"{path['traddr']}:{path['trsvcid']}"
             else:
-                value = path[key]
+                value = path.get(key)
             row.append("-" if value is None else str(value).lower()
                        if isinstance(value, bool) else str(value))
         rows.append(row)

@@ -77,6 +77,10 @@ class Lease:
     """Where the lease's controller is (a multipath mount leases on one of its paths):
     the queues connect there, following the lease when it moves to another path."""
     trsvcid: int | None = None
+    host_iface: str | None = None
+    """The local device and address of the lease's path (each path may have its own: one
+    rail's NIC), which the queues follow with its address."""
+    host_traddr: str | None = None
 
 
 LeaseSource = Callable[[], Awaitable[Lease]]
@@ -172,6 +176,10 @@ class AttachedController(Controller):
             log.info("leased queues move to %s:%s", lease.traddr, port)
             transport.traddr, transport.trsvcid = lease.traddr, port
             self.options.traddr, self.options.trsvcid = lease.traddr, port
+        for local in ("host_iface", "host_traddr"):  # the path's own local side, if any
+            if hasattr(transport, local):
+                setattr(transport, local, getattr(lease, local))
+                setattr(self.options, local, getattr(lease, local))
 
     async def _connect_one(self, qid: int, lease: Lease):
         queue = await self.transport.connect_queue(self._nursery, qid, lease.queue_size,

@@ -6,6 +6,7 @@ Apart from the controller, so that the CLI can check a mount's options (``mount
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
@@ -23,6 +24,8 @@ DEFAULT_MAX_NAMESPACES = 65536
 ``--max-namespaces`` says otherwise: each costs about 1 KiB of memory and two Identify
 commands at mount (docs/reliability.md, "Many namespaces").  NVMe allows 0xFFFFFFFE."""
 MAX_NSID = 0xFFFFFFFE
+_DEVICE_NAME = re.compile(r"[A-Za-z0-9_.:-]{1,63}")
+"""A netdev's or an RDMA device's name (IB_DEVICE_NAME_MAX is 64 with its NUL)."""
 
 
 @dataclass
@@ -34,6 +37,10 @@ class ConnectOptions:
     transport: str = registry.DEFAULT
     trsvcid: int = registry.IO_PORT
     host_traddr: str | None = None
+    host_iface: str | None = None
+    """The local device the queues must use (nvme-cli's ``host_iface``): NVMe/TCP binds its
+    sockets to this netdev; NVMe/RDMA refuses a path RDMA-CM binds to another RDMA device
+    than this one (``mlx5_3``), as the ``nvmeof`` library's ``--expected-hca``."""
     hostnqn: str | None = None
     hostid: str | None = None
     nr_io_queues: int | None = None
@@ -74,6 +81,9 @@ class ConnectOptions:
         if (self.hdr_digest or self.data_digest) and not fabric.digests:
             raise InvalidArgument("--hdr-digest and --data-digest apply only to "
                                   f"{registry.with_digests()}")
+        if self.host_iface is not None and not _DEVICE_NAME.fullmatch(self.host_iface):
+            raise InvalidArgument(f"--host-iface {self.host_iface!r} is not a device name "
+                                  "(as mlx5_0 or eth0: 1-63 letters, digits, _ . : -)")
         if not 0 < self.trsvcid < 65536:
             raise InvalidArgument(f"--trsvcid {self.trsvcid} is not a port number (1-65535)")
         if self.nr_io_queues is not None and not 1 <= self.nr_io_queues <= 65535:

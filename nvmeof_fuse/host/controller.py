@@ -154,7 +154,8 @@ def make_transport(options: ConnectOptions) -> Transport:
     """The transport ``options`` name, looked up by name (the host names none itself)."""
     return registry.create(options.transport, options.traddr, options.trsvcid,
                            options.host_traddr, connect_timeout=options.connect_timeout,
-                           hdr_digest=options.hdr_digest, data_digest=options.data_digest)
+                           hdr_digest=options.hdr_digest, data_digest=options.data_digest,
+                           host_iface=options.host_iface)
 
 
 class Controller:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from urllib.parse import unquote
+from urllib.parse import parse_qsl, unquote
 
 from ..errors import InvalidArgument
 
@@ -42,6 +42,31 @@ class NVMeURI:
         port = "" if self.trsvcid is None else f":{self.trsvcid}"
         tail = "" if self.nsid is None else f"/{self.nsid}"
         return f"nvme+{self.transport}://{host}{port}/{self.subnqn}{tail}"
+
+
+PATH_KEYS = ("host_iface", "host_traddr")
+"""What a mount's further path may say of its own local side, after its URI:
+``nvme+rdma://10.0.1.1/nqn...?host_iface=mlx5_1`` (one rail's device)."""
+
+
+def split_path_keys(text: str) -> tuple[str, dict[str, str]]:
+    """A further path's URI and its own keys (:data:`PATH_KEYS`); URIError names a key that
+    is unknown, empty or given twice."""
+    uri, mark, query = text.strip().partition("?")
+    if not mark:
+        return uri, {}
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=True)
+    except ValueError:
+        raise URIError(f"bad keys {query!r} after {uri!r} (KEY=VALUE&...)") from None
+    keys: dict[str, str] = {}
+    for key, value in pairs:
+        if key not in PATH_KEYS:
+            raise URIError(f"unknown key {key!r} after {uri!r} (known: {', '.join(PATH_KEYS)})")
+        if not value or key in keys:
+            raise URIError(f"{key} after {uri!r} is {'empty' if not value else 'given twice'}")
+        keys[key] = value
+    return uri, keys
 
 
 def looks_like_uri(text: str) -> bool:

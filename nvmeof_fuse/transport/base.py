@@ -8,12 +8,25 @@ commands with :mod:`nvmeof_fuse.nvme` and runs them through
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import trio
 
 from ..nvme import Completion
 from .region import DataRef, Registration
+
+
+@dataclass(frozen=True)
+class LocalDevice:
+    """The local device a transport's queues go through, as sysfs names it: its class
+    (``infiniband`` for an RDMA device, ``net`` for a netdev) and its name (``mlx5_3``)."""
+
+    sysfs_class: str
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
 
 
 class Queue(Protocol):
@@ -63,6 +76,11 @@ class Finished(Protocol):
 class Transport(Protocol):
     """Connects a controller's queues; owns the fabric resources they share.
 
+    Its factory takes ``host_iface``: the local device the queues must use (an RDMA device
+    the transport refuses to be bound elsewhere, a netdev its sockets are bound to), and
+    its ``local_device`` (:class:`LocalDevice`) names the device its last queue went
+    through (None before one connected, or where it cannot be told).
+
     Optional, where a transport has it: ``probe_after`` (seconds), after which a command
     still waiting has the controller send a Keep Alive at once, for a transport whose lost
     peer shows only when a SEND fails (RDMA); its queues then offer ``oldest_command()``
@@ -85,6 +103,8 @@ class Transport(Protocol):
 
     address: str
     """Where the controller is, for messages: ``rdma 10.0.0.1:4420``."""
+
+    local_device: LocalDevice | None
 
     async def connect_queue(self, nursery: trio.Nursery, qid: int, size: int,
                             in_capsule_bytes: int = 0, cntlid: int = 0) -> Queue:

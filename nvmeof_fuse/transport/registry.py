@@ -73,7 +73,8 @@ def with_digests() -> str:
     return " or ".join(f"-t {name}" for name, caps in TRANSPORTS.items() if caps.digests)
 
 Factory = Callable[..., "Transport"]
-"""``factory(traddr, trsvcid, host_traddr, *, connect_timeout, hdr_digest, data_digest)``."""
+"""``factory(traddr, trsvcid, host_traddr, *, connect_timeout, hdr_digest, data_digest,
+host_iface)``."""
 
 _factories: dict[str, Factory] = {}
 
@@ -85,10 +86,11 @@ def register(name: str, factory: Factory) -> None:
 
 def create(name: str, traddr: str, trsvcid: int, host_traddr: str | None = None, *,
            connect_timeout: float, hdr_digest: bool = False,
-           data_digest: bool = False) -> Transport:
+           data_digest: bool = False, host_iface: str | None = None) -> Transport:
     """A new transport ``name`` to the controller at ``traddr``:``trsvcid``."""
     module = capabilities(name).module
     if name not in _factories:
         importlib.import_module(f"{__package__}.{module}")  # registers itself
     return _factories[name](traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
-                            hdr_digest=hdr_digest, data_digest=data_digest)
+                            hdr_digest=hdr_digest, data_digest=data_digest,
+                            host_iface=host_iface)

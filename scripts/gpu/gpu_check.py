@@ -160,6 +160,22 @@ def main() -> int:
         state["devices"] = count.value
         return f"driver {version.value}, {count.value} device(s): {'; '.join(names)}"
 
+    @check("PCIe topology: the GPUs, the RDMA devices, and the one nearest each GPU")
+    def _topology() -> str:
+        from nvmeof_fuse.companion.cuda import gpu
+        from nvmeof_fuse.host.topology.report import report
+        from nvmeof_fuse.host.topology.sysfs import Topology
+
+        try:
+            found = [gpu.ops().pci_bus_id(d) for d in range(state.get("devices", 0))]
+        except Exception as exc:  # noqa: BLE001 - then the GPUs sysfs shows
+            print(f"        (the CUDA driver's PCI addresses: {exc})")
+            found = None
+        lines = report(Topology(), found or None)
+        for line in lines:
+            print(f"        {line}", flush=True)
+        return lines[0]
+
     @check("driver calls on a thread that never touched CUDA, in the memory's context")
     def _seam() -> str:
         torch = torch_cuda()
@@ -227,7 +243,7 @@ def run_checks(mounted: Mounted, state: dict) -> None:
     def _placement() -> str:
         import nvmeof_fuse
 
-        with nvmeof_fuse.File(path) as f:
+        with nvmeof_fuse.File(path, near=0) as f:  # its lease says where GPU 0 is
             placement, own = f.placement, f.own_queues
         with nvmeof_fuse.File(path, queues=0) as f:
             via_daemon = f.placement
@@ -235,7 +251,8 @@ def run_checks(mounted: Mounted, state: dict) -> None:
         assert placement["cuda"].startswith("staged: by this process over its own queues "
                                             "(NVMe/TCP receives data into host memory")
         assert via_daemon["cuda"].startswith("staged: NVMe/TCP receives data into host memory")
-        return f"cuda: {placement['cuda'][:60]}...; shared: {placement['shared']}"
+        return (f"cuda: {placement['cuda'][:60]}...; shared: {placement['shared']}; "
+                f"path: {placement.get('path', 'one path, no choice')}")
 
     @check("CUDA tensors from fresh threads: unaligned reads and writes, byte-exact")
     def _data() -> str:

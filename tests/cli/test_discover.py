@@ -117,3 +117,16 @@ def test_list_shows_the_paths_of_a_multipath_mount(capsys, tmp_path):
                       "0 I/Os, 2 outstanding")
     assert entry.main(["list", "-o", "json", str(tmp_path)]) == 0
     assert json.loads(capsys.readouterr().out)["paths"][1]["ana_state"] == "inaccessible"
+    path.update(device="mlx5_3", device_pci="0000:9b:00.0", device_numa_node=1)
+    other.update(device="eth2", device_pci=None, device_numa_node=None)
+    (tmp_path / ".nvmeof" / "controller.json").write_text(json.dumps(doc))
+    assert entry.main(["list", str(tmp_path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].startswith("  path 0: rdma 192.0.2.1:4420 via mlx5_3 (0000:9b:00.0, NUMA 1) "
+                             "cntlid 3 live")
+    assert out[3].startswith("  path 1: tcp 192.0.2.2:4420 via eth2 cntlid -")
+    doc["paths"] = [path]
+    (tmp_path / ".nvmeof" / "controller.json").write_text(json.dumps(doc))
+    assert entry.main(["list", str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[1] == \
+        "  rdma 192.0.2.1:4420 nqn.x:y cntlid 3 via mlx5_3 (0000:9b:00.0, NUMA 1)"

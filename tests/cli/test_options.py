@@ -129,6 +129,7 @@ P2, P3 = "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1", "nvme+rdma://192.0.2
     (["--path", P2, "-o", f"path={P3},iopolicy=failover"], (P2, P3), "failover"),
     (["-o", f"allow_other,path={P3}", "-o", "iopolicy=queue-depth", "--iopolicy",
       "queue-depth"], (P3,), "queue-depth"),
+    (["--path", f"{P3}?host_iface=mlx5_1"], (f"{P3}?host_iface=mlx5_1",), "queue-depth"),
 ])
 def test_paths_and_iopolicy_are_options(extra, paths, policy, tmp_path):
     mopts = options.mount_options(entry.parse_args([*MOUNT, *extra, str(tmp_path)]))
@@ -139,6 +140,10 @@ def test_paths_and_iopolicy_are_options(extra, paths, policy, tmp_path):
     (["--path", "nvme+tcp://192.0.2.2/nqn.2014-08.org.example:s1/1"], "names a namespace (/1)"),
     (["--path", "192.0.2.2"], "is not an NVMe URI"),
     (["--path", P2, "-o", f"path={P2}"], f"path {P2} is given twice"),
+    (["--path", f"{P2}?hca=mlx5_1"], f"unknown key 'hca' after '{P2}' (known: host_iface, "
+     "host_traddr)"),
+    (["--path", f"{P2}?host_iface="], f"host_iface after '{P2}' is empty"),
+    (["--host-iface", "a/b"], "--host-iface 'a/b' is not a device name"),
     (["-o", "iopolicy=numa"], "unknown iopolicy 'numa' (known: failover, round-robin, "
      "queue-depth)"),
     (["-o", "iopolicy=failover", "--iopolicy", "round-robin"],
@@ -209,3 +214,11 @@ def test_bad_workers_are_one_line(argv, error):
     with pytest.raises(options.UsageError) as bad:
         options.mount_options(args)
     assert str(bad.value) == error
+
+
+def test_the_local_device_is_an_option_as_nvme_clis_host_iface(tmp_path):
+    from nvmeof_fuse.cli.mounthelper import key_to_args
+
+    args = entry.parse_args([*MOUNT, "--host-iface", "mlx5_3", str(tmp_path)])
+    assert options.connect_options(args, nqn=args.nqn, default_port=4420).host_iface == "mlx5_3"
+    assert key_to_args("host_iface=mlx5_3") == ["--host-iface", "mlx5_3"]  # fstab's key

@@ -20,6 +20,7 @@ def options(**changes) -> ConnectOptions:
     {"shutdown_timeout": 1}, {"shutdown_timeout": 255},
     {"transport": "tcp", "hdr_digest": True, "data_digest": True},
     {"max_namespaces": 1}, {"max_namespaces": 0xFFFFFFFE},
+    {"host_iface": "mlx5_3"}, {"host_iface": "enp26s0f1np1"}, {"host_iface": "a" * 63},
 ])
 def test_valid_options(changes):
     options(**changes).validate()
@@ -46,6 +47,10 @@ def test_valid_options(changes):
     ({"shutdown_timeout": 256}, "--shutdown-timeout 256 must be 1-255 s"),
     ({"max_namespaces": 0}, "--max-namespaces 0 must be 1-4294967294"),
     ({"max_namespaces": 2**32}, "--max-namespaces 4294967296 must be 1-4294967294"),
+    ({"host_iface": "../mlx5_0"}, "--host-iface '../mlx5_0' is not a device name (as mlx5_0 "
+     "or eth0: 1-63 letters, digits, _ . : -)"),
+    ({"host_iface": ""}, "--host-iface '' is not a device name"),
+    ({"host_iface": "a" * 64}, "--host-iface 'aaaa"),
 ])
 def test_bad_option_message(changes, message):
     with pytest.raises(InvalidArgument) as info:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from nvmeof_fuse.nvme.uri import NVMeURI, URIError, looks_like_uri, parse_uri
+from nvmeof_fuse.nvme.uri import NVMeURI, URIError, looks_like_uri, parse_uri, split_path_keys
 
 NQN = "nqn.2014-08.org.example:sub1"
 
@@ -60,3 +60,21 @@ def test_bad_uris_name_the_wrong_part(text, match):
 def test_looks_like_uri():
     assert looks_like_uri("nvme+rdma://x/y") and looks_like_uri("nfs://x")
     assert not looks_like_uri("/mnt/nvme") and not looks_like_uri(NQN)
+
+
+def test_a_further_path_says_its_local_side_after_its_uri():
+    uri = f"nvme+rdma://10.0.1.1/{NQN}"
+    assert split_path_keys(uri) == (uri, {})
+    assert split_path_keys(f"{uri}?host_iface=mlx5_1&host_traddr=10.0.1.9") == \
+        (uri, {"host_iface": "mlx5_1", "host_traddr": "10.0.1.9"})
+
+
+@pytest.mark.parametrize("keys, match", [
+    ("hca=mlx5_1", "unknown key 'hca' after"),
+    ("host_iface=", "host_iface after .* is empty"),
+    ("host_iface=a&host_iface=b", "host_iface after .* is given twice"),
+    ("&&", "bad keys '&&' after"),
+])
+def test_bad_path_keys_are_named(keys, match):
+    with pytest.raises(URIError, match=match):
+        split_path_keys(f"nvme+rdma://10.0.1.1/{NQN}?{keys}")

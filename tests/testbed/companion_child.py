@@ -11,6 +11,8 @@
                                                            and compare until STOP exists
     python companion_child.py pwrites PATH OFFSET SIZE STOP write new data with pwrite, read
                                                            it back and compare, until STOP
+    python companion_child.py near PATH OFFSET SIZE STOP NEAR  reread, with the File's memory
+                                    said to be NEAR (File's near=); each round names its path
 
 ``roundtrip`` prints one JSON line: the SHA-256 of what it wrote (and of a few windows of
 it: :func:`windows`), whether the read matched, the queue IDs the file used on its own,
@@ -129,17 +131,18 @@ def loop(path: str, size: int) -> None:
             f.read(out, file_offset=511)
 
 
-def _until_stopped(path: str, stop: str, step) -> None:
+def _until_stopped(path: str, stop: str, step, near: str | None = None) -> None:
     """Run ``step(f, round)`` (True: the data was right) until the file ``stop`` exists.
 
-    Prints ``{"round": n}`` after each (a caller counts them), ``{"round": n, "error":
-    ...}`` for one that raised, then a summary: the rounds, mismatches, errors, slowest
-    round in seconds and the queue IDs used on the file's own.
+    Prints ``{"round": n}`` after each (a caller counts them; with ``near``, the path the
+    file's queues are on too), ``{"round": n, "error": ...}`` for one that raised, then a
+    summary: the rounds, mismatches, errors, slowest round in seconds and the queue IDs
+    used on the file's own.
     """
     rounds = mismatches = 0
     errors: list[str] = []
     slowest = 0.0
-    with nvmeof_fuse.File(path) as f:
+    with nvmeof_fuse.File(path, **({"near": near} if near else {})) as f:
         while not os.path.exists(stop):
             rounds += 1
             started = time.monotonic()
@@ -151,13 +154,15 @@ def _until_stopped(path: str, stop: str, step) -> None:
                 continue
             slowest = max(slowest, time.monotonic() - started)
             mismatches += not right
-            print(json.dumps({"round": rounds, "equal": right}), flush=True)
+            print(json.dumps({"round": rounds, "equal": right,
+                              **({"path": f.placement.get("path")} if near else {})}),
+                  flush=True)
         own = list(f.own_queues)
     print(json.dumps({"rounds": rounds, "mismatches": mismatches, "errors": errors,
                       "slowest_s": round(slowest, 3), "own_queues": own}), flush=True)
 
 
-def reread(path: str, offset: int, size: int, stop: str) -> None:
+def reread(path: str, offset: int, size: int, stop: str, near: str | None = None) -> None:
     """Write a random pattern once, then read it back into an ``empty`` array and compare,
     until ``stop`` exists (:func:`_until_stopped` prints the rounds and the summary)."""
     pattern = nvmeof_fuse.empty(size)
@@ -170,7 +175,7 @@ def reread(path: str, offset: int, size: int, stop: str) -> None:
         out[:] = 0
         return f.read(out, file_offset=offset) == size and bool((out == pattern).all())
 
-    _until_stopped(path, stop, step)
+    _until_stopped(path, stop, step, near)
 
 
 def pwrites(path: str, offset: int, size: int, stop: str) -> None:
@@ -262,6 +267,8 @@ if __name__ == "__main__":
         churn(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
     elif mode == "reread":
         reread(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
+    elif mode == "near":
+        reread(path, int(numbers[0]), int(numbers[1]), sys.argv[5], sys.argv[6])
     elif mode == "pwrites":
         pwrites(path, int(numbers[0]), int(numbers[1]), sys.argv[5])
     else:

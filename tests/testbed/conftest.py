@@ -24,6 +24,8 @@ class Testbed:
     tcp_addr: str
     port: int
     out: str
+    rail_addr: str = ""
+    """rdma on the second Soft-RoCE device (rxe1), nvmet port 3 (issue #59)."""
 
 
 def pytest_collection_modifyitems(config, items):
@@ -42,7 +44,8 @@ def testbed() -> Testbed:
                     "(scripts/testbed run ...); deselect them with -m 'not testbed'",
                     pytrace=False)
     return Testbed(env["TESTBED_NQN"], env["TESTBED_RDMA_ADDR"], env["TESTBED_TCP_ADDR"],
-                   int(env["TESTBED_PORT"]), env["TESTBED_OUT"])
+                   int(env["TESTBED_PORT"]), env["TESTBED_OUT"],
+                   env.get("TESTBED_RAIL_ADDR", ""))
 
 
 @pytest.fixture(scope="module", params=["rdma", "tcp"])

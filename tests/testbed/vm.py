@@ -13,6 +13,7 @@ from collections.abc import Collection
 NVMET = "/sys/kernel/config/nvmet"
 RDMA_PORT = 1  # scripts/vm/testbed-guest: port 1 is rdma, port 2 tcp
 TCP_PORT = 2
+RAIL_PORT = 3  # rdma on the second rail (rxe1, TESTBED_RAIL_ADDR)
 NVMET_PORTS = {"rdma": RDMA_PORT, "tcp": TCP_PORT}  # by transport
 
 

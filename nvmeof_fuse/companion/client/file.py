@@ -49,6 +49,7 @@ from .channel import LocalChannel, SocketChannel
 from .cuda_via_own_tcp import OwnQueueRequests
 from .future import IOFuture
 from .local import served_here
+from .memory_place import memory_place
 from .shared_bounce import CallerMemory, Staging
 from .via_daemon import DaemonIO, Placed
 
@@ -163,6 +164,11 @@ class File:
     transfers have at most ``staging_bytes`` in flight, cut into tasks of
     ``task_size`` bytes.  ``stream=`` orders the copies into and out of a CUDA
     buffer on the caller's CUDA stream (see :mod:`nvmeof_fuse.companion.cuda.gpu`).
+
+    On a mount of several paths the file's own queues go to the path nearest its memory:
+    ``near`` says where that is (a CUDA device: ``0``, ``"cuda:0"``, a ``torch.device`` or
+    a tensor; ``"numa:1"``; a host buffer), by default the calling thread's NUMA node;
+    ``path_index`` names a path instead (``nvmeof-fuse list`` numbers them).
     """
 
     def __new__(cls, path: str, *args: Any, **options: Any) -> Any:
@@ -177,7 +183,8 @@ class File:
     def __init__(self, path: str, *, timeout: float = DEFAULT_TIMEOUT,
                  compat_mode: bool | None = None, workers: int = 4,
                  queues: int = QUEUES_PER_CLIENT, task_size: int = TASK_SIZE,
-                 staging_bytes: int = STAGING_BYTES) -> None:
+                 staging_bytes: int = STAGING_BYTES, near: Any = None,
+                 path_index: int | None = None) -> None:
         self.path = path
         self.timeout = timeout
         if compat_mode is None:
@@ -187,6 +194,10 @@ class File:
                             ("staging_bytes", staging_bytes)):
             if _integer(value, name) <= 0:
                 raise InvalidArgument(f"{name} must be positive, got {value}")
+        if path_index is not None and (type(path_index) is not int
+                                       or not 0 <= path_index < 2**31):
+            raise InvalidArgument(f"path_index must be a path's index (nvmeof-fuse list), "
+                                  f"got {path_index!r}")
         if staging_bytes < task_size:
             raise InvalidArgument(f"staging_bytes {staging_bytes} must hold a task of "
                                   f"task_size {task_size} bytes")
@@ -218,7 +229,7 @@ class File:
             self.read_only: bool = hello.get("read_only", False)
             self._task_size = max(task_size, 2 * self.lba_size)
             self._staging = Staging(self._channel, max(staging_bytes, self._task_size))
-            self._direct = self._open_direct(hello, queues)
+            self._direct = self._open_direct(hello, queues, near, path_index)
         except BaseException:
             self._channel.close()
             raise
@@ -242,16 +253,27 @@ class File:
         self._dropped.atexit = False  # at exit the connection goes with the process
         shm.on_free(self._forget)
 
-    def _open_direct(self, hello: dict, queues: int) -> DirectQueues | None:
-        """Queues of our own on the mount, unless in-process, compat mode or refused."""
+    def _open_direct(self, hello: dict, queues: int, near: Any, path_index: int | None
+                     ) -> DirectQueues | None:
+        """Queues of our own on the mount, unless in-process, compat mode or refused; on a
+        multipath mount, on the path nearest ``near`` (:func:`.memory_place.memory_place`),
+        or on path ``path_index``."""
+        explicit = near is not None
+        place = memory_place(near, self._cuda) if explicit else None  # bad: said at once
         if self._mount is not None or self.compat_mode or queues <= 0:
             return None
         why = hello.get("leasing", "the mount daemon is too old to lease queues")
         if why == "on":
             from .own_queues import open_direct
 
-            direct, why = open_direct(self._channel, self.timeout, queues, self.nsid)
+            if not explicit:
+                place = memory_place(None, self._cuda)  # the calling thread's NUMA node
+            wish = {"memory": place.to_field() if place is not None else None,
+                    "path": path_index}
+            direct, why = open_direct(self._channel, self.timeout, queues, self.nsid,
+                                      {k: v for k, v in wish.items() if v is not None})
             if direct is not None:
+                direct.on_path = _weakly(self._moved_path)  # the queues outlive a dropped file
                 return direct
         warn_once(f"lease:{why}", f"nvmeof_fuse: {why}; moving data over the mount "
                    "daemon's queues instead (slower; counted as direct_* or staged_*)")
@@ -268,6 +290,8 @@ class File:
             shared = host = f"direct: {self._own_path()}"
         else:
             shared, host = "direct: the mount daemon maps the array's pages", STAGED_HOST
+        path = {"path": self._direct.path} if self._direct is not None and \
+            self._direct.path else {}
         refusal = (hello.get("placement") or {}).get("dmabuf", "on")
         if self._direct is not None and self._direct.host_memory_only:
             cuda = (f"staged: by this process over its own queues "
@@ -277,13 +301,20 @@ class File:
             cuda = f"staged: {refusal}"
         else:
             cuda = "direct (dma-buf) if the GPU and the RDMA device take it; not tried yet"
-        return {"shared": shared, "host": host, "cuda": cuda}
+        return {"shared": shared, "host": host, "cuda": cuda, **path}
+
+    def _moved_path(self, path: str) -> None:
+        """Our queues' lease moved to another path (a loss, or a nearer one back)."""
+        log.info("nvmeof_fuse: %s: queues now %s", self.path, path)
+        self._place("path", path)
 
     @property
     def placement(self) -> dict[str, str]:
         """For each kind of memory (``shared``: arrays from :func:`~nvmeof_fuse.empty`,
         ``host``: other host memory, ``cuda``), whether data is placed directly, and if
-        not, why: one line each."""
+        not, why: one line each; on a multipath mount, ``path``: which path this file's
+        own queues are on, its device and how near the memory is (``direct via path 1
+        (mlx5_1, PIX to GPU 0000:9a:00.0)``)."""
         return dict(self._placement)
 
     def _place(self, kind: str, how: str, warning: str = "") -> None:
@@ -777,6 +808,18 @@ def _release_dropped(*resources: Any) -> None:
     may run on any thread, one of the file's own included."""
     threading.Thread(target=_release, args=resources, daemon=True,
                      name="nvmeof-fuse dropped file").start()
+
+
+def _weakly(method: Any) -> Callable[..., None]:
+    """``method`` called while its object lives, without keeping it alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+
+    return call
 
 
 def _writable(buf: Any) -> Any:

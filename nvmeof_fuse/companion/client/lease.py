@@ -3,6 +3,8 @@ connect the leased queues (the mount's own target, host identity and recovery ru
 
 from __future__ import annotations
 
+from typing import Any
+
 from ...host.attached import Lease, NamespaceShape
 from ...host.controller import ConnectOptions
 
@@ -14,7 +16,8 @@ def lease_from(reply: dict) -> Lease:
                  queue_size=reply["queue_size"], in_capsule_bytes=reply["in_capsule_bytes"],
                  max_transfer=reply["max_transfer"],
                  namespaces=tuple(NamespaceShape(*shape) for shape in reply["namespaces"]),
-                 traddr=reply.get("traddr"), trsvcid=reply.get("trsvcid"))
+                 traddr=reply.get("traddr"), trsvcid=reply.get("trsvcid"),
+                 host_iface=reply.get("host_iface"), host_traddr=reply.get("host_traddr"))
 
 
 def options_from(reply: dict, timeout: float) -> ConnectOptions:
@@ -23,7 +26,8 @@ def options_from(reply: dict, timeout: float) -> ConnectOptions:
     return ConnectOptions(
         traddr=reply["traddr"], nqn=reply["subnqn"], transport=reply["transport"],
         trsvcid=reply["trsvcid"], host_traddr=reply["host_traddr"],
-        hostnqn=reply["hostnqn"], hostid=reply["hostid"], nr_io_queues=len(reply["qids"]),
+        host_iface=reply.get("host_iface"), hostnqn=reply["hostnqn"], hostid=reply["hostid"],
+        nr_io_queues=len(reply["qids"]),
         companion_queues=0, keep_alive_tmo=0, timeout=timeout,
         reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
         fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),
@@ -36,3 +40,26 @@ def renew_timeout(options: ConnectOptions) -> float:
     if options.ctrl_loss_tmo < 0:
         return RENEW_FOREVER
     return options.ctrl_loss_tmo + 2 * options.timeout
+
+
+def path_words(path: Any) -> str:
+    """A lease reply's ``path`` in words, as ``placement`` says it: ``direct via path 2
+    (mlx5_3, PIX to GPU 0000:9a:00.0)``; empty when the mount named none (one path)."""
+    if not isinstance(path, dict) or type(path.get("index")) is not int:
+        return ""
+    device, distance, memory = (_word(path.get(key)) for key in ("device", "distance",
+                                                                  "memory"))
+    if distance and memory:
+        where = f"{distance} to {memory}"
+    elif memory:
+        where = f"distance to {memory} unknown"
+    else:
+        where = "where our memory is was not said"
+    return f"direct via path {path['index']} ({device or 'device unknown'}, {where})"
+
+
+def _word(value: Any) -> str:
+    """A reply's word, printable and short (it goes into log lines and stats)."""
+    if not isinstance(value, str):
+        return ""
+    return "".join(c for c in value if c.isprintable())[:64]

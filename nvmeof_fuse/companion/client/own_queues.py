@@ -48,7 +48,7 @@ from ...transport import registry
 from .. import protocol
 from ..cuda import gpu
 from ..cuda.dmabuf import DmabufCache, register_dmabuf
-from .lease import lease_from, options_from, renew_timeout
+from .lease import lease_from, options_from, path_words, renew_timeout
 from .locked_writes import LockedWrites
 from .polled import POLLED_MAX_BYTES, POLLED_QUEUES, PolledRead, PolledReads
 from .registrations import Registrations
@@ -74,9 +74,15 @@ async def wait_future(future: concurrent.futures.Future, timeout: float) -> Any:
 class DirectQueues:
     """Leased I/O queues of this process on a mount (one per :class:`File`)."""
 
-    def __init__(self, channel: Any, reply: dict, timeout: float) -> None:
+    def __init__(self, channel: Any, reply: dict, timeout: float,
+                 wish: dict[str, Any] | None = None) -> None:
         self._channel = channel
         self._timeout = timeout
+        self._wish = dict(wish or {})  # where our memory is, or a path: asked each lease
+        self.path: str = path_words(reply.get("path"))
+        """Which path our queues are on, its device and how near our memory (a multipath
+        mount's), or empty."""
+        self.on_path: Any = None  # called with :attr:`path` when a new lease changed it
         self._first: Lease | None = lease_from(reply)
         self.qids: tuple[int, ...] = self._first.qids
         self._nsids = [shape.nsid for shape in self._first.namespaces]  # asked for again
@@ -205,8 +211,14 @@ class DirectQueues:
         if self._first is not None:
             lease, self._first = self._first, None
             return lease
-        return lease_from(await self._ask("lease", self.renew_timeout, want=len(self.qids),
-                                          nsids=self._nsids))
+        reply = await self._ask("lease", self.renew_timeout, want=len(self.qids),
+                                nsids=self._nsids, **self._wish)
+        path = path_words(reply.get("path"))
+        if path != self.path:
+            self.path = path
+            if self.on_path is not None:
+                self.on_path(path)
+        return lease_from(reply)
 
     async def _report_now_and_then(self) -> None:
         """Report our byte counts each second when they changed; while we hold delegations,
@@ -350,16 +362,17 @@ def _no_edges(keep: Any, at: int, data: Any) -> None:
     raise AssertionError("a read of whole LBAs has no partial LBAs to copy")
 
 
-def open_direct(channel: Any, timeout: float, queues: int, nsid: int
-                ) -> tuple[DirectQueues | None, str]:
+def open_direct(channel: Any, timeout: float, queues: int, nsid: int,
+                wish: dict[str, Any] | None = None) -> tuple[DirectQueues | None, str]:
     """This process's own queues on the mount for namespace ``nsid`` (the one the lease
-    names), or None and why not (use the daemon's)."""
+    names), or None and why not (use the daemon's).  ``wish``: what the lease request
+    says of where our memory is (``memory``) or which path to take (``path``)."""
     try:
-        reply = channel.call("lease", want=queues, nsids=[nsid])
+        reply = channel.call("lease", want=queues, nsids=[nsid], **(wish or {}))
     except NVMeoFError as exc:
         return None, str(exc)
     try:
-        return DirectQueues(channel, reply, timeout), ""
+        return DirectQueues(channel, reply, timeout, wish), ""
     except (NVMeoFError, OSError, ImportError) as exc:
         try:
             channel.call("unlease")  # let another client have them

@@ -59,6 +59,7 @@ _SIGNATURES: dict[str, tuple[list, type | None]] = {
                                 _c.c_ulonglong], _c.c_int),
     "cuDeviceGet": ([_c.POINTER(_c.c_int), _c.c_int], _c.c_int),
     "cuDeviceGetAttribute": ([_c.POINTER(_c.c_int), _c.c_int, _c.c_int], _c.c_int),
+    "cuDeviceGetPCIBusId": ([_c.c_char_p, _c.c_int, _c.c_int], _c.c_int),
     "cuDevicePrimaryCtxRetain": ([_c.POINTER(_c.c_void_p), _c.c_int], _c.c_int),
     "cuCtxPushCurrent_v2": ([_c.c_void_p], _c.c_int),
     "cuCtxPopCurrent_v2": ([_c.POINTER(_c.c_void_p)], _c.c_int),
@@ -133,6 +134,14 @@ class LibCuda:
         self._check("cuDeviceGetAttribute", self._lib.cuDeviceGetAttribute(
             ctypes.byref(value), _DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED, handle))
         return bool(value.value)
+
+    def pci_bus_id(self, device: int) -> str:
+        """The device's PCI address as the driver spells it (``0000:9A:00.0``)."""
+        handle, text = ctypes.c_int(), ctypes.create_string_buffer(32)
+        self._check("cuDeviceGet", self._lib.cuDeviceGet(ctypes.byref(handle), device))
+        self._check("cuDeviceGetPCIBusId",
+                    self._lib.cuDeviceGetPCIBusId(text, len(text), handle))
+        return text.value.decode("ascii", "replace")
 
     def push(self, ctx: int) -> None:
         self._check("cuCtxPushCurrent", self._lib.cuCtxPushCurrent_v2(ctx))

@@ -82,6 +82,7 @@ class Cuda:
         self._lock = threading.Lock()
         self._primary: dict[int, int] = {}  # device -> its retained primary context
         self._dmabuf: dict[int, bool] = {}  # device -> supports dma-buf export
+        self._bus_ids: dict[int, str] = {}  # device -> its PCI address
         self._local = threading.local()  # .streams, .events: {context: handle}
 
     @property
@@ -150,6 +151,17 @@ class Cuda:
             known = self.driver.dmabuf_supported(device)
             with self._lock:
                 self._dmabuf[device] = known
+        return known
+
+    def pci_bus_id(self, device: int) -> str:
+        """Device ``device``'s PCI address (as the driver spells it), asked once: where
+        its memory sits on the PCIe tree, for the nearest path (issue #59)."""
+        with self._lock:
+            known = self._bus_ids.get(device)
+        if known is None:
+            known = self.driver.pci_bus_id(device)
+            with self._lock:
+                self._bus_ids[device] = known
         return known
 
     # -- context-bound calls ----------------------------------------------------------------

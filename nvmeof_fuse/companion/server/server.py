@@ -23,11 +23,13 @@ from typing import Any
 import trio
 
 from ...errors import InvalidArgument, NVMeoFError
+from ...host.multipath.nearest import lease_wish
 from ...host.multipath.path import path_options
 from ...host.namespace import GONE
 from .. import protocol
 from ..protocol import Piece, ProtocolError
 from .delegations import Delegations
+from .path_leases import revoke_leases_of_moved_paths
 from .roles import Role
 from .session import ClientSession, CompanionStats, ReadOnly, Registered
 
@@ -124,6 +126,8 @@ class CompanionServer:
                 "delegations_recalled": self.delegations.recalled,
                 "sessions": [{"peer": s.peer, "regions": len(s.regions), "qids": s.qids,
                               "lease_transport": s.lease_transport if s.qids else "",
+                              **({"lease_path": s.lease_path}
+                                 if s.qids and s.lease_path is not None else {}),
                               **s.counts, "placement": s.placement}
                              for s in clients],
                 **({"sessions_omitted": omitted} if omitted else {})}
@@ -319,7 +323,7 @@ class CompanionServer:
             return {}
         if op == "lease":
             return await self.lease(session, f(header, "want"), role=self._claimed(header),
-                                    nsids=protocol.nsids_field(header))
+                                    nsids=protocol.nsids_field(header), **lease_wish(header))
         if op in self._role_requests:  # one only a role's sessions send
             role, handler = self._role_requests[op]
             self._check_role(session, role, op)
@@ -451,7 +455,7 @@ class CompanionServer:
         """
         ctrl = self.controller
         if hasattr(ctrl, "lease_controller"):  # a multipath head: leases live on a path
-            await self._revoke_leases_of_lost_paths(ctrl)
+            await revoke_leases_of_moved_paths(ctrl, self.sessions)
             return
         told = False  # since the controller was last live (resetting, then connecting: once)
         while True:
@@ -465,27 +469,14 @@ class CompanionServer:
                 if session.qids and session.notify is not None:
                     await session.notify({"event": "revoked", "state": ctrl.state})
 
-    async def _revoke_leases_of_lost_paths(self, head: Any) -> None:
-        """Each client's queues are on one path's controller: when that one stops being
-        live, tell the client, which asks again and gets a live path (its own again when
-        it is back first)."""
-        while True:
-            await head.wait_changed()
-            for session in list(self.sessions):
-                lessor = session.lessor
-                if (session.qids and session.notify is not None and lessor is not None
-                        and not lessor.live):
-                    session.lessor = None  # told once; the next lease names the path
-                    await session.notify({"event": "revoked", "state": lessor.state})
-
     async def lease(self, session: ClientSession, want: int, role: Role | None = None,
-                    nsids: list[int] | None = None) -> dict[str, Any]:
+                    nsids: list[int] | None = None, **wish: Any) -> dict[str, Any]:
         """Queue IDs for ``session`` to connect itself, and how (waits while reconnecting);
         of those kept for ``role``, when it claims one.
 
         A session keeps its queue IDs until it ends; asking again (after its queues
-        failed) waits for the controller to be live and names its controller ID.  The
-        reply names the namespaces ``nsids`` names (:meth:`named_nsids`).
+        failed) waits for the controller to be live and names its controller ID.  The reply
+        names the namespaces ``nsids`` names (:meth:`named_nsids`), and the path (lease_wish).
         """
         why = self.leasing(role)
         if why:
@@ -496,7 +487,8 @@ class CompanionServer:
         choose = getattr(ctrl, "lease_controller", None)  # a multipath head: pick a path
         with session.waiting() as wait:
             if choose is not None:
-                ctrl = await choose(session.lease_place, any_transport=role is not None)
+                ctrl = await choose(session.lease_place, any_transport=role is not None, **wish,
+                                    load=lambda c: sum(s.lessor is c for s in self.sessions))
             else:
                 await ctrl.wait_live(fail_fast=False)
         if wait.cancelled_caught:
@@ -504,6 +496,7 @@ class CompanionServer:
         if choose is not None:
             opts = ctrl.options
             session.lessor = ctrl
+            session.lease_wish = wish
             session.lease_place = (opts.transport, opts.traddr, opts.trsvcid)
         if not session.qids:
             taken = {q for s in self.sessions for q in s.qids}
@@ -523,10 +516,12 @@ class CompanionServer:
                      ",".join(map(str, session.qids)))
         opts = ctrl.options
         session.lease_transport = ctrl.transport.name
+        path = self.controller.nearness(ctrl, wish.get("near")) if choose else None
+        session.lease_path = path["index"] if path else None
         return {
             "qids": session.qids, "cntlid": ctrl.cntlid, "transport": ctrl.transport.name,
             "traddr": opts.traddr, "trsvcid": opts.trsvcid, "host_traddr": opts.host_traddr,
-            "subnqn": opts.nqn, "hostnqn": ctrl.identity.hostnqn,
+            "host_iface": opts.host_iface, "subnqn": opts.nqn, "hostnqn": ctrl.identity.hostnqn,
             "hostid": str(ctrl.identity.hostid), "queue_size": ctrl.io_queue_size(),
             "in_capsule_bytes": ctrl.in_capsule_bytes, "max_transfer": ctrl.max_transfer,
             "timeout": opts.timeout, "reconnect_delay": opts.reconnect_delay,
@@ -536,6 +531,7 @@ class CompanionServer:
                 pinned=session.pinned),
             "namespace_count": len(self.controller.namespaces),
             **self._secrets(opts),
+            **({"path": path} if choose else {}),
         }
 
     def named_nsids(self, nsids: list[int] | None = None) -> list[int]:

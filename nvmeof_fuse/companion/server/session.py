@@ -70,12 +70,21 @@ class CompanionStats:
     daemon_copied_bytes: int = 0  # payload the daemon itself copied (write edges only)
     own: dict[str, int] = field(default_factory=dict)
     """The sessions of each role (:mod:`.roles`): its counter now and ``_total`` ever."""
+    by_path: dict[int, dict[str, int]] = field(default_factory=dict)
+    """Bytes over the clients' own queues by the path (its index) they were leased on, on a
+    multipath mount: counted as the clients report them (each second), on the path leased
+    then."""
 
-    def snapshot(self) -> dict[str, int]:
-        """The counters, each role's right after the clients'."""
-        counts = dict(self.__dict__)
+    def snapshot(self) -> dict[str, Any]:
+        """The counters, each role's right after the clients'; on a multipath mount the
+        clients' own queues' bytes by path (``client_queue_bytes_by_path``)."""
+        counts: dict[str, Any] = dict(self.__dict__)
         own = counts.pop("own")
+        by_path = counts.pop("by_path")
         clients = {name: counts.pop(name) for name in ("clients", "clients_total")}
+        if by_path:
+            counts["client_queue_bytes_by_path"] = {
+                str(index): dict(moved) for index, moved in sorted(by_path.items())}
         return {**clients, **own, **counts}
 
 
@@ -83,9 +92,12 @@ PATH_COUNTERS = ("client_queue_read_bytes", "client_queue_write_bytes", "direct_
                  "direct_write_bytes", "staged_read_bytes", "staged_write_bytes",
                  "dmabuf_refused")
 """Bytes by path (and refused dma-bufs), counted per client as well as in total."""
-PLACEMENT_KINDS = ("shared", "host", "cuda")
+CLIENT_QUEUE_COUNTERS = ("client_queue_read_bytes", "client_queue_write_bytes")
+"""What clients report of their own queues: counted by path as well."""
+PLACEMENT_KINDS = ("shared", "host", "cuda", "path")
 """The kinds of caller memory a client reports where it places: ``nvmeof_fuse.empty``
-arrays, other host memory, CUDA memory."""
+arrays, other host memory, CUDA memory; and on a multipath mount the path its own queues
+are on (``direct via path 1 (mlx5_1, PIX to GPU 0000:9a:00.0)``)."""
 PLACEMENT_CHARS = 300
 """Characters kept of a client's placement line (printable ASCII: each is one byte in a
 reply, so that any clients' lines fit a ``stats`` reply)."""
@@ -134,6 +146,8 @@ class ClientSession:
         self.own_report: dict | None = None  # what such a process last reported of itself
         self.lessor: Any = None  # with several paths: the path's controller they are on
         self.lease_place: tuple[str, str, int] | None = None  # where (transport, address)
+        self.lease_wish: dict[str, Any] = {}  # where its memory is (near), or a path named
+        self.lease_path: int | None = None  # the index of the path leased, with several
         self.lease_transport = ""  # what its own queues run over (rdma, tcp)
         self.write_locks: dict[int, trio.Event] = {}  # token -> set to release the lock
         self.next_token = 0
@@ -272,9 +286,14 @@ class ClientSession:
         self.add(name + "_bytes", nbytes)
 
     def add(self, counter: str, nbytes: int) -> None:
-        """Count ``nbytes`` moved by ``counter``'s path, for this client and in total."""
+        """Count ``nbytes`` moved by ``counter``'s path, for this client and in total (and
+        over its own queues, by the multipath mount's path they are leased on)."""
         self.counts[counter] += nbytes
         setattr(self.stats, counter, getattr(self.stats, counter) + nbytes)
+        if self.lease_path is not None and counter in CLIENT_QUEUE_COUNTERS:
+            on_path = self.stats.by_path.setdefault(
+                self.lease_path, dict.fromkeys(CLIENT_QUEUE_COUNTERS, 0))
+            on_path[counter] += nbytes
 
     def report(self, moved: dict[str, int], placement: object = None) -> None:
         """The client's own running totals of bytes over its own queues, and where it
@@ -288,7 +307,7 @@ class ClientSession:
                                              f"object, got {placement!r}")
             self.placement = {kind: _printable(placement[kind]) for kind in PLACEMENT_KINDS
                               if kind in placement}
-        for counter in ("client_queue_read_bytes", "client_queue_write_bytes"):
+        for counter in CLIENT_QUEUE_COUNTERS:
             total = moved.get(counter)
             if type(total) is int and self.counts[counter] < total < MAX_COUNT:
                 self.add(counter, total - self.counts[counter])

@@ -78,8 +78,11 @@ from ..logread import read_whole
 from ..memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from ..namespace import Namespace
 from ..state import DEAD, DELETING, LIVE
+from ..topology.pcie import Distance
+from ..topology.sysfs import Topology
 from .ana import PathAna
 from .iopolicy import DEFAULT_POLICY, PathSelector
+from .nearest import MemoryPlace, distance, nearest
 from .path import Path, PathRefused, path_uri
 from .pathmemory import HeadPool, PathsRegistration, PathsTransport
 
@@ -116,8 +119,10 @@ class MultipathController:
     starts_io = True
 
     def __init__(self, nursery: trio.Nursery, *, policy: str = DEFAULT_POLICY,
-                 connect: Connect | None = None) -> None:
+                 connect: Connect | None = None, topology: Topology | None = None) -> None:
         self._nursery = nursery
+        self._topology = topology
+        self._advised: set[MemoryPlace] = set()  # memory told its nearest path is SYS
         self._connect: Connect = connect or connect_controller
         self.selector: PathSelector[Path] = PathSelector(policy)
         self.paths: list[Path] = []
@@ -158,6 +163,16 @@ class MultipathController:
     @property
     def policy(self) -> str:
         return self.selector.policy
+
+    @property
+    def topology(self) -> Topology:
+        """Where the paths' devices sit (sysfs, read at first use; where it cannot be read,
+        one line says so and paths are chosen as without it)."""
+        if self._topology is None:
+            self._topology = Topology()
+            if self._topology.unavailable:
+                log.info("%s", self._topology.unavailable)
+        return self._topology
 
     @property
     def primary(self) -> Controller | None:
@@ -670,7 +685,7 @@ class MultipathController:
                 "outstanding": ctrl.outstanding if ctrl is not None else 0,
                 "ios": ios, "bytes": nbytes,
                 "losses": path.losses, "reconnects": path.reconnects,
-                "failovers": path.failovers,
+                "failovers": path.failovers, **path.device_snapshot(self.topology),
             })
         return out
 
@@ -698,30 +713,109 @@ class MultipathController:
         return PathsTransport(self._transports, self._register)
 
     async def lease_controller(self, prefer: tuple[str, str, int] | None = None,
-                               any_transport: bool = False) -> Controller:
+                               any_transport: bool = False, *, near: MemoryPlace | None = None,
+                               path: int | None = None,
+                               load: Callable[[Controller], int] | None = None) -> Controller:
         """A live path whose transport lets companion clients connect queues of their own
         (``any_transport``: any live path, for a FUSE worker, which moves data through memory
-        of its own): ``prefer`` (transport, traddr, trsvcid: where the client's queues were)
-        if it is live, else another of the same transport (the client's queues keep theirs);
-        waits while none is; ControllerLost once none can be."""
+        of its own), of ``prefer``'s transport (transport, traddr, trsvcid: where the
+        client's queues were; they keep their transport); waits while none is;
+        ControllerLost once none can be.  Among those ANA lets serve: path ``path`` if named
+        and live, else the nearest ``near`` (:mod:`.nearest`; of equals where the queues
+        were, then the one with the least ``load``); with neither, ``prefer`` if it is live,
+        else the first."""
         while True:
-            leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
-                        and (any_transport or getattr(p.ctrl.transport,
-                                                      "places_in_other_processes", False))
-                        and (prefer is None or p.options.transport == prefer[0])]
-            if leasable:
-                first = min(self.namespaces, default=None)
-                for path in leasable:
-                    place = (path.options.transport, path.options.traddr,
-                             path.options.trsvcid)
-                    if place == prefer:
-                        return path.ctrl  # type: ignore[return-value]
-                usable = [p for p in leasable
-                          if first is None or p.usable_state(first) is not None]
-                return (usable or leasable)[0].ctrl  # type: ignore[return-value]
+            pool = self._lease_pool(prefer[0] if prefer is not None else None, any_transport)
+            if pool:
+                if near is None and path is None:  # as before: where its queues were
+                    for each in pool[1]:
+                        if _place(each) == prefer:
+                            return each.ctrl  # type: ignore[return-value]
+                chosen = self._chosen(pool[0], prefer, near, path, load)
+                if near is not None:
+                    self._advise(chosen, near)
+                return chosen.ctrl  # type: ignore[return-value]
             self._check_servable()
             with trio.move_on_after(NO_PATH_WAIT):
                 await self._changed.wait()
+
+    def _lease_pool(self, transport: str | None, any_transport: bool
+                    ) -> tuple[list[Path], list[Path]] | None:
+        """The live paths a lease may go to (of ``transport``, when named, and unless
+        ``any_transport`` only those whose clients connect queues of their own): those ANA
+        lets serve (all where none does), and all of them; None while there are none."""
+        leasable = [p for p in self.paths if p.ctrl is not None and p.ctrl.live
+                    and (any_transport or getattr(p.ctrl.transport,
+                                                  "places_in_other_processes", False))
+                    and (transport is None or p.options.transport == transport)]
+        if not leasable:
+            return None
+        first = min(self.namespaces, default=None)
+        usable = [p for p in leasable if first is None or p.usable_state(first) is not None]
+        return usable or leasable, leasable
+
+    def _chosen(self, pool: list[Path], prefer: tuple[str, str, int] | None,
+                near: MemoryPlace | None, index: int | None,
+                load: Callable[[Controller], int] | None) -> Path:
+        """Of ``pool``: path ``index`` if there, else the nearest ``near`` (where the queues
+        were among equals, then the least loaded), else the first."""
+        named = [p for p in pool if p.index == index]
+        if named:
+            return named[0]
+        if near is None:
+            return pool[0]
+        return nearest(pool, lambda p: self.distance(p, near),
+                       lambda p: (_place(p) != prefer, load(p.ctrl) if load else 0))
+
+    def nearer_path(self, ctrl: Controller, near: MemoryPlace | None = None,
+                    index: int | None = None) -> Path | None:
+        """Where a client's lease on ``ctrl`` belongs now, when that is another path: the
+        one it named (``index``), or one nearer its memory (``near``), live and served by
+        ANA (a near path come back); None where it is best where it is."""
+        current = next((p for p in self.paths if p.ctrl is ctrl), None)
+        if current is None or (near is None and index is None):
+            return None
+        pool = self._lease_pool(current.options.transport, False)
+        if pool is None:
+            return None
+        if index is not None:
+            named = [p for p in pool[0] if p.index == index]
+            return named[0] if named and named[0] is not current else None
+        assert near is not None
+        best = self._chosen(pool[0], _place(current), near, None, None)
+        here, there = self.distance(current, near), self.distance(best, near)
+        if best is current or there is None or (here is not None and here <= there):
+            return None
+        return best
+
+    def distance(self, path: Path, near: MemoryPlace) -> Distance | None:
+        """How far ``near`` is from ``path``'s local device; None where it cannot be told."""
+        return distance(near, path.pci_device(self.topology), self.topology)
+
+    def nearness(self, ctrl: Controller, near: MemoryPlace | None) -> dict[str, Any] | None:
+        """The lease reply's ``path``: which path ``ctrl`` is, its device, and how far
+        ``near`` is from it (``distance`` None: not known)."""
+        path = next((p for p in self.paths if p.ctrl is ctrl), None)
+        if path is None:
+            return None
+        device = path.local_device
+        known = self.distance(path, near) if near is not None else None
+        return {"index": path.index, "device": device.name if device is not None else None,
+                "distance": known.name if known is not None else None,
+                "memory": str(near) if near is not None else None}
+
+    def _advise(self, path: Path, near: MemoryPlace) -> None:
+        """One line, once per memory, when even its nearest path crosses the sockets (not
+        while a nearer one is only down: the lease comes back to it)."""
+        if self.distance(path, near) != Distance.SYS or near in self._advised:
+            return
+        if any((d := self.distance(p, near)) is not None and d < Distance.SYS
+               for p in self.paths):
+            return
+        self._advised.add(near)
+        log.warning("%s: its nearest path, %s via %s, is SYS to it (across the sockets), where "
+                    "reads lose up to 70%%: add a path through a NIC on its socket "
+                    "(--path URI?host_iface=DEVICE)", near, path.name, path.local_device)
 
     # -- commands (the CommandIssuer) --------------------------------------------------------
 
@@ -995,6 +1089,11 @@ def _outstanding(path: Path) -> int:
     return path.outstanding
 
 
+def _place(path: Path) -> tuple[str, str, int]:
+    """Where a path's controller is, as a lease remembers it: transport, address, port."""
+    return (path.options.transport, path.options.traddr, path.options.trsvcid)
+
+
 def _same_place(text: str, path: Path) -> bool:
     """Whether ``text`` (a URI) names ``path``'s transport, address, port and subsystem."""
     try:
@@ -1008,7 +1107,8 @@ def _same_place(text: str, path: Path) -> bool:
 
 @contextlib.asynccontextmanager
 async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
-                  connect_path: Connect | None = None) -> AsyncIterator[MultipathController]:
+                  connect_path: Connect | None = None,
+                  topology: Topology | None = None) -> AsyncIterator[MultipathController]:
     """Connect the paths (the first one first: it sets the subsystem and namespaces) and
     yield the head; on exit every path's controller shuts down and the memory is freed.
 
@@ -1023,7 +1123,9 @@ async def connect(paths: list[ConnectOptions], *, policy: str = DEFAULT_POLICY,
     try:
         with unwrap_groups():
             async with trio.open_nursery() as nursery:
-                head = MultipathController(nursery, policy=policy, connect=connect_path)
+                head = MultipathController(nursery, policy=policy, connect=connect_path,
+                                           topology=topology)
+                head.topology  # noqa: B018 - read now: where it cannot be, one line says so
                 try:
                     for i, options in enumerate(paths):
                         await head.add_path(options, must_connect=i == 0)

@@ -11,13 +11,16 @@ import trio
 from ...errors import InvalidArgument
 from ...nvme import NamespaceIdentity
 from ...nvme.ana import AnaState
-from ...nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri
+from ...nvme.uri import DEFAULT_PORT, NVMeURI, parse_uri, split_path_keys
 from ...transport import registry
+from ...transport.base import LocalDevice
 from ..connect_options import ConnectOptions
+from ..topology.pcie import PciDevice
 from .ana import PathAna
 
 if TYPE_CHECKING:  # only named: the daemon's tests stand a fake controller module in
     from ..controller import Controller
+    from ..topology.sysfs import Topology
 
 
 class PathRefused(InvalidArgument):
@@ -31,7 +34,10 @@ def path_uri(options: ConnectOptions) -> str:
 
 def path_options(base: ConnectOptions, uri: str) -> ConnectOptions:
     """The options of a further path ``uri``: the first path's (host identity, timeouts,
-    secrets, queues), with the URI's transport, address, port and subsystem."""
+    secrets, queues, local address), with the URI's transport, address, port and subsystem,
+    and what its keys say of its local side (``?host_iface=mlx5_1``: a device is one
+    rail's, so the first path's ``host_iface`` is not taken over)."""
+    uri, keys = split_path_keys(uri)
     where = parse_uri(uri)
     if where.nsid is not None:
         raise InvalidArgument(f"path {uri}: a path names no namespace (drop /{where.nsid})")
@@ -40,7 +46,8 @@ def path_options(base: ConnectOptions, uri: str) -> ConnectOptions:
         base, transport=where.transport, traddr=where.traddr,
         trsvcid=where.trsvcid if where.trsvcid is not None else DEFAULT_PORT,
         nqn=where.subnqn, hdr_digest=base.hdr_digest and digests,
-        data_digest=base.data_digest and digests)
+        data_digest=base.data_digest and digests, host_iface=keys.get("host_iface"),
+        host_traddr=keys.get("host_traddr", base.host_traddr))
 
 
 class Path:
@@ -67,6 +74,7 @@ class Path:
         """Controllers connected anew after the one before gave up (--ctrl-loss-tmo)."""
         self._past = (0, 0)  # losses and reconnects of the controllers before this one
         self.connected_once = False
+        self._device: LocalDevice | None = None
         self.removed = trio.Event()
         self._kick = trio.Event()
 
@@ -80,6 +88,33 @@ class Path:
         """Of them, regained: by its controller's reconnects or a controller anew."""
         return (self._past[1] + self.revivals
                 + (self.ctrl.reconnects if self.ctrl is not None else 0))
+
+    @property
+    def local_device(self) -> LocalDevice | None:
+        """The local device this path's queues went through (RDMA-CM's binding, the
+        socket's netdev), once its controller connected; kept after a loss."""
+        ctrl = self.ctrl
+        device = getattr(ctrl.transport, "local_device", None) if ctrl is not None else None
+        if device is not None:
+            self._device = device
+        return self._device
+
+    def pci_device(self, topology: Topology) -> PciDevice | None:
+        """Where :attr:`local_device` sits on the PCIe tree, if sysfs shows it."""
+        device = self.local_device
+        if device is None:
+            return None
+        if device.sysfs_class == "infiniband":
+            return topology.rdma_device(device.name)
+        return topology.net_device(device.name)
+
+    def device_snapshot(self, topology: Topology) -> dict[str, str | int | None]:
+        """``paths.json``'s keys of the local device: its name, PCI address, NUMA node."""
+        device, pci = self.local_device, self.pci_device(topology)
+        return {"device": device.name if device is not None else None,
+                "device_pci": pci.bus_id if pci is not None else None,
+                "device_numa_node": pci.numa_node if pci is not None else None,
+                "host_iface": self.options.host_iface}
 
     def retire(self, ctrl: Controller) -> None:
         """``ctrl`` leaves this path: keep its counts."""

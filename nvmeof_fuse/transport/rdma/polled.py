@@ -412,8 +412,10 @@ class PolledRdmaTransport(RdmaTransport):
 
 
 def _create(traddr: str, trsvcid: int, host_traddr: str | None = None, *,
-            connect_timeout: float, **_digests: bool) -> PolledRdmaTransport:
-    return PolledRdmaTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout)
+            connect_timeout: float, host_iface: str | None = None,
+            **_digests: bool) -> PolledRdmaTransport:
+    return PolledRdmaTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
+                               host_iface=host_iface)
 
 
 registry.register("rdma", _create)

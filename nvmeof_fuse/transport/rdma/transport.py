@@ -42,9 +42,10 @@ from typing import NoReturn
 import trio
 
 from ...concurrency import tasks_runnable
-from ...errors import CommandTimeout, ConnectError, TransportError
+from ...errors import CommandTimeout, ConnectError, DeviceMismatch, TransportError
 from ...nvme import Completion
 from ...nvme.sgl import NULL_SGL, in_capsule_data, pack_keyed_data_block_into
+from ..base import LocalDevice
 from ..cids import CommandIds
 from ..parking import Watchdog, closed_for_timeout, for_caller, time_out, timeout_error, unsent
 from ..pollbudget import PollBudget
@@ -333,10 +334,14 @@ class RdmaTransport:
     unacknowledged (see ACK_TIMEOUT)."""
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
-                 connect_timeout: float = 10.0) -> None:
+                 connect_timeout: float = 10.0, *, host_iface: str | None = None) -> None:
         self.traddr = traddr
         self.trsvcid = trsvcid
         self.host_traddr = host_traddr
+        self.host_iface = host_iface
+        """The RDMA device RDMA-CM must bind the queues to (``mlx5_3``), or None: any."""
+        self.local_device: LocalDevice | None = None
+        """The RDMA device RDMA-CM bound the last queue to."""
         self.connect_timeout = connect_timeout
         self._queues: list[RdmaQueue] = []
         self._registrations: dict[RdmaRegistration, None] = {}  # ordered set
@@ -375,13 +380,28 @@ class RdmaTransport:
 
         try:
             with trio.fail_after(self.connect_timeout):
-                return await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
+                cm = await trio.to_thread.run_sync(resolve, abandon_on_cancel=True)
         except trio.TooSlowError:
             raise ConnectError(f"no RDMA route to {self.traddr}:{self.trsvcid} within "
                                f"{self.connect_timeout:g} s") from None
         except OSError as exc:
             raise ConnectError(f"cannot reach {self.traddr}:{self.trsvcid} over RDMA: "
                                f"{exc.strerror or exc}") from None
+        return self._bound(cm)
+
+    def _bound(self, cm):
+        """``cm`` if RDMA-CM bound it to the device asked for (``host_iface``); the
+        device it bound is this transport's ``local_device`` from now."""
+        try:
+            device = str(cm.context.name)
+        except (AttributeError, OSError):  # a context that cannot say: unknown, not refused
+            return cm
+        if self.host_iface and device != self.host_iface:
+            _close_quietly(cm)
+            raise DeviceMismatch(f"RDMA-CM bound the route to {self.traddr}:{self.trsvcid} to "
+                                 f"{device}, not to {self.host_iface} (host_iface): refused")
+        self.local_device = LocalDevice("infiniband", device)
+        return cm
 
     async def connect_queue(self, nursery: trio.Nursery, qid: int, size: int,
                             in_capsule_bytes: int = 0, cntlid: int = 0) -> RdmaQueue:

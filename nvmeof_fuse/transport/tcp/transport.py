@@ -14,6 +14,8 @@ hands back a trivial one, and refuses GPU memory by name.
 from __future__ import annotations
 
 import errno
+import fcntl
+import ipaddress
 import socket
 import struct
 
@@ -23,10 +25,45 @@ from ...errors import ConnectError, TransportError
 from ...nvme import tcp_pdu as pdu
 from ...nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 from .. import registry
+from ..base import LocalDevice
 from .data import HOST_MEMORY_ONLY, TcpRegistration, is_device_memory
 from .queue import TcpQueue
 
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
+_SIOCGIFADDR = 0x8915
+_IFNAMSIZ = 16
+
+
+def interface_of(local_address: str) -> str | None:
+    """The netdev that holds ``local_address`` (a socket's own address: the one its route
+    left through, as far as one can tell without netlink), or None."""
+    try:
+        wanted = ipaddress.ip_address(local_address.split("%")[0])
+    except ValueError:
+        return None
+    if isinstance(wanted, ipaddress.IPv6Address) and wanted.ipv4_mapped is not None:
+        wanted = wanted.ipv4_mapped
+    if isinstance(wanted, ipaddress.IPv6Address):
+        try:
+            with open("/proc/net/if_inet6") as f:
+                for line in f:  # address, index, prefix, scope, flags, name
+                    fields = line.split()
+                    if len(fields) == 6 and int(fields[0], 16) == int(wanted):
+                        return fields[5]
+        except (OSError, ValueError):
+            pass
+        return None
+    packed = wanted.packed
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        for _, name in socket.if_nameindex():
+            try:
+                got = fcntl.ioctl(probe.fileno(), _SIOCGIFADDR,
+                                  struct.pack("256s", name.encode()[:_IFNAMSIZ - 1]))
+            except OSError:  # no IPv4 address there
+                continue
+            if got[20:24] == packed:  # struct ifreq: the name, then a sockaddr_in
+                return name
+    return None
 
 
 class TcpTransport:
@@ -43,8 +80,15 @@ class TcpTransport:
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0, *, header_digest: bool = False,
-                 data_digest: bool = False, splice: bool = False) -> None:
+                 data_digest: bool = False, splice: bool = False,
+                 host_iface: str | None = None) -> None:
         self.traddr = traddr
+        self.host_iface = host_iface
+        """The netdev every connection is bound to (SO_BINDTODEVICE, as nvme-cli's
+        ``host_iface``), or None: where the route goes."""
+        self.local_device: LocalDevice | None = None
+        """The netdev the last connection went through: ``host_iface``, else the one that
+        holds the socket's own address."""
         # Large write data by vmsplice/splice (see .splice) instead of a copy into the
         # socket.  Off by default: the copy was faster in the testbed's A/B
         # (docs/performance-history.md); kept for a measurement on a real NIC.
@@ -79,6 +123,9 @@ class TcpTransport:
                                                       type=socket.SOCK_STREAM)
                 family, kind, proto, _, addr = infos[0]
                 sock = trio.socket.socket(family, kind, proto)
+                if self.host_iface:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_BINDTODEVICE,
+                                    self.host_iface.encode())
                 if self.host_traddr:
                     await sock.bind((self.host_traddr, 0))
                 await sock.connect(addr)
@@ -91,6 +138,11 @@ class TcpTransport:
                 reason = "refused: is an NVMe/TCP port listening there?"
             elif self.host_traddr and exc.errno == errno.EADDRNOTAVAIL:
                 reason = f"failed: --host-traddr {self.host_traddr} is not a local address"
+            elif self.host_iface and exc.errno == errno.ENODEV:
+                reason = f"failed: host_iface {self.host_iface} is no network interface here"
+            elif self.host_iface and exc.errno == errno.EPERM:
+                reason = (f"failed: binding to host_iface {self.host_iface} needs "
+                          "CAP_NET_RAW")
             else:
                 reason = f"failed: {exc.strerror or exc}"
         except BaseException:  # cancelled (a reconnect try cut short): no socket left open
@@ -103,6 +155,8 @@ class TcpTransport:
             # sock_no_linger): spliced H2CData in the send queue would refer to the caller's
             # pages, which a failed command's caller gets back once the socket is closed.
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            device = self.host_iface or interface_of(sock.getsockname()[0])
+            self.local_device = LocalDevice("net", device) if device else None
             return sock
         if sock is not None:
             sock.close()
@@ -168,9 +222,10 @@ class TcpTransport:
 
 def _create(traddr: str, trsvcid: int, host_traddr: str | None = None, *,
             connect_timeout: float, hdr_digest: bool = False,
-            data_digest: bool = False) -> TcpTransport:
+            data_digest: bool = False, host_iface: str | None = None) -> TcpTransport:
     return TcpTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
-                        header_digest=hdr_digest, data_digest=data_digest)
+                        header_digest=hdr_digest, data_digest=data_digest,
+                        host_iface=host_iface)
 
 
 registry.register("tcp", _create)

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -18,9 +19,11 @@ from companion_fakes import FakeFabric, LeasingController, serving, wait_for
 import nvmeof_fuse
 from nvmeof_fuse.companion.client import locked_writes
 from nvmeof_fuse.companion.client import own_queues as direct
+from nvmeof_fuse.companion.client.channel import SocketChannel
 from nvmeof_fuse.companion.client.file import QUEUES_PER_CLIENT, File
 from nvmeof_fuse.companion.protocol import CompanionError
 from nvmeof_fuse.errors import InvalidArgument
+from nvmeof_fuse.host.multipath.nearest import MemoryPlace
 from nvmeof_fuse.host.namespace.byterange import NoSpace
 
 OPC_WRITE, OPC_READ = 0x01, 0x02
@@ -77,9 +80,9 @@ def test_a_lost_queue_renews_the_lease_and_the_request_completes(served, monkeyp
     ctrl, fabric, server, mnt = served
     asked, lease = [], server.lease
 
-    async def leasing(session, want, role=None, nsids=None):
-        asked.append(nsids)
-        return await lease(session, want, role=role, nsids=nsids)
+    async def leasing(session, want, role=None, nsids=None, **wish):
+        asked.append((nsids, wish))
+        return await lease(session, want, role=role, nsids=nsids, **wish)
 
     monkeypatch.setattr(server, "lease", leasing)
     out = nvmeof_fuse.empty(8192)
@@ -88,7 +91,8 @@ def test_a_lost_queue_renews_the_lease_and_the_request_completes(served, monkeyp
         assert f.read(out, file_offset=4096) == 8192
     assert bytes(out) == bytes(ctrl.disks[2][4096:4096 + 8192])
     assert fabric.connects.count(3) == 2  # connected again after the loss
-    assert asked == [[2], [2]]  # the renewal, too, names the file's namespace alone
+    # the renewal, too, names the file's namespace alone, and says where its memory is
+    assert [nsids for nsids, _ in asked] == [[2], [2]] and asked[0][1] == asked[1][1]
 
 
 def test_a_qid_still_held_on_the_target_is_tried_again(served, monkeypatch):
@@ -538,3 +542,131 @@ def test_a_file_opens_and_moves_data_on_a_mount_of_more_namespaces_than_a_reply_
             assert f.read(out, file_offset=100) == 1000
     assert bytes(out) == bytes(data) == bytes(ctrl.disks[4321][100:1100])
     assert {qid for _, qid in fabric.commands} <= set(OWN)
+
+
+# -- the path nearest the file's memory (issue #59) ------------------------------------------
+
+class NearController(LeasingController):
+    """Leases as a multipath head does, on itself: records what each lease asked, names
+    path ``index`` in its reply, and has a nearer path ``back`` when a test says so."""
+
+    def __init__(self) -> None:
+        super().__init__(companion_queues=4)
+        self.wishes: list[tuple] = []
+        self.index = 1
+        self.back: SimpleNamespace | None = None
+        self.changed = trio.Event()
+
+    async def lease_controller(self, prefer=None, any_transport=False, *, near=None,
+                               path=None, load=None):
+        self.wishes.append((near, path))
+        return self
+
+    def nearness(self, ctrl, near):
+        return {"index": self.index, "device": f"mlx5_{self.index}",
+                "distance": "PIX" if near is not None else None,
+                "memory": str(near) if near is not None else None}
+
+    async def wait_changed(self) -> None:
+        await self.changed.wait()
+        self.changed = trio.Event()
+
+    def nearer_path(self, ctrl, near=None, index=None):
+        back, self.back = self.back, None
+        return back
+
+
+@pytest.fixture
+def near_served(tmp_path, monkeypatch):
+    ctrl = NearController()
+    fabric = FakeFabric(ctrl)
+    monkeypatch.setattr(direct, "make_transport", fabric)
+    with serving(ctrl, tmp_path) as (server, mnt):
+        yield ctrl, fabric, server, mnt
+
+
+def test_a_file_leases_near_its_gpu_and_says_which_path(near_served, cuda):
+    ctrl, fabric, server, mnt = near_served
+    cuda.bus_ids = {1: "00000000:9A:00.0"}
+    with File(str(mnt / "n1"), near="cuda:1") as f:
+        assert ctrl.wishes == [(MemoryPlace(gpu="0000:9a:00.0"), None)]
+        line = "direct via path 1 (mlx5_1, PIX to GPU 0000:9a:00.0)"
+        assert f.placement["path"] == line
+        assert wait_for(lambda: server.snapshot()["sessions"][0]["placement"].get("path")
+                        == line)
+    with File(str(mnt / "n1"), near=MemoryPlace(numa_node=0), path_index=0):
+        assert ctrl.wishes[-1] == (MemoryPlace(numa_node=0), 0)
+
+
+def test_a_file_whose_nearer_path_is_back_moves_there_and_says_so(near_served, cuda):
+    ctrl, fabric, server, mnt = near_served
+    out = nvmeof_fuse.empty(4096)
+    with File(str(mnt / "n1"), near=0) as f:
+        assert f.placement["path"].startswith("direct via path 1 (mlx5_1, PIX to GPU ")
+
+        def nearer_back() -> None:
+            ctrl.index, ctrl.back = 0, SimpleNamespace(name="path 0 (rdma 10.0.0.1:4420)")
+            ctrl.changed.set()
+
+        trio.from_thread.run_sync(nearer_back, trio_token=server.trio_token)
+        assert wait_for(lambda: f.placement["path"].startswith("direct via path 0 (mlx5_0, "))
+        assert ctrl.wishes[0] == ctrl.wishes[1]  # the lease again says where the memory is
+        assert f.read(out, file_offset=512) == 4096
+    assert bytes(out) == bytes(ctrl.disks[1][512:512 + 4096])
+
+
+def test_stats_count_the_bytes_of_the_clients_own_queues_by_path(near_served, cuda):
+    ctrl, fabric, server, mnt = near_served
+    out = nvmeof_fuse.empty(8192)
+    with File(str(mnt / "n1"), near=0) as f:
+        assert f.read(out, size=4096) == 4096
+        stats = f.stats()
+        assert stats["client_queue_bytes_by_path"] == {
+            "1": {"client_queue_read_bytes": 4096, "client_queue_write_bytes": 0}}
+        assert stats["sessions"][0]["lease_path"] == 1
+
+        def nearer_back() -> None:
+            ctrl.index, ctrl.back = 0, SimpleNamespace(name="path 0 (rdma 10.0.0.1:4420)")
+            ctrl.changed.set()
+
+        trio.from_thread.run_sync(nearer_back, trio_token=server.trio_token)
+        assert wait_for(lambda: f.placement["path"].startswith("direct via path 0 "))
+        assert f.read(out) == 8192
+        stats = f.stats()
+        assert stats["client_queue_bytes_by_path"]["0"]["client_queue_read_bytes"] == 8192
+        assert stats["sessions"][0]["lease_path"] == 0
+        assert stats["sessions"][0]["client_queue_read_bytes"] == 4096 + 8192
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"near": "gpu0"}, "near='gpu0' is not a place"),
+    ({"near": 9}, r"near=9: no CUDA device 9 \(cuDeviceGet failed"),
+    ({"path_index": -1}, r"path_index must be a path's index \(nvmeof-fuse list\), got -1"),
+    ({"path_index": "1"}, "path_index must be a path's index"),
+])
+def test_a_bad_place_or_path_is_one_line_and_leaves_nothing_open(near_served, cuda, options,
+                                                                 message):
+    ctrl, fabric, server, mnt = near_served
+    with pytest.raises(InvalidArgument, match=message):
+        File(str(mnt / "n1"), **options)
+    assert wait_for(lambda: server.snapshot()["clients"] == 0)
+
+
+@pytest.mark.parametrize("memory, why", [
+    ({"gpu": 5}, "memory's gpu 5 is not a PCI address"),
+    ({"gpu": "0000:9a:00.0", "x": 1}, "is not {'gpu': PCI address} or {'numa_node': N}"),
+    ({"numa_node": True}, "memory's numa_node True is not 0-4095"),
+    ({"numa_node": 1 << 40}, "memory's numa_node 1099511627776 is not 0-4095"),
+    ([1], r"memory \[1\] is not"),
+    ({"gpu": "z" * 5000}, r"memory's gpu 'z{56}\.\.\. is not a PCI address"),
+])
+def test_a_malformed_place_from_a_client_is_one_line(near_served, memory, why):
+    ctrl, fabric, server, mnt = near_served
+    ch = SocketChannel("\0" + server.info()["socket"][1:], 10)
+    try:
+        with pytest.raises(CompanionError, match=why) as caught:
+            ch.call("lease", want=1, memory=memory)
+        assert "\n" not in str(caught.value) and len(str(caught.value)) < 200
+        assert ch.call("lease", want=1, memory={"numa_node": 1})["path"]["index"] == 1
+    finally:
+        ch.close()

@@ -7,16 +7,22 @@ import pytest
 import trio
 import trio.testing
 from multipath_fakes import NQN, Port, options
+from sysfs_fakes import FakeSysfs, two_socket_server
 
 from nvmeof_fuse.companion.server.server import CompanionServer
+from nvmeof_fuse.errors import InvalidArgument
 from nvmeof_fuse.host.multipath import head as multipath
+from nvmeof_fuse.host.multipath.nearest import lease_wish
 from nvmeof_fuse.host.multipath.path import PathRefused
+from nvmeof_fuse.host.topology.sysfs import Topology
+from nvmeof_fuse.transport.base import LocalDevice
 
 
-def run(test, port: Port, paths: int = 2):
+def run(test, port: Port, paths: int = 2, topology: Topology | None = None):
     async def main() -> None:
         opts = [options(addr, companion_queues=4) for addr in list(port.targets)[:paths]]
-        async with multipath.connect(opts, connect_path=port.connect) as head:
+        async with multipath.connect(opts, connect_path=port.connect,
+                                     topology=topology or Topology("/nonexistent")) as head:
             async with trio.open_nursery() as nursery:
                 server = CompanionServer(head)
                 nursery.start_soon(server._revoke_leases_on_loss)
@@ -105,3 +111,29 @@ def test_a_lease_moves_only_to_a_path_of_its_own_transport():
             assert again["traddr"] == "192.0.2.1" and again["transport"] == "rdma"
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_lease_names_the_path_nearest_the_clients_memory_and_how_near(tmp_path):
+    pairs = two_socket_server(FakeSysfs(tmp_path))
+    gpu_of = {nic: gpu for gpu, nic in pairs.items()}
+    port = Port()
+    port.devices = {"192.0.2.1": LocalDevice("infiniband", "mlx5_0"),
+                    "192.0.2.2": LocalDevice("infiniband", "mlx5_7")}
+
+    async def test(head, server) -> None:
+        for path in head.paths:
+            path.ctrl.lease_qids, path.ctrl.io_queue_size = [3, 4, 5, 6], lambda: 32
+        near = server.new_session("pid 2 uid 0")
+        reply = await server.lease(near, 1, **lease_wish({"memory": {"gpu": gpu_of["mlx5_7"]}}))
+        assert reply["traddr"] == "192.0.2.2"
+        assert reply["path"] == {"index": 1, "device": "mlx5_7", "distance": "PIX",
+                                 "memory": f"GPU {gpu_of['mlx5_7']}"}
+        told = server.new_session("pid 3 uid 0")
+        reply = await server.lease(told, 1, **lease_wish(
+            {"memory": {"gpu": gpu_of["mlx5_7"].upper()}, "path": 0}))
+        assert reply["path"] == {"index": 0, "device": "mlx5_0", "distance": "SYS",
+                                 "memory": f"GPU {gpu_of['mlx5_7']}"}
+        with pytest.raises(InvalidArgument, match="lease's path 'x' is not a path index"):
+            lease_wish({"path": "x"})
+
+    run(test, port, topology=Topology(str(tmp_path)))

@@ -12,24 +12,32 @@ import pytest
 import trio
 import trio.testing
 from multipath_fakes import LBA, NQN, Port, options
+from sysfs_fakes import FakeSysfs, two_socket_server
 
 from nvmeof_fuse.errors import ConnectError, ControllerLost, InvalidArgument, TransportError
 from nvmeof_fuse.fs import info
 from nvmeof_fuse.host.controller import ConnectOptions
 from nvmeof_fuse.host.multipath import head as multipath
 from nvmeof_fuse.host.multipath.head import MultipathController
+from nvmeof_fuse.host.multipath.nearest import MemoryPlace
 from nvmeof_fuse.host.multipath.path import PathRefused, path_options
 from nvmeof_fuse.host.multipath.pathmemory import PathsRegistration
 from nvmeof_fuse.host.state import LIVE
+from nvmeof_fuse.host.topology.sysfs import Topology
 from nvmeof_fuse.nvme import NamespaceIds
 from nvmeof_fuse.nvme.ana import AnaState
 from nvmeof_fuse.nvme.events import AsyncEvent
+from nvmeof_fuse.transport.base import LocalDevice
+
+NO_SYSFS = Topology("/nonexistent-sysfs")
 
 
-def run(test, port: Port, policy: str = "round-robin", paths: int = 2, **kw):
+def run(test, port: Port, policy: str = "round-robin", paths: int = 2,
+        topology: Topology = NO_SYSFS, **kw):
     async def main() -> None:
         opts = [options(addr, **kw) for addr in list(port.targets)[:paths]]
-        async with multipath.connect(opts, policy=policy, connect_path=port.connect) as head:
+        async with multipath.connect(opts, policy=policy, connect_path=port.connect,
+                                     topology=topology) as head:
             await test(head)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
@@ -318,8 +326,11 @@ def test_further_paths_take_the_first_paths_options_with_the_uris_place():
         path_options(base, f"nvme+tcp://10.0.1.2/{NQN}/1")
 
 
-def test_paths_json_and_table_show_each_path():
+def test_paths_json_and_table_show_each_path(tmp_path):
+    two_socket_server(FakeSysfs(tmp_path))
     port = Port()
+    port.devices = {"192.0.2.1": LocalDevice("infiniband", "mlx5_0"),
+                    "192.0.2.2": LocalDevice("net", "eth9")}
 
     async def test(head: MultipathController) -> None:
         await head.namespaces[1].read(0, 4 * LBA)
@@ -331,15 +342,30 @@ def test_paths_json_and_table_show_each_path():
             "index": 0, "uri": f"nvme+rdma://192.0.2.1:4420/{NQN}", "transport": "rdma",
             "traddr": "192.0.2.1", "trsvcid": 4420, "cntlid": 1, "ana_group": 1,
             "ana_state": "optimized", "state": "live", "usable": True, "outstanding": 0,
-            "ios": 1, "bytes": 4 * LBA, "losses": 0, "reconnects": 0, "failovers": 0}
+            "ios": 1, "bytes": 4 * LBA, "losses": 0, "reconnects": 0, "failovers": 0,
+            "device": "mlx5_0", "device_pci": "0000:1b:00.0", "device_numa_node": 0,
+            "host_iface": None}
         assert (paths[1]["ana_state"], paths[1]["usable"]) == ("inaccessible", False)
+        assert (paths[1]["device"], paths[1]["device_pci"]) == ("eth9", None)  # not in sysfs
         table = info.paths_text(head).decode().splitlines()
         assert table[0] == "iopolicy: queue-depth"
         assert table[1].split()[:4] == ["path", "transport", "address", "cntlid"]
         assert table[3].split()[:8] == ["1", "rdma", "192.0.2.2:4420", "2", "1",
                                         "inaccessible", "live", "false"]
+        assert table[1].split()[-2:] == ["device", "numa"]
+        assert table[2].split()[-2:] == ["mlx5_0", "0"] and table[3].split()[-2:] == ["eth9", "-"]
 
-    run(test, port, policy="queue-depth")
+    run(test, port, policy="queue-depth", topology=Topology(str(tmp_path)))
+
+
+def test_further_paths_name_their_own_local_device():
+    base = ConnectOptions("10.0.0.1", NQN, host_iface="mlx5_0", host_traddr="10.0.0.9")
+    second = path_options(base, f"nvme+rdma://10.0.1.1/{NQN}?host_iface=mlx5_1")
+    assert (second.host_iface, second.host_traddr) == ("mlx5_1", "10.0.0.9")
+    third = path_options(base, f"nvme+rdma://10.0.2.1/{NQN}?host_traddr=10.0.2.9")
+    assert (third.host_iface, third.host_traddr) == (None, "10.0.2.9")  # a device is one rail's
+    with pytest.raises(InvalidArgument, match=r"unknown key 'iface' after 'nvme\+rdma://10.0.1.1/"):
+        path_options(base, f"nvme+rdma://10.0.1.1/{NQN}?iface=mlx5_1")
 
 
 def test_one_paths_counters_come_from_its_namespaces():
@@ -505,6 +531,136 @@ def test_a_path_whose_controller_reports_another_serial_is_refused_in_one_line()
             "'other-serial'")
 
     run(test, port, paths=1)
+
+
+def test_a_machine_without_sysfs_says_why_once_and_serves_as_before(monkeypatch, tmp_path,
+                                                                    caplog):
+    monkeypatch.setenv("NVMEOF_FUSE_SYSFS", str(tmp_path / "none"))
+    port = Port()
+    port.devices = {"192.0.2.1": LocalDevice("infiniband", "mlx5_0")}
+
+    async def test(head: MultipathController) -> None:
+        assert await head.namespaces[1].read(0, LBA) == bytes(port[0].disk[:LBA])
+        assert info.paths_list(head)[0]["device"] == "mlx5_0"
+        assert info.paths_list(head)[0]["device_pci"] is None
+
+    with caplog.at_level(logging.INFO, logger="nvmeof_fuse.host.multipath.head"):
+        run(test, port, topology=None)
+    lines = [r.getMessage() for r in caplog.records if "PCIe topology" in r.getMessage()]
+    assert lines == [f"no PCIe topology: {tmp_path}/none/bus/pci/devices cannot be read "
+                     "(No such file or directory); paths are chosen as without one"]
+
+
+def near_port(tmp_path) -> tuple[Port, Topology, dict[str, str]]:
+    """Two paths, through mlx5_0 (socket 0) and mlx5_7 (socket 1) of the two-socket server."""
+    pairs = two_socket_server(FakeSysfs(tmp_path))
+    port = Port()
+    port.devices = {"192.0.2.1": LocalDevice("infiniband", "mlx5_0"),
+                    "192.0.2.2": LocalDevice("infiniband", "mlx5_7")}
+    return port, Topology(str(tmp_path)), {nic: gpu for gpu, nic in pairs.items()}
+
+
+def test_a_lease_goes_to_the_path_nearest_the_clients_memory(tmp_path):
+    port, topology, gpu_of = near_port(tmp_path)
+
+    async def test(head: MultipathController) -> None:
+        near_second = MemoryPlace(gpu=gpu_of["mlx5_7"])
+        ctrl = await head.lease_controller(near=near_second)
+        assert ctrl is head.paths[1].ctrl
+        assert head.nearness(ctrl, near_second) == {
+            "index": 1, "device": "mlx5_7", "distance": "PIX",
+            "memory": f"GPU {gpu_of['mlx5_7']}"}
+        assert await head.lease_controller(near=MemoryPlace(gpu=gpu_of["mlx5_1"])) \
+            is head.paths[0].ctrl  # PXB beats SYS
+        assert await head.lease_controller(near=MemoryPlace(numa_node=1)) is head.paths[1].ctrl
+        assert await head.lease_controller(near=near_second, path=0) is head.paths[0].ctrl
+        assert await head.lease_controller() is head.paths[0].ctrl  # nothing said: the first
+        # a GPU sysfs does not show: as without a topology
+        assert await head.lease_controller(near=MemoryPlace(gpu="0000:ee:00.0")) \
+            is head.paths[0].ctrl
+
+    run(test, port, topology=topology)
+
+
+def test_paths_at_one_distance_share_the_leases(tmp_path):
+    port, topology, gpu_of = near_port(tmp_path)
+    port.devices["192.0.2.2"] = LocalDevice("infiniband", "mlx5_1")  # both on socket 0
+
+    async def test(head: MultipathController) -> None:
+        leases = {id(p.ctrl): 0 for p in head.paths}
+        for _ in range(4):
+            ctrl = await head.lease_controller(near=MemoryPlace(numa_node=0),
+                                               load=lambda c: leases[id(c)])
+            leases[id(ctrl)] += 1
+        assert sorted(leases.values()) == [2, 2]
+
+    run(test, port, topology=topology)
+
+
+def test_a_lease_moves_to_the_next_nearest_path_while_its_own_is_down(tmp_path, caplog):
+    port, topology, gpu_of = near_port(tmp_path)
+    caplog.set_level(logging.WARNING, logger="nvmeof_fuse.host.multipath.head")
+
+    async def test(head: MultipathController) -> None:
+        near = MemoryPlace(gpu=gpu_of["mlx5_7"])
+        port[1].set_ana(AnaState.INACCESSIBLE)
+        head.paths[1].kick()
+        await trio.sleep(0.1)
+        assert await head.lease_controller(near=near) is head.paths[0].ctrl
+        port[1].set_ana(AnaState.OPTIMIZED)
+        head.paths[1].kick()
+        await trio.sleep(0.1)
+        assert await head.lease_controller(near=near) is head.paths[1].ctrl
+
+    run(test, port, topology=topology)
+    # SYS meanwhile, but a nearer path is only away: no advice to add one
+    assert not [r for r in caplog.records if "SYS" in r.getMessage()]
+
+
+def test_a_nearer_path_back_is_where_the_lease_belongs_and_where_it_goes(tmp_path):
+    port, topology, gpu_of = near_port(tmp_path)
+
+    async def test(head: MultipathController) -> None:
+        near = MemoryPlace(gpu=gpu_of["mlx5_7"])
+        first, second = head.paths[0], head.paths[1]
+        where_it_was = ("rdma", "192.0.2.1", 4420)
+        assert await head.lease_controller(where_it_was) is first.ctrl  # nothing said: stays
+        assert await head.lease_controller(where_it_was, near=near) is second.ctrl
+        assert head.nearer_path(first.ctrl, near) is second
+        assert head.nearer_path(second.ctrl, near) is None  # already there
+        assert head.nearer_path(first.ctrl) is None  # nothing said of its memory
+        assert head.nearer_path(second.ctrl, index=0) is first  # a path named: that one
+        port[1].set_ana(AnaState.INACCESSIBLE)
+        second.kick()
+        await trio.sleep(0.1)
+        assert head.nearer_path(first.ctrl, near) is None  # ANA does not let it serve
+        port[1].set_ana(AnaState.OPTIMIZED)
+        second.kick()
+        await trio.sleep(0.1)
+        assert head.nearer_path(first.ctrl, near) is second
+        # memory on socket 0: the first path is the nearest already
+        assert head.nearer_path(first.ctrl, MemoryPlace(numa_node=0)) is None
+
+    run(test, port, topology=topology)
+
+
+def test_a_gpu_whose_nearest_path_is_sys_is_told_once(tmp_path, caplog):
+    port, topology, gpu_of = near_port(tmp_path)
+    port.devices["192.0.2.2"] = LocalDevice("infiniband", "mlx5_1")  # both on socket 0
+    far = MemoryPlace(gpu=gpu_of["mlx5_6"])
+
+    async def test(head: MultipathController) -> None:
+        for _ in range(3):
+            await head.lease_controller(near=far)
+        await head.lease_controller(near=MemoryPlace(gpu=gpu_of["mlx5_0"]))
+
+    with caplog.at_level(logging.WARNING, logger="nvmeof_fuse.host.multipath.head"):
+        run(test, port, topology=topology)
+    lines = [r.getMessage() for r in caplog.records if "SYS" in r.getMessage()]
+    assert lines == [f"GPU {gpu_of['mlx5_6']}: its nearest path, path 0 (rdma 192.0.2.1:4420) "
+                     "via mlx5_0, is SYS to it (across the sockets), where reads lose up to "
+                     "70%: add a path through a NIC on its socket (--path "
+                     "URI?host_iface=DEVICE)"]
 
 
 # -- the mount's last seconds (issue #56 item 3) ----------------------------------------------

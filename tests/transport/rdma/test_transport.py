@@ -6,10 +6,13 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import trio
 
-from nvmeof_fuse.errors import ConnectError, TransportError
+from nvmeof_fuse.errors import ConnectError, DeviceMismatch, TransportError
 from nvmeof_fuse.nvme import Completion
 from nvmeof_fuse.nvme.sgl import NULL_SGL, in_capsule_data, keyed_data_block
+from nvmeof_fuse.transport.base import LocalDevice
+from nvmeof_fuse.transport.rdma import transport as rdma
 from nvmeof_fuse.transport.rdma.transport import (
     CommandSlots,
     RdmaQueue,
@@ -234,3 +237,35 @@ def test_no_in_capsule_data_when_controller_offers_none(queue):
     queue.in_capsule_bytes = 0
     sgl, extra = queue.data_pointer(region().ref(0, 64), to_controller=True)
     assert sgl == keyed_data_block(0x10000, 64, 0x22) and extra == []
+
+
+class _BoundCM:
+    def __init__(self, device: str) -> None:
+        self.context = SimpleNamespace(name=device)
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _resolve_to(monkeypatch, device: str, **kw):
+    cm = _BoundCM(device)
+    monkeypatch.setattr(rdma, "_verbs", lambda: SimpleNamespace(
+        CMID=SimpleNamespace(resolve=lambda *a, **k: cm)))
+    transport = rdma.RdmaTransport("10.0.1.1", 4420, **kw)
+    return transport, cm, trio.run(transport._resolve)
+
+
+def test_the_rdma_device_rdma_cm_bound_is_known(monkeypatch):
+    transport, cm, got = _resolve_to(monkeypatch, "mlx5_3")
+    assert got is cm and transport.local_device == LocalDevice("infiniband", "mlx5_3")
+    transport, cm, got = _resolve_to(monkeypatch, "mlx5_3", host_iface="mlx5_3")
+    assert got is cm and not cm.closed
+
+
+def test_a_route_bound_to_another_device_than_host_iface_is_refused_naming_both(monkeypatch):
+    with pytest.raises(DeviceMismatch) as info:
+        _resolve_to(monkeypatch, "mlx5_0", host_iface="mlx5_3")
+    assert str(info.value) == ("RDMA-CM bound the route to 10.0.1.1:4420 to mlx5_0, not to "
+                               "mlx5_3 (host_iface): refused")
+    assert isinstance(info.value, ConnectError)

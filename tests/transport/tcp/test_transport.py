@@ -18,7 +18,15 @@ from nvmeof_fuse.host.memory import host_buffer
 from nvmeof_fuse.nvme import command as cmd
 from nvmeof_fuse.nvme.sgl import NULL_SGL
 from nvmeof_fuse.procstat import children
-from nvmeof_fuse.transport.tcp.transport import ICResp, TcpTransport, icreq_pdu, parse_icresp, probe
+from nvmeof_fuse.transport.base import LocalDevice
+from nvmeof_fuse.transport.tcp.transport import (
+    ICResp,
+    TcpTransport,
+    icreq_pdu,
+    interface_of,
+    parse_icresp,
+    probe,
+)
 
 TIMEOUT = 10.0
 
@@ -1215,3 +1223,37 @@ def test_the_forked_target_serves_each_queue_from_a_process_of_its_own():
         child.join(10)
 
 
+
+
+def _local_device_after_connect(**kw) -> object:
+    with OneShotServer(icresp()) as server:
+        async def main():
+            transport = TcpTransport("127.0.0.1", server.port, **kw)
+            async with trio.open_nursery() as nursery:
+                queue = await transport.connect_queue(nursery, 0, 32)
+                queue.close()
+                nursery.cancel_scope.cancel()
+            return transport.local_device
+
+        return trio.run(main)
+
+
+def test_the_netdev_a_connection_goes_through_is_known():
+    assert _local_device_after_connect() == LocalDevice("net", "lo")  # from its route
+    assert _local_device_after_connect(host_iface="lo") == LocalDevice("net", "lo")  # bound
+
+
+def test_a_host_iface_that_is_no_interface_is_named():
+    async def main():
+        async with trio.open_nursery() as nursery:
+            with pytest.raises(ConnectError, match=r"connect to 127.0.0.1:9 failed: host_iface "
+                                                   r"nosuch0 is no network interface here$"):
+                await TcpTransport("127.0.0.1", 9, host_iface="nosuch0").connect_queue(
+                    nursery, 0, 32)
+
+    trio.run(main)
+
+
+def test_an_address_names_the_interface_that_holds_it():
+    assert interface_of("127.0.0.1") == "lo" and interface_of("::ffff:127.0.0.1") == "lo"
+    assert interface_of("192.0.2.77") is None and interface_of("not an address") is None
