@@ -211,9 +211,15 @@ class Connection:
         err = lib.SSL_get_error(self._ssl, n)
         if err in (SSL_ERROR_WANT_READ, SSL_ERROR_WANT_WRITE):
             return -1
-        if err in (SSL_ERROR_ZERO_RETURN, SSL_ERROR_SYSCALL):
+        reason = libssl.last_error()
+        if err in (SSL_ERROR_ZERO_RETURN, SSL_ERROR_SYSCALL) or reason == "unexpected eof " \
+                "while reading":  # a close without close_notify, as the kernel's
             return 0
-        raise HandshakeError(f"SSL_read failed: {libssl.last_error()}")
+        raise HandshakeError(f"SSL_read failed: {reason}")
+
+    def close_notify(self) -> None:
+        """Send a close_notify alert (SSL_shutdown's first half)."""
+        self._ssl_lib.SSL_shutdown(self._ssl)
 
     def pending(self) -> int:
         return self._ssl_lib.SSL_pending(self._ssl)
