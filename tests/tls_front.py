@@ -55,6 +55,12 @@ class TlsFront:
         for thread in self._threads:
             thread.join(10)
 
+    def cut_all(self) -> None:
+        """Cut every connection so far, as an outage does (the host reconnects)."""
+        for sock in list(self._sockets):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
     def close_notify_all(self) -> None:
         """Have every live connection send a close_notify alert (an alert mid-stream), from
         its own relay thread (an SSL object is not for two threads at once)."""

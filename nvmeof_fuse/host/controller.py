@@ -152,11 +152,17 @@ def out_of_tries(sqe: bytearray, tries: int, failure: BaseException) -> Transpor
 
 def make_transport(options: ConnectOptions) -> Transport:
     """The transport ``options`` name, looked up by name (the host names none itself)."""
-    psk = options.tls_psk(host_identity(options.hostnqn, options.hostid).hostnqn)
+    tls = None
+    if options.configured_psk() is not None:  # (checked now; read again at each connection)
+        hostnqn = host_identity(options.hostnqn, options.hostid).hostnqn
+
+        def tls():
+            return options.tls_psk(hostnqn)
+
     return registry.create(options.transport, options.traddr, options.trsvcid,
                            options.host_traddr, connect_timeout=options.connect_timeout,
                            hdr_digest=options.hdr_digest, data_digest=options.data_digest,
-                           tls=psk)
+                           tls=tls)
 
 
 class Controller:

@@ -95,7 +95,8 @@ def create(name: str, traddr: str, trsvcid: int, host_traddr: str | None = None,
            connect_timeout: float, hdr_digest: bool = False,
            data_digest: bool = False, tls: object | None = None) -> Transport:
     """A new transport ``name`` to the controller at ``traddr``:``trsvcid`` (``tls``: the
-    PSK identity and key each connection's TLS handshake offers)."""
+    PSK identity and key each connection's TLS handshake offers, or a callable giving them
+    anew for each connection)."""
     caps = capabilities(name)
     if name not in _factories:
         importlib.import_module(f"{__package__}.{caps.module}")  # registers itself

@@ -21,10 +21,11 @@ from __future__ import annotations
 import errno
 import socket
 import struct
+from collections.abc import Callable
 
 import trio
 
-from ...errors import ConnectError, TransportError
+from ...errors import ConnectError, NVMeoFError, TransportError
 from ...nvme import tcp_pdu as pdu
 from ...nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 from ...nvme.tls_psk import TlsPsk
@@ -51,11 +52,14 @@ class TcpTransport:
 
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0, *, header_digest: bool = False,
-                 data_digest: bool = False, splice: bool = False, tls: TlsPsk | None = None,
+                 data_digest: bool = False, splice: bool = False,
+                 tls: TlsPsk | Callable[[], TlsPsk] | None = None,
                  kernel_tls: bool | None = None) -> None:
         self.traddr = traddr
         self.tls = tls
-        """The PSK identity and TLS PSK each connection's handshake offers (None: no TLS)."""
+        """The PSK identity and TLS PSK each connection's handshake offers, or what gives
+        them anew for each connection (a key file read again: a key rotated in its file is
+        used from the next reconnect on); None: no TLS."""
         self.kernel_tls = kernel_tls
         """None: the kernel's record layer where it has one; False: always ours; True: the
         kernel's or a refusal."""
@@ -151,7 +155,10 @@ class TcpTransport:
         (None in the kernel)."""
         assert self.tls is not None
         where = f"{self.traddr}:{self.trsvcid}"
-        psk = self.tls
+        try:
+            psk = self.tls() if callable(self.tls) else self.tls
+        except NVMeoFError as exc:  # the key file, unreadable or changed for the worse
+            raise ConnectError(f"NVMe/TCP {what}: {exc}") from None
         try:
             with trio.fail_after(self.connect_timeout):
                 secrets = await handshake(client(sock.fileno(), psk.identity, psk.key,
@@ -241,7 +248,8 @@ def _handshake_hint(reason: str, identity: str) -> str:
 
 def _create(traddr: str, trsvcid: int, host_traddr: str | None = None, *,
             connect_timeout: float, hdr_digest: bool = False,
-            data_digest: bool = False, tls: TlsPsk | None = None) -> TcpTransport:
+            data_digest: bool = False,
+            tls: TlsPsk | Callable[[], TlsPsk] | None = None) -> TcpTransport:
     return TcpTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
                         header_digest=hdr_digest, data_digest=data_digest, tls=tls)
 

@@ -89,3 +89,30 @@ def test_a_mount_with_a_wrong_key_fails_in_one_line(tmp_path):
     assert "\n" not in line
     assert "the TLS handshake failed" in line and "the target refused the PSK" in line
     assert not target.icreqs
+
+
+def test_a_reconnect_shakes_hands_anew_and_io_goes_on(tmp_path):
+    key = os.urandom(32)
+    psk = tls_psk.derive(tls_psk.ConfiguredPsk(key, 1), HOSTNQN, NQN)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    data = os.urandom(8192)
+    with served_in_thread() as (target, _), \
+            TlsFront(target.port, {psk.identity: psk.key}, psk.suite) as front, \
+            nvmeof_fuse.mount(str(mnt), traddr="127.0.0.1", nqn=NQN, transport="tcp",
+                              trsvcid=front.port, hostnqn=HOSTNQN, hostid=HOSTID,
+                              tls_key=key_file(tmp_path, key), keep_alive_tmo=0,
+                              reconnect_delay=1, nr_io_queues=1, companion_queues=0) as m:
+        before = front.handshakes
+        front.cut_all()
+        fd = os.open(m.path(1), os.O_RDWR)
+        try:
+            assert os.pwrite(fd, data, 0) == len(data)  # waits out the reconnect
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        assert bytes(target.data[:len(data)]) == data
+        assert front.handshakes >= before + 2  # the admin queue and the I/O queue, anew
+        with open(mnt / ".nvmeof" / "stats") as report:
+            text = report.read()
+    assert re.search(r"\n  reconnects +: [1-9]", text), text

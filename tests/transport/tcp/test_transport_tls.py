@@ -13,7 +13,7 @@ import trio
 from tcp_target import LBA, FakeTcpTarget
 from tls_front import TlsFront
 
-from nvmeof_fuse.errors import ConnectError, TransportError
+from nvmeof_fuse.errors import ConnectError, InvalidArgument, TransportError
 from nvmeof_fuse.nvme import tls_psk
 from nvmeof_fuse.transport.tcp.transport import TcpTransport
 
@@ -218,3 +218,27 @@ def test_each_connection_has_its_own_handshake():
         assert front.handshakes == 3
 
     run(test, host_psk=psk())
+
+
+def test_the_key_is_taken_anew_for_each_connection():
+    """A key rotated in its file is used from the next connection (reconnect) on; one that
+    cannot be read any more fails that connection in one line."""
+    old, new = psk(), psk()
+    given = [old, new]
+
+    def current():
+        if not given:
+            raise InvalidArgument("--tls-key file /etc/nvme/tls.key: No such file or directory")
+        return given.pop(0)
+
+    async def test(target, front, transport, nursery):
+        transport.tls = current
+        with pytest.raises(ConnectError, match="refused the PSK"):
+            await transport.connect_queue(nursery, 0, 32)  # the old key: the front has the new
+        await transport.connect_queue(nursery, 0, 32)  # rotated: taken
+        with pytest.raises(ConnectError) as info:
+            await transport.connect_queue(nursery, 1, 32)
+        assert one_line(info) == ("NVMe/TCP I/O queue 1: --tls-key file /etc/nvme/tls.key: No "
+                                  "such file or directory")
+
+    run(test, host_psk=old, front_psk=new)
