@@ -62,6 +62,8 @@ def test_a_tls_mount_is_byte_exact_through_fuse_and_a_files_own_queues(tmp_path,
             assert len(f.own_queues) > 0
             assert f.write(theirs, file_offset=1 << 20) == 65536
             assert f.read(out, file_offset=1 << 20) == 65536
+            assert f.placement["host"] == ("direct: received and sent by this process's own "
+                                           f"NVMe/TCP queues (tls: userspace ({psk.suite}))")
         assert out.tobytes() == theirs.tobytes() == bytes(target.data[1 << 20:(1 << 20) + 65536])
         assert front.handshakes > before  # the File's own queues shook hands themselves
         with open(mnt / ".nvmeof" / "stats") as report:
