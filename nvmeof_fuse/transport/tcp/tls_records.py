@@ -21,6 +21,7 @@ Either way the record layer says what it is (:class:`RecordLayer`): ``tls: kerne
 from __future__ import annotations
 
 import errno
+import select
 import socket
 import struct
 import threading
@@ -41,6 +42,9 @@ SLOTS = 16
 PAIR_BUFFER_BYTES = 4 << 20
 INBOUND_BUFFER_BYTES = 512 * 1024
 MAX_IOV = 512
+SEND_POLL = 1.0
+"""The outbound thread's longest wait on a TCP send before it looks whether the queue closed
+its end (a target that stopped reading must not hold the thread and the connection)."""
 
 
 @dataclass(frozen=True)
@@ -113,6 +117,8 @@ class UserspaceRecords:
         self._open, self._open_iv = Aead(in_keys.key, False), in_keys.iv
         self._tcp = tcp
         tcp.setblocking(True)
+        tcp.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                       struct.pack("ll", int(SEND_POLL), int(SEND_POLL % 1 * 1e6)))
         self.local, self._inner = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         for end in (self.local, self._inner):
             end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PAIR_BUFFER_BYTES)
@@ -198,7 +204,13 @@ class UserspaceRecords:
                           view[body:body + length + 1 + rec.TAG_BYTES])
                 sequence += 1
                 records.append(view[at:body + length + 1 + rec.TAG_BYTES])
-            _send_all(self._tcp, records)
+            _send_all(self._tcp, records, self._queue_gone)
+
+    def _queue_gone(self) -> bool:
+        """Whether the queue closed its end of the pair (its end hung up)."""
+        poll = select.poll()
+        poll.register(self._inner, select.POLLIN)
+        return any(events & select.POLLHUP for _, events in poll.poll(0))
 
     def _inbound(self) -> None:
         """Records from TCP, opened, their application data on to the queue."""
@@ -242,10 +254,16 @@ class UserspaceRecords:
                 start, end = 0, kept
 
 
-def _send_all(sock: socket.socket, buffers: list) -> None:
-    """sendmsg all of ``buffers`` into a blocking socket."""
+def _send_all(sock: socket.socket, buffers: list, gone=None) -> None:
+    """sendmsg all of ``buffers`` into a blocking socket; with a send timeout on it, ``gone()``
+    is asked at each timeout whether to give up (EPIPE)."""
     while buffers:
-        sent = sock.sendmsg(buffers[:MAX_IOV])
+        try:
+            sent = sock.sendmsg(buffers[:MAX_IOV])
+        except BlockingIOError:
+            if gone is not None and gone():
+                raise OSError(errno.EPIPE, "the queue closed its end") from None
+            continue
         while sent:
             if sent >= len(buffers[0]):
                 sent -= len(buffers[0])

@@ -178,3 +178,22 @@ def test_the_threads_end_when_the_queue_closes_its_end():
     assert records.problem is None
     assert target.recv(10) == b""  # the TCP connection is closed too
     target.close()
+
+
+def test_a_target_that_stops_reading_holds_no_thread_once_the_queue_closes(monkeypatch):
+    monkeypatch.setattr(tr, "SEND_POLL", 0.2)
+    host, secrets, target, conn = tls_pair()
+    conn.close()
+    records = tr.UserspaceRecords(host, secrets)
+    local = records.start()
+    local.setblocking(False)
+    sent = 0
+    try:  # fill every buffer on the way: the target never reads
+        while sent < 256 << 20:
+            sent += local.send(bytes(1 << 20))
+    except BlockingIOError:
+        pass
+    local.close()
+    assert records.join(10)
+    assert records.problem is None
+    target.close()
