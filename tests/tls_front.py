@@ -22,8 +22,9 @@ RELAY_BYTES = 1 << 16
 
 class TlsFront:
     def __init__(self, backend_port: int, keys: dict[str, bytes], suite: str, *,
-                 stall: bool = False) -> None:
+                 stall: bool = False, backend_host: str = "127.0.0.1") -> None:
         self.backend_port = backend_port
+        self.backend_host = backend_host
         self.keys = keys
         self.suite = suite
         self.stall = stall
@@ -95,7 +96,7 @@ class TlsFront:
             return
         self.handshakes += 1
         sock.setblocking(True)
-        backend = socket.create_connection(("127.0.0.1", self.backend_port))
+        backend = socket.create_connection((self.backend_host, self.backend_port))
         self._sockets.append(backend)
         with self._lock:
             self._connections.append(conn)
