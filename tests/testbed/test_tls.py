@@ -165,3 +165,46 @@ def test_an_alert_over_ktls_fails_the_queue_naming_it():
             str(info.value)
 
     run(test, psk)
+
+
+def test_the_real_target_through_a_tls_front_agrees_with_the_kernel_initiator(testbed,
+                                                                              tmp_path):
+    """Our initiator with the records in the kernel, through a TLS front (OpenSSL's) to
+    nvmet's plain NVMe/TCP port, as the issue allows where tlshd cannot be had: what it
+    writes the kernel initiator (plain NVMe/TCP) reads back, and the other way."""
+    from kernel_initiator import connected, pread_direct, pwrite_direct
+
+    from nvmeof_fuse.host.controller import ConnectOptions, connect
+
+    key = os.urandom(48)
+    psk = tls_psk.derive(tls_psk.ConfiguredPsk(key, 2), HOSTNQN, testbed.nqn)
+    key_path = tmp_path / "tls.key"
+    key_path.write_text(tls_psk.format_interchange(key, 2))
+    key_path.chmod(0o600)
+    rng = random.Random(11)
+    with TlsFront(testbed.port, {psk.identity: psk.key}, psk.suite,
+                  backend_host=testbed.tcp_addr) as front, \
+            connected("tcp", testbed.tcp_addr, testbed.port, testbed.nqn) as kernel:
+        options = ConnectOptions(traddr="127.0.0.1", nqn=testbed.nqn, transport="tcp",
+                                 trsvcid=front.port, hostnqn=HOSTNQN, tls_key=str(key_path),
+                                 keep_alive_tmo=0, nr_io_queues=1, companion_queues=0)
+
+        async def main():
+            with trio.fail_after(HANG_GUARD):
+                async with connect(options) as ctrl:
+                    assert ctrl.connection_snapshot()["tls"] == f"kernel ({psk.suite})"
+                    ns = ctrl.namespaces[1]
+                    for nlb in (1, 2048):
+                        slba = rng.randrange(0, ns.nlb - nlb)
+                        data = rng.randbytes(nlb * ns.lba_size)
+                        await ns.write_lbas(slba, data)
+                        got = await trio.to_thread.run_sync(
+                            pread_direct, kernel[1], slba * ns.lba_size, len(data))
+                        assert got == data, f"the kernel read differs at {slba}+{nlb}"
+                        data = rng.randbytes(nlb * ns.lba_size)
+                        await trio.to_thread.run_sync(
+                            pwrite_direct, kernel[1], slba * ns.lba_size, data)
+                        assert await ns.read_lbas(slba, nlb) == data, f"{slba}+{nlb}"
+
+        trio.run(main)
+        assert front.handshakes >= 2 and front.failures == []
