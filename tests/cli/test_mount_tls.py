@@ -63,3 +63,17 @@ def test_a_daemon_mounts_over_tls_with_an_inline_key_and_is_byte_exact(tmp_path,
                     capture_output=True).returncode == 0:
                 time.sleep(0.1)
     assert time.monotonic() < deadline, "the daemon outlived its unmount"
+
+
+def test_discover_over_tls_offers_the_discovery_nqns_identity(capsys):
+    """``discover --tls-key``: the handshake offers the identity of the discovery NQN (the
+    subsystem a discovery controller is), as nvme-cli's discover does."""
+    key = os.urandom(32)
+    psk = tls_psk.derive(tls_psk.ConfiguredPsk(key, 1), HOSTNQN,
+                         "nqn.2014-08.org.nvmexpress.discovery")
+    with served_in_thread() as (target, _), \
+            TlsFront(target.port, {psk.identity: psk.key}, psk.suite) as front:
+        assert entry.main(["discover", "-t", "tcp", "-a", "127.0.0.1", "-s", str(front.port),
+                           "-q", HOSTNQN, "--tls-key", tls_psk.format_interchange(key, 1)]) == 0
+        assert front.handshakes >= 1 and front.failures == []
+    assert "Discovery Log Number of Records" in capsys.readouterr().out
