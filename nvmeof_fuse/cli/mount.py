@@ -198,9 +198,9 @@ def cmd_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
 # --- the daemon ---------------------------------------------------------------------------
 
-SECRET_OPTIONS = ("dhchap_secret", "dhchap_ctrl_secret")
+SECRET_OPTIONS = ("dhchap_secret", "dhchap_ctrl_secret", "tls_key")
 """Options that may hold a secret: inline, it goes to the daemon over a pipe, never in its
-argv (a TLS PSK, once added, belongs here too; tests/cli/test_mount.py checks the names)."""
+argv (tests/cli/test_mount.py checks the names)."""
 NOT_FORWARDED = ("daemon", "ready_fd", "secrets_fd")
 
 

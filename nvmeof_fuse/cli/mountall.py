@@ -143,6 +143,8 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
             o.status = "already mounted"
         elif point in mounted:
             o.status, o.reason = "failed", f"a {mounted[point]} filesystem is mounted there"
+        elif (why := _tls_refusal(r, common)) is not None:
+            o.status, o.reason = "failed", why
         else:
             o.argv = ["mount", "-t", trtype, "-a", traddr,
                       "-s", trsvcid or str(registry.capabilities(trtype).port),
@@ -153,6 +155,20 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
             places[subnqn] = {(trtype, traddr, trsvcid)}
         out.append(o)
     return out
+
+
+def _tls_refusal(record: dict, common: list[str]) -> str | None:
+    """Why an entry whose port requires TLS (TREQ required, TSAS SECTYPE tls or tls13)
+    cannot be mounted with ``common``; None when it can (its key is given: --tls-key)."""
+    sectype = record.get("tcp_sectype", "none")
+    if sectype == "none" or not str(record.get("treq", "")).startswith("required"):
+        return None
+    if sectype != "tls13":
+        return f"the port requires TLS ({sectype}); nvmeof-fuse speaks TLS 1.3 only"
+    if "--tls-key" in common:
+        return None
+    return ("the port requires TLS 1.3 (its TSAS): give the subsystem's PSK with -O "
+            "tls_key_file=FILE")
 
 
 def format_table(outcomes: list[Outcome]) -> str:

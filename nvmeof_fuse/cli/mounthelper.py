@@ -41,6 +41,8 @@ KEYS: dict[str, tuple[str, bool]] = {
     "dhchap_secret_file": ("--dhchap-secret", True),  # the path of a file: see SECRET_KEYS
     "dhchap_ctrl_secret_file": ("--dhchap-ctrl-secret", True),
     "allow_insecure_secret_file": ("--allow-insecure-secret-file", False),
+    "tls": ("--tls", False),
+    "tls_key_file": ("--tls-key", True),  # the path of a file: see SECRET_KEYS
     "nqn": ("--nqn", True),
     "nsid": ("--nsid", True),
     "namespace_id": ("--nsid", True),
@@ -79,8 +81,9 @@ IGNORED_PREFIXES = ("x-", "comment=")
 # Secrets are accepted only as files: mount options show in /etc/fstab and in the process
 # list while mounting, both readable by every user.  Inline key -> the file key to write.
 SECRET_KEYS = {"dhchap_secret": "dhchap_secret_file",
-               "dhchap_ctrl_secret": "dhchap_ctrl_secret_file"}
-FILE_OPTIONS = {"dhchap_secret": "--dhchap-secret", "dhchap_ctrl_secret": "--dhchap-ctrl-secret"}
+               "dhchap_ctrl_secret": "dhchap_ctrl_secret_file", "tls_key": "tls_key_file"}
+FILE_OPTIONS = {"dhchap_secret": "--dhchap-secret", "dhchap_ctrl_secret": "--dhchap-ctrl-secret",
+                "tls_key": "--tls-key"}
 SILENT_FLAGS = ("-n", "-v", "-s")  # no-mtab, verbose, sloppy: what mount(8) may add
 
 

@@ -192,6 +192,8 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "allow_insecure_secret_file": getattr(args, "allow_insecure_secret_file", False),
         "hdr_digest": args.hdr_digest,
         "data_digest": args.data_digest,
+        "tls": getattr(args, "tls", False),
+        "tls_key": getattr(args, "tls_key", None),
     }
     if args.command == "mount":
         kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
@@ -269,6 +271,12 @@ def add_connection(p: argparse.ArgumentParser, *, port_help: str,
         p.add_argument("-C", "--dhchap-ctrl-secret", metavar="SECRET|FILE",
                        help="DH-HMAC-CHAP controller secret, or its file: authenticate the "
                             "target too"),
+        p.add_argument("--tls", action="store_true",
+                       help="NVMe/TCP: TLS 1.3 with a PSK on every connection (needs --tls-key)"),
+        p.add_argument("--tls-key", metavar="KEY|FILE",
+                       help="NVMe/TCP: the TLS PSK as `nvme gen-tls-key` prints it "
+                            "(NVMeTLSkey-1:hh:...:), or better the path of a file (mode 0600) "
+                            "holding it; implies --tls"),
         p.add_argument("--allow-insecure-secret-file", action="store_true",
                        help="read secret files that group or others may access (refused "
                             "otherwise, as ssh refuses such keys)"),

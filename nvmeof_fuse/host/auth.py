@@ -128,8 +128,10 @@ def read_secret_file(path: str, option: str, allow_insecure: bool = False) -> st
     except OSError as exc:
         if "/" in path or os.path.lexists(path):
             raise InvalidArgument(f"{where}: {exc.strerror}") from None
-        raise InvalidArgument(f"{option} is neither a DHHC-1:0N:<base64>: secret nor the "
-                              "path of a file holding one") from None
+        kind = ("an NVMeTLSkey-1:hh:<base64>: key" if option == "--tls-key"
+                else "a DHHC-1:0N:<base64>: secret")
+        raise InvalidArgument(f"{option} is neither {kind} nor the path of a file holding "
+                              "one") from None
     with open(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode):

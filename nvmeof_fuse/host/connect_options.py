@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..errors import InvalidArgument
+from ..nvme import tls_psk
 from ..transport import registry
 from . import auth
 
@@ -75,6 +76,12 @@ class ConnectOptions:
     """NVMe/TCP: CRC32C header digests (nvme-cli's --hdr-digest)."""
     data_digest: bool = False
     """NVMe/TCP: CRC32C data digests (nvme-cli's --data-digest)."""
+    tls: bool = False
+    """NVMe/TCP: TLS 1.3 with a PSK on every connection (nvme-cli's --tls)."""
+    tls_key: str | None = field(default=None, repr=False)
+    """The configured PSK (``NVMeTLSkey-1:hh:...:``, as ``nvme gen-tls-key`` prints it) or
+    the path of a file holding it, read at each connect as DH-HMAC-CHAP secrets are; it
+    implies ``tls``."""
 
     def validate(self) -> None:
         fabric = registry.capabilities(self.transport)
@@ -113,6 +120,36 @@ class ConnectOptions:
         for source in self.dhchap_sources():
             if source is not None:
                 source.load(self.allow_insecure_secret_file)
+        if self.tls or self.tls_key:
+            if not fabric.tls:
+                raise InvalidArgument(f"--tls and --tls-key apply only to {registry.with_tls()}")
+            self.configured_psk()
+
+    def configured_psk(self) -> tls_psk.ConfiguredPsk | None:
+        """The TLS PSK configured (its file read now); None without TLS.  Errors name the
+        option, never the key."""
+        if not (self.tls or self.tls_key):
+            return None
+        if not self.tls_key:
+            raise InvalidArgument("--tls needs --tls-key: the PSK as `nvme gen-tls-key` "
+                                  "prints it (NVMeTLSkey-1:hh:...:), or better the path of a "
+                                  "file (mode 0600) holding it; the kernel keyring is not read")
+        source = auth.SecretSource.of(self.tls_key, "--tls-key")
+        try:
+            return tls_psk.parse_interchange(source.text(self.allow_insecure_secret_file))
+        except ValueError as exc:
+            raise InvalidArgument(f"{source} {exc}") from None
+
+    def tls_psk(self, hostnqn: str) -> tls_psk.TlsPsk | None:
+        """The PSK identity (version 0, as nvme-cli's default) and TLS PSK a connection's
+        handshake offers for this host and subsystem; None without TLS."""
+        configured = self.configured_psk()
+        if configured is None:
+            return None
+        try:
+            return tls_psk.derive(configured, hostnqn, self.nqn)
+        except ValueError as exc:
+            raise InvalidArgument(f"--tls-key: {exc}") from None
 
     def dhchap_sources(self) -> tuple[auth.SecretSource | None, auth.SecretSource | None]:
         """Where the host's and the controller's DH-HMAC-CHAP secrets come from (not read)."""

@@ -152,10 +152,17 @@ def out_of_tries(sqe: bytearray, tries: int, failure: BaseException) -> Transpor
 
 def make_transport(options: ConnectOptions) -> Transport:
     """The transport ``options`` name, looked up by name (the host names none itself)."""
+    tls = None
+    if options.configured_psk() is not None:  # (checked now; read again at each connection)
+        hostnqn = host_identity(options.hostnqn, options.hostid).hostnqn
+
+        def tls():
+            return options.tls_psk(hostnqn)
+
     return registry.create(options.transport, options.traddr, options.trsvcid,
                            options.host_traddr, connect_timeout=options.connect_timeout,
                            hdr_digest=options.hdr_digest, data_digest=options.data_digest,
-                           host_iface=options.host_iface)
+                           host_iface=options.host_iface, tls=tls)
 
 
 class Controller:
@@ -737,6 +744,8 @@ class Controller:
         """What ``.nvmeof/stats`` shows of the connection (and of its bounce buffers)."""
         snapshot = {"state": self.state, "cntlid": self.cntlid, "losses": self.losses,
                     "reconnects": self.reconnects}
+        if self._record_layer() is not None:
+            snapshot["tls"] = self._record_layer()
         if self.bounce is not None:
             snapshot.update({f"bounce_{k}": v for k, v in self.bounce.counts().items()})
         return snapshot
@@ -1112,6 +1121,14 @@ class Controller:
             self._identify_buffers.close()
         self.transport.close()
 
+    def _record_layer(self) -> str | None:
+        """Where the TLS records go (``kernel (TLS_AES_...)``, ``userspace (...)``); None
+        without TLS."""
+        layer = getattr(self.transport, "record_layer", None)
+        if layer is not None:
+            return f"{layer.where} ({layer.suite})"
+        return "handshake pending" if getattr(self.transport, "tls", None) else None
+
     def _secret_sources(self) -> dict[str, str | None]:
         """Where the secrets come from, for ``.nvmeof``: ``inline`` or a file's path."""
         host, ctrl = self.options.dhchap_sources()
@@ -1140,6 +1157,7 @@ class Controller:
             "ctrl_loss_tmo": self.options.ctrl_loss_tmo,
             "fast_io_fail_tmo": self.options.fast_io_fail_tmo,
             "dhchap": auth.dhchap_mode(self.dhchap),
+            "tls": self._record_layer() or "off",
             **self._secret_sources(),
             "state": self.state,
             "namespaces": sorted(self.namespaces),

@@ -28,8 +28,11 @@ TREQ_DISABLE_SQFLOW = 0x4
 RDMA_QPTYPE_NAMES = {1: "connected", 2: "datagram"}
 RDMA_PRTYPE_NAMES = {1: "not specified", 2: "infiniband", 3: "roce", 4: "roce-v2", 5: "iwarp"}
 RDMA_CMS_NAMES = {1: "rdma-cm"}
+TCP_SECTYPE_NAMES = {0: "none", 1: "tls", 2: "tls13"}
+"""NVMe/TCP's TSAS byte 0, SECTYPE, in libnvme's words: none, TLS 1.2, TLS 1.3."""
 
 TRTYPE_RDMA = 1
+TRTYPE_TCP = 3
 DISCOVERY_ENTRY_SIZE = 1024
 
 
@@ -114,6 +117,8 @@ class DiscoveryLogEntry:
             d["rdma_prtype"] = _name(RDMA_PRTYPE_NAMES, prtype)
             d["rdma_cms"] = _name(RDMA_CMS_NAMES, cms)
             d["rdma_pkey"] = int.from_bytes(self.tsas[8:10], "little")
+        elif self.trtype == TRTYPE_TCP:
+            d["tcp_sectype"] = _name(TCP_SECTYPE_NAMES, self.tsas[0])
         return d
 
 

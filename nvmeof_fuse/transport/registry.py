@@ -45,12 +45,14 @@ class Capabilities:
     """Where its discovery controllers listen unless told (NVMe/TCP: 8009)."""
     port: int = IO_PORT
     """Where its I/O controllers listen unless told."""
+    tls: bool = False
+    """Whether it takes TLS 1.3 with a PSK (``--tls``, ``--tls-key``)."""
 
 
 TRANSPORTS = {
     "rdma": Capabilities("NVMe/RDMA", "rdma.polled", places_directly=True),
     "tcp": Capabilities("NVMe/TCP", "tcp.transport", places_directly=False, digests=True,
-                        discovery_port=8009),
+                        discovery_port=8009, tls=True),
 }
 """The transports this package has, by the names nvme-cli uses (``-t``).  RDMA's module is
 the one whose queues callers' threads may also drive."""
@@ -68,13 +70,19 @@ def capabilities(name: str) -> Capabilities:
                               f"(supported: {', '.join(NAMES)})") from None
 
 
+def with_tls() -> str:
+    """The ``-t`` options of the transports that take TLS, for messages."""
+    return " or ".join(f"-t {name}" for name, caps in TRANSPORTS.items() if caps.tls)
+
+
 def with_digests() -> str:
     """The ``-t`` options of the transports that take digests, for messages."""
     return " or ".join(f"-t {name}" for name, caps in TRANSPORTS.items() if caps.digests)
 
 Factory = Callable[..., "Transport"]
 """``factory(traddr, trsvcid, host_traddr, *, connect_timeout, hdr_digest, data_digest,
-host_iface)``."""
+host_iface)``, and ``tls`` (a :class:`~nvmeof_fuse.nvme.tls_psk.TlsPsk`) for a transport that
+takes TLS."""
 
 _factories: dict[str, Factory] = {}
 
@@ -86,11 +94,19 @@ def register(name: str, factory: Factory) -> None:
 
 def create(name: str, traddr: str, trsvcid: int, host_traddr: str | None = None, *,
            connect_timeout: float, hdr_digest: bool = False,
-           data_digest: bool = False, host_iface: str | None = None) -> Transport:
-    """A new transport ``name`` to the controller at ``traddr``:``trsvcid``."""
-    module = capabilities(name).module
+           data_digest: bool = False, host_iface: str | None = None,
+           tls: object | None = None) -> Transport:
+    """A new transport ``name`` to the controller at ``traddr``:``trsvcid`` (``tls``: the
+    PSK identity and key each connection's TLS handshake offers, or a callable giving them
+    anew for each connection)."""
+    caps = capabilities(name)
     if name not in _factories:
-        importlib.import_module(f"{__package__}.{module}")  # registers itself
+        importlib.import_module(f"{__package__}.{caps.module}")  # registers itself
+    extra = {}
+    if tls is not None:
+        if not caps.tls:
+            raise InvalidArgument(f"--tls applies only to {with_tls()}")
+        extra["tls"] = tls
     return _factories[name](traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
                             hdr_digest=hdr_digest, data_digest=data_digest,
-                            host_iface=host_iface)
+                            host_iface=host_iface, **extra)

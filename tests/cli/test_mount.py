@@ -281,3 +281,32 @@ def test_foreground_mount_until_stopped(tmp_path, stop):
             proc.wait(timeout=STEP)
         if any(m.mountpoint == str(mnt) for m in read_mountinfo()):  # also when stale
             subprocess.run(["fusermount3", "-uz", str(mnt)], timeout=STEP, check=False)
+
+
+TLS_KEY = "NVMeTLSkey-1:01:VRLbtnN9AQb2WXW3c9+wEf/DRLz0QuLdbYvEhwtdWwNf9LrZ:"
+
+
+@pytest.mark.parametrize("argv", [
+    [*TCP_MOUNT, "--tls", "--tls-key", TLS_KEY, "--daemon", "/mnt"],
+    [*TCP_MOUNT, f"--tls-key={TLS_KEY}", "--daemon", "/mnt"],
+])
+def test_an_inline_tls_key_reaches_the_daemon_over_the_pipe_only(monkeypatch, argv):
+    started = []
+
+    class Popen:
+        def __init__(self, cmd, **kwargs):
+            started.append(cmd)
+            args = entry.parse_args(cmd[3:])
+            mount.receive_secrets(args, os.dup(int(cmd[cmd.index("--secrets-fd") + 1])))
+            started.append(args)
+            os.write(int(cmd[cmd.index("--ready-fd") + 1]), b"ready\n")
+
+    monkeypatch.setattr(mount.subprocess, "Popen", Popen)
+    assert entry.main(argv) == 0
+    cmd, child = started
+    assert not any("VRLb" in a for a in cmd), cmd
+    assert child.tls_key == TLS_KEY and child.tls == ("--tls" in argv)
+
+
+def test_tls_without_a_key_is_one_line(capsys):
+    one_line_error(capsys, [*TCP_MOUNT, "--tls", "/mnt"], "--tls needs --tls-key")

@@ -67,3 +67,21 @@ def test_the_entries_of_one_subsystem_make_one_mount_with_several_paths(tmp_path
     assert outcomes[0].argv[-5:] == ["--path", f"nvme+tcp://192.0.2.2:4421/{S1}",
                                      "--path", f"nvme+rdma://[fe80::1]:4420/{S1}",
                                      f"{tmp_path}/{S1}"]
+
+
+def test_a_port_that_requires_tls_is_mounted_with_its_key_or_refused_in_one_line(tmp_path):
+    def tls(subnqn, sectype="tls13", treq="required"):
+        return {**rec(subnqn, trtype="tcp"), "tcp_sectype": sectype, "treq": treq}
+
+    s3 = "nqn.2014-08.org.example:s3"
+    records = [tls(S1), tls(S2, "tls"), tls(s3, treq="not required"),
+               {**rec("nqn.2014-08.org.example:s4", trtype="tcp"), "tcp_sectype": "none",
+                "treq": "required"}]
+    outcomes = plan(records, str(tmp_path), [], [])
+    assert [(o.status, o.reason) for o in outcomes] == [
+        ("failed", "the port requires TLS 1.3 (its TSAS): give the subsystem's PSK with -O "
+                   "tls_key_file=FILE"),
+        ("failed", "the port requires TLS (tls); nvmeof-fuse speaks TLS 1.3 only"),
+        ("mount", ""), ("mount", "")]
+    keyed = plan(records, str(tmp_path), [], ["--tls-key", "/etc/nvme/tls-s1"])
+    assert keyed[0].status == "mount" and "--tls-key" in keyed[0].argv

@@ -303,3 +303,19 @@ def test_workers_as_an_fstab_key():
     argv = helper_argv(["nvme+tcp://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
                         "-o", "workers=4,_netdev"])
     assert argv[argv.index("--workers") + 1] == "4"
+
+
+def test_tls_as_o_keys():
+    assert key_to_args("tls") == ["--tls"]
+    assert key_to_args("tls_key_file=/etc/nvme/tls.key") == ["--tls-key", "/etc/nvme/tls.key"]
+
+
+@pytest.mark.parametrize("item", [
+    "tls_key=NVMeTLSkey-1:01:VRLbtnN9AQb2WXW3c9+wEf/DRLz0QuLdbYvEhwtdWwNf9LrZ:",
+    "tls_key_file=NVMeTLSkey-1:01:VRLbtnN9AQb2WXW3c9+wEf/DRLz0QuLdbYvEhwtdWwNf9LrZ:",
+])
+def test_a_tls_key_in_the_mount_options_is_refused(item):
+    with pytest.raises(InvalidArgument) as info:
+        key_to_args(item)
+    assert "mount options are readable by every user" in str(info.value)
+    assert "tls_key_file=FILE" in str(info.value) and "VRLb" not in str(info.value)

@@ -65,3 +65,51 @@ def test_bad_option_message(changes, message):
 def test_reconnect_attempts_follow_the_kernel(ctrl_loss_tmo, delay, attempts):
     """max_reconnects = DIV_ROUND_UP(ctrl_loss_tmo, reconnect_delay); -1 is unlimited."""
     assert reconnect_attempts(ctrl_loss_tmo, delay) == attempts
+
+
+# --- TLS (NVMe/TCP) ---------------------------------------------------------------------------
+
+TLS_KEY = "NVMeTLSkey-1:01:VRLbtnN9AQb2WXW3c9+wEf/DRLz0QuLdbYvEhwtdWwNf9LrZ:"  # libnvme's psk.c
+
+
+def test_a_tls_key_inline_or_in_a_file_implies_tls(tmp_path):
+    path = tmp_path / "tls.key"
+    path.write_text(TLS_KEY + "\n")
+    path.chmod(0o600)
+    for value in (TLS_KEY, str(path)):
+        opts = options(transport="tcp", tls_key=value)
+        opts.validate()
+        psk = opts.tls_psk("nqn.2014-08.org.nvmexpress:uuid:h")
+        assert psk.identity == ("NVMe0R01 nqn.2014-08.org.nvmexpress:uuid:h "
+                                "nqn.2014-08.org.example:t")
+        assert psk.suite == "TLS_AES_128_GCM_SHA256"
+    assert TLS_KEY not in repr(opts)
+    assert options(transport="tcp").tls_psk("nqn.h") is None
+
+
+@pytest.mark.parametrize(("changes", "message"), [
+    ({"transport": "tcp", "tls": True}, "--tls needs --tls-key: the PSK as `nvme gen-tls-key` "
+     "prints it (NVMeTLSkey-1:hh:...:), or better the path of a file (mode 0600) holding it; "
+     "the kernel keyring is not read"),
+    ({"tls_key": TLS_KEY}, "--tls and --tls-key apply only to -t tcp"),
+    ({"tls": True}, "--tls and --tls-key apply only to -t tcp"),
+    ({"transport": "tcp", "tls_key": TLS_KEY.replace("VRLb", "VRLc")},
+     "--tls-key (inline) fails its CRC-32 check (mistyped or truncated)"),
+    ({"transport": "tcp", "tls_key": "DHHC-1:00:abcd:"},
+     "--tls-key (inline) is a DH-HMAC-CHAP secret (DHHC-1:...), not a TLS PSK"),
+    ({"transport": "tcp", "tls_key": "no-such-file"},
+     "--tls-key is neither an NVMeTLSkey-1:hh:<base64>: key nor the path of a file holding "
+     "one"),
+])
+def test_bad_tls_options_are_named(changes, message):
+    with pytest.raises(InvalidArgument) as info:
+        options(**changes).validate()
+    assert message in str(info.value) and "VRLb" not in str(info.value)
+
+
+def test_a_tls_key_file_others_may_read_is_refused(tmp_path):
+    path = tmp_path / "tls.key"
+    path.write_text(TLS_KEY)
+    path.chmod(0o644)
+    with pytest.raises(InvalidArgument, match="permissions 0644 are too open"):
+        options(transport="tcp", tls_key=str(path)).validate()

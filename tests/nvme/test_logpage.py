@@ -69,6 +69,7 @@ def test_discovery_log_two_entries():
     assert d["records"][0]["rdma_cms"] == "rdma-cm"
     assert d["records"][0]["rdma_pkey"] == 0xFFFF
     assert "rdma_cms" not in d["records"][1]
+    assert d["records"][1]["tcp_sectype"] == "none"  # NVMe/TCP's TSAS: no TLS there
     json.dumps(d)
 
 

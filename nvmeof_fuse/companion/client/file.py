@@ -338,7 +338,9 @@ class File:
         assert self._direct is not None
         fabric = self._direct.fabric
         if fabric is not None and not fabric.places_directly:
-            return f"received and sent by this process's own {fabric.title} queues"
+            tls = self._direct.record_layer
+            return (f"received and sent by this process's own {fabric.title} queues"
+                    + (f" ({tls})" if tls else ""))
         return "registered with this process's own queues"
 
     def _refuse_cuda(self, reason: str) -> None:

@@ -31,7 +31,7 @@ def options_from(reply: dict, timeout: float) -> ConnectOptions:
         companion_queues=0, keep_alive_tmo=0, timeout=timeout,
         reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
         fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),
-        dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"))
+        dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"), tls_key=reply.get("tls_key"))
 
 
 def renew_timeout(options: ConnectOptions) -> float:

@@ -118,6 +118,13 @@ class DirectQueues:
         return getattr(self._transport, "dmabuf_refusal", "")
 
     @property
+    def record_layer(self) -> str:
+        """Where our connections' TLS records go (``tls: userspace (TLS_AES_...)``, or
+        ``tls: kernel ...``); empty without TLS."""
+        layer = getattr(self._transport, "record_layer", None)
+        return layer.describe() if layer is not None else ""
+
+    @property
     def fabric(self) -> registry.Capabilities | None:
         """What our transport can do (None before it is made)."""
         return registry.TRANSPORTS.get(getattr(self._transport, "name", ""))

@@ -581,7 +581,7 @@ class CompanionServer:
         Only a client of the mount's uid or root gets here: one that could read them anyway.
         They travel in the reply alone, never in a log line or an error.
         """
-        from ...host.auth import secret_sources
+        from ...host.auth import SecretSource, secret_sources
 
         found = {}
         sources = secret_sources(getattr(opts, "dhchap_secret", None),
@@ -590,6 +590,9 @@ class CompanionServer:
         for name, source in zip(("dhchap_secret", "dhchap_ctrl_secret"), sources, strict=True):
             if source is not None:
                 found[name] = source.text(allow)
+        tls_key = getattr(opts, "tls_key", None)
+        if tls_key:  # the TLS PSK each of the client's connections offers, as the mount's
+            found["tls_key"] = SecretSource.of(tls_key, "--tls-key").text(allow)
         return found
 
     async def lock(self, session: ClientSession, nsid: int, offset: int, length: int,

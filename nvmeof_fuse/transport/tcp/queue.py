@@ -46,6 +46,7 @@ from .data import BULK_BYTES, Bulk, Stalled, h2c_pdus, send_pdus, transport_data
 from .reader import PduReader, ReceiverStopped
 from .request import Request
 from .splice import Splicer, open_splicer
+from .tls_records import UserspaceRecords, kernel_record
 
 
 class Peer(Protocol):
@@ -90,8 +91,11 @@ class TcpQueue:
     """
 
     def __init__(self, transport: Peer, sock, qid: int, size: int,
-                 in_capsule_bytes: int, resp: ICResp) -> None:
+                 in_capsule_bytes: int, resp: ICResp, *, records: UserspaceRecords | None = None,
+                 kernel_tls: bool = False) -> None:
         self.transport = transport
+        self._records = records  # the userspace TLS record layer behind ``sock``, if any
+        self._kernel_tls = kernel_tls  # the kernel seals and opens this socket's records
         # A plain socket in blocking mode, for the receiver thread (a whole payload in one
         # call, received or sent); the trio thread passes MSG_DONTWAIT: a send that
         # can go on at once does not yield to trio (two scheduler passes per command saved);
@@ -393,10 +397,7 @@ class TcpQueue:
                     except TransportError as exc:
                         self._fail(exc)
                     except OSError as exc:
-                        self._fail(TransportError(f"{self.name}: receiving from "
-                                                  f"{self.transport.traddr}:"
-                                                  f"{self.transport.trsvcid} failed: "
-                                                  f"{exc.strerror or exc}"))
+                        self._fail(self._receive_error(exc))
                     except trio.ClosedResourceError:
                         self._fail(TransportError(f"{self.name} is closed"))
                     finally:
@@ -497,8 +498,21 @@ class TcpQueue:
             raise ReceiverStopped from None
 
     def closed_by_peer(self) -> TransportError:
-        return TransportError(f"{self.name}: {self.transport.traddr}:"
-                              f"{self.transport.trsvcid} closed the connection")
+        where = f"{self.transport.traddr}:{self.transport.trsvcid}"
+        problem = self._records.problem if self._records is not None else None
+        if problem:  # the TLS records ended the connection: say which
+            return TransportError(f"{self.name}: the TLS connection to {where} ended: "
+                                  f"{problem}")
+        return TransportError(f"{self.name}: {where} closed the connection")
+
+    def _receive_error(self, exc: OSError) -> TransportError:
+        where = f"{self.transport.traddr}:{self.transport.trsvcid}"
+        if self._kernel_tls and exc.errno == errno.EIO and not self.closed:
+            # kTLS hands over only application data: name the record it would not.
+            return TransportError(f"{self.name}: the TLS connection to {where} ended: "
+                                  f"{kernel_record(self.sock)}")
+        return TransportError(f"{self.name}: receiving from {where} failed: "
+                              f"{exc.strerror or exc}")
 
     def answer_r2t(self, request: Request, header: pdu.Header) -> None:
         """Receiver thread: send the data an R2T asks for at once, from this thread (no

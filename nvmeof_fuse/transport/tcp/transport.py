@@ -8,6 +8,11 @@ which moves capsules and data, and reads what comes back with its
 caller's memory (:mod:`.data`), which needs no registration: :meth:`TcpTransport.register`
 hands back a trivial one, and refuses GPU memory by name.
 
+With a TLS PSK (``tls``), each connection is secured before its ICReq, as nvme-cli's
+``--tls`` does: the handshake by OpenSSL (:mod:`.tls_handshake`), a fresh one per
+connection (reconnects included), then the records in the kernel where it has kTLS, else
+in userspace (:mod:`.tls_records`); the queue's code is the same over either.
+
 ``python -m nvmeof_fuse.transport.tcp HOST PORT`` probes a port: it prints the ICResp.
 """
 
@@ -18,16 +23,20 @@ import fcntl
 import ipaddress
 import socket
 import struct
+from collections.abc import Callable
 
 import trio
 
-from ...errors import ConnectError, TransportError
+from ...errors import ConnectError, NVMeoFError, TransportError
 from ...nvme import tcp_pdu as pdu
 from ...nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
+from ...nvme.tls_psk import TlsPsk
 from .. import registry
 from ..base import LocalDevice
 from .data import HOST_MEMORY_ONLY, TcpRegistration, is_device_memory
 from .queue import TcpQueue
+from .tls_handshake import NOT_TLS, REFUSED_KEY, HandshakeError, client, handshake
+from .tls_records import RecordLayer, UserspaceRecords, install_kernel_tls
 
 ADMIN_IN_CAPSULE_BYTES = 8192  # NVME_TCP_ADMIN_CCSZ: the admin queue's in-capsule data
 _SIOCGIFADDR = 0x8915
@@ -81,7 +90,9 @@ class TcpTransport:
     def __init__(self, traddr: str, trsvcid: int = 4420, host_traddr: str | None = None,
                  connect_timeout: float = 10.0, *, header_digest: bool = False,
                  data_digest: bool = False, splice: bool = False,
-                 host_iface: str | None = None) -> None:
+                 host_iface: str | None = None,
+                 tls: TlsPsk | Callable[[], TlsPsk] | None = None,
+                 kernel_tls: bool | None = None) -> None:
         self.traddr = traddr
         self.host_iface = host_iface
         """The netdev every connection is bound to (SO_BINDTODEVICE, as nvme-cli's
@@ -89,6 +100,15 @@ class TcpTransport:
         self.local_device: LocalDevice | None = None
         """The netdev the last connection went through: ``host_iface``, else the one that
         holds the socket's own address."""
+        self.tls = tls
+        """The PSK identity and TLS PSK each connection's handshake offers, or what gives
+        them anew for each connection (a key file read again: a key rotated in its file is
+        used from the next reconnect on); None: no TLS."""
+        self.kernel_tls = kernel_tls
+        """None: the kernel's record layer where it has one; False: always ours; True: the
+        kernel's or a refusal."""
+        self.record_layer: RecordLayer | None = None
+        """Where the last connection's records went (``.nvmeof/stats``)."""
         # Large write data by vmsplice/splice (see .splice) instead of a copy into the
         # socket.  Off by default: the copy was faster in the testbed's A/B
         # (docs/performance-history.md); kept for a measurement on a real NIC.
@@ -167,38 +187,78 @@ class TcpTransport:
         """Open queue ``qid``'s connection, exchange ICReq/ICResp, start its receive task."""
         what = "admin queue" if qid == 0 else f"I/O queue {qid}"
         sock = await self._open(what)
+        records = None
         try:
+            if self.tls is not None:
+                sock, records = await self._secure(sock, what)
             resp = await self._initialize(sock, what)
         except BaseException:
             sock.close()
             raise
         if qid == 0:
             in_capsule_bytes = max(in_capsule_bytes, ADMIN_IN_CAPSULE_BYTES)
-        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp)
+        queue = TcpQueue(self, sock, qid, size, in_capsule_bytes, resp, records=records,
+                         kernel_tls=records is None and self.tls is not None)
         self._queues.append(queue)
         await nursery.start(queue.receive)
         return queue
 
+    async def _secure(self, sock, what: str):
+        """TLS on ``sock``: the handshake within the connect timeout, then the records in
+        the kernel or in userspace.  The socket the queue uses, and the userspace layer
+        (None in the kernel)."""
+        assert self.tls is not None
+        where = f"{self.traddr}:{self.trsvcid}"
+        try:
+            psk = self.tls() if callable(self.tls) else self.tls
+        except NVMeoFError as exc:  # the key file, unreadable or changed for the worse
+            raise ConnectError(f"NVMe/TCP {what}: {exc}") from None
+        try:
+            with trio.fail_after(self.connect_timeout):
+                secrets = await handshake(client(sock.fileno(), psk.identity, psk.key,
+                                                 psk.suite), sock)
+        except trio.TooSlowError:
+            raise ConnectError(f"NVMe/TCP {what}: no TLS handshake with {where} within "
+                               f"{self.connect_timeout:g} s (is it a TLS port?)") from None
+        except HandshakeError as exc:
+            raise ConnectError(f"NVMe/TCP {what}: {exc} with {where}"
+                               f"{_handshake_hint(str(exc), psk.identity)}") from None
+        plain = socket.socket(fileno=sock.detach())
+        try:
+            if self.kernel_tls is not False and install_kernel_tls(plain, secrets):
+                self.record_layer = RecordLayer("kernel", secrets.suite)
+                return trio.socket.from_stdlib_socket(plain), None
+            if self.kernel_tls:
+                raise ConnectError(f"NVMe/TCP {what}: kernel TLS was asked for, but this "
+                                   "kernel has none (modprobe tls)")
+            records = UserspaceRecords(plain, secrets)
+        except BaseException:
+            plain.close()
+            raise
+        self.record_layer = records.layer
+        return trio.socket.from_stdlib_socket(records.start()), records
+
     async def _initialize(self, sock, what: str) -> ICResp:
         where = f"{self.traddr}:{self.trsvcid}"
         buf = bytearray(pdu.IC_PDU_LENGTH)
+        got = 0
         try:
             with trio.fail_after(self.connect_timeout):
                 await sock.send(icreq_pdu(header_digest=self.header_digest,
                                           data_digest=self.data_digest))
-                got = 0
                 while got < len(buf):
                     n = await sock.recv_into(memoryview(buf)[got:])
                     if n == 0:
                         raise ConnectError(f"NVMe/TCP {what}: {where} closed the connection "
-                                           "before its ICResp")
+                                           f"before its ICResp{self._plain_hint(buf, got)}")
                     got += n
         except trio.TooSlowError:
             raise ConnectError(f"NVMe/TCP {what}: no ICResp from {where} within "
                                f"{self.connect_timeout:g} s") from None
         except OSError as exc:
+            hint = self._plain_hint(buf, got) if exc.errno == errno.ECONNRESET else ""
             raise ConnectError(f"NVMe/TCP {what}: {where} failed during ICReq/ICResp: "
-                               f"{exc.strerror or exc}") from None
+                               f"{exc.strerror or exc}{hint}") from None
         try:
             resp = parse_icresp(bytes(buf))
             pdu.check_icresp(resp, header_digest=self.header_digest,
@@ -206,6 +266,15 @@ class TcpTransport:
         except ValueError as exc:
             raise ConnectError(f"NVMe/TCP {what}: {where} answered with {exc}") from None
         return resp
+
+    def _plain_hint(self, buf: bytearray, got: int) -> str:
+        """Why a port may close before its ICResp: it wants TLS (it sent a TLS alert, or
+        nothing: nvmet closes a TLS-only port's plain connections so)."""
+        if self.tls is not None:
+            return ""
+        if got >= 3 and buf[0] == 0x15 and buf[1] == 0x03:
+            return " (it answered with a TLS alert: the port requires TLS, --tls --tls-key)"
+        return " (a port that requires TLS closes so: --tls --tls-key)"
 
     async def drop_queues(self) -> None:
         """Stop and close every queue (waiting commands fail with TransportError)."""
@@ -220,12 +289,24 @@ class TcpTransport:
         self._queues.clear()
 
 
+def _handshake_hint(reason: str, identity: str) -> str:
+    if "closed the connection" in reason:
+        return f" (does the port take TLS, and a PSK for identity '{identity}'?)"
+    if any(text in reason for text in REFUSED_KEY):
+        return (f" (the target refused the PSK: does it hold --tls-key's key for identity "
+                f"'{identity}'?)")
+    if any(text in reason for text in NOT_TLS):
+        return " (the port does not speak TLS: leave out --tls)"
+    return ""
+
+
 def _create(traddr: str, trsvcid: int, host_traddr: str | None = None, *,
             connect_timeout: float, hdr_digest: bool = False,
-            data_digest: bool = False, host_iface: str | None = None) -> TcpTransport:
+            data_digest: bool = False, host_iface: str | None = None,
+            tls: TlsPsk | Callable[[], TlsPsk] | None = None) -> TcpTransport:
     return TcpTransport(traddr, trsvcid, host_traddr, connect_timeout=connect_timeout,
                         header_digest=hdr_digest, data_digest=data_digest,
-                        host_iface=host_iface)
+                        host_iface=host_iface, tls=tls)
 
 
 registry.register("tcp", _create)
