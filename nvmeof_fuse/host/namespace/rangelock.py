@@ -105,11 +105,15 @@ class LbaRangeLock:
         elif not self._exclusive:  # nothing queued can conflict with shared parts
             req.granted = True
             queue.append(req)
-            return req if self.shared is None else await self._take_shared(req)
+            if self.shared is None or self._took_shared(req):
+                return req
+            return await self._wait_shared(req)
         queue.append(req)
         if not any(req.conflicts(earlier) for earlier in queue[:-1]):
             req.granted = True
-            return req if self.shared is None else await self._take_shared(req)
+            if self.shared is None or self._took_shared(req):
+                return req
+            return await self._wait_shared(req)
         req.event = trio.Event()
         self._waiting += 1
         try:
@@ -119,21 +123,30 @@ class LbaRangeLock:
         except BaseException:
             self.release(req)  # cancelled while waiting (or granted as it was cancelled)
             raise
-        return req if self.shared is None else await self._take_shared(req)
+        if self.shared is None or self._took_shared(req):
+            return req
+        return await self._wait_shared(req)
 
-    async def _take_shared(self, req: _Request) -> _Request:
-        """Take the granted ``req``'s LBAs from the other processes too (waiting for them,
-        bounded: :class:`~.sharedranges.RangeLockTimeout`), or release it and raise."""
+    def _took_shared(self, req: _Request) -> bool:
+        """Whether the granted ``req`` took its LBAs from the other processes too at once
+        (the common case: nobody else holds them)."""
         assert self.shared is not None
-        shared = self.shared
-        held = shared.try_lock(req.parts)  # the common case: nobody else holds them
-        if held is None:
-            try:
-                held = await shared.lock(req.parts)
-            except BaseException:
-                self.release(req)
-                raise
-        req.held = held
+        try:
+            req.held = self.shared.try_lock(req.parts)
+        except BaseException:  # the kernel refused (a one-line error): nothing held
+            self.release(req)
+            raise
+        return req.held is not None
+
+    async def _wait_shared(self, req: _Request) -> _Request:
+        """Wait for the other processes to let go of the granted ``req``'s LBAs (bounded:
+        :class:`~.sharedranges.RangeLockTimeout`), or release it and raise."""
+        assert self.shared is not None
+        try:
+            req.held = await self.shared.lock(req.parts)
+        except BaseException:
+            self.release(req)
+            raise
         return req
 
     def release(self, req: _Request) -> None:

@@ -46,6 +46,9 @@ F_OFD_SETLK = getattr(fcntl, "F_OFD_SETLK", 37)
 """Linux's ``F_OFD_SETLK`` (36 is ``F_OFD_GETLK``, 38 ``F_OFD_SETLKW``)."""
 _FLOCK = struct.Struct("hhqqi4x")
 """``struct flock`` on Linux: type, whence, start, length, pid (0 for these locks)."""
+_pack = _FLOCK.pack
+_KIND = {False: fcntl.F_RDLCK, True: fcntl.F_WRLCK}  # a part's lock by its exclusiveness
+_BUSY = (errno.EAGAIN, errno.EACCES)  # another description holds a conflicting lock
 NSID_SHIFT = 31
 """Bits of lock units per namespace: NSIDs (32 bits) shifted by this stay inside off_t."""
 FLAG_BYTES = mmap.PAGESIZE
@@ -54,7 +57,7 @@ POOL_KEPT = 64
 """Descriptions kept open for reuse once their requests are done (more are opened as
 more requests hold locks at once, and closed as they end)."""
 FIRST_WAIT = 0.0005
-MAX_WAIT = 0.01
+MAX_WAIT = 0.004
 """Seconds a task sleeps between its tries of a part another process holds: growing from
 the first to the last (a contended write waits for another's command, some microseconds
 to milliseconds)."""
@@ -64,6 +67,17 @@ class RangeLockTimeout(NVMeoFError):
     """Another process of the mount held LBAs a write needs for longer than the timeout."""
 
     errno = errno.ETIMEDOUT
+
+
+class RangeLockFailed(NVMeoFError):
+    """The kernel refused a range lock operation (no memory for locks, no /proc)."""
+
+    errno = errno.EIO
+
+
+def _failed(what: str, exc: OSError) -> RangeLockFailed:
+    return RangeLockFailed(f"{what} of the mount's range locks failed: "
+                           f"{exc.strerror or exc}")
 
 
 def lock_units(nsid: int, nlb: int, parts: Sequence[tuple[int, int, bool]]
@@ -95,7 +109,8 @@ class SharedRanges:
 
     @classmethod
     def create(cls, wait_limit: float) -> SharedRanges:
-        """A new file, for the main process (its workers :meth:`adopt` its descriptor)."""
+        """A new file, for the main process (its workers wrap the descriptor it hands them
+        in the constructor)."""
         fd = os.memfd_create("nvmeof-fuse-range-locks", os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, FLAG_BYTES)
@@ -128,7 +143,10 @@ class SharedRanges:
         free = self._free
         if free:
             return free.pop()
-        return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            return os.open(f"/proc/self/fd/{self.fd}", os.O_RDWR | os.O_CLOEXEC)
+        except OSError as exc:
+            raise _failed("opening a description (/proc/self/fd)", exc) from None
 
     def _put(self, fd: int) -> None:
         if len(self._free) < POOL_KEPT:
@@ -139,25 +157,38 @@ class SharedRanges:
     @staticmethod
     def _try(fd: int, unit: tuple[int, int, bool]) -> bool:
         start, end, exclusive = unit
-        kind = fcntl.F_WRLCK if exclusive else fcntl.F_RDLCK
         try:
-            fcntl.fcntl(fd, F_OFD_SETLK, _FLOCK.pack(kind, os.SEEK_SET, start, end - start, 0))
+            fcntl.fcntl(fd, F_OFD_SETLK, _pack(_KIND[exclusive], 0, start, end - start, 0))
         except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EACCES):
+            if exc.errno in _BUSY:
                 return False
-            raise
+            raise _failed("taking a lock", exc) from None
         return True
 
     @staticmethod
     def _unlock(fd: int, units: list[tuple[int, int, bool]]) -> None:
-        start, end = units[0][0], max(u[1] for u in units)
-        fcntl.fcntl(fd, F_OFD_SETLK, _FLOCK.pack(fcntl.F_UNLCK, os.SEEK_SET, start,
-                                                  end - start, 0))
+        """Unlock the span of ``units`` (ascending and disjoint: the last ends it)."""
+        start = units[0][0]
+        try:
+            fcntl.fcntl(fd, F_OFD_SETLK, _pack(fcntl.F_UNLCK, 0, start, units[-1][1] - start, 0))
+        except OSError as exc:
+            raise _failed("letting go of a lock", exc) from None
 
     def try_lock(self, units: list[tuple[int, int, bool]]) -> int | None:
         """Lock ``units`` (:func:`lock_units`) now: the description that holds them, for
         :meth:`unlock`, or None (nothing held) when another process holds one."""
-        fd = self._description()
+        free = self._free
+        fd = free.pop() if free else self._description()
+        if len(units) == 1:  # the common case (an aligned write), inline: it runs per write
+            start, end, exclusive = units[0]
+            try:
+                fcntl.fcntl(fd, F_OFD_SETLK, _pack(_KIND[exclusive], 0, start, end - start, 0))
+                return fd
+            except OSError as exc:
+                self._put(fd)
+                if exc.errno in _BUSY:
+                    return None
+                raise _failed("taking a lock", exc) from None
         for i, unit in enumerate(units):
             if not self._try(fd, unit):
                 if i:
@@ -201,12 +232,17 @@ class SharedRanges:
 
     def unlock(self, fd: int, units: list[tuple[int, int, bool]]) -> None:
         """Release what :meth:`lock` or :meth:`try_lock` took on ``fd``."""
-        try:
-            self._unlock(fd, units)
-        except OSError:  # (never expected) a description in doubt is not reused
+        start = units[0][0]
+        try:  # the span of units (ascending and disjoint: the last ends it), as _unlock
+            fcntl.fcntl(fd, F_OFD_SETLK, _pack(fcntl.F_UNLCK, 0, start, units[-1][1] - start, 0))
+        except OSError as exc:  # (never expected) a description in doubt is not reused
             os.close(fd)
-            raise
-        self._put(fd)
+            raise _failed("letting go of a lock", exc) from None
+        free = self._free
+        if len(free) < POOL_KEPT:
+            free.append(fd)
+        else:
+            os.close(fd)
 
 
 Held = tuple[int, list[tuple[int, int, bool]]]
@@ -217,20 +253,30 @@ class NamespaceRanges:
     """One namespace's locks in a :class:`SharedRanges`, as its
     :class:`~.rangelock.LbaRangeLock` takes them; ``nlb()`` is its size now."""
 
-    __slots__ = ("ranges", "nsid", "nlb")
+    __slots__ = ("ranges", "nsid", "nlb", "base")
 
     def __init__(self, ranges: SharedRanges, nsid: int, nlb: Callable[[], int]) -> None:
         self.ranges = ranges
         self.nsid = nsid
         self.nlb = nlb
+        self.base = lock_units(nsid, 1, [(0, 1, False)])[0][0]  # (checks the NSID too)
+
+    def units(self, parts: list[tuple[int, int, bool]]) -> list[tuple[int, int, bool]]:
+        """:func:`lock_units` of ``parts``, with the common case (one part of a namespace
+        of at most 2**31 LBAs) cut short: it runs for every write."""
+        if len(parts) == 1 and self.nlb() <= 1 << NSID_SHIFT:
+            first, end, exclusive = parts[0]
+            base = self.base
+            return [(base + first, base + end, exclusive)]
+        return lock_units(self.nsid, self.nlb(), parts)
 
     def try_lock(self, parts: list[tuple[int, int, bool]]) -> Held | None:
-        units = lock_units(self.nsid, self.nlb(), parts)
+        units = self.units(parts)
         fd = self.ranges.try_lock(units)
         return None if fd is None else (fd, units)
 
     async def lock(self, parts: list[tuple[int, int, bool]]) -> Held:
-        units = lock_units(self.nsid, self.nlb(), parts)
+        units = self.units(parts)
         first, end = min(p[0] for p in parts), max(p[1] for p in parts)
         fd = await self.ranges.lock(units, f"LBAs {first}..{end - 1} of n{self.nsid}")
         return fd, units

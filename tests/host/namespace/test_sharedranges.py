@@ -225,3 +225,34 @@ def test_polling_does_not_spin(ranges):
     cpu = time.process_time()
     trio.run(main)
     assert time.process_time() - cpu < 0.25
+
+
+def test_a_lock_the_kernel_refuses_is_a_one_line_error_and_holds_nothing(ranges, monkeypatch):
+    import errno
+
+    from nvmeof_fuse.host.namespace import sharedranges
+
+    lock = LbaRangeLock()
+    lock.shared = NamespaceRanges(ranges, 1, lambda: 64)
+
+    def refuse(fd, cmd, arg):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(sharedranges.fcntl, "fcntl", refuse)
+
+    async def main():
+        with pytest.raises(sharedranges.RangeLockFailed) as caught:
+            await lock.acquire([(0, 1, EX)])
+        return caught.value
+
+    exc = trio.run(main)
+    assert str(exc) == ("taking a lock of the mount's range locks failed: No locks "
+                        "available")
+    assert len(lock) == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(sharedranges.os, "open", lambda *a: (_ for _ in ()).throw(
+        OSError(errno.ENOENT, "No such file or directory")))
+    ranges._free.clear()
+    with pytest.raises(sharedranges.RangeLockFailed, match=r"^opening a description "
+                       r"\(/proc/self/fd\) of the mount's range locks failed: No such file"):
+        ranges.try_lock([(0, 1, EX)])
