@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ...errors import NVMeoFError
 from ..protocol import MAX_NAMED_NAMESPACES
 
 if TYPE_CHECKING:
@@ -122,7 +123,10 @@ class Delegations:
         # another process of the mount (a FUSE worker's write) can hold a range: refused.
         held = None
         if not (self.files_open(d.nsid) or len(lock) or d.session.ended):
-            held = lock.try_acquire([(0, ns.nlb, True)])
+            try:
+                held = lock.try_acquire([(0, ns.nlb, True)])
+            except NVMeoFError as exc:  # the kernel refused the lock: no delegation
+                log.warning("companion: no delegation of n%d: %s", d.nsid, exc)
         if held is None:
             del self._by_nsid[d.nsid]
             d.settled.set()
