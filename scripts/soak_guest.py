@@ -198,7 +198,7 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int
     with open(os.path.join(out_dir, f"soak-{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
     c, d = result["companion"], result["daemon"]
-    print(f"soak over {transport}{f' with {workers} FUSE workers' if workers else ''}: "
+    print(f"soak over {transport}{f' with --workers {workers}' if workers else ''}: "
           f"{seconds:g} s, outages of {', '.join(f'{o:g}' for o in outages)} s")
     first = fio_result["error"]
     first = f"{first} ({os.strerror(first)})" if isinstance(first, int) and first else first
