@@ -205,6 +205,7 @@ async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str
                                    + workers.role.queues)
     plan: ExitPlan | None = None
     async with connect(conn) as ctrl:
+        workers.share_locks(ctrl)  # before anything writes: every process takes them
 
         def exiting() -> ExitPlan:
             """The exit's plan, made when it is first asked for (stop, an unmount from
@@ -265,5 +266,6 @@ async def serve_mount(conn: ConnectOptions, mopts: MountOptions, mountpoint: str
         finally:
             plan = exiting()
             plan.skipped += await flush_all(ctrl, plan.flush_by)
+            workers.close()
             ratelimit.report_suppressed(final=True)
     return "; ".join([*plan.skipped, *getattr(ctrl, "shutdown_notes", ())])

@@ -5,6 +5,9 @@ QD16, crc32c verify with verify_backlog) on ``n1`` for SOAK_SECONDS while a comp
 (``nvmeof_fuse.File`` on ``n2``, an ``nvmeof_fuse.empty`` buffer) re-reads a known pattern in a
 loop, and takes the subsystem off its port once per SOAK_OUTAGES entry (seconds each), spread
 over the run.  Prints what happened and writes it to ``$TESTBED_OUT/soak-TRANSPORT.json``.
+With SOAK_WORKERS (``"1 2"``), one soak per count in turn on a mount of that many FUSE
+workers (``soak-TRANSPORT-wN.json``), in one boot, and the bytes each moved against the
+first's.
 """
 
 from __future__ import annotations
@@ -58,25 +61,54 @@ def main() -> int:
         return 2
     seconds = float(os.environ.get("SOAK_SECONDS") or 240)
     outages = [float(s) for s in (os.environ.get("SOAK_OUTAGES") or "3 6 9").split()]
+    counts = os.environ.get("SOAK_WORKERS", "").split()
+    if not all(c.isdigit() and int(c) >= 1 for c in counts):
+        print(f"soak: SOAK_WORKERS is worker counts (1 or more), not {counts!r}",
+              file=sys.stderr)
+        return 2
+    results = []
+    for workers in [int(c) for c in counts] or [0]:  # (0: as before, no --workers)
+        ok, result = soak(transport, seconds, outages, workers)
+        results.append((ok, result))
+    if len(results) > 1:
+        base = results[0][1]
+        for _, result in results[1:]:
+            ratio = moved_bytes(result) / max(1, moved_bytes(base))
+            print(f"{result['workers']} workers moved {ratio:.2f}x the bytes of "
+                  f"{base['workers']} ({moved_bytes(result) / 1e6:,.0f} MB against "
+                  f"{moved_bytes(base) / 1e6:,.0f} MB, fio's reads and writes)")
+    return 0 if all(ok for ok, _ in results) else 1
+
+
+def moved_bytes(result: dict) -> int:
+    return result["fio"].get("read_bytes", 0) + result["fio"].get("written_bytes", 0)
+
+
+def soak(transport: str, seconds: float, outages: list[float], workers: int
+         ) -> tuple[bool, dict]:
+    """One soak on a mount of ``workers`` FUSE workers (0: no ``--workers``): whether it
+    passed, and what happened (also written to the output folder)."""
     out_dir = os.environ["TESTBED_OUT"]
     nqn, port = os.environ["TESTBED_NQN"], os.environ["TESTBED_PORT"]
     addr = os.environ["TESTBED_RDMA_ADDR" if transport == "rdma" else "TESTBED_TCP_ADDR"]
-    log = os.path.join(out_dir, f"soak-{transport}-daemon.log")
-    stop = f"/tmp/soak-{transport}.stop"
+    name = f"{transport}-w{workers}" if workers else transport
+    log = os.path.join(out_dir, f"soak-{name}-daemon.log")
+    stop = f"/tmp/soak-{name}.stop"
     os.makedirs(MNT, exist_ok=True)
     for path in (log, stop):
         if os.path.exists(path):
             os.unlink(path)
     sh("nvmeof-fuse", "mount", "-t", transport, "-a", addr, "-s", port, "-n", nqn,
-       "-c", "1", "-l", "120", "--daemon", "--log-file", log, MNT)
+       "-c", "1", "-l", "120", "--daemon", "--log-file", log,
+       *(["--workers", str(workers)] if workers else []), MNT)
     with open(f"{MNT}/.nvmeof/companion.json") as f:
         daemon = json.load(f)["pid"]
     rss_mounted = rss_kib(daemon)
-    reader_out = os.path.join(out_dir, f"soak-{transport}-reader.out")
+    reader_out = os.path.join(out_dir, f"soak-{name}-reader.out")
     reader = subprocess.Popen(
         [sys.executable, CHILD, "reread", f"{MNT}/n2", str(READ_OFFSET), str(READ_SIZE), stop],
         stdout=open(reader_out, "w"), stderr=open(reader_out + ".err", "w"))
-    fio_out = os.path.join(out_dir, f"soak-{transport}-fio.json")
+    fio_out = os.path.join(out_dir, f"soak-{name}-fio.json")
     fio = subprocess.Popen(
         ["fio", "--name=soak", f"--filename={MNT}/n1", "--rw=randrw", "--bsrange=4k-256k",
          "--iodepth=16", "--ioengine=libaio", "--direct=1", "--size=64M", "--time_based",
@@ -148,7 +180,8 @@ def main() -> int:
                       "stderr": fio_err[-2000:]}
     conn = final["connection"]
     result = {
-        "transport": transport, "seconds": seconds, "outages_s": outages,
+        "transport": transport, "workers": workers or 1, "seconds": seconds,
+        "outages_s": outages,
         "fio": fio_result,
         "companion": {"reads": summary["rounds"], "mismatches": summary["mismatches"],
                       "errors": summary["errors"], "slowest_read_s": summary["slowest_s"],
@@ -162,11 +195,11 @@ def main() -> int:
                    "log_tracebacks": count(log, "Traceback")},
         "timeline": timeline,
     }
-    with open(os.path.join(out_dir, f"soak-{transport}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"soak-{name}.json"), "w") as f:
         json.dump(result, f, indent=2)
     c, d = result["companion"], result["daemon"]
-    print(f"soak over {transport}: {seconds:g} s, outages of "
-          f"{', '.join(f'{o:g}' for o in outages)} s")
+    print(f"soak over {transport}{f' with --workers {workers}' if workers else ''}: "
+          f"{seconds:g} s, outages of {', '.join(f'{o:g}' for o in outages)} s")
     first = fio_result["error"]
     first = f"{first} ({os.strerror(first)})" if isinstance(first, int) and first else first
     print(f"  fio: exit {fio_result['exit']}, first error {first}, "
@@ -187,8 +220,8 @@ def main() -> int:
           and fio_result.get("total_err", 0) == 0 and not c["errors"] and not c["mismatches"]
           and d["losses"] == d["reconnects"] == len(outages)
           and abs(d["rss_change"]) <= 0.2)
-    print(f"  {'PASS' if ok else 'FAIL'}")
-    return 0 if ok else 1
+    print(f"  {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok, result
 
 
 if __name__ == "__main__":

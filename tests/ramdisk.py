@@ -15,6 +15,7 @@ from typing import Any
 import trio
 
 from nvmeof_fuse.host.namespace.byterange import ByteRangeIO
+from nvmeof_fuse.host.namespace.sharedranges import NamespaceRanges, SharedRanges
 from nvmeof_fuse.host.namespace.stats import IoStats
 
 
@@ -88,6 +89,10 @@ class RamNamespace:
     @property
     def io_stats(self) -> IoStats:
         return self.stats
+
+    def share_locks(self, ranges: SharedRanges) -> None:
+        """As host.namespace.Namespace's: writes take the mount's locks across processes."""
+        self.io.lock.shared = NamespaceRanges(ranges, self.nsid, lambda: self.device.nlb)
 
     async def read(self, offset: int, length: int) -> bytes:
         return await self.io.read(offset, length)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import trio
 
@@ -526,15 +526,10 @@ class NamespaceFS:
         # Like a block device: a write straddling the end is cut short there.
         data = memoryview(buf)[: ns.size - off] if off + len(buf) > ns.size else buf
         try:
-            return await self._write_ns(ns, off, data)
+            return await ns.write(off, data)
         except NVMeoFError as exc:
             what = f"write of {len(data)} bytes at offset {off} of n{ns.nsid}"
             raise _fuse_error(exc, what) from None
-
-    async def _write_ns(self, ns: NamespaceLike, off: int, data: Any) -> int:
-        """The namespace's write of ``data``, already cut to its end (a FUSE worker's holds
-        the main process's range lock)."""
-        return await ns.write(off, data)
 
     async def flush(self, fh):
         h = self.handles[fh]

@@ -65,6 +65,7 @@ from .hostid import host_identity
 from .identity import check_controller
 from .memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from .namespace import Namespace
+from .namespace.sharedranges import SharedRanges
 from .reconnect_policy import final_failure
 from .state import CONNECTING, DEAD, DELETING, LIVE, RESETTING, CtrlState, StateMachine
 
@@ -185,6 +186,9 @@ class Controller:
         self.version = ""
         self.identify: nvme.IdentifyController | None = None
         self.namespaces: dict[int, Namespace] = {}
+        self.shared_ranges: SharedRanges | None = None
+        """The mount's range locks across its processes (FUSE workers), which its
+        namespaces' writes take (:func:`~.namespace.sharedranges.share_range_locks`)."""
         self.max_transfer = BOUNCE_CHUNK_MAX
         self.acre = False
         """Host Behavior Support ACRE: whether the controller may ask for Command Retry

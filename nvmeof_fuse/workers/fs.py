@@ -7,8 +7,10 @@ the namespaces of its own controller (queues leased from the main process), with
 read out of their numbers (:func:`~nvmeof_fuse.fs.operations.pack_fh`).  Everything else its session
 forwards to the main process, which holds the open handles and the ``.nvmeof`` reports;
 so do READs of a report and I/O on a namespace this worker does not know (added since it
-started).  Its writes hold the main process's range lock of their LBAs (``write_lock``),
-the one every FUSE and companion write of the mount holds.  When the main process rescans
+started).  Its writes take their LBAs' range lock themselves, as the main process's do
+(the mount's file of range locks: :mod:`~nvmeof_fuse.host.namespace.sharedranges`), so a
+write needs no message to the main process, and one of whole LBAs starts with no task.
+When the main process rescans
 the namespaces it sends their sizes and generations (:meth:`WorkerFS.follow`): ours take the
 new size, one gone is dropped (its I/O forwarded, which the main process refuses), and one
 replaced by another behind its NSID refuses its I/O, while the new one serves the handles
@@ -22,7 +24,6 @@ WRITE too, so that the main process serves them on whichever path is live.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from contextlib import AbstractAsyncContextManager
 
 from nvmeof_fuse.errors import NVMeoFError
 from nvmeof_fuse.fs.info import ControllerLike
@@ -36,21 +37,17 @@ ForwardRead = Callable[[int, int, int], Awaitable[bytes]]
 """``read(fh, offset, size)`` in the main process: the bytes (fewer at the end)."""
 ForwardWrite = Callable[[int, int, bytes], Awaitable[int]]
 """``write(fh, offset, data)`` in the main process: the bytes written."""
-WriteLock = Callable[[int, int, int], AbstractAsyncContextManager[None]]
-"""``write_lock(nsid, offset, length)``: the main process's range lock of those bytes."""
 
 
 class WorkerFS(NamespaceFS):
     """:class:`NamespaceFS` in a FUSE worker (see the module)."""
 
     def __init__(self, controller: ControllerLike, options: MountOptions, *,
-                 forward_read: ForwardRead, forward_write: ForwardWrite,
-                 write_lock: WriteLock) -> None:
+                 forward_read: ForwardRead, forward_write: ForwardWrite) -> None:
         super().__init__(controller, options, shared_handles=True)
         self.forwarded = 0  # READs and WRITEs the main process served for us
         self.forward_read = forward_read
         self.forward_write = forward_write
-        self.write_lock = write_lock
 
     def follow(self, shapes: dict[int, tuple[int, ...]]) -> None:
         """The main process's namespaces after a rescan, ``{nsid: (lba_size, nlb,
@@ -107,16 +104,12 @@ class WorkerFS(NamespaceFS):
         return b"".join(parts)
 
     def start_write(self, fh, off, buf, done):
-        return False  # a write first waits for the main process's range lock: in a task
+        return self._own() and super().start_write(fh, off, buf, done)
 
     async def write(self, fh, off, buf):
         if self.handles.get(fh) is None or not self._own():  # see read
             return await self._write_forwarded(fh, off, buf)
         return await super().write(fh, off, buf)
-
-    async def _write_ns(self, ns, off, data):
-        async with self.write_lock(ns.nsid, off, len(data)):
-            return await ns.write(off, data)
 
     async def _write_forwarded(self, fh: int, off: int, buf: bytes | memoryview) -> int:
         self.forwarded += 1

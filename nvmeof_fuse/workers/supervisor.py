@@ -8,7 +8,11 @@ worker that dies (the kernel fails the requests that worker held, ECONNABORTED; 
 IDs come back with its companion session), gives up after repeated deaths (serving alone),
 and on unmount asks each to drain and waits for it.
 
-The workers talk to it over the mount's companion socket (:mod:`.messages`): the companion
+Every process of the mount takes each write's range lock itself: the main process makes the
+mount's file of range locks (:meth:`FuseWorkers.share_locks`,
+:mod:`~nvmeof_fuse.host.namespace.sharedranges`) and hands each worker its descriptor as
+it starts it.  The workers talk to it over the mount's companion socket
+(:mod:`.messages`): the companion
 server knows them only as a role (:attr:`FuseWorkers.role`) whose handler is
 :meth:`FuseWorkers.on_fuse`, which answers what they forward with the main process's own
 session and filesystem.  A rescan's sizes reach every worker before the files show them
@@ -32,6 +36,7 @@ from nvmeof_fuse.companion.protocol import ProtocolError, field, generation_fiel
 from nvmeof_fuse.companion.server.roles import Role, Sender
 from nvmeof_fuse.fs.devfuse import clone_fd
 from nvmeof_fuse.fs.wire import FUSEError
+from nvmeof_fuse.host.namespace.sharedranges import SharedRanges, share_range_locks
 from nvmeof_fuse.workers.messages import (
     FORWARD_CHUNK,
     MAX_FOLLOWED_NAMESPACES,
@@ -82,6 +87,20 @@ class FuseWorkers:
         self.session: FuseSession | None = None  # the main process's (its descriptor, answers)
         self.ops: NamespaceFS | None = None  # the main process's filesystem
         self.companion: CompanionServer | None = None
+        self.ranges: SharedRanges | None = None  # the mount's range locks, once shared
+
+    def share_locks(self, ctrl: Any) -> None:
+        """Make the mount's range locks across processes and let ``ctrl``'s namespaces take
+        them (before the mount serves: from then on every write of the main process takes
+        them too); the workers get them as they start."""
+        if self.count > 1 and self.ranges is None:
+            self.ranges = SharedRanges.create(self.timeout)
+            share_range_locks(ctrl, self.ranges)
+
+    def close(self) -> None:
+        """Close the range locks' file (the mount is done: nothing writes any more)."""
+        if self.ranges is not None:
+            self.ranges.close()
 
     async def run(self, session: FuseSession, ops: NamespaceFS, companion: CompanionServer,
                   *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -143,16 +162,17 @@ class FuseWorkers:
 
     async def _spawn(self, index: int) -> trio.Process:
         assert self.session is not None and self.companion is not None  # (run() set them)
+        assert self.ranges is not None, "share_locks() before the workers start"
         fd = clone_fd(self.session.fd)
         try:
             argv = [sys.executable, "-m", "nvmeof_fuse.workers", "--fd", str(fd),
                     "--socket", "@" + self.companion.address[1:], "--index", str(index),
-                    "--timeout", repr(self.timeout)]
+                    "--timeout", repr(self.timeout), "--range-locks", str(self.ranges.fd)]
             if self.read_only:
                 argv.append("--read-only")
             if self.debug:
                 argv.append("--debug")
-            proc = await trio.lowlevel.open_process(argv, pass_fds=(fd,))
+            proc = await trio.lowlevel.open_process(argv, pass_fds=(fd, self.ranges.fd))
         finally:
             os.close(fd)  # the worker holds it now: the kernel fails its requests if it dies
         self.started += 1

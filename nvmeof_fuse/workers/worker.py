@@ -7,8 +7,11 @@ cloned from the mount's.  A worker is a companion client of the main process
 moves data through bounce memory it registers itself), connects them with the mount's
 controller ID (:func:`~nvmeof_fuse.host.attached.attach`, which also follows reconnects and
 path changes), and serves READ and WRITE there (:class:`~nvmeof_fuse.workers.fs.WorkerFS`).
-Each write holds the main process's range lock of its LBAs, the one every FUSE and
-companion write takes.  Every other request (LOOKUP, OPEN, RELEASE, FLUSH, reads of
+Each write takes its LBAs' range lock itself, in the mount's file of range locks that
+the main process handed it (``--range-locks``,
+:mod:`~nvmeof_fuse.host.namespace.sharedranges`), which every FUSE and companion write of
+the mount takes: no message to the main process.  Every other request (LOOKUP, OPEN,
+RELEASE, FLUSH, reads of
 ``.nvmeof``, ...) it forwards to the main process, which answers it on its behalf: the
 worker sends the answer on its own descriptor, as the kernel requires.  Each second it
 reports its counts, which ``.nvmeof/stats.json`` sums.
@@ -19,15 +22,11 @@ Run as ``python -m nvmeof_fuse.workers``, by the main process only.
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
 import contextlib
-import functools
 import logging
-import math
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import trio
@@ -85,6 +84,7 @@ class _Worker:
         from nvmeof_fuse.companion.client.lease import lease_from, options_from, renew_timeout
         from nvmeof_fuse.host.attached import attach
         from nvmeof_fuse.host.controller import make_transport
+        from nvmeof_fuse.host.namespace.sharedranges import SharedRanges, share_range_locks
 
         token = trio.lowlevel.current_trio_token()
         self.channel.on_closed = lambda: token.run_sync_soon(self._main_gone)
@@ -104,6 +104,7 @@ class _Worker:
 
         async with attach(options, lease_source, make_transport(options),
                           bounce_buffers=WORKER_BOUNCE_BUFFERS) as ctrl:
+            share_range_locks(ctrl, SharedRanges(self.args.range_locks, self.timeout))
             self.ctrl = ctrl
             await self.ask("fuse", kind="ready", index=self.index, pid=os.getpid(),
                            qids=list(first["qids"]))
@@ -118,7 +119,7 @@ class _Worker:
 
         self.fs = fs = WorkerFS(
             ctrl, MountOptions(read_only=self.args.read_only), forward_read=self._forward_read,
-            forward_write=self._forward_write, write_lock=self._write_lock)
+            forward_write=self._forward_write)
         if self.shapes is not None:  # the main process rescanned while we connected
             self._follow(self.shapes)
         self.session = session = FuseSession(
@@ -218,36 +219,6 @@ class _Worker:
         if reply.get("errno"):
             raise FUSEError(int(reply["errno"]))
 
-    @contextlib.asynccontextmanager
-    async def _write_lock(self, nsid: int, offset: int, length: int) -> AsyncIterator[None]:
-        """The main process's range lock of a write's bytes, given back without waiting."""
-        from nvmeof_fuse.companion.client.own_queues import wait_future
-        from nvmeof_fuse.companion.protocol import NoAnswer, raise_for_reply
-
-        future = self.channel.call_future("lock", nsid=nsid, offset=offset, length=length,
-                                          hold_s=math.ceil(self.timeout), keep_cache=True)
-        try:
-            header = await wait_future(future, self.timeout)
-        except BaseException as exc:
-            future.add_done_callback(functools.partial(self._unlock_late, nsid))
-            if isinstance(exc, trio.TooSlowError):
-                raise NoAnswer(f"the main process did not grant a write lock within "
-                               f"{self.timeout:g} s") from None
-            raise
-        token = raise_for_reply(header)["token"]
-        try:
-            yield
-        finally:
-            self._unlock(token, nsid)
-
-    def _unlock(self, token: int, nsid: int) -> None:
-        with contextlib.suppress(NVMeoFError):  # the main process is gone, the lock with it
-            self.channel.call_future("unlock", token=token, nsid=nsid)
-
-    def _unlock_late(self, nsid: int, future: concurrent.futures.Future) -> None:
-        if future.exception() is None and future.result().get("ok"):
-            self._unlock(future.result()["token"], nsid)
-
     def close(self) -> None:
         self.channel.close()
         if self.session is not None:
@@ -274,6 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", required=True, help="the main process's companion socket")
     parser.add_argument("--index", type=int, required=True)
     parser.add_argument("--timeout", type=float, default=30.0)
+    parser.add_argument("--range-locks", type=int, required=True,
+                        help="the mount's file of range locks (a memfd)")
     parser.add_argument("--read-only", action="store_true")
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
@@ -281,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"nvmeof-fuse worker {args.index}: %(message)s")
     cap_lines()
     os.set_inheritable(args.fd, False)
+    os.set_inheritable(args.range_locks, False)
     try:
         return trio.run(_serve_worker, args)
     except KeyboardInterrupt:

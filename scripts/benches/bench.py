@@ -21,7 +21,8 @@ in :data:`FIO_JOBS`).  ``fuse-ram`` mounts a namespace kept in RAM (``MOUNTPOINT
 the same FUSE layer until it is unmounted: fio on it shows the best the FUSE file can do with
 no NVMe behind it (``--fuse pyfuse3``: with pyfuse3 as the FUSE server, as the host bench
 sets the two servers side by side; ``--workers N``: N processes serve it, each on a cloned
-/dev/fuse descriptor over the same bytes, as a mount's FUSE workers do).  A missing input
+/dev/fuse descriptor over the same bytes, their writes under the range locks of one memfd,
+as a mount's FUSE workers do).  A missing input
 file, or one with a ``.err`` file beside it, shows as ``n/a`` with the reason.  Nothing is
 asserted.
 """
@@ -400,6 +401,9 @@ def _shared_ram(args: argparse.Namespace) -> None:
     os.ftruncate(fd, args.size_mib * MIB)
     args.image = f"/dev/fd/{fd}"
     args.image_fd = fd
+    from nvmeof_fuse.host.namespace.sharedranges import SharedRanges
+
+    args.ranges = SharedRanges.create(30.0)  # as a mount's: every process's writes take them
 
 
 def _ram_workers(session: object, args: argparse.Namespace) -> list:
@@ -409,14 +413,17 @@ def _ram_workers(session: object, args: argparse.Namespace) -> list:
     from nvmeof_fuse.fs.devfuse import clone_fd
 
     procs = []
-    keep = (getattr(args, "image_fd", None),)
+    ranges = getattr(args, "ranges", None)
+    keep = (getattr(args, "image_fd", None), ranges.fd if ranges is not None else None)
+    shared = ["--range-locks", str(ranges.fd)] if ranges is not None else []
     for index in range(1, args.workers):
         fd = clone_fd(session.fd)  # type: ignore[attr-defined]
         try:
             procs.append(subprocess.Popen(
                 [sys.executable, str(Path(__file__)), "fuse-ram-worker", "--fd", str(fd),
                  "--image", args.image, "--lba-size", str(args.lba_size), "--index",
-                 str(index)], pass_fds=tuple(f for f in (fd, *keep) if f is not None)))
+                 str(index), *shared],
+                pass_fds=tuple(f for f in (fd, *keep) if f is not None)))
         finally:
             os.close(fd)
     return procs
@@ -436,6 +443,10 @@ def serve_ram_worker(args: argparse.Namespace) -> int:
     ctrl = _ram_controller(args)
     if ctrl is None:
         return 1
+    if args.range_locks is not None:
+        from nvmeof_fuse.host.namespace.sharedranges import SharedRanges, share_range_locks
+
+        share_range_locks(ctrl, SharedRanges(args.range_locks, 30.0))
     session = FuseSession(NamespaceFS(ctrl, shared_handles=True), args.fd,
                           InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
                           shared=True)
@@ -486,6 +497,10 @@ def serve_ram(args: argparse.Namespace) -> int:
     ctrl = _ram_controller(args)
     if ctrl is None:
         return 1
+    if getattr(args, "ranges", None) is not None:
+        from nvmeof_fuse.host.namespace.sharedranges import share_range_locks
+
+        share_range_locks(ctrl, args.ranges)
     procs: list = []
 
     async def main() -> None:
@@ -730,6 +745,7 @@ def parser() -> argparse.ArgumentParser:
     w.add_argument("--image", required=True)
     w.add_argument("--lba-size", type=int, default=4096)
     w.add_argument("--index", type=int, default=1)
+    w.add_argument("--range-locks", type=int, help="the mount's range locks (a memfd)")
     t = sub.add_parser("table", help="side-by-side table of saved results")
     for c in ALL_COLUMNS:
         t.add_argument(f"--{c.replace('_', '-')}", dest=c, metavar="FILE")

@@ -12,13 +12,14 @@ when the server is native code; ``peer_fuse_ram`` from PATH, else built with gcc
 left out where it cannot be); over the fake target, ``nvmeof-fuse mount --workers N`` serves
 ``tests/tcp_target.py`` on 127.0.0.1 (a process per connection, on the same cores); with
 ``--target``, a real target instead (the testbed's, in the VM: part "workers" of
-``scripts/bench``), the backend named by its transport.  The load generator is fio where it is
+``scripts/bench``), the backend named by its transport. The load generator is fio where it is
 on PATH, else ``loadgen`` (``loadgen.c``: fio's libaio engine as a small static C program) from
-PATH or built with gcc; ``--loadgen`` forces one.  Each job runs with ``numjobs`` = N
-on one worker and on N workers, mounts alternating round by round; printed are the medians,
-the serving processes' CPU per request (the main process and its workers, not the load
-generator, not the target), the whole host's, the share of the host's CPUs busy, and N over
-one.  Figures are printed, never asserted.
+PATH or built with gcc; ``--loadgen`` forces one (it only reads: the write and mixed jobs, 4
+KiB randwrite and 70/30 randrw at the 4 KiB job's depth, run with fio only). Each job runs with
+``numjobs`` = N on one worker and on N workers, mounts alternating round by round; printed are
+the medians, the serving processes' CPU per request (the main process and its workers, not the
+load generator, not the target), the whole host's, the share of the host's CPUs busy, and N
+over one. Figures are printed, never asserted.
 """
 
 from __future__ import annotations
@@ -50,9 +51,17 @@ TCP_MIB = 256
 
 
 def load_jobs(iodepth: int) -> tuple[tuple[str, str, str, str, int], ...]:
-    """(key, title, rw, bs, iodepth) of the jobs."""
+    """(key, title, rw, bs, iodepth) of the jobs (``randrw70``: fio's randrw, 70% reads)."""
     return ((f"4k-randread-qd{iodepth}", f"4 KiB randread QD{iodepth}", "randread", "4k",
-             iodepth), ("1m-read-qd8", "1 MiB read QD8", "read", "1m", 8))
+             iodepth), ("1m-read-qd8", "1 MiB read QD8", "read", "1m", 8),
+            (f"4k-randwrite-qd{iodepth}", f"4 KiB randwrite QD{iodepth}", "randwrite", "4k",
+             iodepth),
+            (f"4k-randrw70-qd{iodepth}", f"4 KiB 70/30 randrw QD{iodepth}", "randrw70", "4k",
+             iodepth))
+
+
+READS = ("randread", "read")
+"""The jobs loadgen runs (it only reads): the others run with fio only."""
 
 
 def _cpu_seconds(pids: set[int]) -> float:
@@ -166,17 +175,20 @@ def _json_of(cmd: list[str], seconds: float) -> dict:
 
 def read_load(gen: Generator, path: str, rw: str, bs: str, qd: int, jobs: int,
               seconds: float) -> tuple[float, int]:
-    """``jobs`` readers of ``path``, ``qd`` each in flight, O_DIRECT through Linux AIO:
-    bytes per second and requests done, over all jobs."""
+    """``jobs`` readers (or writers, or both) of ``path``, ``qd`` each in flight, O_DIRECT
+    through Linux AIO: bytes per second and requests done, over all jobs, reads and writes
+    together."""
     if gen.name == "loadgen":
         got = _json_of([gen.binary, path, rw, bs, str(qd), str(jobs), str(seconds)], seconds)
-    else:
-        got = _json_of([gen.binary, "--output-format=json", f"--filename={path}",
-                        "--ioengine=libaio", "--direct=1", f"--runtime={seconds}",
-                        "--time_based", "--name=w", f"--rw={rw}", f"--bs={bs}",
-                        f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting"],
-                       seconds)["jobs"][0]["read"]
-    return got["bw_bytes"], got["total_ios"]
+        return got["bw_bytes"], got["total_ios"]
+    mix = ["--rw=randrw", "--rwmixread=70"] if rw == "randrw70" else [f"--rw={rw}"]
+    job = _json_of([gen.binary, "--output-format=json", f"--filename={path}",
+                    "--ioengine=libaio", "--direct=1", f"--runtime={seconds}",
+                    "--time_based", "--name=w", *mix, f"--bs={bs}",
+                    f"--iodepth={qd}", f"--numjobs={jobs}", "--group_reporting"],
+                   seconds)["jobs"][0]
+    return (job["read"]["bw_bytes"] + job["write"]["bw_bytes"],
+            job["read"]["total_ios"] + job["write"]["total_ios"])
 
 
 def build_peer(work: str) -> str | None:
@@ -238,6 +250,8 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iod
                                     os.path.join(work, f"{backend}{workers}.log"))
                     try:
                         for key, _, rw, bs, qd in load_jobs(iodepth):
+                            if gen.name == "loadgen" and rw not in READS:
+                                continue
                             for numjobs in counts:
                                 if workers not in (1, numjobs):
                                     continue

@@ -1,8 +1,11 @@
 /* A peer for tests/fs/bench_workers.py: one file "n1" of RAM served by libfuse's low-level API
  * with T threads (T = 1: fuse_session_loop; T > 1: fuse_session_loop_mt, each thread on a cloned
- * /dev/fuse descriptor).  It shows what more serving threads buy on this host and kernel when the
- * server is native code: the ceiling the FUSE workers are measured against.  Not part of the
- * product (which has no C on its command path); the bench builds it with gcc at run time.
+ * /dev/fuse descriptor); writes land in the same RAM (libfuse 3.14 cannot ask for the kernel's
+ * parallel direct writes, which ours asks for: the kernel takes the file's inode lock
+ * exclusively for each of its direct writes, shared for ours).  It shows what more serving
+ * threads buy on this host and kernel when the server is native code: the ceiling the FUSE
+ * workers are measured against.  Not part of the product (which has no C on its command
+ * path); the bench builds it with gcc at run time.
  *
  *   peer_fuse_ram MOUNTPOINT SIZE_MIB THREADS      (runs in the foreground until unmounted)
  */
@@ -76,6 +79,20 @@ static void op_read(fuse_req_t req, fuse_ino_t ino, size_t n, off_t off,
     fuse_reply_buf(req, data + off, n);
 }
 
+static void op_write(fuse_req_t req, fuse_ino_t ino, const char *buf, size_t n, off_t off,
+                     struct fuse_file_info *fi) {
+    (void)ino;
+    (void)fi;
+    if ((size_t)off >= size) {
+        fuse_reply_err(req, ENOSPC);
+        return;
+    }
+    if (n > size - (size_t)off)
+        n = size - (size_t)off;
+    memcpy(data + off, buf, n); /* no range lock: the native ceiling, not a like-for-like */
+    fuse_reply_write(req, n);
+}
+
 static void op_init(void *userdata, struct fuse_conn_info *conn) {
     (void)userdata;
     conn->max_background = 32 * threads; /* as ours: 32 in flight per serving process */
@@ -84,6 +101,7 @@ static void op_init(void *userdata, struct fuse_conn_info *conn) {
 
 static const struct fuse_lowlevel_ops ops = {
     .init = op_init, .lookup = op_lookup, .getattr = op_getattr, .open = op_open, .read = op_read,
+    .write = op_write,
 };
 
 int main(int argc, char **argv) {

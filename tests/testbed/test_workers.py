@@ -1,11 +1,12 @@
 """FUSE workers against the real target: writes racing across processes, a worker killed.
 
 A mount with ``--workers 2`` (the main process and one worker process, each on queues of its
-own) over RDMA, then NVMe/TCP.  Writers in both, and a companion client beside them, write
-byte stripes that share LBAs: every one of them must hold the same range lock, or a
-read-modify-write torn by another process loses bytes; the model is that each byte is its
-owner's.  Then a worker killed with SIGKILL under load: the requests it held fail (the kernel
-ends them), nothing hangs, another takes its place on the same queue IDs.
+own) over RDMA, then NVMe/TCP.  Writers in both (O_DIRECT, 1,500 writes in all), and a
+companion client beside them, write byte stripes that share LBAs: every one of them must
+hold the same range lock, or a read-modify-write torn by another process loses bytes; the
+model is that each byte is its owner's.  Then a worker killed with SIGKILL under load: the
+requests it held fail (the kernel ends them), nothing hangs, another takes its place on the
+same queue IDs.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from kernel_initiator import connected, pread_direct
 from test_fs import TIMEOUT, mount_args, sh, wait_for_workers
 
 MNT = "/tmp/nvmeof-test-workers"
-STRIPE, STRIPES, BASE = 700, 300, 60 << 20  # 700 B stripes from 60 MiB into n1 (512 B LBAs)
+STRIPE, STRIPES, BASE = 700, 1500, 60 << 20  # 700 B stripes from 60 MiB into n1 (512 B LBAs)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +71,8 @@ def test_writes_racing_across_workers_and_a_companion_client_never_tear(fabric, 
         return order
 
     def fuse_writer(w: int) -> None:
-        try:
-            fd = os.open(path, os.O_WRONLY)
+        try:  # O_DIRECT: 700-byte writes as they are (buffered ones come as whole pages)
+            fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
             try:
                 for i in mine(w):
                     os.pwrite(fd, expected(i), BASE + i * STRIPE)

@@ -1,10 +1,9 @@
-"""A FUSE worker's filesystem (workers/fs.py): its writes under the main process's range
-lock, what it forwards (reports, namespaces it does not know, all I/O while its queues are
-not live), and the sizes of a rescan; over RAM, without FUSE."""
+"""A FUSE worker's filesystem (workers/fs.py): its writes under the mount's range locks
+across processes, what it forwards (reports, namespaces it does not know, all I/O while its
+queues are not live), and the sizes of a rescan; over RAM, without FUSE."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
 from types import SimpleNamespace
 
@@ -16,6 +15,7 @@ from ramdisk import ram_controller
 from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import GENERATION_MAX, pack_fh
 from nvmeof_fuse.fs.wire import FUSEError
+from nvmeof_fuse.host.namespace.sharedranges import NSID_SHIFT, SharedRanges, share_range_locks
 from nvmeof_fuse.workers.fs import WorkerFS
 from nvmeof_fuse.workers.messages import FORWARD_CHUNK
 
@@ -29,25 +29,27 @@ def _worker_fs(ctrl, locks, forwarded):
         forwarded.append(("write", fh, off, len(data)))
         return len(data)
 
-    @contextlib.asynccontextmanager
-    async def write_lock(nsid, off, length):
-        locks.append((nsid, off, length))
-        yield
+    class Recording(SharedRanges):
+        def try_lock(self, units):
+            locks.append(units)
+            return super().try_lock(units)
 
+    share_range_locks(ctrl, Recording.create(5.0))
     return WorkerFS(ctrl, MountOptions(), forward_read=forward_read,
-                    forward_write=forward_write, write_lock=write_lock)
+                    forward_write=forward_write)
 
 
-def test_a_worker_writes_under_the_main_processes_range_lock():
+def test_a_worker_writes_under_the_mounts_range_locks_across_processes():
     ctrl = ram_controller((1, 512, 64))
     locks, forwarded = [], []
     fs = _worker_fs(ctrl, locks, forwarded)
 
     async def main():
         fh = pack_fh(1, 1, True)
-        assert not fs.start_write(fh, 0, memoryview(b"x" * 512), lambda ok: None)
         assert await fs.write(fh, 100, b"a" * 1000) == 1000
-        assert locks == [(1, 100, 1000)]
+        base = 1 << NSID_SHIFT  # n1's LBAs 0 and 2 read-modify-written, LBA 1 whole
+        assert locks == [[(base, base + 1, True), (base + 1, base + 2, False),
+                          (base + 2, base + 3, True)]]
         assert bytes(await fs.read(fh, 100, 1000)) == b"a" * 1000
         assert await fs.write(fh, 64 * 512 - 10, b"b" * 100) == 10  # cut at the end
         with pytest.raises(FUSEError) as read_only:

@@ -1,5 +1,5 @@
 """A FUSE worker process's side (workers/worker.py): its lease, its own queues under the
-main process's range lock, and the sizes of a rescan, over the real companion socket."""
+mount's range locks across processes, and the sizes of a rescan, over the real companion socket."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from types import SimpleNamespace
 
 import trio
 import trio.testing
-from companion_fakes import LeasingController, serving, wait_for
+from companion_fakes import LeasingController, serving
 from workers_fakes import worker_of, workers_role
 
 from nvmeof_fuse.fs.mount_options import MountOptions
 from nvmeof_fuse.fs.operations import pack_fh
+from nvmeof_fuse.host.namespace.sharedranges import SharedRanges, share_range_locks
 from nvmeof_fuse.workers.fs import WorkerFS
 from nvmeof_fuse.workers.supervisor import FuseWorkers
 
@@ -51,9 +52,11 @@ def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
 
 
 
-def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons_lock(tmp_path):
+def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_shared_locks(tmp_path):
     """A worker's side over the fake fabric: its lease, its own queues and bounce pool of
-    whole transfers, and each write under the daemon's range lock (none held after)."""
+    whole transfers, and each write under the mount's range locks across processes, taken
+    without a message to the main process (none held after; the namespace marked
+    written for the main process's flush)."""
     from companion_fakes import FakeFabric
 
     from nvmeof_fuse.companion.client.lease import lease_from, options_from
@@ -73,21 +76,24 @@ def test_a_worker_serves_reads_and_writes_on_its_leased_queues_under_the_daemons
 
             async with attach(options, lease_source, fabric(options), bounce_buffers=4) as own:
                 assert own.bounce.chunk >= own.max_transfer
-                fs = WorkerFS(own, MountOptions(), forward_read=None, forward_write=None,
-                              write_lock=worker._write_lock)
+                share_range_locks(own, ranges)
+                fs = WorkerFS(own, MountOptions(), forward_read=None, forward_write=None)
                 data = bytes(range(256)) * 40  # 10,240 bytes, unaligned at both ends
                 assert await fs.write(pack_fh(1, 2, True), 1000, data) == len(data)
                 assert bytes(await fs.read(pack_fh(2, 2, False), 1000, len(data))) == data
                 assert bytes(await fs.read(pack_fh(3, 1, False), 0, 1 << 20)) == \
                     bytes(ctrl.disks[1][:1 << 20])
 
+        ranges = SharedRanges.create(5.0)
         try:
             trio.run(main)
         finally:
             worker.channel.close()
         assert bytes(ctrl.disks[2][1000:1000 + 10240]) == bytes(range(256)) * 40
         assert set(fabric.connects) == {6} and {q for _, q in fabric.commands} == {6}
-        assert wait_for(lambda: not server._locked)  # every write lock given back
+        assert server.stats.requests == 1  # the lease only: no lock asked for
+        assert ranges.written(2) and not ranges.written(1)
+        assert ranges.try_lock([(0, 1 << 63 - 1, True)]) is not None  # every lock let go
 
 
 def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their_io(tmp_path):
@@ -126,7 +132,7 @@ def test_past_the_bound_a_workers_lease_names_no_namespace_and_it_forwards_their
             async with attach(options, lease_source, fabric(options), bounce_buffers=4) as own:
                 assert own.namespaces == {}
                 fs = WorkerFS(own, MountOptions(), forward_read=forward_read,
-                              forward_write=forward_write, write_lock=worker._write_lock)
+                              forward_write=forward_write)
                 assert await fs.read(pack_fh(2, 7, False), 0, 512) == b"r" * 512
                 assert await fs.write(pack_fh(3, count, True), 512, b"w" * 512) == 512
                 assert forwarded == [("read", pack_fh(2, 7, False)),

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import trio
 
+from ...errors import NVMeoFError
 from ..protocol import MAX_NAMED_NAMESPACES
 
 if TYPE_CHECKING:
@@ -118,15 +119,20 @@ class Delegations:
 
     async def _hold(self, ns: Any, d: Delegation) -> None:
         lock = ns.write_lock
-        # Checked again (others ran while this task started); with none queued, acquire
-        # grants at once, without a checkpoint.
-        if self.files_open(d.nsid) or len(lock) or d.session.ended:
+        # Checked again (others ran while this task started); with none queued here, only
+        # another process of the mount (a FUSE worker's write) can hold a range: refused.
+        held = None
+        if not (self.files_open(d.nsid) or len(lock) or d.session.ended):
+            try:
+                held = lock.try_acquire([(0, ns.nlb, True)])
+            except NVMeoFError as exc:  # the kernel refused the lock: no delegation
+                log.warning("companion: no delegation of n%d: %s", d.nsid, exc)
+        if held is None:
             del self._by_nsid[d.nsid]
             d.settled.set()
             d.done.set()
             return
         lock.on_wait = lambda: self.recall(d.nsid)
-        held = await lock.acquire([(0, ns.nlb, True)])
         d.session.write_locks[d.token] = d.release  # released with the client's other locks
         d.active = True
         self.granted += 1

@@ -98,7 +98,6 @@ class CompanionServer:
         # which the write went around.
         self.on_write: Callable[[int, int, int], Awaitable[None]] | None = None
         self._locked: dict[trio.Event, tuple[int, int, int]] = {}  # lock -> nsid, its bytes
-        self._keep_cache: set[trio.Event] = set()  # locks of writes the page cache saw
         self.delegations = Delegations(self._written)
 
     def info(self) -> dict[str, Any]:
@@ -336,8 +335,7 @@ class CompanionServer:
         if op == "lock":
             return await self.lock(session, f(header, "nsid"), f(header, "offset"),
                                    f(header, "length"), f(header, "hold_s"),
-                                   delegate=header.get("delegate") is True,
-                                   keep_cache=header.get("keep_cache") is True)
+                                   delegate=header.get("delegate") is True)
         if op == "unlock":
             session.report(header.get("moved") or {})
             await self.unlock(session, f(header, "token"), f(header, "nsid"))
@@ -596,15 +594,13 @@ class CompanionServer:
         return found
 
     async def lock(self, session: ClientSession, nsid: int, offset: int, length: int,
-                   timeout: float, delegate: bool = False,
-                   keep_cache: bool = False) -> dict[str, Any]:
+                   timeout: float, delegate: bool = False) -> dict[str, Any]:
         """Hold the range lock of a write the client makes on its own queues: its token.
 
         Held until :meth:`unlock`, the client's end, or ``timeout`` plus a grace.  With
         ``delegate``, the whole namespace instead when nobody else uses it (``delegated``
-        in the reply; :mod:`~nvmeof_fuse.companion.server.delegations`).  ``keep_cache``: a
-        write the kernel's page cache saw, a FUSE request's (its pages stay, and are locked
-        while the write runs: dropping them would wait for the write).
+        in the reply; :mod:`~nvmeof_fuse.companion.server.delegations`).  (FUSE workers
+        take their locks themselves: :mod:`~nvmeof_fuse.host.namespace.sharedranges`.)
         """
         if self.read_only:
             raise ReadOnly("the namespace is mounted read-only")
@@ -631,7 +627,6 @@ class CompanionServer:
                         await release.wait()
                     finally:
                         self._locked.pop(release, None)
-                        self._keep_cache.discard(release)
             if held.cancelled_caught:
                 log.warning("companion: %s held a write lock on n%d for over %g s; released",
                             session.peer, nsid, limit)
@@ -643,8 +638,6 @@ class CompanionServer:
                 raise NoLease("the client went away while waiting for a write lock")
             session.next_token += 1
             session.write_locks[session.next_token] = release
-            if keep_cache:
-                self._keep_cache.add(release)
             return {"token": session.next_token}
         raise NoLease("the client went away while waiting for a write lock")
 
@@ -659,8 +652,7 @@ class CompanionServer:
         if release is None:
             raise InvalidArgument(f"write lock {token} is not held")
         try:
-            if release not in self._keep_cache:
-                await self._written(*self._locked.get(release, (nsid, 0, 0)))
+            await self._written(*self._locked.get(release, (nsid, 0, 0)))
         finally:
             release.set()
 

@@ -77,6 +77,7 @@ from ..identity import namespace_identity, replaced_line
 from ..logread import read_whole
 from ..memory import BouncePool, DataRef, Region, buffer_address, host_buffer
 from ..namespace import Namespace
+from ..namespace.sharedranges import SharedRanges
 from ..state import DEAD, DELETING, LIVE
 from ..topology.pcie import Distance
 from ..topology.sysfs import Topology
@@ -129,6 +130,9 @@ class MultipathController:
         self._next_index = 0
         self.nqn = ""
         self.namespaces: dict[int, Namespace] = {}
+        self.shared_ranges: SharedRanges | None = None
+        """The mount's range locks across its processes (FUSE workers), which its
+        namespaces' writes take (:func:`~.namespace.sharedranges.share_range_locks`)."""
         self.ids: dict[int, NamespaceIdentity] = {}
         """The identity of each namespace the mount serves (the first path's, at first)."""
         self.controller_identity: nvme.IdentifyController | None = None  # the first path's

@@ -30,6 +30,7 @@ from ..io import CommandIssuer
 from ..memory import DataRef
 from .byterange import ByteRangeIO, Edge, LbaIO
 from .rangelock import LbaRangeLock
+from .sharedranges import NamespaceRanges, SharedRanges
 from .stats import IoStats
 
 UNAVAILABLE_LBA_SIZE = 512
@@ -89,6 +90,17 @@ class Namespace:
         lbas.refusal = self._refusal
         self._bytes = ByteRangeIO(lbas, stats)
         self._io_built = True
+        ranges = getattr(self.controller, "shared_ranges", None)
+        if ranges is not None:
+            self.share_locks(ranges)
+
+    def share_locks(self, ranges: SharedRanges) -> None:
+        """Let this namespace's writes take ``ranges``' locks too (the mount's other
+        processes write it: :mod:`.sharedranges`); a namespace whose I/O is not built yet
+        takes them as it is built."""
+        if self._io_built:
+            lbas = self.lbas
+            self._bytes.lock.shared = NamespaceRanges(ranges, self.nsid, lambda: lbas.nlb)
 
     def _take(self, identify: nvme.IdentifyNamespace) -> None:
         """Size and format from ``identify``; one we cannot serve leaves the namespace
@@ -153,8 +165,12 @@ class Namespace:
         """Whether anything was written to the namespace since its last :meth:`flush` began
         (what the final flush at unmount flushes).  Every write holds the namespace's range
         lock, whose release says so (:attr:`LbaRangeLock.written`), and so do the writes
-        here that take no lock: the write path pays one attribute store."""
-        return self._io_built and self._bytes.lock.written
+        here that take no lock: the write path pays one attribute store.  In a mount of
+        several processes, any of them (:mod:`.sharedranges`)."""
+        if self._io_built and self._bytes.lock.written:
+            return True
+        ranges = getattr(self.controller, "shared_ranges", None)
+        return ranges is not None and ranges.written(self.nsid)
 
     @property
     def io_stats(self) -> IoStats | None:
@@ -163,7 +179,10 @@ class Namespace:
         return self.stats if self._io_built else None
 
     def _wrote(self) -> None:
-        self._bytes.lock.written = True
+        lock = self._bytes.lock
+        lock.written = True
+        if lock.shared is not None:
+            lock.shared.written = True
 
     # -- whole LBAs (LbaIO) ----------------------------------------------------------------------
 
@@ -252,13 +271,18 @@ class Namespace:
         if isinstance(refusal, NamespaceRemoved):  # or replaced: its own error
             raise type(refusal)(*refusal.args)
         lock = self._bytes.lock if self._io_built else None
+        ranges = getattr(self.controller, "shared_ranges", None)
         if lock is not None:
             lock.written = False
+        if ranges is not None:
+            ranges.clear_written(self.nsid)
         try:
             await self.controller.io_command(cmd.flush(self.nsid))
         except BaseException:
             if lock is not None:
                 lock.written = True
+            if ranges is not None:
+                ranges.mark_written(self.nsid)
             raise
 
     async def write_zeroes(self, slba: int, nlb: int, deallocate: bool = False) -> None:

@@ -2,21 +2,28 @@
 of a namespace holds (:mod:`nvmeof_fuse.host.namespace.byterange` says which parts, and why).
 
 Requests are granted in arrival order (a request waits only for earlier
-conflicting ones), which is deadlock- and starvation-free.
+conflicting ones), which is deadlock- and starvation-free.  In a mount of several processes
+(FUSE workers) a granted request also takes the same LBAs in the kernel's locks of the
+mount (:attr:`LbaRangeLock.shared`, :mod:`.sharedranges`), which exclude the other
+processes' writes without a message to any of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 import trio
+
+if TYPE_CHECKING:
+    from .sharedranges import Held, NamespaceRanges
 
 
 class _Request:
     """One holder (or waiter) of the lock; ``event`` exists only while it has to wait."""
 
-    __slots__ = ("parts", "exclusive", "granted", "event")
+    __slots__ = ("parts", "exclusive", "granted", "event", "held")
 
     def __init__(self, parts: list[tuple[int, int, bool]]) -> None:
         self.parts = parts  # (first LBA, end LBA, exclusive)
@@ -27,6 +34,7 @@ class _Request:
                 break
         self.granted = False
         self.event: trio.Event | None = None
+        self.held: Held | None = None  # its locks in the mount's shared file, if any
 
     def conflicts(self, other: _Request) -> bool:
         return any(
@@ -52,7 +60,11 @@ class LbaRangeLock:
         """Called when a request has to wait (a holder may then be asked to let go)."""
         self.written = False
         """Set by every release: the namespace's writes each hold the lock until they end,
-        so this says whether one ended since its owner last cleared it (at a flush)."""
+        so this says whether one ended since its owner last cleared it (at a flush).  (With
+        :attr:`shared`, its ``written`` says so for every process of the mount.)"""
+        self.shared: NamespaceRanges | None = None
+        """The namespace's locks across the mount's processes, which every request granted
+        here takes too (None: this process is the mount's only writer)."""
 
     def __len__(self) -> int:
         return len(self._queue)
@@ -73,6 +85,11 @@ class LbaRangeLock:
         # (with no exclusive part queued or asked for, nothing can conflict)
         if (req.exclusive or self._exclusive) and any(req.conflicts(e) for e in queue):
             return None
+        shared = self.shared
+        if shared is not None:
+            req.held = shared.try_lock(parts)
+            if req.held is None:
+                return None
         if req.exclusive:
             self._exclusive += 1
         req.granted = True
@@ -88,11 +105,15 @@ class LbaRangeLock:
         elif not self._exclusive:  # nothing queued can conflict with shared parts
             req.granted = True
             queue.append(req)
-            return req
+            if self.shared is None or self._took_shared(req):
+                return req
+            return await self._wait_shared(req)
         queue.append(req)
         if not any(req.conflicts(earlier) for earlier in queue[:-1]):
             req.granted = True
-            return req
+            if self.shared is None or self._took_shared(req):
+                return req
+            return await self._wait_shared(req)
         req.event = trio.Event()
         self._waiting += 1
         try:
@@ -102,10 +123,38 @@ class LbaRangeLock:
         except BaseException:
             self.release(req)  # cancelled while waiting (or granted as it was cancelled)
             raise
+        if self.shared is None or self._took_shared(req):
+            return req
+        return await self._wait_shared(req)
+
+    def _took_shared(self, req: _Request) -> bool:
+        """Whether the granted ``req`` took its LBAs from the other processes too at once
+        (the common case: nobody else holds them)."""
+        assert self.shared is not None
+        try:
+            req.held = self.shared.try_lock(req.parts)
+        except BaseException:  # the kernel refused (a one-line error): nothing held
+            self.release(req)
+            raise
+        return req.held is not None
+
+    async def _wait_shared(self, req: _Request) -> _Request:
+        """Wait for the other processes to let go of the granted ``req``'s LBAs (bounded:
+        :class:`~.sharedranges.RangeLockTimeout`), or release it and raise."""
+        assert self.shared is not None
+        try:
+            req.held = await self.shared.lock(req.parts)
+        except BaseException:
+            self.release(req)
+            raise
         return req
 
     def release(self, req: _Request) -> None:
         self.written = True
+        if req.held is not None:
+            assert self.shared is not None
+            held, req.held = req.held, None
+            self.shared.unlock(held)
         self._queue.remove(req)
         if req.exclusive:
             self._exclusive -= 1

@@ -236,3 +236,36 @@ def test_a_session_holds_a_bounded_number_of_delegations_then_takes_range_locks(
                            delegate=True).get("delegated")
         finally:
             ch.close()
+
+
+def test_no_delegation_while_another_process_of_the_mount_holds_a_range():
+    """A FUSE worker's write holds its range in the kernel's locks only: the daemon sees
+    none queued in its own lock, and still refuses the whole namespace."""
+    from nvmeof_fuse.host.namespace.sharedranges import NamespaceRanges, SharedRanges
+
+    ranges = SharedRanges.create(5.0)
+    lock = LbaRangeLock()
+    lock.shared = NamespaceRanges(ranges, 1, lambda: 8)
+    worker = LbaRangeLock()  # as a worker process's, on the same file
+    worker.shared = NamespaceRanges(ranges, 1, lambda: 8)
+    delegations = Delegations(lambda nsid: trio.lowlevel.checkpoint())
+    session = SimpleNamespace(nursery=None, ended=False, next_token=0, write_locks={},
+                              notify=None, peer="pid 1")
+    ns = SimpleNamespace(write_lock=lock, nlb=8)
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            session.nursery = nursery
+            held = worker.try_acquire([(3, 4, True)])
+            assert await delegations.grant(session, ns, 1, 5.0) is None
+            worker.release(held)
+            token = await delegations.grant(session, ns, 1, 5.0)
+            assert token is not None
+            assert worker.try_acquire([(0, 1, False)]) is None  # the delegation holds all
+            await delegations.hand_back(delegations.of(session, token))
+        assert len(lock) == 0
+
+    try:
+        trio.run(main)
+    finally:
+        ranges.close()

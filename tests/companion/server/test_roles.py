@@ -85,27 +85,6 @@ def test_without_workers_no_process_leases_as_one(tmp_path):
             ch.close()
 
 
-def test_a_workers_write_lock_leaves_the_kernels_pages_alone(tmp_path):
-    """A FUSE write's pages are locked while it runs: dropping them would wait for it."""
-    with serving(LeasingController(), tmp_path) as (server, _):
-        dropped = []
-
-        async def drop(nsid, offset, length):
-            dropped.append((nsid, offset, length))
-
-        server.on_write = drop
-        ch = channel(server)
-        try:
-            token = ch.call("lock", nsid=1, offset=0, length=512, hold_s=5,
-                            keep_cache=True)["token"]
-            ch.call("unlock", token=token, nsid=1)
-            token = ch.call("lock", nsid=1, offset=512, length=512, hold_s=5)["token"]
-            ch.call("unlock", token=token, nsid=1)
-            assert dropped == [(1, 512, 512)]  # only the companion client's write
-        finally:
-            ch.close()
-
-
 def test_forwarded_fuse_requests_get_their_bytes_back_and_reports_show_each_worker(tmp_path):
     seen = []
 

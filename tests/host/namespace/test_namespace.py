@@ -1,5 +1,6 @@
 """Namespace I/O over a fake controller: splitting, range checks and bounce-buffered round trips."""
 
+import os
 import random
 from types import SimpleNamespace
 
@@ -623,3 +624,27 @@ def test_a_failed_flush_leaves_the_namespace_written():
     with pytest.raises(TransportError):
         trio.run(ns.flush)
     assert ns.written
+
+
+def test_with_the_mounts_shared_ranges_a_write_in_another_process_marks_it_written():
+    """A namespace another process of the mount wrote counts as written here (built or not:
+    the final flush flushes it); its flush clears that for every process, and a failed
+    flush sets it again."""
+    from nvmeof_fuse.host.namespace.sharedranges import SharedRanges, share_range_locks
+
+    ns = namespace()
+    ranges = SharedRanges.create(5.0)
+    other = SharedRanges(os.open(f"/proc/self/fd/{ranges.fd}", os.O_RDWR), 5.0)
+    try:
+        ns.controller.namespaces = {1: ns}
+        share_range_locks(ns.controller, ranges)
+        assert not ns.written
+        other.mark_written(1)  # a worker's write of n1 ended
+        assert ns.written and ns.io_stats is None
+        trio.run(ns.flush)
+        assert not ns.written and not other.written(1)
+        trio.run(ns.write, 100, b"x" * 10)  # built after sharing: takes the shared locks
+        assert ns.write_lock.shared is not None and other.written(1)
+    finally:
+        other.close()
+        ranges.close()
