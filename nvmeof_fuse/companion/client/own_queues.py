@@ -161,11 +161,15 @@ class DirectQueues:
             try:
                 async with trio.open_nursery() as nursery:
                     self.writes.nursery = nursery
-                    nursery.start_soon(self._report_now_and_then)
-                    yield ctrl
-                    nursery.cancel_scope.cancel()
+                    try:
+                        nursery.start_soon(self._report_now_and_then)
+                        yield ctrl
+                        nursery.cancel_scope.cancel()
+                    finally:  # before the nursery closes: a recall heard while its tasks
+                        # end (a callback may run between its closing and our resuming)
+                        # starts nothing; the daemon takes the delegation back as we go
+                        self.writes.nursery = None
             finally:
-                self.writes.nursery = None
                 self._channel.on_event = None
                 for ended in self._at_loop_end:
                     ended()

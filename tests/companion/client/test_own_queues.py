@@ -417,6 +417,32 @@ def test_writes_under_a_delegation_ask_the_daemon_once_and_a_recall_is_answered(
         assert bytes(disk[at:at + 10_000]) == bytes(bufs[i]), i
 
 
+def test_a_recall_heard_while_the_file_closes_starts_nothing_on_its_ended_loop(
+        served, monkeypatch):
+    """A recall reaches the loop as the File's tasks end (CI, 2026-12-06: handed back on a
+    nursery closed meanwhile, it raised in a callback and trio's run ended in
+    TrioInternalError).  The last task to end hears one; trio runs that callback before or
+    after the File's loop resumes, at random: several closes try both orders."""
+    ctrl, fabric, server, mnt = served
+
+    async def reporting_then_recalled(self) -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            for nsid, held in list(self.writes.delegated.items()):
+                self._channel.on_event({"event": "recall", "nsid": nsid,
+                                        "token": held.token})
+
+    monkeypatch.setattr(direct.DirectQueues, "_report_now_and_then", reporting_then_recalled)
+    buf = nvmeof_fuse.empty(10_000)
+    for round_ in range(6):
+        buf[:] = round_
+        with File(str(mnt / "n2")) as f:
+            assert f.write(buf, file_offset=100) == 10_000
+            assert f.stats()["delegations_granted"] == round_ + 1  # (the daemon's count)
+        assert bytes(ctrl.disks[2][100:10_100]) == bytes(buf)
+
+
 def _count_lock_asks(server, monkeypatch) -> list:
     asked: list = []
     lock = server.lock
