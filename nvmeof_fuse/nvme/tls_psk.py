@@ -154,15 +154,20 @@ def _hkdf(hash_id: PskHash, ikm: bytes, info: bytes, length: int) -> bytes:
     """HKDF-Extract with the zero salt, then HKDF-Expand (OpenSSL's EVP_PKEY_HKDF default)."""
     name = HASH_NAMES[hash_id]
     prk = hmac.new(bytes(HASH_LENGTHS[hash_id]), ikm, name).digest()
+    return hkdf_expand(prk, info, length, name)
+
+
+def hkdf_expand(prk: bytes, info: bytes, length: int, hash_name: str) -> bytes:
+    """HKDF-Expand (RFC 5869) of ``prk`` with ``info``, ``length`` bytes, by ``hash_name``."""
     out, block, counter = b"", b"", 1
     while len(out) < length:
-        block = hmac.new(prk, block + info + bytes([counter]), name).digest()
+        block = hmac.new(prk, block + info + bytes([counter]), hash_name).digest()
         out += block
         counter += 1
     return out[:length]
 
 
-def _hkdf_label(length: int, label: str, context: bytes) -> bytes:
+def hkdf_label(length: int, label: str, context: bytes) -> bytes:
     """``HkdfLabel``: length (big-endian 16 bits), then "tls13 " + label and the context,
     each after a length byte."""
     full = b"tls13 " + label.encode()
@@ -203,7 +208,7 @@ def retained_psk(configured: ConfiguredPsk, hostnqn: str, *, compat: bool = Fals
         return configured.key
     length = len(configured.key)
     info = (_compat_info(length, "HostNQN", host) if compat
-            else _hkdf_label(length, "HostNQN", host))
+            else hkdf_label(length, "HostNQN", host))
     return _hkdf(configured.hash_id, configured.key, info, length)
 
 
@@ -245,7 +250,7 @@ def tls_psk(retained: bytes, cipher: PskHash, version: int, context: str, *,
     length = len(retained)
     try:
         info = (_compat_info(length, "nvme-tls-psk", ctx) if compat
-                else _hkdf_label(length, "nvme-tls-psk", ctx))
+                else hkdf_label(length, "nvme-tls-psk", ctx))
     except ValueError:
         limit = MAX_COMPAT_CONTEXT if compat else MAX_HKDF_CONTEXT
         raise ValueError(f"the PSK identity is {len(ctx)} bytes; version {version}'s TLS PSK "

@@ -14,9 +14,10 @@ Every length from the wire is checked against RFC 8446's bounds before it is use
 
 from __future__ import annotations
 
-import hmac
 import struct
 from dataclasses import dataclass, field
+
+from .tls_psk import hkdf_expand, hkdf_label
 
 CHANGE_CIPHER_SPEC, ALERT, HANDSHAKE, APPLICATION_DATA = 20, 21, 22, 23
 LEGACY_VERSION = 0x0303
@@ -66,16 +67,9 @@ class TrafficKeys:
 
 def hkdf_expand_label(secret: bytes, label: str, context: bytes, length: int,
                       hash_name: str) -> bytes:
-    """HKDF-Expand-Label(Secret, Label, Context, Length) of RFC 8446 section 7.1."""
-    full = b"tls13 " + label.encode()
-    info = length.to_bytes(2, "big") + bytes([len(full)]) + full + bytes([len(context)]) \
-        + context
-    out, block, counter = b"", b"", 1
-    while len(out) < length:
-        block = hmac.new(secret, block + info + bytes([counter]), hash_name).digest()
-        out += block
-        counter += 1
-    return out[:length]
+    """HKDF-Expand-Label(Secret, Label, Context, Length) of RFC 8446 section 7.1 (the same
+    HkdfLabel and HKDF-Expand as the PSK derivation's)."""
+    return hkdf_expand(secret, hkdf_label(length, label, context), length, hash_name)
 
 
 def traffic_keys(secret: bytes, suite: str) -> TrafficKeys:
