@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import mmap
 import os
 import subprocess
@@ -59,6 +60,19 @@ def mounted(testbed, transport: str, log: str, workers: int):
         wait_for(lambda: not any(f" {MNT} " in line for line in open("/proc/mounts")), 60)
 
 
+def companion_refuses(file, buf, new: bytes) -> None:
+    """A read of ``file`` (opened on the old namespace) fails with EIO and reads nothing."""
+    from nvmeof_fuse.errors import NVMeoFError
+
+    buf[:] = 0
+    with pytest.raises((NVMeoFError, OSError)) as refused:
+        file.read(buf, SIZE, 0)
+        pytest.fail("the companion File read " + ("the new volume" if buf.tobytes() == new
+                                                  else "something"))
+    assert getattr(refused.value, "errno", None) == errno.EIO, refused.value
+    assert not any(buf.tobytes()), "the companion File got data"
+
+
 def swap_namespace(sub: str, device: str, nguid: str) -> None:
     """Namespace 1 of ``sub`` becomes ``device`` with ``nguid`` (nvmet takes both only
     while the namespace is disabled)."""
@@ -72,10 +86,10 @@ def swap_namespace(sub: str, device: str, nguid: str) -> None:
 @pytest.mark.parametrize(("transport", "workers"), [("rdma", 1), ("tcp", 1), ("rdma", 2)],
                          ids=["rdma", "tcp", "rdma-workers-2"])
 def test_a_volume_swapped_behind_the_nsid_during_an_outage_is_never_served_to_old_handles(
-        testbed, tmp_path, transport, workers):
+        testbed, tmp_path, caplog, transport, workers):
     import nvmeof_fuse
-    from nvmeof_fuse.errors import NVMeoFError
 
+    caplog.set_level(logging.INFO, logger="nvmeof_fuse")  # the File's queues say they are back
     log = str(tmp_path / "daemon.log")
     a, b = os.urandom(SIZE), os.urandom(SIZE)
     with null_blk("identa", 64, 512) as dev_a, null_blk("identb", 64, 512) as dev_b:
@@ -103,11 +117,9 @@ def test_a_volume_swapped_behind_the_nsid_during_an_outage_is_never_served_to_ol
                             pytest.fail(f"the old file read {len(data)} bytes: "
                                         f"{'the new volume' if data == b[:len(data)] else ''}")
                         assert failed.value.errno == errno.EIO
-                    buf[:] = 0
-                    with pytest.raises((NVMeoFError, OSError)) as refused:
-                        file.read(buf, SIZE, 0)
-                    assert getattr(refused.value, "errno", None) == errno.EIO, refused.value
-                    assert not any(buf.tobytes()), "the companion File got data"
+                    companion_refuses(file, buf, b)  # while its own queues reconnect
+                    assert wait_for(lambda: "connected again" in caplog.text, 60), caplog.text
+                    companion_refuses(file, buf, b)  # on them: the polled hot path too
             finally:
                 os.close(old)
             assert wait_for(lambda: os.stat(n1).st_ino != old_inode, 60)

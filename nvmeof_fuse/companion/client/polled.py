@@ -98,7 +98,14 @@ class PolledReads:
                   post: bool) -> PolledRead | None:
         """:meth:`read` of whole LBAs the caller checked: ``nlb`` of them from ``slba`` (at
         ``file_offset``, ``size`` bytes), all on namespace ``nsid``, on one of ``polled``
-        (:meth:`queues`)."""
+        (:meth:`queues`); None once that namespace was replaced or removed.
+
+        The check comes after the caller took ``polled``: the loop forgets a replaced
+        namespace's shape before it hands out the queues of the new connection, so queues
+        taken before the check are old ones (a read there fails and goes to the loop,
+        which refuses it), and none of the new ones ever reads the other namespace."""
+        if nsid not in self.shapes:
+            return None
         # A large read: the less loaded, ties to the first.
         queue = polled[0] if len(polled) == 1 else min(polled, key=lambda q: q.unanswered)
         per = self.per_command[nsid]

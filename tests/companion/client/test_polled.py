@@ -315,6 +315,24 @@ def test_a_freed_arrays_remembered_region_serves_no_later_array(polled_file):
         gc.collect()
 
 
+def test_a_namespace_replaced_since_the_open_is_never_read_on_a_polled_queue(polled_file):
+    """Once the loop heard that another namespace answers behind the NSID (its replaced
+    listener forgets the shape, before the queues of the new connection are handed out),
+    neither the hot path nor a polled read posts anything: the general path refuses them.
+    The hot path once skipped that check, and a File read the new volume (issue #56)."""
+    import nvmeof_fuse
+
+    f, qp, registered, general = polled_file
+    arr = nvmeof_fuse.empty(8192)
+    polled = f._direct.polled
+    queues = polled.queues(4096)  # taken before the replacement: the check comes after
+    polled.shapes.pop(1)  # what DirectQueues' replaced listener does
+    f.pread(arr, 4096, file_offset=4096)
+    assert polled.read(1, None, 0, 4096, 0, None, None) is None
+    assert polled.read_lbas(queues, 1, None, 0, 4096, 0, 0, 1, None, 5.0, True) is None
+    assert len(general) == 1 and not qp.sent and not qp.posts
+
+
 def test_a_blocking_read_takes_the_hot_path_too(polled_file):
     import nvmeof_fuse
 
