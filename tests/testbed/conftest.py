@@ -47,8 +47,6 @@ SLOW_IN_CI = {
         "test_lifecycle.py::test_ctrl_loss_tmo_bounds_the_give_up_while_the_port_is_unlinked",
     "test_reconnect.py::test_fio_verify_writes_at_depth_ride_out_an_outage[rdma]":
         "test_fio_and_companion_clients_ride_out_an_outage[rdma] (fio verify writes at QD16)",
-    "test_identity.py::test_a_volume_swapped_behind_the_nsid_during_an_outage_is_never_"
-    "served_to_old_handles[rdma]": "[rdma-workers-2] and [tcp]",
     "test_workers.py::test_a_worker_killed_under_load_is_replaced_on_its_queue_ids[tcp]":
         "[rdma]; tests/workers/test_workers.py",
     "test_multipath.py::test_a_path_to_another_subsystem_or_namespace_is_refused_in_one_"
