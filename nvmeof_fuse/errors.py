@@ -22,6 +22,12 @@ class ConnectError(NVMeoFError):
     errno = _errno.ENOTCONN
 
 
+class KeyRejected(ConnectError):
+    """The target refused this host's key (a TLS handshake it failed with an alert that says
+    so: it holds no PSK, or another one, for our identity).  The same key fails again, so
+    reconnecting stops, as for the kernel's EKEYREJECTED and a rejected DH-HMAC-CHAP secret."""
+
+
 class DeviceMismatch(ConnectError):
     """A path's queues went through another local device than the one it must use
     (``host_iface``): the message names both."""

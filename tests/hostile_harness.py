@@ -107,6 +107,11 @@ class HostileMount:
                  options: tuple[str, ...]) -> None:
         self.target, self.mountpoint, self.log_path = target, mountpoint, log_path
         self.options = options
+        self.port: int | None = None
+        """The port the daemon connects to: the target's (None), or a front's before it."""
+        self.fronts = contextlib.ExitStack()
+        """What stands between the daemon and the target (a TLS front: tests/hostile/
+        faults_tls.py), closed once the daemon is gone."""
         self.proc: subprocess.Popen | None = None
         self.stragglers: list[subprocess.Popen] = []  # dd's that outran their bound
         self._trio: dict = {}
@@ -143,7 +148,8 @@ class HostileMount:
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "nvmeof_fuse.cli", "mount", "-t", "tcp",
-                 "-a", "127.0.0.1", "-s", str(self.target.port), "-n", nqn, *self.options,
+                 "-a", "127.0.0.1", "-s", str(self.port or self.target.port), "-n", nqn,
+                 *self.options,
                  "--ready-fd", str(wfd), str(self.mountpoint)],
                 pass_fds=(wfd,), stdin=subprocess.DEVNULL, stdout=log, stderr=log)
         os.close(wfd)
@@ -221,6 +227,7 @@ class HostileMount:
         if mounted(self.mountpoint):
             subprocess.run(["fusermount3", "-uz", str(self.mountpoint)], timeout=UNMOUNT_BOUND,
                            check=False)
+        self.fronts.close()
         self.stop_target()
 
 

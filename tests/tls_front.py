@@ -4,20 +4,49 @@ the same ctypes bindings: Python's ssl has no PSK before 3.13) and relays each c
 application data, by OpenSSL's own record layer (SSL_read/SSL_write), to the target's plain
 port.  So the host's userspace record layer is checked against OpenSSL's, not its own.
 
-``stall``: accept connections and never answer (a stalled handshake).  Each connection's
-handshake failure is kept in ``failures``, one line each.
+``stall``: accept connections and never answer (a stalled handshake); it may be set at any
+time, and ``keys`` changed, for the connections after.  Each connection's handshake failure
+is kept in ``failures``, one line each.
+
+:meth:`inject` is a target that breaks TLS in the middle of I/O: in place of a read's data
+(the next chunk from the target of ``min_bytes`` or more: not a keep-alive's answer, nor an
+Identify's 4 KiB) it sends part of a record and closes, or an alert, or a post-handshake
+message (KeyUpdate, NewSessionTicket) that NVMe/TCP never carries.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import os
 import select
 import socket
 import threading
 
+from nvmeof_fuse.nvme import tls_record as rec
+from nvmeof_fuse.transport.tcp import libssl
 from nvmeof_fuse.transport.tcp import tls_handshake as th
 
 RELAY_BYTES = 1 << 16
+INJECTIONS = ("cut mid-record", "close_notify", "KeyUpdate", "NewSessionTicket")
+"""What :meth:`TlsFront.inject` sends in place of a read's data."""
+POST_HANDSHAKE = {"KeyUpdate": ("SSL_key_update", [ctypes.c_void_p, ctypes.c_int]),
+                  "NewSessionTicket": ("SSL_new_session_ticket", [ctypes.c_void_p])}
+"""The libssl calls that queue a post-handshake message (the product binds neither)."""
+SSL_KEY_UPDATE_NOT_REQUESTED = 0
+
+
+def post_handshake_call(what: str):
+    """libssl's call that queues ``what`` (a KeyUpdate, a NewSessionTicket), bound; None
+    where this libssl lacks it."""
+    lib, _ = libssl.libs()
+    name, argtypes = POST_HANDSHAKE[what]
+    fn = getattr(lib, name, None)
+    if fn is None or not hasattr(lib, "SSL_do_handshake"):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    lib.SSL_do_handshake.argtypes, lib.SSL_do_handshake.restype = [ctypes.c_void_p], ctypes.c_int
+    return fn
 
 
 class TlsFront:
@@ -38,6 +67,11 @@ class TlsFront:
         self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
         self._alert = False
+        self._injection: str | None = None
+        self._injections_left: int | None = 0
+        self._inject_min = 0
+        self.injected: list[str] = []
+        """What :meth:`inject` sent, one entry each time."""
 
     def __enter__(self) -> TlsFront:
         thread = threading.Thread(target=self._accept, daemon=True)
@@ -66,6 +100,47 @@ class TlsFront:
         """Have every live connection send a close_notify alert (an alert mid-stream), from
         its own relay thread (an SSL object is not for two threads at once)."""
         self._alert = True
+
+    def inject(self, what: str, *, times: int | None = 1, min_bytes: int = 8192) -> None:
+        """From now on, in place of the next ``times`` chunks (None: every one) of
+        ``min_bytes`` or more that the target sends a host: ``what`` (:data:`INJECTIONS`).
+        "cut mid-record" sends a record's header and part of its body, then closes;
+        "close_notify" sends that alert and closes; "KeyUpdate" and "NewSessionTicket" send
+        that message (a record of type handshake), then relay on."""
+        if what not in INJECTIONS:
+            raise ValueError(f"no injection {what!r}: one of {', '.join(INJECTIONS)}")
+        with self._lock:
+            self._injection, self._injections_left, self._inject_min = what, times, min_bytes
+
+    def _take_injection(self, size: int) -> str | None:
+        """The injection due in place of a chunk of ``size`` bytes, if any (counted)."""
+        with self._lock:
+            what = self._injection
+            if what is None or size < self._inject_min or self._injections_left == 0:
+                return None
+            if self._injections_left is not None:
+                self._injections_left -= 1
+            self.injected.append(what)
+            return what
+
+    def _inject(self, what: str, sock, conn) -> bool:
+        """Send ``what`` on a relayed connection (its relay thread); whether the relay goes
+        on after it."""
+        if what == "cut mid-record":
+            whole = rec.MAX_CIPHERTEXT
+            sock.sendall(bytes([rec.APPLICATION_DATA, 3, 3]) + whole.to_bytes(2, "big")
+                         + os.urandom(whole // 3))
+            return False
+        if what == "close_notify":
+            conn.close_notify()
+            return False
+        fn = post_handshake_call(what)
+        lib, _ = libssl.libs()
+        args = (SSL_KEY_UPDATE_NOT_REQUESTED,) if what == "KeyUpdate" else ()
+        if fn is None or fn(conn._ssl, *args) != 1 or lib.SSL_do_handshake(conn._ssl) != 1:
+            self.failures.append(f"libssl did not send a {what}: {libssl.last_error()}")
+            return False
+        return True
 
     def _accept(self) -> None:
         while not self._closing:
@@ -130,6 +205,9 @@ class TlsFront:
             if backend.fileno() in ready:
                 data = backend.recv(RELAY_BYTES)
                 if not data:
+                    return
+                what = self._take_injection(len(data))
+                if what is not None and not self._inject(what, sock, conn):
                     return
                 conn.write(data)
             if self._closing:

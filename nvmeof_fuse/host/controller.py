@@ -687,10 +687,12 @@ class Controller:
                                        f"try had (--ctrl-loss-tmo {opts.ctrl_loss_tmo:g})")
             except Exception as exc:  # noqa: BLE001 - any failure here means: try again later
                 what = exc if isinstance(exc, NVMeoFError) else f"{type(exc).__name__}: {exc}"
-                self._reconnects_failing.failed(logging.WARNING, "reconnect %d to %s failed: %s",
-                                                tried, opts.nqn, what)
+                final = final_failure(exc)  # DNR, or a rejected secret: as nvmf_should_reconnect
+                if not final:  # (a final one is named once, in the line that ends reconnecting)
+                    self._reconnects_failing.failed(logging.WARNING, "reconnect %d to %s "
+                                                    "failed: %s", tried, opts.nqn, what)
                 await self._drop_queues()
-                if final_failure(exc):  # DNR, or a rejected secret: as nvmf_should_reconnect
+                if final:
                     refused = f"; stopped reconnecting: {what}"
                     break
                 continue

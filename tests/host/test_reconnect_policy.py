@@ -1,10 +1,11 @@
-"""When reconnecting stops before --ctrl-loss-tmo: DNR and rejected secrets, as the kernel."""
+"""When reconnecting stops before --ctrl-loss-tmo: DNR and rejected secrets or TLS PSKs, as the
+kernel."""
 
 from __future__ import annotations
 
 import pytest
 
-from nvmeof_fuse.errors import ConnectError, TransportError
+from nvmeof_fuse.errors import ConnectError, KeyRejected, TransportError
 from nvmeof_fuse.host.auth import AuthenticationError
 from nvmeof_fuse.host.reconnect_policy import final_failure
 from nvmeof_fuse.nvme import NVMeStatusError
@@ -30,6 +31,7 @@ def connect_failed(status: int) -> ConnectError:
     (connect_failed(DNR | INVALID_PARAMETERS), False),  # nvmet: the subsystem is off the port
     (AuthenticationError("rejected", final=True), True),  # the kernel's EKEYREJECTED, ENOKEY
     (AuthenticationError("no answer to the host's DH-HMAC-CHAP_Reply"), False),
+    (KeyRejected("the TLS handshake failed: sslv3 alert illegal parameter"), True),
     (TransportError("connect refused"), False),
     (ConnectError("no RDMA route"), False),
 ])

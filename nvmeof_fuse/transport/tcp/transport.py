@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import trio
 
-from ...errors import ConnectError, NVMeoFError, TransportError
+from ...errors import ConnectError, KeyRejected, NVMeoFError, TransportError
 from ...nvme import tcp_pdu as pdu
 from ...nvme.tcp_pdu import ICResp, icreq_pdu, parse_icresp  # noqa: F401 - re-exported
 from ...nvme.tls_psk import TlsPsk
@@ -221,8 +221,9 @@ class TcpTransport:
             raise ConnectError(f"NVMe/TCP {what}: no TLS handshake with {where} within "
                                f"{self.connect_timeout:g} s (is it a TLS port?)") from None
         except HandshakeError as exc:
-            raise ConnectError(f"NVMe/TCP {what}: {exc} with {where}"
-                               f"{_handshake_hint(str(exc), psk.identity)}") from None
+            error = KeyRejected if _refused_key(str(exc)) else ConnectError
+            raise error(f"NVMe/TCP {what}: {exc} with {where}"
+                        f"{_handshake_hint(str(exc), psk.identity)}") from None
         plain = socket.socket(fileno=sock.detach())
         try:
             if self.kernel_tls is not False and install_kernel_tls(plain, secrets):
@@ -289,10 +290,15 @@ class TcpTransport:
         self._queues.clear()
 
 
+def _refused_key(reason: str) -> bool:
+    """Whether a failed handshake's ``reason`` is the target's alert refusing our PSK."""
+    return "closed the connection" not in reason and any(text in reason for text in REFUSED_KEY)
+
+
 def _handshake_hint(reason: str, identity: str) -> str:
     if "closed the connection" in reason:
         return f" (does the port take TLS, and a PSK for identity '{identity}'?)"
-    if any(text in reason for text in REFUSED_KEY):
+    if _refused_key(reason):
         return (f" (the target refused the PSK: does it hold --tls-key's key for identity "
                 f"'{identity}'?)")
     if any(text in reason for text in NOT_TLS):

@@ -13,7 +13,7 @@ import trio
 from tcp_target import LBA, FakeTcpTarget
 from tls_front import TlsFront
 
-from nvmeof_fuse.errors import ConnectError, InvalidArgument, TransportError
+from nvmeof_fuse.errors import ConnectError, InvalidArgument, KeyRejected, TransportError
 from nvmeof_fuse.nvme import tls_psk
 from nvmeof_fuse.transport.tcp.transport import TcpTransport
 
@@ -113,7 +113,7 @@ def test_a_wrong_key_is_refused_in_one_line():
     front_psk = tls_psk.TlsPsk(host_psk.identity, os.urandom(32), host_psk.cipher)
 
     async def test(target, front, transport, nursery):
-        with pytest.raises(ConnectError) as info:
+        with pytest.raises(KeyRejected) as info:  # final: reconnecting stops on it
             await transport.connect_queue(nursery, 0, 32)
         assert one_line(info) == (
             f"NVMe/TCP admin queue: the TLS handshake failed: sslv3 alert illegal parameter "
@@ -129,8 +129,8 @@ def test_an_identity_the_target_lacks_is_refused_in_one_line():
     other = tls_psk.derive(tls_psk.ConfiguredPsk(os.urandom(32), 1), HOSTNQN, "nqn.other")
 
     async def test(target, front, transport, nursery):
-        with pytest.raises(ConnectError, match=r"sslv3 alert handshake failure with .* "
-                                               r"\(the target refused the PSK") as info:
+        with pytest.raises(KeyRejected, match=r"sslv3 alert handshake failure with .* "
+                                              r"\(the target refused the PSK") as info:
             await transport.connect_queue(nursery, 0, 32)
         one_line(info)
 
@@ -141,6 +141,7 @@ def test_a_target_without_tls_asked_for_tls():
     async def test(target, front, transport, nursery):
         with pytest.raises(ConnectError) as info:
             await transport.connect_queue(nursery, 0, 32)
+        assert not isinstance(info.value, KeyRejected)  # not the key's fault: tried again
         # The fake target answers the ClientHello's first bytes with an ICResp, or closes
         # first: either way one line that says the port may not take TLS.
         assert re.fullmatch(r"NVMe/TCP admin queue: (the peer closed the connection during the "
