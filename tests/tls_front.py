@@ -5,7 +5,9 @@ application data, by OpenSSL's own record layer (SSL_read/SSL_write), to the tar
 port.  So the host's userspace record layer is checked against OpenSSL's, not its own.
 
 ``stall``: accept connections and never answer (a stalled handshake).  Each connection's
-handshake failure is kept in ``failures``, one line each.
+handshake failure is kept in ``failures``, one line each; so is a backend that refuses (the
+target's port away during an outage), after which the host's connection is closed, as a
+TLS terminator in front of a target that is down closes it.
 """
 
 from __future__ import annotations
@@ -96,7 +98,14 @@ class TlsFront:
             return
         self.handshakes += 1
         sock.setblocking(True)
-        backend = socket.create_connection((self.backend_host, self.backend_port))
+        try:
+            backend = socket.create_connection((self.backend_host, self.backend_port), 10)
+        except OSError as exc:  # the target's port is away (an outage): as if it closed
+            self.failures.append(f"backend {self.backend_host}:{self.backend_port}: {exc}")
+            conn.close()
+            sock.close()
+            return
+        backend.settimeout(None)
         self._sockets.append(backend)
         with self._lock:
             self._connections.append(conn)
