@@ -7,7 +7,9 @@ issue allows.  The daemon's records go through the guest kernel (kTLS); the kern
 initiator, connected plainly to the same subsystem, is the second opinion on the data.
 
 One front and one daemon mount serve the module (a mount costs about 10 s under TCG); the
-``--workers 2`` test makes its own.
+fstab line (``tls``, ``tls_key_file``, ``workers=2``) makes its own.  Not here: ``mount-all``
+from a discovery log that requires TLS (nvmet lists its own ports, and a port of its with
+TSAS tls1.3 needs tlshd).
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from nvmeof_fuse.nvme import tls_psk
 
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000715b"
 MNT = "/tmp/nvmeof-tls"
+DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
+FSTYPE = "fuse.nvmeof-fuse"
 MIB = 1 << 20
 OUTAGE = 5  # s the subsystem stays off nvmet's TCP port
 BOUND = 300  # s: a hang check, never a performance bound (Python runs ~10x slower in TCG)
@@ -52,13 +56,14 @@ def tls(testbed, tmp_path_factory):
     our host NQN and the testbed's subsystem, and that key in a file (mode 0600)."""
     sh("modprobe", "tls")  # the daemon's records go to the kernel
     key = os.urandom(32)
-    psk = tls_psk.derive(tls_psk.ConfiguredPsk(key, tls_psk.PskHash.SHA256), HOSTNQN,
-                         testbed.nqn)
+    configured = tls_psk.ConfiguredPsk(key, tls_psk.PskHash.SHA256)
+    psk = tls_psk.derive(configured, HOSTNQN, testbed.nqn)
+    discovery = tls_psk.derive(configured, HOSTNQN, DISCOVERY_NQN)  # `discover` offers it
     key_file = tmp_path_factory.mktemp("tls") / "tls.key"
     key_file.write_text(tls_psk.format_interchange(key, tls_psk.PskHash.SHA256) + "\n")
     key_file.chmod(0o600)
-    with TlsFront(testbed.port, {psk.identity: psk.key}, psk.suite,
-                  backend_host=testbed.tcp_addr) as front:
+    with TlsFront(testbed.port, {psk.identity: psk.key, discovery.identity: discovery.key},
+                  psk.suite, backend_host=testbed.tcp_addr) as front:
         yield Tls(front, psk, str(key_file))
 
 
@@ -90,6 +95,13 @@ def mnt(testbed, tls):
         yield Mount(MNT, log)
     finally:
         unmount(MNT, log)
+
+
+def ok(*cmd: str, env: dict | None = None) -> str:
+    """Run ``cmd``; its stdout (a non-zero exit fails with what it said)."""
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=BOUND, env=env)
+    assert out.returncode == 0, f"{cmd}: rc {out.returncode}\n{out.stdout}\n{out.stderr}"
+    return out.stdout
 
 
 def stats(point: str) -> dict:
@@ -235,18 +247,29 @@ def test_a_wrong_key_is_refused_in_one_line(testbed, tls, tmp_path):
     assert len(tls.front.failures) > failures
 
 
-def test_two_fuse_workers_shake_hands_on_their_own_queues(testbed, tls):
-    """``--workers 2`` over TLS: the worker process connects its own queues through the
-    front, each with a handshake of its own, and serves fio's verified writes beside the
-    main process."""
+def test_an_fstab_line_with_tls_and_two_workers_mounts_through_mount8(testbed, tls):
+    """``tls,tls_key_file=FILE,workers=2`` in /etc/fstab, mounted by its mountpoint as
+    systemd does: the worker process connects its own queues through the front, each with
+    a handshake of its own and its records in the kernel, and serves fio's verified writes
+    beside the main process; umount flushes and disconnects."""
     from test_fs import wait_for_workers, worker_ops
 
-    point = f"{MNT}-workers"
+    from nvmeof_fuse.cli.mounthelper import SYSTEMD_PATH
+
+    point = f"{MNT}-fstab"
     os.makedirs(point, exist_ok=True)
-    log = os.path.join(testbed.out, "test_tls_mount-workers.log")
+    log = os.path.join(testbed.out, "test_tls_mount-fstab.log")
+    with open("/etc/fstab", encoding="utf-8") as f:
+        saved = f.read()
+    line = (f"nvme+tcp://127.0.0.1:{tls.front.port}/{testbed.nqn}  {point}  {FSTYPE}  "
+            f"_netdev,nofail,tls,tls_key_file={tls.key_file},hostnqn={HOSTNQN},workers=2,"
+            f"log_file={log}  0 0\n")
     before = tls.front.handshakes
-    sh(*mount_args(testbed, tls, point, log, "--workers", "2"))
     try:
+        with open("/etc/fstab", "a", encoding="utf-8") as f:
+            f.write(line)
+        ok("nvmeof-fuse", "install-helper")
+        ok("mount", point, env={**os.environ, "PATH": SYSTEMD_PATH})
         wait_for_workers(log, 2)
         io_queues = controller(point)["io_queues"]
         # the main process's admin and I/O queues, and at least one of the worker's
@@ -256,9 +279,26 @@ def test_two_fuse_workers_shake_hands_on_their_own_queues(testbed, tls):
                              capture_output=True, text=True, timeout=BOUND)
         assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
         assert all(worker_ops(point)), worker_ops(point)
-        layer = f"kernel ({tls.psk.suite})"  # the worker's own queues' records, as reported
+        layer = f"kernel ({tls.psk.suite})"
+        assert stats(point)["connection"]["tls"] == layer
+        # the worker's own queues' records, as it reports them
         assert wait_for(lambda: stats(point)["workers"][1].get("tls") == layer, 60), \
             stats(point)["workers"]
-        assert "Traceback" not in log_text(log)
+        ok("umount", point)
+        assert wait_for(lambda: "disconnected from" in log_text(log), 120), log_text(log)
+        text = log_text(log)
+        assert "Traceback" not in text and "final flush" not in text, text
     finally:
-        unmount(point, log)
+        subprocess.run(["umount", point], capture_output=True, timeout=120)
+        with open("/etc/fstab", "w", encoding="utf-8") as f:
+            f.write(saved)
+
+
+def test_discover_over_tls_through_the_front_lists_the_subsystem(testbed, tls):
+    """``discover --tls --tls-key``: nvmet's discovery controller through the front, the
+    handshake offering the discovery NQN's identity, as nvme-cli's discover does."""
+    before = tls.front.handshakes
+    out = ok("nvmeof-fuse", "discover", "-t", "tcp", "-a", "127.0.0.1", "-s",
+             str(tls.front.port), "-q", HOSTNQN, "--tls", "--tls-key", tls.key_file)
+    assert "Discovery Log Number of Records" in out and testbed.nqn in out, out
+    assert tls.front.handshakes > before
