@@ -6,7 +6,9 @@ port.  So the host's userspace record layer is checked against OpenSSL's, not it
 
 ``stall``: accept connections and never answer (a stalled handshake); it may be set at any
 time, and ``keys`` changed, for the connections after.  Each connection's handshake failure
-is kept in ``failures``, one line each.
+is kept in ``failures``, one line each; so is a backend that refuses (the target's port away
+during an outage), after which the host's connection is closed, as a TLS terminator in front
+of a target that is down closes it.
 
 :meth:`inject` is a target that breaks TLS in the middle of I/O: in place of a read's data
 (the next chunk from the target of ``min_bytes`` or more: not a keep-alive's answer, nor an
@@ -171,7 +173,14 @@ class TlsFront:
             return
         self.handshakes += 1
         sock.setblocking(True)
-        backend = socket.create_connection((self.backend_host, self.backend_port))
+        try:
+            backend = socket.create_connection((self.backend_host, self.backend_port), 10)
+        except OSError as exc:  # the target's port is away (an outage): as if it closed
+            self.failures.append(f"backend {self.backend_host}:{self.backend_port}: {exc}")
+            conn.close()
+            sock.close()
+            return
+        backend.settimeout(None)
         self._sockets.append(backend)
         with self._lock:
             self._connections.append(conn)

@@ -230,6 +230,8 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
     for worker in workers:  # each FUSE worker: where it serves and how much
         fields = {"pid": worker.get("pid"), "queues": worker.get("qids"),
                   "state": worker.get("state"), "reconnects": worker.get("reconnects")}
+        if worker.get("tls"):  # where its own queues' TLS records go
+            fields["tls"] = worker["tls"]
         for name, ns in sorted((worker.get("namespaces") or {}).items()):
             for op, st in sorted((ns.get("ops") or {}).items()):
                 fields[f"{name} {op}"] = (f"{st.get('ops', 0)} ops, {st.get('bytes', 0)} bytes, "

@@ -189,11 +189,14 @@ class _Worker:
         while True:
             namespaces = {f"n{nsid}": ns.stats.snapshot() for nsid, ns in
                           sorted(ctrl.namespaces.items())[:MAX_REPORTED_NAMESPACES]}
+            report = {"index": self.index, "pid": os.getpid(), "state": ctrl.state,
+                      "reconnects": ctrl.reconnects, "forwarded": fs.forwarded,
+                      "namespaces": namespaces}
+            tls = ctrl.connection_snapshot().get("tls")  # its own queues' records
+            if tls is not None:
+                report["tls"] = tls
             with contextlib.suppress(NVMeoFError):
-                self.channel.call_future("report", **{ROLE_FLAG: {
-                    "index": self.index, "pid": os.getpid(), "state": ctrl.state,
-                    "reconnects": ctrl.reconnects, "forwarded": fs.forwarded,
-                    "namespaces": namespaces}})
+                self.channel.call_future("report", **{ROLE_FLAG: report})
             await trio.sleep(REPORT_INTERVAL)
 
     async def _forward_meta(self, opcode: int, unique: int, nodeid: int,

@@ -93,3 +93,25 @@ def test_stats_sum_every_worker_and_show_each():
     assert doc["n1"]["ops"]["write"]["ops"] == 10 and doc["n1"]["counters"] == {"x": 3}
     assert [w["index"] for w in doc["workers"]] == [0, 1]
     assert doc["workers"][0]["namespaces"]["n1"]["ops"]["read"]["ops"] == 10  # main's own
+
+
+def test_a_workers_tls_record_layer_is_shown_where_it_has_one():
+    """A FUSE worker's own queues over TLS: stats name where their records go, as the main
+    process's connection section does; a worker without TLS shows no such line."""
+    workers = [{"index": 1, "pid": 7, "state": "live", "reconnects": 0, "qids": [3],
+                "tls": "kernel (TLS_AES_128_GCM_SHA256)", "namespaces": {}},
+               {"index": 2, "pid": 8, "state": "live", "reconnects": 0, "qids": [4],
+                "namespaces": {}}]
+
+    class Companion:
+        def snapshot(self):
+            return {"clients": 0}
+
+        def own_reports(self):
+            return workers
+
+    text = info.stats_text(make_controller((1, 512, 8)), Companion()).decode()
+    assert "FUSE worker 1:\n" in text and "  tls        : kernel (TLS_AES_128_GCM_SHA256)\n" in text
+    assert text.split("FUSE worker 2:")[1].split("\n\n")[0].count("tls") == 0
+    doc = info.stats_dict(make_controller((1, 512, 8)), Companion())
+    assert doc["workers"][1]["tls"] == "kernel (TLS_AES_128_GCM_SHA256)"

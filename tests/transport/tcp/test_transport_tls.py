@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import random
 import re
+import socket
 
 import pytest
 import trio
@@ -243,3 +244,35 @@ def test_the_key_is_taken_anew_for_each_connection():
                                   "such file or directory")
 
     run(test, host_psk=old, front_psk=new)
+
+
+def test_a_tls_port_whose_target_is_down_closes_after_the_handshake_in_one_line():
+    """A TLS terminator in front of a target that is away (the VM's outage under a mount
+    through the front): the handshake is taken, then the connection closes before its
+    ICResp; the connect fails in one line and the next one shakes hands anew."""
+    host_psk = psk()
+    with socket.create_server(("127.0.0.1", 0)) as gone:
+        down = gone.getsockname()[1]  # closed again: nothing listens there
+
+    async def test():
+        with TlsFront(down, {host_psk.identity: host_psk.key}, host_psk.suite) as front:
+            transport = TcpTransport("127.0.0.1", front.port, connect_timeout=5, tls=host_psk)
+            async with trio.open_nursery() as nursery:
+                for _ in range(2):
+                    with pytest.raises(ConnectError) as info:
+                        await transport.connect_queue(nursery, 0, 32)
+                    # a close, or a reset or broken pipe (our ICReq unread or not yet
+                    # sent): one line either way
+                    assert re.fullmatch(
+                        rf"NVMe/TCP admin queue: 127.0.0.1:{front.port} (closed the connection "
+                        r"before its ICResp|failed during ICReq/ICResp: (Connection reset by "
+                        r"peer|Broken pipe))", one_line(info))
+            assert front.handshakes == 2
+            assert [f.split(": ")[0] for f in front.failures] == [f"backend 127.0.0.1:{down}"] * 2
+
+    trio.run(_guarded, test)
+
+
+async def _guarded(test):
+    with trio.fail_after(HANG_GUARD):
+        await test()
