@@ -192,7 +192,7 @@ def fuse_column(args: argparse.Namespace, front: Front, key_file: str | None,
     argv = ["nvmeof-fuse", "mount", "-t", "tcp", "-a", "127.0.0.1", "-s", str(front.port),
             "-n", args.nqn, "-q", HOSTNQN, "--daemon", str(mnt), "--log-file", str(log)]
     if key_file:
-        argv[3:3] = ["--tls-key", key_file]
+        argv += ["--tls-key", key_file]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=200, check=False)
     if done.returncode:
         why = (done.stderr.strip().splitlines() or [f"rc {done.returncode}"])[-1]
@@ -283,7 +283,25 @@ def run(args: argparse.Namespace) -> dict:
             finally:
                 for log in work.glob(f"front_{column}.log"):
                     sys.stderr.write(log.read_text())
+    results["kernel_gcm"] = kernel_gcm()
     return results
+
+
+def kernel_gcm() -> str:
+    """The kernel's AES-GCM that kTLS took (the highest priority ``gcm(aes)`` in
+    /proc/crypto): AES-NI's or the generic C one, which under TCG is many times slower."""
+    try:
+        with open("/proc/crypto") as f:
+            blocks = f.read().split("\n\n")
+    except OSError as e:
+        return f"unknown ({_reason(e)})"
+    found = []
+    for block in blocks:
+        fields = dict(line.split(":", 1) for line in block.splitlines() if ":" in line)
+        fields = {k.strip(): v.strip() for k, v in fields.items()}
+        if fields.get("name") == "gcm(aes)" and fields.get("priority", "").isdigit():
+            found.append((int(fields["priority"]), fields.get("driver", "?")))
+    return max(found)[1] if found else "none instantiated"
 
 
 def front_failures(log: Path) -> str:
@@ -331,6 +349,8 @@ def render(results: dict) -> str:
               "+ the front's process):"]
     lines += _grid(heads[:2 + len(columns)], cpu_rows)
     lines += ["", f"kernel --tls: {results['kernel_tls']}"]
+    if "kernel_gcm" in results:
+        lines.append(f"the kernel's AES-GCM (kTLS's): {results['kernel_gcm']}")
     lines += [f"{TITLES[c]}: tls {got[c]['tls']}" for c in columns if "tls" in got[c]]
     lines += [f"n/a {TITLES[c]}: {why}" for c, why in results["errors"].items()]
     lines += [f"n/a {TITLES[c]}, {METRICS[k][0]}: {why}" for c in columns
