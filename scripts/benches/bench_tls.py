@@ -200,7 +200,8 @@ def fuse_column(args: argparse.Namespace, front: Front, key_file: str | None,
     out: dict = {"metrics": {}, "errors": {}, "cpu_us_per_io": {}, "front_us_per_io": {}}
     try:
         stats = (mnt / ".nvmeof" / "stats").read_text()
-        out["tls"] = next((line.strip() for line in stats.splitlines() if "tls" in line), "off")
+        out["tls"] = next((line.split(":", 1)[1].strip() for line in stats.splitlines()
+                           if line.strip().startswith("tls") and ":" in line), "off")
         daemons = mount_daemons(mnt)
         target = str(mnt / f"n{args.nsid}")
         for job in jobs(args):
