@@ -5,6 +5,7 @@ the development hosts have none, where the front refuses the connection in one l
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import threading
@@ -93,24 +94,11 @@ def test_the_handshake_reads_nothing_past_itself_and_sends_no_ticket():
     handshake (here raw bytes the host sends at once), and none from the front (a
     NewSessionTicket would reach a kTLS reader as EIO)."""
     key = os.urandom(32)
-    front = KernelRelayFront(1, {IDENTITY: key}, SUITE)
-    host, target = socket.socketpair()
     after = os.urandom(4096)
-    result: dict = {}
-
-    def serve():
-        try:
-            result["secrets"] = front.handshake(target)
-        except th.HandshakeError as exc:
-            result["secrets"] = exc
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    try:
-        secrets = client_handshake(host, key)
+    with KernelRelayFront(1, {IDENTITY: key}, SUITE) as front, handshaken(front, key) as (
+            host, target, secrets, front_outcome):
         host.sendall(after)
-        thread.join(BOUND)
-        assert result["secrets"] == secrets
+        assert front_outcome() == secrets
         target.setblocking(True)
         target.settimeout(BOUND)
         got = bytearray()
@@ -119,8 +107,41 @@ def test_the_handshake_reads_nothing_past_itself_and_sends_no_ticket():
         assert bytes(got) == after
         with pytest.raises(BlockingIOError):  # the front's side sent nothing after it
             host.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+
+
+def test_a_handshake_that_left_bytes_in_openssl_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setattr(th.Connection, "buffered", lambda self: True)
+    key = os.urandom(32)
+    with KernelRelayFront(1, {IDENTITY: key}, SUITE) as front, handshaken(front, key) as (
+            _, _, _, front_outcome):
+        assert str(front_outcome()) == ("OpenSSL read past the handshake: records the "
+                                          "kernel would never see")
+
+
+@contextlib.contextmanager
+def handshaken(front: KernelRelayFront, key: bytes):
+    """A socket pair, the front's handshake on one end (in a thread) and the host's on the
+    other: ``(host, target, host's Secrets, front_outcome)``; ``front_outcome()`` waits for
+    the front's thread and gives its Secrets or its HandshakeError."""
+    host, target = socket.socketpair()
+    done: dict = {}
+
+    def serve():
+        try:
+            done["front"] = front.handshake(target)
+        except th.HandshakeError as exc:
+            done["front"] = exc
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def front_outcome():
+        thread.join(BOUND)
+        return done.get("front")
+
+    try:
+        yield host, target, client_handshake(host, key), front_outcome
     finally:
-        front._listener.close()
         host.close()
         target.close()
 

@@ -21,7 +21,8 @@ def test_a_run_fills_the_plain_columns_and_names_why_ktls_is_not_there(tmp_path)
     assert set(results["columns"]["relay"]["front_us_per_io"]) == {"seq_read", "rand_read_qd1"}
     ktls = results["columns"].get("ktls")
     if ktls is None:  # no kTLS here: the front refused the connection, in one line
-        assert "ktls" in results["errors"]
+        assert results["errors"]["ktls"].endswith(
+            "(the front's failures: ['this kernel has no kTLS (modprobe tls)'])")
     text = bench_tls.render(results)
     assert "core plain relay" in text and "kernel --tls" in text
     assert "needs tlshd" in text
@@ -29,3 +30,8 @@ def test_a_run_fills_the_plain_columns_and_names_why_ktls_is_not_there(tmp_path)
     for line in text.splitlines():
         if line.startswith("1 MiB seq read QD16 (MB/s)"):
             assert line.split()[6] == "n/a"  # kernel --tls
+
+
+def test_a_run_without_a_target_says_what_it_needs(capsys):
+    assert bench_tls.main(["--seconds", "1"]) == 2
+    assert capsys.readouterr().err == "bench tls: -a and -n are needed\n"
