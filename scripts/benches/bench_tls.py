@@ -108,8 +108,8 @@ class Front:
         line = self.proc.stdout.readline() if ready else ""
         if not line.startswith("READY "):
             self.__exit__()
-            raise RuntimeError(f"the {mode} front did not start: "
-                               f"{log.read_text().strip().splitlines()[-1:] or 'no output'}")
+            said = log.read_text().strip().splitlines() or ["no output"]
+            raise RuntimeError(f"the {mode} front did not start: {said[-1]}")
         self.port = int(line.split()[1])
 
     def cpu(self) -> float:

@@ -5,6 +5,7 @@ reason (the real run, in the VM, is scripts/bench's part "tls")."""
 from __future__ import annotations
 
 import bench_tls
+import pytest
 from tcp_target import NQN, served_in_thread
 
 
@@ -35,3 +36,10 @@ def test_a_run_fills_the_plain_columns_and_names_why_ktls_is_not_there(tmp_path)
 def test_a_run_without_a_target_says_what_it_needs(capsys):
     assert bench_tls.main(["--seconds", "1"]) == 2
     assert capsys.readouterr().err == "bench tls: -a and -n are needed\n"
+
+
+def test_a_front_that_does_not_start_is_named_with_its_last_line(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        bench_tls.Front("plain", "127.0.0.1:port", None, tmp_path / "front.log")
+    assert str(info.value) == ("the plain front did not start: ValueError: invalid literal "
+                               "for int() with base 10: 'port'")
