@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import os
 import select
 import socket
@@ -221,3 +222,160 @@ class TlsFront:
                 conn.write(data)
             if self._closing:
                 return
+
+
+# -- a fast front: the records in the kernel, the bytes relayed in the kernel ----------------------
+
+PIPE_BYTES = 1 << 20
+"""Each relay direction's pipe (F_SETPIPE_SZ; 1 MiB is the default pipe-max-size)."""
+F_SETPIPE_SZ = 1031
+POLL_MS = 200
+"""How often a relay thread idle on poll looks whether the front is closing."""
+
+
+class KernelRelayFront:
+    """A front fast enough to bench through: TLS 1.3 with a PSK as :class:`TlsFront`, but
+    after the handshake the server socket's records go to the kernel (kTLS,
+    ``install_kernel_tls(client=False)``) and the plain bytes move between it and the
+    target's plain port by ``os.splice`` through a pipe, one thread per direction: no byte
+    crosses into Python.  With ``keys=None`` it is a plain relay (no TLS, the same splice),
+    the peer a TLS figure is fairly compared with.
+
+    Before the kernel takes a socket it checks that OpenSSL holds no bytes past the
+    handshake (:meth:`~th.Connection.buffered`: read-ahead is off); no NewSessionTicket is
+    sent (the server's Connection sets no tickets).  A connection whose handshake or kTLS
+    setup fails is closed and its reason kept in ``failures``, one line each.
+    """
+
+    def __init__(self, backend_port: int, keys: dict[str, bytes] | None = None,
+                 suite: str | None = None, *, backend_host: str = "127.0.0.1",
+                 host: str = "127.0.0.1", handshake_timeout: float = 60) -> None:
+        if keys is not None and suite is None:
+            raise ValueError("a TLS front needs the PSKs' suite")
+        self.backend = (backend_host, backend_port)
+        self.keys = keys
+        self.suite = suite
+        self.handshake_timeout = handshake_timeout
+        self.mode = "plain" if keys is None else "ktls"
+        self.failures: list[str] = []
+        self.handshakes = 0
+        self.connections = 0
+        self._listener = socket.create_server((host, 0))
+        self.port = self._listener.getsockname()[1]
+        self._closing = False
+        self._sockets: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> KernelRelayFront:
+        self._spawn(self._accept)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closing = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for sock in list(self._sockets):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        for thread in self._threads:
+            thread.join(10)
+
+    def _spawn(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self._sockets.append(sock)
+            self._spawn(self._serve, sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        try:
+            if self.keys is not None:
+                self.secure(sock)
+                self.handshakes += 1
+            backend = socket.create_connection(self.backend, timeout=self.handshake_timeout)
+        except (OSError, th.HandshakeError) as exc:
+            self.failures.append(str(exc))
+            sock.close()
+            return
+        self._sockets.append(backend)
+        self.connections += 1
+        for sock_ in (sock, backend):
+            sock_.setblocking(False)
+            sock_.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        inbound = threading.Thread(target=self._pump, args=(backend, sock), daemon=True)
+        inbound.start()
+        self._pump(sock, backend)
+        inbound.join()
+        backend.close()
+        sock.close()
+
+    def secure(self, sock: socket.socket) -> th.Secrets:
+        """The server's handshake on ``sock``, then its records to the kernel; OSError or
+        HandshakeError, in one line, when either fails."""
+        from nvmeof_fuse.transport.tcp.tls_records import install_kernel_tls
+
+        secrets = self.handshake(sock)
+        if not install_kernel_tls(sock, secrets, client=False):
+            raise OSError("this kernel has no kTLS (modprobe tls)")
+        return secrets
+
+    def handshake(self, sock: socket.socket) -> th.Secrets:
+        """The server's side of the handshake on ``sock`` (OpenSSL, within the timeout);
+        HandshakeError if OpenSSL read past it (bytes the kernel would not see)."""
+        sock.setblocking(False)
+        conn = th.server(sock.fileno(), self.keys or {}, self.suite or "")
+        try:
+            secrets = th.handshake_blocking(conn, sock.fileno(), self.handshake_timeout)
+            if conn.buffered():
+                raise th.HandshakeError("OpenSSL read past the handshake: records the "
+                                        "kernel would never see")
+            return secrets
+        finally:
+            conn.close()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """``src``'s bytes on to ``dst`` through a pipe, in the kernel, until either ends
+        (then both end: NVMe/TCP has no half-closed connections)."""
+        read_end, write_end = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        with contextlib.suppress(OSError):
+            fcntl.fcntl(write_end, F_SETPIPE_SZ, PIPE_BYTES)
+        readable, writable = select.poll(), select.poll()
+        readable.register(src, select.POLLIN)
+        writable.register(dst, select.POLLOUT)
+        source, sink = src.fileno(), dst.fileno()
+        try:
+            while not self._closing:
+                if not readable.poll(POLL_MS):
+                    continue
+                held = 0  # take what src has (kTLS hands one record per splice), then pass it
+                while held < PIPE_BYTES:
+                    try:
+                        n = os.splice(source, write_end, PIPE_BYTES - held)
+                    except BlockingIOError:
+                        break
+                    if n == 0:
+                        if not held:
+                            return
+                        break
+                    held += n
+                while held:
+                    try:
+                        held -= os.splice(read_end, sink, held)
+                    except BlockingIOError:
+                        writable.poll(POLL_MS)
+        except OSError:
+            pass  # a reset, or a record that is not application data (EIO): the end
+        finally:
+            os.close(read_end)
+            os.close(write_end)
+            for sock in (src, dst):
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)

@@ -25,6 +25,7 @@ SSL_OP_ALLOW_NO_DHE_KEX = 1 << 10
 SSL_OP_NO_TICKET = 1 << 14
 SSL_CTRL_SET_MIN_PROTO_VERSION = 123
 SSL_CTRL_SET_MAX_PROTO_VERSION = 124
+SSL_CTRL_SET_READ_AHEAD = 41
 SSL_VERIFY_PEER = 1
 SSL_VERIFY_FAIL_IF_NO_PEER_CERT = 2
 SSL_ERROR_SSL, SSL_ERROR_WANT_READ, SSL_ERROR_WANT_WRITE = 1, 2, 3
@@ -62,6 +63,7 @@ SSL_FUNCTIONS = {
     "SSL_read": ([c_void_p, c_void_p, c_int], c_int),
     "SSL_write": ([c_void_p, c_void_p, c_int], c_int),
     "SSL_pending": ([c_void_p], c_int),
+    "SSL_has_pending": ([c_void_p], c_int),
     "SSL_shutdown": ([c_void_p], c_int),
     "SSL_session_reused": ([c_void_p], c_int),
     "SSL_version": ([c_void_p], c_int),

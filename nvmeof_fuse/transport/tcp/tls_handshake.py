@@ -91,6 +91,9 @@ class Connection:
         ctx = self._ctx
         lib.SSL_CTX_ctrl(ctx, libssl.SSL_CTRL_SET_MIN_PROTO_VERSION, TLS1_3_VERSION, None)
         lib.SSL_CTX_ctrl(ctx, libssl.SSL_CTRL_SET_MAX_PROTO_VERSION, TLS1_3_VERSION, None)
+        # No read-ahead (OpenSSL's default, made sure): the handshake reads no byte past its
+        # own records, which the kernel's record layer must get once it takes the socket.
+        lib.SSL_CTX_ctrl(ctx, libssl.SSL_CTRL_SET_READ_AHEAD, 0, None)
         options = libssl.SSL_OP_NO_TICKET
         if not self.server:
             options |= libssl.SSL_OP_ALLOW_NO_DHE_KEX  # offer psk_ke beside psk_dhe_ke
@@ -223,6 +226,11 @@ class Connection:
 
     def pending(self) -> int:
         return self._ssl_lib.SSL_pending(self._ssl)
+
+    def buffered(self) -> bool:
+        """Whether OpenSSL holds bytes it read from the socket and has not handed out (after
+        the handshake: records past it, which a kernel record layer would then never see)."""
+        return self._ssl_lib.SSL_has_pending(self._ssl) == 1
 
     def write(self, data: bytes) -> None:
         """SSL_write of all of ``data`` (a blocking socket)."""
