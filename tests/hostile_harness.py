@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -212,6 +213,16 @@ class HostileMount:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def wait_for_log(self, pattern: str, bound: float) -> re.Match | None:
+        """The first match of ``pattern`` (multiline) in the daemon's log, waited for up to
+        ``bound`` s, or while the daemon runs; None if it did not come."""
+        deadline = time.monotonic() + bound
+        while True:
+            found = re.search(pattern, self.log(), re.M)
+            if found or time.monotonic() > deadline or self.proc.poll() is not None:
+                return found
+            time.sleep(0.05)
 
     def close(self) -> None:
         """Whatever is left: the daemon (SIGTERM, then SIGKILL), the mount, the target."""

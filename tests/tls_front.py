@@ -52,34 +52,21 @@ def post_handshake_call(what: str):
     return fn
 
 
-class TlsFront:
-    def __init__(self, backend_port: int, keys: dict[str, bytes], suite: str, *,
-                 stall: bool = False, backend_host: str = "127.0.0.1") -> None:
-        self.backend_port = backend_port
-        self.backend_host = backend_host
-        self.keys = keys
-        self.suite = suite
-        self.stall = stall
+class _Front:
+    """What both fronts share: a listening socket on ``host``, a thread per connection
+    (``_serve``), and an exit that ends them all."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.failures: list[str] = []
         self.handshakes = 0
-        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._listener = socket.create_server((host, 0))
         self.port = self._listener.getsockname()[1]
         self._closing = False
         self._sockets: list[socket.socket] = []
-        self._connections: list[th.Connection] = []
-        self._lock = threading.Lock()
         self._threads: list[threading.Thread] = []
-        self._alert = False
-        self._injection: str | None = None
-        self._injections_left: int | None = 0
-        self._inject_min = 0
-        self.injected: list[str] = []
-        """What :meth:`inject` sent, one entry each time."""
 
-    def __enter__(self) -> TlsFront:
-        thread = threading.Thread(target=self._accept, daemon=True)
-        thread.start()
-        self._threads.append(thread)
+    def __enter__(self):
+        self._spawn(self._accept)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -92,6 +79,42 @@ class TlsFront:
                 sock.shutdown(socket.SHUT_RDWR)
         for thread in self._threads:
             thread.join(10)
+
+    def _spawn(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _accept(self) -> None:
+        while not self._closing:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            self._sockets.append(sock)
+            self._spawn(self._serve, sock)
+
+    def _serve(self, sock: socket.socket) -> None:
+        raise NotImplementedError
+
+
+class TlsFront(_Front):
+    def __init__(self, backend_port: int, keys: dict[str, bytes], suite: str, *,
+                 stall: bool = False, backend_host: str = "127.0.0.1") -> None:
+        self.backend_port = backend_port
+        self.backend_host = backend_host
+        self.keys = keys
+        self.suite = suite
+        self.stall = stall
+        super().__init__()
+        self._connections: list[th.Connection] = []
+        self._lock = threading.Lock()
+        self._alert = False
+        self._injection: str | None = None
+        self._injections_left: int | None = 0
+        self._inject_min = 0
+        self.injected: list[str] = []
+        """What :meth:`inject` sent, one entry each time."""
 
     def cut_all(self) -> None:
         """Cut every connection so far, as an outage does (the host reconnects)."""
@@ -144,17 +167,6 @@ class TlsFront:
             self.failures.append(f"libssl did not send a {what}: {libssl.last_error()}")
             return False
         return True
-
-    def _accept(self) -> None:
-        while not self._closing:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            self._sockets.append(sock)
-            thread = threading.Thread(target=self._serve, args=(sock,), daemon=True)
-            thread.start()
-            self._threads.append(thread)
 
     def _serve(self, sock: socket.socket) -> None:
         if self.stall:
@@ -233,7 +245,7 @@ POLL_MS = 200
 """How often a relay thread idle on poll looks whether the front is closing."""
 
 
-class KernelRelayFront:
+class KernelRelayFront(_Front):
     """A front fast enough to bench through: TLS 1.3 with a PSK as :class:`TlsFront`, but
     after the handshake the server socket's records go to the kernel (kTLS,
     ``install_kernel_tls(client=False)``) and the plain bytes move between it and the
@@ -257,43 +269,8 @@ class KernelRelayFront:
         self.suite = suite
         self.handshake_timeout = handshake_timeout
         self.mode = "plain" if keys is None else "ktls"
-        self.failures: list[str] = []
-        self.handshakes = 0
         self.connections = 0
-        self._listener = socket.create_server((host, 0))
-        self.port = self._listener.getsockname()[1]
-        self._closing = False
-        self._sockets: list[socket.socket] = []
-        self._threads: list[threading.Thread] = []
-
-    def __enter__(self) -> KernelRelayFront:
-        self._spawn(self._accept)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._closing = True
-        with contextlib.suppress(OSError):
-            self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        for sock in list(self._sockets):
-            with contextlib.suppress(OSError):
-                sock.shutdown(socket.SHUT_RDWR)
-        for thread in self._threads:
-            thread.join(10)
-
-    def _spawn(self, target, *args) -> None:
-        thread = threading.Thread(target=target, args=args, daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def _accept(self) -> None:
-        while not self._closing:
-            try:
-                sock, _ = self._listener.accept()
-            except OSError:
-                return
-            self._sockets.append(sock)
-            self._spawn(self._serve, sock)
+        super().__init__(host)
 
     def _serve(self, sock: socket.socket) -> None:
         try:

@@ -25,15 +25,6 @@ LOSS_NOTICED = 2  # s: a keep-alive (-k 1) unanswered within its timeout, and it
 OLD = b"\xab" * DD_SIZE  # what the namespace holds before the write that is lied about
 
 
-def wait_for_log(m, pattern: str, bound: float) -> re.Match | None:
-    deadline = time.monotonic() + bound
-    while True:
-        found = re.search(pattern, m.log(), re.M)
-        if found or time.monotonic() > deadline or m.proc.poll() is not None:
-            return found
-        time.sleep(0.05)
-
-
 # -- item 2: a write's success counts its data ---------------------------------------------------
 
 WRITE_LIES = [
@@ -123,7 +114,7 @@ def start(hostile, fault: str, workers: int):
 
 def check_workers_served(m, workers: int) -> None:
     if workers > 1:
-        assert wait_for_log(m, r"FUSE worker 1 \(pid \d+\) serves on queues", 20), m.log()
+        assert m.wait_for_log(r"FUSE worker 1 \(pid \d+\) serves on queues", 20), m.log()
 
 
 def write_unflushed(m) -> None:
@@ -256,11 +247,11 @@ def test_a_target_silent_after_a_loss_is_given_up_on_within_ctrl_loss_tmo(hostil
     assert m.mount() == "ready", m.log()
     m.target.hostile.armed = True
     armed = time.monotonic()
-    assert wait_for_log(m, r"lost the connection to", 10), m.log()[-3000:]
+    assert m.wait_for_log(r"lost the connection to", 10), m.log()[-3000:]
     dd, _ = m.dd("read")  # waits for the reconnect, which never comes
     assert dd is not None and dd.returncode != 0 and "Input/output error" in dd.stderr, \
         (dd, m.log()[-3000:])
-    gave_up = wait_for_log(m, r"gave up after (\d+) reconnects in (\d+) s", 30)
+    gave_up = m.wait_for_log(r"gave up after (\d+) reconnects in (\d+) s", 30)
     took = time.monotonic() - armed
     assert gave_up, m.log()[-3000:]
     assert int(gave_up[2]) <= CTRL_LOSS_TMO + CONNECT_TIMEOUT, m.log()[-3000:]
@@ -278,7 +269,7 @@ def test_sigterm_while_a_reconnect_try_waits_for_its_connect_ends_the_daemon(hos
                       options=("-c", "1", "-l", "600", "-k", "1"))
     assert m.mount() == "ready", m.log()
     m.target.hostile.armed = True
-    assert wait_for_log(m, r"lost the connection to", 10), m.log()[-3000:]
+    assert m.wait_for_log(r"lost the connection to", 10), m.log()[-3000:]
     deadline = time.monotonic() + 10
     while m.target.hostile.fired == 0 and time.monotonic() < deadline:
         time.sleep(0.05)  # a try waits for its Connect now

@@ -24,15 +24,6 @@ CONNECT_TIMEOUT = 10  # s: ConnectOptions.connect_timeout, which bounds a handsh
 RECONNECTED = 20.0  # s: a reconnect after a loss (-c 1) comes within this
 
 
-def wait_for_log(m, pattern: str, bound: float) -> re.Match | None:
-    deadline = time.monotonic() + bound
-    while True:
-        found = re.search(pattern, m.log(), re.M)
-        if found or time.monotonic() > deadline or m.proc.poll() is not None:
-            return found
-        time.sleep(0.05)
-
-
 def lines_with(m, text: str) -> list[str]:
     return [line for line in m.log().splitlines() if text in line]
 
@@ -84,7 +75,7 @@ def test_tls_broken_under_a_read_loses_the_connection_in_one_line(hostile, what,
     assert len(lost) == 1, m.log()[-3000:]
     assert re.search(r"lost the connection to .+?: I/O queue \d+: the TLS connection to "
                      r"127\.0\.0\.1:\d+ ended: ", lost[0]), lost
-    assert wait_for_log(m, r"reconnected to ", RECONNECTED), m.log()[-3000:]
+    assert m.wait_for_log(r"reconnected to ", RECONNECTED), m.log()[-3000:]
     assert t.front.handshakes > handshakes  # the new connections shook hands anew
     finish(t)
 
@@ -120,10 +111,10 @@ def test_a_handshake_that_stalls_on_a_reconnect_is_given_up_on(hostile):
     t.front.stall = True
     t.front.cut_all()
     cut = time.monotonic()
-    assert wait_for_log(m, r"lost the connection to", 10), m.log()[-3000:]
+    assert m.wait_for_log(r"lost the connection to", 10), m.log()[-3000:]
     dd = read(m)  # waits for the reconnect, which never comes
     assert dd.returncode != 0 and "Input/output error" in dd.stderr, (dd, m.log()[-3000:])
-    gave_up = wait_for_log(m, r"gave up after (\d+) reconnects in (\d+) s", 30)
+    gave_up = m.wait_for_log(r"gave up after (\d+) reconnects in (\d+) s", 30)
     took = time.monotonic() - cut
     assert gave_up, m.log()[-3000:]
     assert int(gave_up[2]) <= CTRL_LOSS_TMO + CONNECT_TIMEOUT, m.log()[-3000:]
@@ -152,7 +143,7 @@ def test_a_key_the_target_stopped_taking_ends_reconnecting(hostile, change, aler
     assert m.mount() == "ready", m.log()
     t.front.keys = {t.psk.identity: os.urandom(32)} if change == "another key" else {}
     t.front.cut_all()
-    stopped = wait_for_log(m, r"stopped reconnecting: (.*)$", 20)
+    stopped = m.wait_for_log(r"stopped reconnecting: (.*)$", 20)
     assert stopped, m.log()[-3000:]
     assert stopped[1] == (
         f"NVMe/TCP admin queue: the TLS handshake failed: {alert} with 127.0.0.1:"
