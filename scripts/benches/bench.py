@@ -610,6 +610,12 @@ def _grid(loaded: dict, columns: tuple[str, ...], ratios: tuple) -> list[str]:
         quotients = [vals[a] / vals[b] if vals[a] and vals[b] else None for a, b in ratios]
         rows.append([f"{label} ({unit})", *(_fmt(vals[c]) for c in columns),
                      *("n/a" if r is None else f"{r:.2f}" for r in quotients)])
+    return text_grid(heads, rows)
+
+
+def text_grid(heads: list[str], rows: list[list[str]]) -> list[str]:
+    """``heads`` and ``rows`` as aligned text lines: the first column to the left, the
+    others to the right, a rule under the heads."""
     widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads))]
     line = "  ".join
 

@@ -25,6 +25,7 @@ default).  Figures are printed, never asserted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import select
@@ -48,7 +49,10 @@ from bench import (
     fio_job_figure,
     fio_json,
     own_core,
+    text_grid,
 )
+
+from nvmeof_fuse.procstat import cpu_seconds
 
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:7e57b0e1-0000-4000-8000-0000000007f5"
 FRONT_READY = 180.0
@@ -130,15 +134,11 @@ class Front:
 
 def process_cpu(pids: list[int]) -> float:
     """User + system CPU seconds of ``pids`` (all their threads) so far; a gone pid counts 0."""
-    total = 0
+    total = 0.0
     for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14, 15)
-        except (OSError, IndexError, ValueError):
-            pass
-    return total / os.sysconf("SC_CLK_TCK")
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += cpu_seconds(pid)
+    return total
 
 
 # -- our core -------------------------------------------------------------------------------------
@@ -345,10 +345,10 @@ def render(results: dict) -> str:
         cpu_rows.append([METRICS[key][0], "n/a", *cells])
     lines = [f"NVMe/TCP with TLS 1.3 ({results['suite']}), {results['seconds']:g} s per job; "
              "TLS ends in a front before nvmet's plain port (tests/tls_front.py):"]
-    lines += _grid(heads, rows)
+    lines += text_grid(heads, rows)
     lines += ["", "CPU per I/O, us (our core's process, or the FUSE mount's daemons; "
               "+ the front's process):"]
-    lines += _grid(heads[:2 + len(columns)], cpu_rows)
+    lines += text_grid(heads[:2 + len(columns)], cpu_rows)
     lines += ["", f"kernel --tls: {results['kernel_tls']}"]
     if "kernel_gcm" in results:
         lines.append(f"the kernel's AES-GCM (kTLS's): {results['kernel_gcm']}")
@@ -364,16 +364,6 @@ def render(results: dict) -> str:
         lines.append("goal, our core over kTLS at 1 MiB >= 0.8x over plain TCP "
                      f"(kTLS relay / plain relay): {', '.join(goal)}")
     return "\n".join(lines) + "\n"
-
-
-def _grid(heads: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(r[i]) for r in [heads, *rows]) for i in range(len(heads))]
-
-    def fmt(r: list[str]) -> str:
-        return "  ".join(r[0].ljust(widths[0]) if i == 0 else r[i].rjust(widths[i])
-                         for i in range(len(r)))
-
-    return [fmt(heads), "  ".join("-" * w for w in widths), *(fmt(r) for r in rows)]
 
 
 def parser() -> argparse.ArgumentParser:
