@@ -74,8 +74,8 @@ ensure_apt() {
 
 # The venv holds the project (editable), its test and pyfuse3 extras and virtme-ng.  Editable
 # in setuptools' compat mode: a plain path in a .pth file.  The default mode's import hook
-# imports pathlib and friends at every interpreter start, 0.9 s of each Python process in the
-# testbed VM (2026-12-06), where the suite starts hundreds of them.
+# imports pathlib and friends at every interpreter start, which the testbed VM pays for each of
+# the hundreds of Python processes the suite starts (docs/testbed.md).
 EDITABLE_MODE=compat
 ensure_venv() {
   local stamp=$VENV/.nvmeof-fuse-stamp want
