@@ -7,6 +7,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from nvmeof_fuse.cli import mountall
@@ -88,6 +89,27 @@ def _mount_one(o: Outcome, log_file: str | None) -> None:
         o.status, o.reason = "failed", one_line(exc)
 
 
+def _keyring_finder(hostnqn: str | None, hostid: str | None) -> Callable[[str], str | None]:
+    """For ``mount-all``: None when the kernel keyring holds this host's TLS PSK for a
+    subsystem (as its mount will look it up), else the identity it lacks."""
+    from nvmeof_fuse.host.connect_options import keyring_psk
+    from nvmeof_fuse.host.hostid import host_identity
+    from nvmeof_fuse.host.keyring import DEFAULT_KEYRING
+    from nvmeof_fuse.nvme.tls_psk import default_identities
+
+    host = host_identity(hostnqn, hostid).hostnqn
+
+    def missing(subnqn: str) -> str | None:
+        wanted = default_identities(host, subnqn)
+        try:
+            found = keyring_psk(DEFAULT_KEYRING, wanted)
+        except (NVMeoFError, ValueError):
+            found = None
+        return None if found is not None else wanted[1]
+
+    return missing
+
+
 def cmd_mount_all(args: argparse.Namespace) -> int:
     from nvmeof_fuse.fs.mount import read_mountinfo
 
@@ -109,7 +131,8 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
             failed.append(Outcome(DISCOVERY_NQN, t.transport, t.traddr, t.trsvcid or "", "",
                                   "failed", one_line(exc)))
     mounts = [(m.mountpoint, m.fstype) for m in read_mountinfo()]
-    outcomes = failed + mountall.plan(records, args.root, mounts, common)
+    outcomes = failed + mountall.plan(records, args.root, mounts, common,
+                                      _keyring_finder(args.hostnqn, args.hostid))
     todo = [o for o in outcomes if o.status == "mount"]
     if todo:
         with concurrent.futures.ThreadPoolExecutor(min(len(todo), MAX_PARALLEL_MOUNTS)) as pool:

@@ -194,6 +194,8 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "data_digest": args.data_digest,
         "tls": getattr(args, "tls", False),
         "tls_key": getattr(args, "tls_key", None),
+        "keyring": getattr(args, "keyring", None),
+        "tls_key_identity": getattr(args, "tls_key_identity", None),
     }
     if args.command == "mount":
         kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
@@ -272,11 +274,18 @@ def add_connection(p: argparse.ArgumentParser, *, port_help: str,
                        help="DH-HMAC-CHAP controller secret, or its file: authenticate the "
                             "target too"),
         p.add_argument("--tls", action="store_true",
-                       help="NVMe/TCP: TLS 1.3 with a PSK on every connection (needs --tls-key)"),
+                       help="NVMe/TCP: TLS 1.3 with a PSK on every connection: --tls-key's, "
+                            "or else the kernel keyring's for this host and subsystem, as "
+                            "`nvme connect --tls` takes it"),
         p.add_argument("--tls-key", metavar="KEY|FILE",
                        help="NVMe/TCP: the TLS PSK as `nvme gen-tls-key` prints it "
                             "(NVMeTLSkey-1:hh:...:), or better the path of a file (mode 0600) "
                             "holding it; implies --tls"),
+        p.add_argument("--keyring", metavar="NAME|SERIAL",
+                       help="NVMe/TCP: the keyring --tls looks its PSK up in (default .nvme)"),
+        p.add_argument("--tls-key-identity", metavar="IDENTITY",
+                       help="NVMe/TCP: the PSK identity to offer: the keyring's key of that "
+                            "name, or with --tls-key its version-1 identity; implies --tls"),
         p.add_argument("--allow-insecure-secret-file", action="store_true",
                        help="read secret files that group or others may access (refused "
                             "otherwise, as ssh refuses such keys)"),

@@ -154,8 +154,9 @@ def out_of_tries(sqe: bytearray, tries: int, failure: BaseException) -> Transpor
 def make_transport(options: ConnectOptions) -> Transport:
     """The transport ``options`` name, looked up by name (the host names none itself)."""
     tls = None
-    if options.configured_psk() is not None:  # (checked now; read again at each connection)
+    if options.uses_tls:
         hostnqn = host_identity(options.hostnqn, options.hostid).hostnqn
+        options.tls_psk(hostnqn)  # checked now; looked up again at each connection
 
         def tls():
             return options.tls_psk(hostnqn)
