@@ -44,6 +44,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "tls": ("--tls", False),
     "tls_key_file": ("--tls-key", True),  # the path of a file: see SECRET_KEYS
     "keyring": ("--keyring", True),
+    "config": ("--config", True),
     "tls_key_identity": ("--tls-key-identity", True),
     "nqn": ("--nqn", True),
     "nsid": ("--nsid", True),
