@@ -23,8 +23,10 @@ PROC_KEYS = "/proc/keys"
 MAX_KEY_BYTES = 4096
 """A TLS PSK is 32 or 48 bytes: anything much longer is not one, and is not read."""
 
+_KEYCTL_LINK = 8
 _KEYCTL_SEARCH = 10
 _KEYCTL_READ = 11
+_SESSION_KEYRING = -3  # KEY_SPEC_SESSION_KEYRING
 _SYSCALLS = {  # (add_key, keyctl) by machine
     "x86_64": (248, 250), "aarch64": (217, 219), "riscv64": (217, 219),
     "ppc64le": (269, 271), "s390x": (278, 280), "i686": (286, 288), "i386": (286, 288),
@@ -84,6 +86,7 @@ def search(keyring: int, description: str, key_type: str | None = None) -> int |
     """The serial of the key of ``key_type`` (``psk``) named ``description`` in ``keyring``
     (or the keyrings it links); None if it holds none, or only a revoked or expired one."""
     key_type = key_type or PSK_KEY_TYPE
+    _possess(keyring)
     try:
         return _call(_numbers()[1], ctypes.c_long(_KEYCTL_SEARCH), ctypes.c_long(keyring),
                      key_type.encode(), description.encode(), ctypes.c_long(0))
@@ -92,6 +95,17 @@ def search(keyring: int, description: str, key_type: str | None = None) -> int |
             return None
         raise KeyringError(f"searching keyring {keyring:#x} for {key_type} key "
                            f"{description!r}: {exc.strerror}") from None
+
+
+def _possess(keyring: int) -> None:
+    """Link ``keyring`` into our session keyring, as libnvme does before a search: the keys
+    nvme-cli and the kernel put in ``.nvme`` give their owner view and read, but search only
+    to a possessor.  A failure leaves the search to say what is wrong."""
+    try:
+        _call(_numbers()[1], ctypes.c_long(_KEYCTL_LINK), ctypes.c_long(keyring),
+              ctypes.c_long(_SESSION_KEYRING))
+    except OSError:
+        pass
 
 
 def read(key: int) -> bytes:
