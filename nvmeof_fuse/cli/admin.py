@@ -50,7 +50,14 @@ def add_parsers(sub: Any) -> None:
 # --- mount-all -------------------------------------------------------------------------
 
 
-def _discovery_records(t: DiscoveryTarget) -> list[dict]:
+DISCOVERY_SECURITY = ("tls", "tls_key", "keyring", "tls_key_identity", "dhchap_secret",
+                      "dhchap_ctrl_secret", "allow_insecure_secret_file", "config")
+"""mount-all's own options that secure its discovery connections (a discovery controller
+that requires TLS or DH-HMAC-CHAP), as connect-all's do; ``-O`` options go to the mounts."""
+
+
+def _discovery_records(t: DiscoveryTarget, args: argparse.Namespace | None = None
+                       ) -> list[dict]:
     import trio
 
     from nvmeof_fuse.host.discovery import discover
@@ -58,7 +65,9 @@ def _discovery_records(t: DiscoveryTarget) -> list[dict]:
     ns = argparse.Namespace(command="discover", transport=t.transport, traddr=t.traddr,
                             trsvcid=t.trsvcid, host_traddr=t.host_traddr,
                             hostnqn=t.hostnqn, hostid=t.hostid, hdr_digest=False,
-                            data_digest=False)
+                            data_digest=False,
+                            **{k: getattr(args, k, None) for k in DISCOVERY_SECURITY})
+    ns.tls, ns.allow_insecure_secret_file = bool(ns.tls), bool(ns.allow_insecure_secret_file)
     port = registry.capabilities(t.transport).discovery_port
     conn = connect_options(ns, nqn=DISCOVERY_NQN, default_port=port)
     return trio.run(discover, conn).to_dict().get("records", [])
@@ -126,7 +135,7 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
     failed: list[Outcome] = []
     for t in targets:
         try:
-            records += _discovery_records(t)
+            records += _discovery_records(t, args)
         except (NVMeoFError, UsageError) as exc:
             failed.append(Outcome(DISCOVERY_NQN, t.transport, t.traddr, t.trsvcid or "", "",
                                   "failed", one_line(exc)))
