@@ -146,4 +146,9 @@ def test_a_mount_takes_its_psk_from_the_keyring_and_hands_it_to_a_files_own_queu
             assert f.write(np.frombuffer(data, np.uint8).copy(), file_offset=8192) == 65536
         assert bytes(target.data[8192:8192 + 65536]) == data
         assert front.handshakes > before  # the File's own queues shook hands with the PSK
+        with open(mnt / ".nvmeof" / "controller") as report:
+            controller = report.read()
+    assert re.search(rf"\ntls_key_source +: keyring {name}\n", controller), controller
+    assert re.search(rf"\ntls_identity +: {re.escape(psk.identity)}\n", controller)
+    assert psk.key.hex() not in controller
     assert front.failures == []
