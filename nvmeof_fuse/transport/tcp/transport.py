@@ -302,7 +302,7 @@ def _handshake_hint(reason: str, identity: str) -> str:
     if "closed the connection" in reason:
         return f" (does the port take TLS, and a PSK for identity '{identity}'?)"
     if _refused_key(reason):
-        return (f" (the target refused the PSK: does it hold --tls-key's key for identity "
+        return (f" (the target refused the PSK: does it hold the same PSK for identity "
                 f"'{identity}'?)")
     if any(text in reason for text in NOT_TLS):
         return " (the port does not speak TLS: leave out --tls)"
