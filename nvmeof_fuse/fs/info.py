@@ -154,12 +154,16 @@ def reported_namespaces(ctrl: ControllerLike) -> tuple[list[tuple[int, Any]], in
     return used, len(items) - len(used)
 
 
-def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None) -> dict[str, Any]:
+def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None,
+               requests: int | None = None) -> dict[str, Any]:
+    """``stats.json``; ``requests``: the FUSE requests this process read, shown beside
+    each FUSE worker's (how the kernel spread them)."""
     listed, idle = reported_namespaces(ctrl)
     doc: dict[str, Any] = {f"n{n}": io_stats(ns).snapshot() for n, ns in listed}
     workers = worker_reports(companion)
     if workers:  # FUSE workers: the namespaces' figures summed, and each process's own
-        main = {"index": 0, "pid": os.getpid(), "namespaces": doc}
+        main = {"index": 0, "pid": os.getpid(),
+                **({"requests": requests} if requests is not None else {}), "namespaces": doc}
         doc = _with_workers(doc, workers)
         doc["workers"] = [main, *workers]
     if idle:
@@ -230,6 +234,12 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
     for worker in workers:  # each FUSE worker: where it serves and how much
         fields = {"pid": worker.get("pid"), "queues": worker.get("qids"),
                   "state": worker.get("state"), "reconnects": worker.get("reconnects")}
+        if "requests" in worker:  # what it asked the main process, per request it read
+            sent = worker.get("to_main") or {}
+            fields.update({"requests": worker["requests"],
+                           "to main per request": worker.get("to_main_per_request"),
+                           "to main": ", ".join(f"{kind} {n}" for kind, n in sent.items()
+                                                if n) if isinstance(sent, dict) else sent})
         if worker.get("tls"):  # where its own queues' TLS records go
             fields["tls"] = worker["tls"]
         for name, ns in sorted((worker.get("namespaces") or {}).items()):

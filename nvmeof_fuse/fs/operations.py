@@ -210,7 +210,8 @@ class NamespaceFS:
         add_info("controller.json", lambda: info.to_json(info.controller_dict(ctrl)))
         companion = self.companion
         add_info("stats", lambda: info.stats_text(ctrl, companion))
-        add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl, companion)))
+        add_info("stats.json", lambda: info.to_json(info.stats_dict(
+            ctrl, companion, getattr(self.kernel, "requests", None))))
         add_info("companion.json", lambda: info.to_json(info.companion_dict(companion)))
         if hasattr(ctrl, "paths_snapshot"):  # a multipath head (every mount the CLI makes)
             add_info("paths", lambda: info.paths_text(ctrl))

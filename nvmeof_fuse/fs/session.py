@@ -75,6 +75,9 @@ class FuseSession:
         self._start_read_op = ops.start_read if starts else None
         self._start_write_op = ops.start_write if starts else None
         self._in_flight = 0  # READs and WRITEs read and not yet answered
+        self.requests = 0
+        """Requests this process read off the connection (with FUSE workers, its share: the
+        denominator of a worker's messages to the main process per request)."""
         self.fd = fd
         # ``shared``: other processes read this connection too (FUSE workers).  Each parks
         # on an epoll of its own that waits on the descriptor exclusively (EPOLLEXCLUSIVE),
@@ -151,6 +154,7 @@ class FuseSession:
             log.warning("ignored a FUSE request of %d bytes", n)
             return None
         _, opcode, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(head)
+        self.requests += 1
         if opcode == READ:
             fh, offset, size, _ = READ_IN.unpack_from(head, IN_HEADER_SIZE)
             self._in_flight += 1

@@ -195,6 +195,53 @@ def test_two_workers_serve_reads_and_writes_byte_exact_and_stats_show_each(mount
     assert "disconnected from" in text and "final flush" not in text, text
 
 
+def _reads_and_writes(path: Path, seed: int, count: int) -> None:
+    """``count`` O_DIRECT 4 KiB writes, each read back, at LBAs of our own."""
+    import mmap
+
+    buf = mmap.mmap(-1, 4096)
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        for i in range(count):
+            offset = ((i * 16 + seed) % (SIZE_MIB * 256)) * 4096
+            buf[:8] = i.to_bytes(8, "little")
+            os.pwrite(fd, buf, offset)
+            os.preadv(fd, [buf], offset)
+    finally:
+        os.close(fd)
+
+
+@needs_fuse
+def test_a_workers_reads_and_writes_send_the_main_process_nothing(mounted):
+    """Issue #60: the messages a worker sends the main process (its report counts them by
+    kind) do not grow with its READs and WRITEs: 2,000 of them across the workers add no
+    forwarded WRITE and only the opens and closes of the files (and of stats.json, which
+    the main process serves) as forwarded requests."""
+    m = mounted(2)
+    before = m.stats()["workers"][1]
+    threads = [threading.Thread(target=_reads_and_writes, args=(m.path / "n1", seed, 250))
+               for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(STEP)
+
+    def reported_after() -> bool:  # a report made after the I/O (one each second)
+        time.sleep(1.0)  # (each look reads stats.json: a few forwarded requests)
+        return m.stats()["workers"][1]["to_main"]["report"] >= before["to_main"]["report"] + 3
+
+    wait_for(reported_after, "the worker's report after the I/O")
+    after = m.stats()["workers"][1]
+    sent = {kind: after["to_main"].get(kind, 0) - before["to_main"].get(kind, 0)
+            for kind in ("meta", "read", "write")}
+    assert after["requests"] - before["requests"] > 0  # it served its share
+    assert sent["write"] == 0, after
+    # 4 writers' LOOKUP, OPEN, GETATTR, FLUSH, RELEASE, and at most 10 reads of stats.json
+    # with theirs (a worker counted 7 per fio job, whatever its length): no lock or
+    # anything else per request, which would be over 500 here
+    assert sent["meta"] + sent["read"] <= 4 * 5 + 10 * 8, after
+
+
 @needs_fuse
 def test_a_worker_killed_under_load_is_replaced_and_its_queues_come_back(mounted):
     m = mounted(2)
