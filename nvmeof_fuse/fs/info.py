@@ -155,9 +155,11 @@ def reported_namespaces(ctrl: ControllerLike) -> tuple[list[tuple[int, Any]], in
 
 
 def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None,
-               requests: int | None = None) -> dict[str, Any]:
+               requests: int | None = None,
+               serving: dict[str, Any] | None = None) -> dict[str, Any]:
     """``stats.json``; ``requests``: the FUSE requests this process read, shown beside
-    each FUSE worker's (how the kernel spread them)."""
+    each FUSE worker's (how the kernel spread them); ``serving``: how many processes serve
+    the mount and how that was chosen (``--workers``)."""
     listed, idle = reported_namespaces(ctrl)
     doc: dict[str, Any] = {f"n{n}": io_stats(ns).snapshot() for n, ns in listed}
     workers = worker_reports(companion)
@@ -166,6 +168,8 @@ def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None,
                 **({"requests": requests} if requests is not None else {}), "namespaces": doc}
         doc = _with_workers(doc, workers)
         doc["workers"] = [main, *workers]
+    if serving is not None:
+        doc["serving"] = serving
     if idle:
         doc["idle_namespaces"] = idle  # namespaces that did no I/O, not listed
     connection = getattr(ctrl, "connection_snapshot", None)
@@ -221,7 +225,8 @@ def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:
     return companion.info() if companion is not None else {"socket": None}
 
 
-def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> bytes:
+def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None,
+               serving: dict[str, Any] | None = None) -> bytes:
     parts = []
     workers = worker_reports(companion)
     listed, idle = reported_namespaces(ctrl)
@@ -247,6 +252,8 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
                 fields[f"{name} {op}"] = (f"{st.get('ops', 0)} ops, {st.get('bytes', 0)} bytes, "
                                           f"{st.get('errors', 0)} errors")
         parts.append(_section(f"FUSE worker {worker.get('index')}", fields))
+    if serving:  # how many processes serve the mount, and why that many
+        parts.append(_section("serving", serving))
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         parts.append(_section("connection", connection()))

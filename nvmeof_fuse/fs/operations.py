@@ -209,9 +209,12 @@ class NamespaceFS:
         add_info("controller", lambda: info.controller_text(ctrl))
         add_info("controller.json", lambda: info.to_json(info.controller_dict(ctrl)))
         companion = self.companion
-        add_info("stats", lambda: info.stats_text(ctrl, companion))
+        options = self.options
+        serving = {"processes": options.worker_processes,
+                   "chosen": options.workers_chosen or "given"}
+        add_info("stats", lambda: info.stats_text(ctrl, companion, serving))
         add_info("stats.json", lambda: info.to_json(info.stats_dict(
-            ctrl, companion, getattr(self.kernel, "requests", None))))
+            ctrl, companion, getattr(self.kernel, "requests", None), serving)))
         add_info("companion.json", lambda: info.to_json(info.companion_dict(companion)))
         if hasattr(ctrl, "paths_snapshot"):  # a multipath head (every mount the CLI makes)
             add_info("paths", lambda: info.paths_text(ctrl))

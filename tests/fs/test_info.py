@@ -118,6 +118,14 @@ def test_a_workers_messages_to_the_main_process_are_shown_per_request():
     assert doc["workers"][1]["to_main"]["meta OPEN"] == 1 and "requests" not in doc["workers"][0]
 
 
+def test_stats_say_how_many_processes_serve_and_how_that_was_chosen():
+    serving = {"processes": 1, "chosen": "auto: 2 usable cores"}
+    doc = info.stats_dict(make_controller((1, 512, 8)), None, serving=serving)
+    assert doc["serving"] == serving and "serving" not in info.stats_dict(make_controller())
+    text = info.stats_text(make_controller((1, 512, 8)), None, serving).decode()
+    assert "serving:\n  processes : 1\n  chosen    : auto: 2 usable cores\n" in text
+
+
 def test_a_workers_tls_record_layer_is_shown_where_it_has_one():
     """A FUSE worker's own queues over TLS: stats name where their records go, as the main
     process's connection section does; a worker without TLS shows no such line."""
