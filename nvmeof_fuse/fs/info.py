@@ -155,17 +155,16 @@ def reported_namespaces(ctrl: ControllerLike) -> tuple[list[tuple[int, Any]], in
 
 
 def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None,
-               requests: int | None = None,
+               served: dict[str, int] | None = None,
                serving: dict[str, Any] | None = None) -> dict[str, Any]:
-    """``stats.json``; ``requests``: the FUSE requests this process read, shown beside
-    each FUSE worker's (how the kernel spread them); ``serving``: how many processes serve
-    the mount and how that was chosen (``--workers``)."""
+    """``stats.json``; ``served``: the FUSE requests this process read and its waits for
+    them, shown beside each FUSE worker's (how the kernel spread them); ``serving``: how
+    many processes serve the mount and how that was chosen (``--workers``)."""
     listed, idle = reported_namespaces(ctrl)
     doc: dict[str, Any] = {f"n{n}": io_stats(ns).snapshot() for n, ns in listed}
     workers = worker_reports(companion)
     if workers:  # FUSE workers: the namespaces' figures summed, and each process's own
-        main = {"index": 0, "pid": os.getpid(),
-                **({"requests": requests} if requests is not None else {}), "namespaces": doc}
+        main = {"index": 0, "pid": os.getpid(), **(served or {}), "namespaces": doc}
         doc = _with_workers(doc, workers)
         doc["workers"] = [main, *workers]
     if serving is not None:
@@ -241,7 +240,7 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None,
                   "state": worker.get("state"), "reconnects": worker.get("reconnects")}
         if "requests" in worker:  # what it asked the main process, per request it read
             sent = worker.get("to_main") or {}
-            fields.update({"requests": worker["requests"],
+            fields.update({"requests": worker["requests"], "parks": worker.get("parks"),
                            "to main per request": worker.get("to_main_per_request"),
                            "to main": ", ".join(f"{kind} {n}" for kind, n in sent.items()
                                                 if n) if isinstance(sent, dict) else sent})

@@ -198,6 +198,14 @@ class NamespaceFS:
 
     # --- tree -----------------------------------------------------------------
 
+    def _served(self) -> dict[str, int] | None:
+        """The FUSE requests this process read and its waits for them (our session's; none
+        under pyfuse3), for stats beside each FUSE worker's."""
+        kernel = self.kernel
+        if kernel is None or not hasattr(kernel, "requests"):
+            return None
+        return {"requests": kernel.requests, "parks": kernel.parks}
+
     def _build_tree(self) -> None:
         self._inodes = itertools.count(ROOT_INODE + 1)
         root = self._root = self._add(_Dir(ROOT_INODE, parent=ROOT_INODE))
@@ -214,7 +222,7 @@ class NamespaceFS:
                    "chosen": options.workers_chosen or "given"}
         add_info("stats", lambda: info.stats_text(ctrl, companion, serving))
         add_info("stats.json", lambda: info.to_json(info.stats_dict(
-            ctrl, companion, getattr(self.kernel, "requests", None), serving)))
+            ctrl, companion, self._served(), serving)))
         add_info("companion.json", lambda: info.to_json(info.companion_dict(companion)))
         if hasattr(ctrl, "paths_snapshot"):  # a multipath head (every mount the CLI makes)
             add_info("paths", lambda: info.paths_text(ctrl))

@@ -62,6 +62,7 @@ class RequestLoop:
         self.running = 0  # requests being run
         self.served = 0  # requests run since the last idle moment (see _poll)
         self.idle_poll = IdlePoll()
+        self.parks = 0  # waits on the descriptor: requests per park say how well they batch
 
     def start(self) -> None:
         self.nursery.start_soon(self._work)
@@ -112,6 +113,7 @@ class RequestLoop:
         return held  # closing: a request read is still answered
 
     async def _park(self, fd: int) -> None:
+        self.parks += 1
         self.parked = True
         try:
             await trio.lowlevel.wait_readable(fd)

@@ -78,6 +78,7 @@ class FuseSession:
         self.requests = 0
         """Requests this process read off the connection (with FUSE workers, its share: the
         denominator of a worker's messages to the main process per request)."""
+        self._parks = 0  # of the request loops that ended
         self.fd = fd
         # ``shared``: other processes read this connection too (FUSE workers).  Each parks
         # on an epoll of its own that waits on the descriptor exclusively (EPOLLEXCLUSIVE),
@@ -117,7 +118,16 @@ class FuseSession:
                 self._loop = RequestLoop(nursery, park, self._next_request)
                 self._loop.start()
         finally:
+            if self._loop is not None:
+                self._parks += self._loop.parks
             self._loop = None
+
+    @property
+    def parks(self) -> int:
+        """Times this process waited for the kernel to hand it a request: per request, the
+        cost of a wake-up each request bears (more processes sharing the connection each
+        see fewer requests per wake-up)."""
+        return self._parks + (self._loop.parks if self._loop is not None else 0)
 
     def stop_reading(self) -> None:
         """Take no new requests; :meth:`run` returns once those in flight are answered."""

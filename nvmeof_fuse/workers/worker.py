@@ -228,11 +228,13 @@ class _Worker:
         still wait for the main process (issue #60)."""
         from nvmeof_fuse.fs.wire import opcode_name
 
-        requests = self.session.requests if self.session is not None else 0
+        session = self.session
+        requests = session.requests if session is not None else 0
         sent = {**self.to_main, **{f"meta {opcode_name(op)}": n
                                    for op, n in sorted(self.meta_to_main.items())}}
         per_request = sum(self.to_main[kind] for kind in PER_REQUEST_KINDS)
-        return {"requests": requests, "to_main": sent,
+        return {"requests": requests, "parks": session.parks if session is not None else 0,
+                "to_main": sent,
                 "to_main_per_request": round(per_request / requests, 4) if requests else 0.0}
 
     async def _forward_meta(self, opcode: int, unique: int, nodeid: int,

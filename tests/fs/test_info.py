@@ -86,7 +86,7 @@ def test_stats_sum_every_worker_and_show_each():
         namespaces = {1: type("Ns", (), {"io_stats": type("S", (), {
             "snapshot": staticmethod(lambda: main["n1"])})})()}
 
-    doc = info.stats_dict(Ctrl(), Companion(), requests=70)
+    doc = info.stats_dict(Ctrl(), Companion(), {"requests": 70, "parks": 9})
     read = doc["n1"]["ops"]["read"]
     assert (read["ops"], read["bytes"], read["errors"]) == (40, 40960 * 2, 2)
     assert read["latency_us"]["max"] == 30.0 and read["latency_us"]["mean"] == 3.0
@@ -94,14 +94,16 @@ def test_stats_sum_every_worker_and_show_each():
     assert [w["index"] for w in doc["workers"]] == [0, 1]
     assert doc["workers"][0]["namespaces"]["n1"]["ops"]["read"]["ops"] == 10  # main's own
     assert doc["workers"][0]["requests"] == 70  # the FUSE requests the main process read
+    assert doc["workers"][0]["parks"] == 9  # and its waits for them
 
 
 def test_a_workers_messages_to_the_main_process_are_shown_per_request():
     """What a worker counted of its messages to the main process (issue #60): stats.json
     passes its report on, the text shows the per-request figure and the kinds it sent."""
     worker = {"index": 1, "pid": 7, "state": "live", "reconnects": 0, "qids": [3],
-              "requests": 1000, "to_main": {"lease": 1, "report": 4, "meta": 2, "read": 0,
-                                            "meta OPEN": 1, "meta FLUSH": 1},
+              "requests": 1000, "parks": 300,
+              "to_main": {"lease": 1, "report": 4, "meta": 2, "read": 0, "meta OPEN": 1,
+                          "meta FLUSH": 1},
               "to_main_per_request": 0.002, "namespaces": {}}
 
     class Companion:
@@ -112,7 +114,7 @@ def test_a_workers_messages_to_the_main_process_are_shown_per_request():
             return [worker]
 
     text = info.stats_text(make_controller((1, 512, 8)), Companion()).decode()
-    assert "  to main per request : 0.002\n" in text
+    assert "  to main per request : 0.002\n" in text and "  parks               : 300\n" in text
     assert "  to main             : lease 1, report 4, meta 2, meta OPEN 1, meta FLUSH 1\n" in text
     doc = info.stats_dict(make_controller((1, 512, 8)), Companion())
     assert doc["workers"][1]["to_main"]["meta OPEN"] == 1 and "requests" not in doc["workers"][0]

@@ -206,6 +206,7 @@ def test_queued_requests_each_get_one_reply():
     session = trio.run(with_session, test)
     assert not asked
     assert session.requests == 3 + 300  # INIT, LOOKUP, OPEN and the 300: each counted
+    assert 0 < session.parks <= session.requests  # (queued in bursts: fewer waits than requests)
 
 
 def test_a_destroy_ends_the_session_and_stop_reading_wakes_the_reader():
