@@ -167,8 +167,8 @@ def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None,
         main = {"index": 0, "pid": os.getpid(), **(served or {}), "namespaces": doc}
         doc = _with_workers(doc, workers)
         doc["workers"] = [main, *workers]
-    if serving is not None:
-        doc["serving"] = serving
+    if serving is not None:  # (the main process's figures too: a mount may have no workers)
+        doc["serving"] = {**serving, **({"main": served} if served else {})}
     if idle:
         doc["idle_namespaces"] = idle  # namespaces that did no I/O, not listed
     connection = getattr(ctrl, "connection_snapshot", None)

@@ -133,9 +133,7 @@ class Server:
             doc = json.loads(Path(self.mnt, ".nvmeof", "stats.json").read_bytes())
         except (OSError, ValueError):
             return 0, 0, 0, 0, 0
-        procs = doc.get("workers") or []
-        if not procs:
-            return 0, 0, 0, 0, 0
+        procs = doc.get("workers") or [(doc.get("serving") or {}).get("main") or {}]
         sent = sum(w.get("to_main", {}).get(kind, 0) for w in procs[1:]
                    for kind in ("meta", "read", "write"))
         return (procs[0].get("requests", 0), sum(w.get("requests", 0) for w in procs[1:]),
@@ -278,11 +276,13 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iod
                                                       numjobs, seconds)
                                 cpu = server.cpu() - before
                                 busy1, all1 = _host_busy()
-                                if workers > 1 and backend not in ("ram", "libfuse"):
-                                    time.sleep(1.5)  # the workers' reports after the job
+                                if backend not in ("ram", "libfuse"):
+                                    if workers > 1:
+                                        time.sleep(1.5)  # the workers' reports after the job
                                     sent1 = server.to_main()
-                                    split.setdefault((backend, key, numjobs, workers), []).append(
-                                        tuple(b - a for a, b in zip(sent0, sent1, strict=True)))
+                                    split.setdefault((backend, key, numjobs, workers),
+                                                     []).append(tuple(
+                                        b - a for a, b in zip(sent0, sent1, strict=True)))
                                 ios = max(ios, 1)
                                 results.setdefault((backend, key, numjobs, workers), []).append(
                                     (rate, cpu / ios * 1e6, (busy1 - busy0) / ios * 1e6,
@@ -327,9 +327,10 @@ def table(results: dict, backends: list[str], counts: list[int], iodepth: int) -
 
 
 def split_table(results: dict) -> str:
-    """How each job's requests split over the mount's processes, and what the workers sent
-    the main process because of a request, per request they read (issue #60: READ and
-    WRITE send nothing); empty without a mount of workers over a target."""
+    """How each job's requests split over the mount's processes, how many each took per
+    wait, and what the workers sent the main process because of a request, per request
+    they read (issue #60: READ and WRITE send nothing); empty without a mount over a
+    target."""
     split = results.get("to_main") or {}
     if not split:
         return ""

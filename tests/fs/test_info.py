@@ -124,6 +124,9 @@ def test_stats_say_how_many_processes_serve_and_how_that_was_chosen():
     serving = {"processes": 1, "chosen": "auto: 2 usable cores"}
     doc = info.stats_dict(make_controller((1, 512, 8)), None, serving=serving)
     assert doc["serving"] == serving and "serving" not in info.stats_dict(make_controller())
+    doc = info.stats_dict(make_controller((1, 512, 8)), None, {"requests": 5, "parks": 2},
+                          serving)
+    assert doc["serving"] == {**serving, "main": {"requests": 5, "parks": 2}}
     text = info.stats_text(make_controller((1, 512, 8)), None, serving).decode()
     assert "serving:\n  processes : 1\n  chosen    : auto: 2 usable cores\n" in text
 
