@@ -334,12 +334,14 @@ def split_table(results: dict) -> str:
     split = results.get("to_main") or {}
     if not split:
         return ""
-    lines = ["| over | job | workers | read by main | read by workers | requests per wait, "
-             "main / workers | to main per request |", "|---|---|---|---:|---:|---:|---:|"]
-    for (backend, key, _jobs, workers), runs in sorted(split.items()):
+    lines = ["| over | job | numjobs | workers | read by main | read by workers | requests "
+             "per wait, main / workers | to main per request |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for (backend, key, jobs, workers), runs in sorted(split.items()):
         main_reqs, worker_reqs, sent, main_parks, worker_parks = (
             sum(r[i] for r in runs) for i in range(5))
-        lines.append(f"| {backend} | {key} | {workers} | {main_reqs:,} | {worker_reqs:,} | "
+        lines.append(f"| {backend} | {key} | {jobs} | {workers} | {main_reqs:,} | "
+                     f"{worker_reqs:,} | "
                      f"{main_reqs / max(main_parks, 1):.1f} / "
                      f"{worker_reqs / max(worker_parks, 1):.1f} | "
                      f"{sent / worker_reqs if worker_reqs else 0:.4f} |")
