@@ -204,7 +204,8 @@ class NamespaceFS:
         kernel = self.kernel
         if kernel is None or not hasattr(kernel, "requests"):
             return None
-        return {"requests": kernel.requests, "parks": kernel.parks}
+        return {"requests": kernel.requests, "parks": kernel.parks,
+                "full_waits": kernel.full_waits}
 
     def _build_tree(self) -> None:
         self._inodes = itertools.count(ROOT_INODE + 1)

@@ -146,7 +146,8 @@ class _Worker:
             self._follow(self.shapes)
         self.session = session = FuseSession(
             fs, self.args.fd, InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
-            debug=self.args.debug, forward=self._forward_meta, shared=True)
+            debug=self.args.debug, forward=self._forward_meta, shared=True,
+            in_flight_limit=MAX_BACKGROUND)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self._report, ctrl, fs)
@@ -234,6 +235,7 @@ class _Worker:
                                    for op, n in sorted(self.meta_to_main.items())}}
         per_request = sum(self.to_main[kind] for kind in PER_REQUEST_KINDS)
         return {"requests": requests, "parks": session.parks if session is not None else 0,
+                "full_waits": session.full_waits if session is not None else 0,
                 "to_main": sent,
                 "to_main_per_request": round(per_request / requests, 4) if requests else 0.0}
 

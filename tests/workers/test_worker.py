@@ -62,7 +62,7 @@ def test_a_worker_counts_each_message_to_the_main_process_by_kind_and_per_reques
     worker.to_main, worker.meta_to_main = dict.fromkeys(TO_MAIN_KINDS, 0), {}
     sent = []
     worker.channel = SimpleNamespace(call_future=lambda op, **fields: sent.append(op))
-    worker.session = SimpleNamespace(requests=400, parks=100)
+    worker.session = SimpleNamespace(requests=400, parks=100, full_waits=3)
     worker.send("lease", want=1, worker=True)
     worker.send("report", worker={})
     for opcode in (wire.OPEN, wire.GETATTR, wire.GETATTR, wire.FLUSH):
@@ -71,7 +71,7 @@ def test_a_worker_counts_each_message_to_the_main_process_by_kind_and_per_reques
     assert sent == ["lease", "report"] + ["fuse"] * 5
     counts = worker.counts()
     assert counts["requests"] == 400 and counts["to_main_per_request"] == 5 / 400
-    assert counts["parks"] == 100
+    assert (counts["parks"], counts["full_waits"]) == (100, 3)
     assert counts["to_main"] == {"lease": 1, "ready": 0, "namespaces": 0, "report": 1,
                                  "meta": 4, "read": 1, "write": 0, "meta GETATTR": 2,
                                  "meta OPEN": 1, "meta FLUSH": 1}
