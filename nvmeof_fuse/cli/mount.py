@@ -41,7 +41,7 @@ log = logging.getLogger(PROG)
 
 def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
     """``mount``'s arguments; the actions, from which :func:`daemon_command` rebuilds a line."""
-    from nvmeof_fuse.fs.mount_options import DEFAULT_WORKERS
+    from nvmeof_fuse.fs.mount_options import AUTO_WORKERS, FEW_CORES, MAX_AUTO_WORKERS
     from nvmeof_fuse.host.connect_options import (
         DEFAULT_COMPANION_QUEUES,
         DEFAULT_MAX_NAMESPACES,
@@ -79,15 +79,16 @@ def add_mount_arguments(m: argparse.ArgumentParser) -> list[argparse.Action]:
         add("--iopolicy", choices=list(IOPOLICIES),
             help=f"how I/O spreads over the paths (default {DEFAULT_IOPOLICY}); "
                  "-o iopolicy=..."),
-        add("--workers", metavar="N",
-            help="processes serving READ and WRITE, each on queues of its own (default "
-                 f"{DEFAULT_WORKERS}; builtin FUSE server only); -o workers=N"),
+        add("--workers", metavar="N|auto",
+            help="processes serving READ and WRITE, each on queues of its own (builtin FUSE "
+                 f"server only); default {AUTO_WORKERS}: 1 on up to {FEW_CORES} usable cores, "
+                 f"else half of them, at most {MAX_AUTO_WORKERS}; -o workers=N|auto"),
         add("--max-namespaces", metavar="N",
             help=f"serve at most the first N active namespaces (default "
                  f"{DEFAULT_MAX_NAMESPACES}; the rest are refused in one line); "
                  "-o max_namespaces=N"),
         add("-o", dest="options", action="append", default=[],
-            metavar="allow_other,fuse=SERVER,path=URI,iopolicy=POLICY,workers=N,"
+            metavar="allow_other,fuse=SERVER,path=URI,iopolicy=POLICY,workers=N|auto,"
                     "max_namespaces=N"),
         add("--fuse", metavar="SERVER",
             help="what serves FUSE: builtin (default; our own /dev/fuse session) or pyfuse3 "

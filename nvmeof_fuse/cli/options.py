@@ -87,7 +87,7 @@ def mount_flags(values: list[str]) -> set[str]:
     if unknown:
         raise UsageError(f"unsupported -o option(s): {', '.join(sorted(unknown))} "
                          "(known: allow_other, fuse=SERVER, path=URI, iopolicy=POLICY, "
-                         "workers=N, max_namespaces=N)")
+                         "workers=N|auto, max_namespaces=N)")
     return flags
 
 
@@ -141,13 +141,22 @@ def _iopolicy(args: argparse.Namespace) -> str:
 MAX_WORKERS = 256
 
 
-def _workers(args: argparse.Namespace) -> dict[str, int]:
-    """``--workers`` or ``-o workers=``, checked: MountOptions' field, or nothing (its
-    default) when neither names a count."""
+def _workers(args: argparse.Namespace, fuse: str) -> dict[str, Any]:
+    """``--workers N`` or ``-o workers=N``, checked, or ``auto`` (also when neither is
+    given): chosen from the cores this process may use (:func:`auto_workers`; one where
+    ``fuse`` serves one descriptor).  MountOptions' fields: the count and how it was
+    chosen."""
+    from nvmeof_fuse.fs.mount_options import AUTO_WORKERS, auto_workers, usable_cores
+
     named = _one_value(args, "workers", "worker counts")
-    if named is None:
-        return {}
-    return {"workers": _int("--workers", named, 1, MAX_WORKERS)}
+    if named is not None and named != AUTO_WORKERS:
+        return {"workers": _int("--workers", named, 1, MAX_WORKERS),
+                "workers_chosen": "--workers"}
+    if fuse != "builtin":
+        return {"workers": 1, "workers_chosen": f"auto: --fuse {fuse} serves one descriptor"}
+    cores = usable_cores()
+    return {"workers": auto_workers(cores),
+            "workers_chosen": f"auto: {cores} usable core{'s' if cores != 1 else ''}"}
 
 
 def _max_namespaces(args: argparse.Namespace) -> int | None:
@@ -257,6 +266,7 @@ def mount_options(args: argparse.Namespace) -> Any:
     from nvmeof_fuse.fs.mount_options import DEFAULT_MODE, MountOptions
 
     mode = _mode(args.mode)
+    fuse = _fuse_server(args)
     return MountOptions(
         nsid=_int("--nsid", args.nsid, 1, 0xFFFFFFFE),
         source=getattr(args, "fsname", None),  # set by apply_source
@@ -266,10 +276,10 @@ def mount_options(args: argparse.Namespace) -> Any:
         gid=_int("--gid", args.gid, 0, 2**32 - 2),
         mode=DEFAULT_MODE if mode is None else mode,
         debug=args.debug,
-        fuse=_fuse_server(args),
+        fuse=fuse,
         paths=mount_paths(args),
         iopolicy=_iopolicy(args),
-        **_workers(args),
+        **_workers(args, fuse),
     )
 
 

@@ -154,14 +154,21 @@ def reported_namespaces(ctrl: ControllerLike) -> tuple[list[tuple[int, Any]], in
     return used, len(items) - len(used)
 
 
-def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None) -> dict[str, Any]:
+def stats_dict(ctrl: ControllerLike, companion: CompanionLike | None = None,
+               served: dict[str, int] | None = None,
+               serving: dict[str, Any] | None = None) -> dict[str, Any]:
+    """``stats.json``; ``served``: the FUSE requests this process read and its waits for
+    them, shown beside each FUSE worker's (how the kernel spread them); ``serving``: how
+    many processes serve the mount and how that was chosen (``--workers``)."""
     listed, idle = reported_namespaces(ctrl)
     doc: dict[str, Any] = {f"n{n}": io_stats(ns).snapshot() for n, ns in listed}
     workers = worker_reports(companion)
     if workers:  # FUSE workers: the namespaces' figures summed, and each process's own
-        main = {"index": 0, "pid": os.getpid(), "namespaces": doc}
+        main = {"index": 0, "pid": os.getpid(), **(served or {}), "namespaces": doc}
         doc = _with_workers(doc, workers)
         doc["workers"] = [main, *workers]
+    if serving is not None:  # (the main process's figures too: a mount may have no workers)
+        doc["serving"] = {**serving, **({"main": served} if served else {})}
     if idle:
         doc["idle_namespaces"] = idle  # namespaces that did no I/O, not listed
     connection = getattr(ctrl, "connection_snapshot", None)
@@ -217,7 +224,8 @@ def companion_dict(companion: CompanionLike | None) -> dict[str, Any]:
     return companion.info() if companion is not None else {"socket": None}
 
 
-def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> bytes:
+def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None,
+               serving: dict[str, Any] | None = None) -> bytes:
     parts = []
     workers = worker_reports(companion)
     listed, idle = reported_namespaces(ctrl)
@@ -230,6 +238,12 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
     for worker in workers:  # each FUSE worker: where it serves and how much
         fields = {"pid": worker.get("pid"), "queues": worker.get("qids"),
                   "state": worker.get("state"), "reconnects": worker.get("reconnects")}
+        if "requests" in worker:  # what it asked the main process, per request it read
+            sent = worker.get("to_main") or {}
+            fields.update({"requests": worker["requests"], "parks": worker.get("parks"),
+                           "to main per request": worker.get("to_main_per_request"),
+                           "to main": ", ".join(f"{kind} {n}" for kind, n in sent.items()
+                                                if n) if isinstance(sent, dict) else sent})
         if worker.get("tls"):  # where its own queues' TLS records go
             fields["tls"] = worker["tls"]
         for name, ns in sorted((worker.get("namespaces") or {}).items()):
@@ -237,6 +251,8 @@ def stats_text(ctrl: ControllerLike, companion: CompanionLike | None = None) -> 
                 fields[f"{name} {op}"] = (f"{st.get('ops', 0)} ops, {st.get('bytes', 0)} bytes, "
                                           f"{st.get('errors', 0)} errors")
         parts.append(_section(f"FUSE worker {worker.get('index')}", fields))
+    if serving:  # how many processes serve the mount, and why that many
+        parts.append(_section("serving", serving))
     connection = getattr(ctrl, "connection_snapshot", None)
     if connection is not None:
         parts.append(_section("connection", connection()))

@@ -51,7 +51,8 @@ flight: the wait for open files to be closed ends this long before it."""
 # Async (aio, O_DIRECT) FUSE requests the kernel keeps in flight to us (INIT's max_background).
 # The kernel's default of 12 (FUSE_DEFAULT_MAX_BACKGROUND) holds back a queue depth of 16.
 # 32 matches the controller's bounce buffers, which each request in flight holds; with FUSE
-# workers each process has its own, so a mount allows 32 per serving process.
+# workers each process has its own, so a mount allows 32 per serving process, and each
+# process leaves the connection to the others while it holds 32 (RequestLoop's limit).
 MAX_BACKGROUND = 32
 MAX_WRITE = 1 << 20  # bytes per READ/WRITE request (FUSE_MAX_PAGES)
 FUSECTL = "/sys/fs/fuse/connections"
@@ -237,7 +238,8 @@ async def start_server(ops: NamespaceFS, path: str, options: MountOptions) -> Fu
         serving = options.worker_processes
         return FuseSession(ops, fd, InitParams(max_write=MAX_WRITE,
                                                max_background=MAX_BACKGROUND * serving),
-                           debug=options.debug, shared=serving > 1)
+                           debug=options.debug, shared=serving > 1,
+                           in_flight_limit=MAX_BACKGROUND)
     libfuse_options = sorted(fuse_options(options)) + (["debug"] if options.debug else [])
     try:
         server = await trio.to_thread.run_sync(pyfuse3_server.Pyfuse3Server, ops, path,

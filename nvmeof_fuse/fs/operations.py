@@ -198,6 +198,15 @@ class NamespaceFS:
 
     # --- tree -----------------------------------------------------------------
 
+    def _served(self) -> dict[str, int] | None:
+        """The FUSE requests this process read and its waits for them (our session's; none
+        under pyfuse3), for stats beside each FUSE worker's."""
+        kernel = self.kernel
+        if kernel is None or not hasattr(kernel, "requests"):
+            return None
+        return {"requests": kernel.requests, "parks": kernel.parks,
+                "full_waits": kernel.full_waits}
+
     def _build_tree(self) -> None:
         self._inodes = itertools.count(ROOT_INODE + 1)
         root = self._root = self._add(_Dir(ROOT_INODE, parent=ROOT_INODE))
@@ -209,8 +218,12 @@ class NamespaceFS:
         add_info("controller", lambda: info.controller_text(ctrl))
         add_info("controller.json", lambda: info.to_json(info.controller_dict(ctrl)))
         companion = self.companion
-        add_info("stats", lambda: info.stats_text(ctrl, companion))
-        add_info("stats.json", lambda: info.to_json(info.stats_dict(ctrl, companion)))
+        options = self.options
+        serving = {"processes": options.worker_processes,
+                   "chosen": options.workers_chosen or "given"}
+        add_info("stats", lambda: info.stats_text(ctrl, companion, serving))
+        add_info("stats.json", lambda: info.to_json(info.stats_dict(
+            ctrl, companion, self._served(), serving)))
         add_info("companion.json", lambda: info.to_json(info.companion_dict(companion)))
         if hasattr(ctrl, "paths_snapshot"):  # a multipath head (every mount the CLI makes)
             add_info("paths", lambda: info.paths_text(ctrl))

@@ -47,9 +47,17 @@ class RequestLoop:
     client that keeps one request in flight does not wake us from a sleep for each.
 
     ``take`` reads one request: its (handler, args), or None when it needs no handler;
-    it raises BlockingIOError when none is queued and SessionEnded at the end."""
+    it raises BlockingIOError when none is queued and SessionEnded at the end.
 
-    def __init__(self, nursery: trio.Nursery, fd: int, take: Callable[[], Job | None]) -> None:
+    ``limit`` (0: none) is for a connection other processes read too (FUSE workers): with
+    that many requests running or queued here, no task reads more until one is answered,
+    so that the kernel hands the rest to a process with room.  Each process holds a
+    bounce buffer per request in flight, as many as the kernel lets one process's share
+    be; a process that read past them ran the rest on tasks that waited for a buffer,
+    at about twice the CPU per request (issue #60)."""
+
+    def __init__(self, nursery: trio.Nursery, fd: int, take: Callable[[], Job | None],
+                 limit: int = 0) -> None:
         self.nursery = nursery
         self.fd = fd
         self.take = take
@@ -62,6 +70,10 @@ class RequestLoop:
         self.running = 0  # requests being run
         self.served = 0  # requests run since the last idle moment (see _poll)
         self.idle_poll = IdlePoll()
+        self.limit = limit
+        self.room: trio.Event | None = None  # set when a request ends, while a reader waits
+        self.full_waits = 0  # times a reader waited for room (see limit)
+        self.parks = 0  # waits on the descriptor: requests per park say how well they batch
 
     def start(self) -> None:
         self.nursery.start_soon(self._work)
@@ -84,6 +96,12 @@ class RequestLoop:
             self.drained = False
             await self._park(fd)
         while not self.closing:
+            if self.limit and self.running + len(queue) + (held is not None) >= self.limit:
+                if held is not None:  # full (see limit): run what we hold, read no more
+                    return held
+                await self._wait_for_room()
+                got = 0
+                continue
             try:
                 job = take()
             except BlockingIOError:
@@ -111,7 +129,22 @@ class RequestLoop:
                 await trio.lowlevel.checkpoint()
         return held  # closing: a request read is still answered
 
+    async def _wait_for_room(self) -> None:
+        self.full_waits += 1
+        room = self.room = trio.Event()
+        try:
+            await room.wait()
+        finally:
+            self.room = None
+
+    def _made_room(self) -> None:
+        """A request ended while a reader waits for room: wake it once there is."""
+        room = self.room
+        if room is not None and self.running + len(self.queue) < self.limit:
+            room.set()
+
     async def _park(self, fd: int) -> None:
+        self.parks += 1
         self.parked = True
         try:
             await trio.lowlevel.wait_readable(fd)
@@ -155,7 +188,10 @@ class RequestLoop:
                 continue
             else:  # another task reads: run what is already queued in the kernel
                 try:
-                    job = take()
+                    if self.limit and self.running + len(queue) >= self.limit:
+                        job = None  # full (see limit): the reader takes more once there is room
+                    else:
+                        job = take()
                 except BlockingIOError:
                     job = None if self.running else self._poll()
                 except SessionEnded:
@@ -181,6 +217,8 @@ class RequestLoop:
             await job[0](*job[1])
         finally:
             self.running -= 1  # what end() does, inline: this runs for every request
+            if self.room is not None:
+                self._made_room()
             if self.closing and not self.running:
                 self._release_idle()
 
@@ -198,6 +236,8 @@ class RequestLoop:
             self._wake()
         elif self.closing and not self.running:
             self._release_idle()
+        if self.room is not None:
+            self._made_room()
 
     def _release_idle(self) -> None:
         """Closing, with nothing running: the idle tasks wait for this, to exit."""
@@ -236,6 +276,8 @@ class RequestLoop:
         if self.closing:
             return
         self.closing = True
+        if self.room is not None:  # a reader waits for room: it stops instead
+            self.room.set()
         while self.idle:
             trio.lowlevel.reschedule(self.idle.pop())
         if self.parked:  # the reader parked in wait_readable: wake it (the public way)

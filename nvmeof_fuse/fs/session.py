@@ -64,7 +64,7 @@ class FuseSession:
 
     def __init__(self, ops: Any, fd: int, params: wire.InitParams | None = None,
                  debug: bool = False, forward: Forward | None = None,
-                 shared: bool = False) -> None:
+                 shared: bool = False, in_flight_limit: int = 0) -> None:
         self.ops = ops
         self.forward = forward
         """Set in a FUSE worker: what answers the requests other than READ and WRITE (the
@@ -75,6 +75,14 @@ class FuseSession:
         self._start_read_op = ops.start_read if starts else None
         self._start_write_op = ops.start_write if starts else None
         self._in_flight = 0  # READs and WRITEs read and not yet answered
+        self.requests = 0
+        """Requests this process read off the connection (with FUSE workers, its share: the
+        denominator of a worker's messages to the main process per request)."""
+        self._parks = 0  # of the request loops that ended
+        self._full_waits = 0  # of the request loops that ended
+        # With other processes on the connection: requests this one holds at most before
+        # it leaves the rest to them (RequestLoop's limit; 0: as many as the kernel sends)
+        self._limit = in_flight_limit if shared else 0
         self.fd = fd
         # ``shared``: other processes read this connection too (FUSE workers).  Each parks
         # on an epoll of its own that waits on the descriptor exclusively (EPOLLEXCLUSIVE),
@@ -111,10 +119,26 @@ class FuseSession:
         try:
             async with trio.open_nursery() as nursery:
                 park = self.fd if self._exclusive is None else self._exclusive.fileno()
-                self._loop = RequestLoop(nursery, park, self._next_request)
+                self._loop = RequestLoop(nursery, park, self._next_request, self._limit)
                 self._loop.start()
         finally:
+            if self._loop is not None:
+                self._parks += self._loop.parks
+                self._full_waits += self._loop.full_waits
             self._loop = None
+
+    @property
+    def parks(self) -> int:
+        """Times this process waited for the kernel to hand it a request: per request, the
+        cost of a wake-up each request bears (more processes sharing the connection each
+        see fewer requests per wake-up)."""
+        return self._parks + (self._loop.parks if self._loop is not None else 0)
+
+    @property
+    def full_waits(self) -> int:
+        """Times this process, sharing the connection, held as many requests as it serves
+        at once and left the next to the others (RequestLoop's ``limit``)."""
+        return self._full_waits + (self._loop.full_waits if self._loop is not None else 0)
 
     def stop_reading(self) -> None:
         """Take no new requests; :meth:`run` returns once those in flight are answered."""
@@ -151,6 +175,7 @@ class FuseSession:
             log.warning("ignored a FUSE request of %d bytes", n)
             return None
         _, opcode, unique, nodeid, _, _, _, _, _ = IN_HEADER.unpack_from(head)
+        self.requests += 1
         if opcode == READ:
             fh, offset, size, _ = READ_IN.unpack_from(head, IN_HEADER_SIZE)
             self._in_flight += 1

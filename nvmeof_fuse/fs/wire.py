@@ -29,6 +29,25 @@ NO_REPLY = frozenset({FORGET, BATCH_FORGET, INTERRUPT})  # the kernel expects no
 TREE_CHANGES = {MKNOD: "mknod", MKDIR: "mkdir", UNLINK: "unlink", RMDIR: "rmdir",
                 RENAME: "rename", RENAME2: "rename", LINK: "link", SYMLINK: "symlink",
                 CREATE: "create"}
+_OPCODE_NAMES = {
+    LOOKUP: "LOOKUP", FORGET: "FORGET", GETATTR: "GETATTR", SETATTR: "SETATTR",
+    SYMLINK: "SYMLINK", MKNOD: "MKNOD", MKDIR: "MKDIR", UNLINK: "UNLINK", RMDIR: "RMDIR",
+    RENAME: "RENAME", LINK: "LINK", OPEN: "OPEN", READ: "READ", WRITE: "WRITE",
+    STATFS: "STATFS", RELEASE: "RELEASE", FSYNC: "FSYNC", FLUSH: "FLUSH", INIT: "INIT",
+    OPENDIR: "OPENDIR", READDIR: "READDIR", RELEASEDIR: "RELEASEDIR", FSYNCDIR: "FSYNCDIR",
+    ACCESS: "ACCESS", CREATE: "CREATE", INTERRUPT: "INTERRUPT", DESTROY: "DESTROY",
+    BATCH_FORGET: "BATCH_FORGET", RENAME2: "RENAME2",
+    # those we never serve, named for the counts (enum fuse_opcode)
+    5: "READLINK", 21: "SETXATTR", 22: "GETXATTR", 23: "LISTXATTR", 24: "REMOVEXATTR",
+    37: "BMAP", 39: "IOCTL", 40: "POLL", 41: "NOTIFY_REPLY", 43: "FALLOCATE",
+    44: "READDIRPLUS", 46: "LSEEK", 47: "COPY_FILE_RANGE", 48: "SETUPMAPPING",
+    49: "REMOVEMAPPING", 50: "SYNCFS", 51: "TMPFILE", 52: "STATX"}
+
+
+def opcode_name(opcode: int) -> str:
+    """``GETATTR`` for 3: what a count of requests by opcode is shown under."""
+    return _OPCODE_NAMES.get(opcode) or f"opcode {opcode}"
+
 
 # notification codes (enum fuse_notify_code), sent as the error of a unique-0 reply
 NOTIFY_INVAL_INODE, NOTIFY_INVAL_ENTRY = 2, 3

@@ -47,6 +47,13 @@ WORKER_BOUNCE_BUFFERS = 32
 """Bounce buffers of a whole transfer each: one per request the kernel keeps in flight."""
 REPORT_INTERVAL = 1.0  # s between a worker's reports of its counts
 MAX_REPORTED_NAMESPACES = 64
+TO_MAIN_KINDS = ("lease", "ready", "namespaces", "report", "meta", "read", "write")
+"""What a worker sends the main process, as its report counts them: ``lease`` (its first,
+and again after each loss), ``ready``, ``namespaces`` (a rescan's sizes taken) and
+``report`` go with its life, not with requests; ``meta`` (a request other than READ and
+WRITE, forwarded), ``read`` and ``write`` (a forwarded piece of a READ or WRITE it could
+not serve on its own queues) are sent because of a request."""
+PER_REQUEST_KINDS = ("meta", "read", "write")
 
 
 class _Worker:
@@ -65,13 +72,28 @@ class _Worker:
         self.fs: WorkerFS | None = None
         self.shapes: dict[int, tuple[int, int]] | None = None  # heard before self.fs was made
         self.lost = trio.Event()  # the main process went away
+        # messages sent the main process, by kind (TO_MAIN_KINDS), and forwarded requests
+        # by opcode: an increment of a preset key per message, nothing made per request
+        self.to_main = dict.fromkeys(TO_MAIN_KINDS, 0)
+        self.meta_to_main: dict[int, int] = {}
+
+    def send(self, op: str, **fields: Any) -> Any:
+        """Send the main process ``op`` (its reply's future), counted by kind (a ``fuse``
+        request's, else ``op``): every message of ours passes here (:meth:`counts`)."""
+        kind = fields.get("kind", op)
+        to_main = self.to_main
+        to_main[kind] = to_main.get(kind, 0) + 1
+        if kind == "meta":
+            opcode = fields["opcode"]
+            self.meta_to_main[opcode] = self.meta_to_main.get(opcode, 0) + 1
+        return self.channel.call_future(op, **fields)
 
     async def ask(self, op: str, timeout: float | None = None, payload: bytes = b"",
                   **fields: Any) -> dict:
         from nvmeof_fuse.companion import protocol
         from nvmeof_fuse.companion.client.own_queues import wait_future
 
-        future = self.channel.call_future(op, payload=payload, **fields)
+        future = self.send(op, payload=payload, **fields)
         limit = self.timeout if timeout is None else timeout
         try:
             header = await wait_future(future, limit)
@@ -124,7 +146,8 @@ class _Worker:
             self._follow(self.shapes)
         self.session = session = FuseSession(
             fs, self.args.fd, InitParams(max_write=MAX_WRITE, max_background=MAX_BACKGROUND),
-            debug=self.args.debug, forward=self._forward_meta, shared=True)
+            debug=self.args.debug, forward=self._forward_meta, shared=True,
+            in_flight_limit=MAX_BACKGROUND)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_on_signal)
             nursery.start_soon(self._report, ctrl, fs)
@@ -166,7 +189,7 @@ class _Worker:
             except ProtocolError:
                 return
             with contextlib.suppress(NVMeoFError):  # the main process is gone
-                self.channel.call_future("fuse", kind="namespaces", index=self.index,
+                self.send("fuse", kind="namespaces", index=self.index,
                                          pid=os.getpid(), generation=generation)
             return
         ctrl = self.ctrl
@@ -191,13 +214,30 @@ class _Worker:
                           sorted(ctrl.namespaces.items())[:MAX_REPORTED_NAMESPACES]}
             report = {"index": self.index, "pid": os.getpid(), "state": ctrl.state,
                       "reconnects": ctrl.reconnects, "forwarded": fs.forwarded,
-                      "namespaces": namespaces}
+                      **self.counts(), "namespaces": namespaces}
             tls = ctrl.connection_snapshot().get("tls")  # its own queues' records
             if tls is not None:
                 report["tls"] = tls
             with contextlib.suppress(NVMeoFError):
-                self.channel.call_future("report", **{ROLE_FLAG: report})
+                self.send("report", **{ROLE_FLAG: report})
             await trio.sleep(REPORT_INTERVAL)
+
+    def counts(self) -> dict[str, Any]:
+        """The requests this worker read and the messages it sent the main process, by
+        kind (``meta OPCODE`` for each forwarded opcode), and those sent because of a
+        request per request read (``to_main_per_request``): where a mount's requests
+        still wait for the main process (issue #60)."""
+        from nvmeof_fuse.fs.wire import opcode_name
+
+        session = self.session
+        requests = session.requests if session is not None else 0
+        sent = {**self.to_main, **{f"meta {opcode_name(op)}": n
+                                   for op, n in sorted(self.meta_to_main.items())}}
+        per_request = sum(self.to_main[kind] for kind in PER_REQUEST_KINDS)
+        return {"requests": requests, "parks": session.parks if session is not None else 0,
+                "full_waits": session.full_waits if session is not None else 0,
+                "to_main": sent,
+                "to_main_per_request": round(per_request / requests, 4) if requests else 0.0}
 
     async def _forward_meta(self, opcode: int, unique: int, nodeid: int,
                             request: bytes) -> bytes:

@@ -59,6 +59,7 @@ def workers_part(counts: list[int], backends: list[str], seconds: float, rounds:
           f"(numjobs = workers), {rounds} round(s) of {seconds:g} s, medians", flush=True)
     results = bench.run(list(backends), counts, seconds, rounds, 32, None)
     print(bench.table(results, backends, counts, 32))
+    print(bench.split_table(results))
 
     def rate(backend: str, key: str, jobs: int, workers: int) -> float | None:
         runs = results.get((backend, key, jobs, workers))

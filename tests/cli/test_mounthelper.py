@@ -303,6 +303,9 @@ def test_workers_as_an_fstab_key():
     argv = helper_argv(["nvme+tcp://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
                         "-o", "workers=4,_netdev"])
     assert argv[argv.index("--workers") + 1] == "4"
+    argv = helper_argv(["nvme+tcp://192.0.2.1/nqn.2014-08.org.example:s1", "/mnt/n",
+                        "-o", "workers=auto,_netdev"])
+    assert argv[argv.index("--workers") + 1] == "auto"
 
 
 def test_tls_as_o_keys():

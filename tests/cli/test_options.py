@@ -97,7 +97,7 @@ def test_dhchap_options_follow_nvme_cli(tmp_path):
      "put the secret in a file only its owner can read (chmod 600) and write --dhchap-secret "
      "FILE instead"),
     (["-o", f"allow_other,x={SECRET}"], "unsupported -o option(s): x (known: allow_other, "
-     "fuse=SERVER, path=URI, iopolicy=POLICY, workers=N, max_namespaces=N)"),
+     "fuse=SERVER, path=URI, iopolicy=POLICY, workers=N|auto, max_namespaces=N)"),
 ])
 def test_bad_dhchap_secrets_are_one_line_without_the_secret(capsys, tmp_path, extra, match):
     err = one_line_error(capsys, [*MOUNT, *extra, str(tmp_path)], match)
@@ -168,15 +168,33 @@ def test_the_daemon_connects_every_path_with_the_policy(host, tmp_path, monkeypa
     assert seen == {"paths": (P2,), "policy": "failover"}
 
 
-@pytest.mark.parametrize(("argv", "workers"), [
-    ([], 1), (["--workers", "2"], 2), (["-o", "workers=4"], 4),
-    (["--workers", "3", "-o", "workers=3"], 3)])
-def test_workers_from_the_option_or_o(argv, workers):
+@pytest.mark.parametrize(("argv", "workers", "chosen"), [
+    ([], 8, "auto: 16 usable cores"), (["--workers", "auto"], 8, "auto: 16 usable cores"),
+    (["-o", "workers=auto"], 8, "auto: 16 usable cores"),
+    (["--workers", "2"], 2, "--workers"), (["-o", "workers=4"], 4, "--workers"),
+    (["--workers", "1"], 1, "--workers"), (["--workers", "64"], 64, "--workers"),
+    (["--workers", "3", "-o", "workers=3"], 3, "--workers"),
+    (["--workers", "auto", "-o", "workers=auto"], 8, "auto: 16 usable cores"),
+    (["--fuse", "pyfuse3"], 1, "auto: --fuse pyfuse3 serves one descriptor")])
+def test_workers_from_the_option_or_o_else_auto(monkeypatch, argv, workers, chosen):
+    """A count given wins over the cores (past auto's cap too); without one, or with
+    ``auto``, the count is chosen from the cores the process may use (16 here)."""
     from nvmeof_fuse.cli.mount import parse_mount_args
 
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     args = parse_mount_args(["mount", *argv, "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.x:y",
                              "/mnt"])
-    assert options.mount_options(args).workers == workers
+    mopts = options.mount_options(args)
+    assert (mopts.workers, mopts.workers_chosen) == (workers, chosen)
+
+
+def test_workers_auto_keeps_one_on_two_usable_cores(monkeypatch):
+    from nvmeof_fuse.cli.mount import parse_mount_args
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 5})  # taskset -c 0,5
+    args = parse_mount_args(["mount", "-t", "tcp", "-a", "192.0.2.1", "-n", "nqn.x:y", "/mnt"])
+    mopts = options.mount_options(args)
+    assert (mopts.workers, mopts.workers_chosen) == (1, "auto: 2 usable cores")
 
 
 @pytest.mark.parametrize(("argv", "cap"), [
@@ -205,6 +223,8 @@ def test_bad_max_namespaces_are_one_line(argv, error):
 @pytest.mark.parametrize(("argv", "error"), [
     (["--workers", "0"], "--workers 0 is out of range (1-256)"),
     (["--workers", "two"], "--workers 'two' is not an integer"),
+    (["-o", "workers=Auto"], "--workers 'Auto' is not an integer"),
+    (["--workers", "auto", "-o", "workers=2"], "conflicting worker counts: 2, auto"),
     (["--workers", "2", "-o", "workers=3"], "conflicting worker counts: 2, 3")])
 def test_bad_workers_are_one_line(argv, error):
     from nvmeof_fuse.cli.mount import parse_mount_args

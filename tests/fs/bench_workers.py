@@ -125,6 +125,20 @@ class Server:
     def cpu(self) -> float:
         return _cpu_seconds(process_tree(self.proc.pid))
 
+    def to_main(self) -> tuple[int, ...]:
+        """(requests the main process read, requests its workers read, messages those sent
+        it because of a request, the main process's waits for requests, the workers'), from
+        ``stats.json`` (workers report each second); zeros for a server without them."""
+        try:
+            doc = json.loads(Path(self.mnt, ".nvmeof", "stats.json").read_bytes())
+        except (OSError, ValueError):
+            return 0, 0, 0, 0, 0
+        procs = doc.get("workers") or [(doc.get("serving") or {}).get("main") or {}]
+        sent = sum(w.get("to_main", {}).get(kind, 0) for w in procs[1:]
+                   for kind in ("meta", "read", "write"))
+        return (procs[0].get("requests", 0), sum(w.get("requests", 0) for w in procs[1:]),
+                sent, procs[0].get("parks", 0), sum(w.get("parks", 0) for w in procs[1:]))
+
     def stop(self) -> None:
         subprocess.run(["fusermount3", "-u", self.mnt], check=False, timeout=60)
         try:
@@ -225,6 +239,7 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iod
     CPU us per request, host busy fraction), ...]}; without ``gen``, the load generator is
     chosen (:func:`load_generator`) and named in a line."""
     results: dict = {}
+    split = results.setdefault("to_main", {})  # (backend, key, jobs, workers): [(main, ...)]
     target, source, nsid = None, target_uri, 1
     if target_uri:
         tail = target_uri.rstrip("/").rsplit("/", 1)[-1]
@@ -255,11 +270,19 @@ def run(backends: list[str], counts: list[int], seconds: float, rounds: int, iod
                             for numjobs in counts:
                                 if workers not in (1, numjobs):
                                     continue
+                                sent0 = server.to_main()
                                 before, (busy0, all0) = server.cpu(), _host_busy()
                                 rate, ios = read_load(gen, f"{mnt}/n{nsid}", rw, bs, qd,
                                                       numjobs, seconds)
                                 cpu = server.cpu() - before
                                 busy1, all1 = _host_busy()
+                                if backend not in ("ram", "libfuse"):
+                                    if workers > 1:
+                                        time.sleep(1.5)  # the workers' reports after the job
+                                    sent1 = server.to_main()
+                                    split.setdefault((backend, key, numjobs, workers),
+                                                     []).append(tuple(
+                                        b - a for a, b in zip(sent0, sent1, strict=True)))
                                 ios = max(ios, 1)
                                 results.setdefault((backend, key, numjobs, workers), []).append(
                                     (rate, cpu / ios * 1e6, (busy1 - busy0) / ios * 1e6,
@@ -303,6 +326,28 @@ def table(results: dict, backends: list[str], counts: list[int], iodepth: int) -
     return "\n".join(lines)
 
 
+def split_table(results: dict) -> str:
+    """How each job's requests split over the mount's processes, how many each took per
+    wait, and what the workers sent the main process because of a request, per request
+    they read (issue #60: READ and WRITE send nothing); empty without a mount over a
+    target."""
+    split = results.get("to_main") or {}
+    if not split:
+        return ""
+    lines = ["| over | job | numjobs | workers | read by main | read by workers | requests "
+             "per wait, main / workers | to main per request |",
+             "|---|---|---|---|---:|---:|---:|---:|"]
+    for (backend, key, jobs, workers), runs in sorted(split.items()):
+        main_reqs, worker_reqs, sent, main_parks, worker_parks = (
+            sum(r[i] for r in runs) for i in range(5))
+        lines.append(f"| {backend} | {key} | {jobs} | {workers} | {main_reqs:,} | "
+                     f"{worker_reqs:,} | "
+                     f"{main_reqs / max(main_parks, 1):.1f} / "
+                     f"{worker_reqs / max(worker_parks, 1):.1f} | "
+                     f"{sent / worker_reqs if worker_reqs else 0:.4f} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--seconds", type=float, default=5.0)
@@ -325,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{gen.name} ({gen.binary})", flush=True)
     results = run(backends, counts, args.seconds, args.rounds, args.iodepth, args.target, gen)
     print(table(results, backends, counts, args.iodepth))
+    split = split_table(results)
+    if split:
+        print(split)
     print(f"load {os.getloadavg()[0]:.2f} after; CPU/req: the serving processes' user+system "
           "CPU per request (main and workers; not the load generator, not the target); host "
           "CPU/req: the whole host's busy CPU per request (the load generator, the kernel and "

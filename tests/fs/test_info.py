@@ -86,13 +86,49 @@ def test_stats_sum_every_worker_and_show_each():
         namespaces = {1: type("Ns", (), {"io_stats": type("S", (), {
             "snapshot": staticmethod(lambda: main["n1"])})})()}
 
-    doc = info.stats_dict(Ctrl(), Companion())
+    doc = info.stats_dict(Ctrl(), Companion(), {"requests": 70, "parks": 9})
     read = doc["n1"]["ops"]["read"]
     assert (read["ops"], read["bytes"], read["errors"]) == (40, 40960 * 2, 2)
     assert read["latency_us"]["max"] == 30.0 and read["latency_us"]["mean"] == 3.0
     assert doc["n1"]["ops"]["write"]["ops"] == 10 and doc["n1"]["counters"] == {"x": 3}
     assert [w["index"] for w in doc["workers"]] == [0, 1]
     assert doc["workers"][0]["namespaces"]["n1"]["ops"]["read"]["ops"] == 10  # main's own
+    assert doc["workers"][0]["requests"] == 70  # the FUSE requests the main process read
+    assert doc["workers"][0]["parks"] == 9  # and its waits for them
+
+
+def test_a_workers_messages_to_the_main_process_are_shown_per_request():
+    """What a worker counted of its messages to the main process (issue #60): stats.json
+    passes its report on, the text shows the per-request figure and the kinds it sent."""
+    worker = {"index": 1, "pid": 7, "state": "live", "reconnects": 0, "qids": [3],
+              "requests": 1000, "parks": 300,
+              "to_main": {"lease": 1, "report": 4, "meta": 2, "read": 0, "meta OPEN": 1,
+                          "meta FLUSH": 1},
+              "to_main_per_request": 0.002, "namespaces": {}}
+
+    class Companion:
+        def snapshot(self):
+            return {"clients": 0}
+
+        def own_reports(self):
+            return [worker]
+
+    text = info.stats_text(make_controller((1, 512, 8)), Companion()).decode()
+    assert "  to main per request : 0.002\n" in text and "  parks               : 300\n" in text
+    assert "  to main             : lease 1, report 4, meta 2, meta OPEN 1, meta FLUSH 1\n" in text
+    doc = info.stats_dict(make_controller((1, 512, 8)), Companion())
+    assert doc["workers"][1]["to_main"]["meta OPEN"] == 1 and "requests" not in doc["workers"][0]
+
+
+def test_stats_say_how_many_processes_serve_and_how_that_was_chosen():
+    serving = {"processes": 1, "chosen": "auto: 2 usable cores"}
+    doc = info.stats_dict(make_controller((1, 512, 8)), None, serving=serving)
+    assert doc["serving"] == serving and "serving" not in info.stats_dict(make_controller())
+    doc = info.stats_dict(make_controller((1, 512, 8)), None, {"requests": 5, "parks": 2},
+                          serving)
+    assert doc["serving"] == {**serving, "main": {"requests": 5, "parks": 2}}
+    text = info.stats_text(make_controller((1, 512, 8)), None, serving).decode()
+    assert "serving:\n  processes : 1\n  chosen    : auto: 2 usable cores\n" in text
 
 
 def test_a_workers_tls_record_layer_is_shown_where_it_has_one():

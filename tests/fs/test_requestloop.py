@@ -207,3 +207,84 @@ def test_no_poll_while_a_request_is_in_flight():
             assert done == ["quick", "held"]
 
     trio.run(main)
+
+
+def test_with_a_limit_no_more_requests_are_taken_than_it_until_one_ends():
+    """A connection other processes read too (FUSE workers): holding ``limit`` requests, the
+    loop leaves the rest queued (for the others) and reads on as each ends; a callback's
+    request (begin/end) counts as one held; closing wakes a reader waiting for room."""
+    from nvmeof_fuse.fs.requestloop import RequestLoop, SessionEnded
+
+    async def main():
+        release = trio.Event()
+        running = []
+        most = 0
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+
+        async def job(name: str) -> None:
+            nonlocal most
+            running.append(name)
+            most = max(most, len(running))
+            await release.wait()
+            running.remove(name)
+
+        def take():
+            name = ours.recv(64).decode()
+            if name == "end":
+                raise SessionEnded
+            return job, (name,)
+
+        with ours, theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                loop = RequestLoop(nursery, ours.fileno(), take, limit=4)
+                loop.start()
+                for i in range(10):
+                    theirs.send(f"r{i}".encode())
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(running) == 4 and loop.full_waits == 1  # 6 left for the others
+                assert ours.recv(64) == b"r4"  # (another process takes one)
+                release.set()  # the held ones end: the loop takes the rest as room comes
+                await trio.testing.wait_all_tasks_blocked()
+                assert running == [] and most == 4
+                release = trio.Event()
+                loop.begin()  # a request a callback will answer ...
+                for i in range(5):
+                    theirs.send(f"s{i}".encode())
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(running) == 3  # ... holds a place too
+                loop.end()
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(running) == 4
+                loop.close()  # the reader waiting for room stops
+                release.set()
+            assert loop.closing and not loop.idle
+
+    trio.run(main)
+
+
+def test_without_a_limit_the_loop_takes_all_that_is_queued():
+    from nvmeof_fuse.fs.requestloop import RequestLoop
+
+    async def main():
+        release = trio.Event()
+        running = []
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        ours.setblocking(False)
+
+        async def job(name: str) -> None:
+            running.append(name)
+            await release.wait()
+
+        with ours, theirs, trio.fail_after(STEP):
+            async with trio.open_nursery() as nursery:
+                loop = RequestLoop(nursery, ours.fileno(), lambda: (job, (ours.recv(64),)))
+                loop.start()
+                for i in range(40):
+                    theirs.send(b"r%d" % i)
+                await trio.testing.wait_all_tasks_blocked()
+                assert len(running) == 40 and loop.full_waits == 0
+                release.set()
+                loop.close()
+
+    trio.run(main)

@@ -63,6 +63,7 @@ async def with_session(test):
         theirs.close()  # the session ends as on an unmount
     assert session.gone
     session.close()
+    return session
 
 
 def test_requests_through_a_fake_kernel():
@@ -202,8 +203,10 @@ def test_queued_requests_each_get_one_reply():
             if body is not None:
                 assert replies[unique] == body
 
-    trio.run(with_session, test)
+    session = trio.run(with_session, test)
     assert not asked
+    assert session.requests == 3 + 300  # INIT, LOOKUP, OPEN and the 300: each counted
+    assert 0 < session.parks <= session.requests  # (queued in bursts: fewer waits than requests)
 
 
 def test_a_destroy_ends_the_session_and_stop_reading_wakes_the_reader():

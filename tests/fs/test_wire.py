@@ -137,3 +137,9 @@ def test_readdir_fills_up_to_the_size_asked():
 def test_notifications():
     assert wire.inval_inode(8, -1, 0) == struct.pack("<IiQQqq", 40, 2, 0, 8, -1, 0)
     assert wire.inval_entry(1, b"n2") == struct.pack("<IiQQII", 35, 3, 0, 1, 2, 0) + b"n2\0"
+
+
+def test_opcodes_are_named_for_the_counts_and_an_unknown_one_by_its_number():
+    assert wire.opcode_name(wire.GETATTR) == "GETATTR"
+    assert wire.opcode_name(wire.SYMLINK) == "SYMLINK" and wire.opcode_name(39) == "IOCTL"
+    assert wire.opcode_name(4096) == "opcode 4096"

@@ -24,10 +24,11 @@ def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
     """It says it took them either way (the main process waits for that); a malformed
     event it drops, unsaid; sizes without a valid generation (a main process of another
     version) it takes, unsaid."""
-    from nvmeof_fuse.workers.worker import _Worker
+    from nvmeof_fuse.workers.worker import TO_MAIN_KINDS, _Worker
 
     worker = _Worker.__new__(_Worker)  # its channel to the main process is not needed here
     worker.index, worker.fs, worker.shapes, worker.ctrl = 1, None, None, None
+    worker.to_main = dict.fromkeys(TO_MAIN_KINDS, 0)
     said = []
     worker.channel = SimpleNamespace(call_future=lambda op, **fields: said.append((op, fields)))
     good = {"event": "namespaces", "namespaces": [[1, 512, 128]], "generation": 1}
@@ -48,6 +49,32 @@ def test_a_worker_takes_sizes_heard_before_its_filesystem_once_it_has_one():
     assert followed == [{1: (512, 256)}]
     assert said == [("fuse", {"kind": "namespaces", "index": 1, "pid": os.getpid(),
                               "generation": g}) for g in (1, 2)]
+    assert worker.to_main["namespaces"] == 2  # counted as sent (the stats show it)
+
+
+def test_a_worker_counts_each_message_to_the_main_process_by_kind_and_per_request():
+    """Every message passes send(), which counts it by kind (a forwarded request also by
+    its opcode); what a request caused is reported per request the worker read."""
+    from nvmeof_fuse.fs import wire
+    from nvmeof_fuse.workers.worker import TO_MAIN_KINDS, _Worker
+
+    worker = _Worker.__new__(_Worker)
+    worker.to_main, worker.meta_to_main = dict.fromkeys(TO_MAIN_KINDS, 0), {}
+    sent = []
+    worker.channel = SimpleNamespace(call_future=lambda op, **fields: sent.append(op))
+    worker.session = SimpleNamespace(requests=400, parks=100, full_waits=3)
+    worker.send("lease", want=1, worker=True)
+    worker.send("report", worker={})
+    for opcode in (wire.OPEN, wire.GETATTR, wire.GETATTR, wire.FLUSH):
+        worker.send("fuse", payload=b"", kind="meta", opcode=opcode, unique=1, nodeid=2)
+    worker.send("fuse", kind="read", fh=1, offset=0, size=4096)
+    assert sent == ["lease", "report"] + ["fuse"] * 5
+    counts = worker.counts()
+    assert counts["requests"] == 400 and counts["to_main_per_request"] == 5 / 400
+    assert (counts["parks"], counts["full_waits"]) == (100, 3)
+    assert counts["to_main"] == {"lease": 1, "ready": 0, "namespaces": 0, "report": 1,
+                                 "meta": 4, "read": 1, "write": 0, "meta GETATTR": 2,
+                                 "meta OPEN": 1, "meta FLUSH": 1}
 
 
 

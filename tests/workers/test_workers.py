@@ -166,6 +166,10 @@ def test_one_worker_starts_no_process_and_reports_none(mounted):
     m = mounted(1)
     assert (m.path / "n1").stat().st_size == SIZE_MIB << 20
     assert "workers" not in m.stats()
+    serving = m.stats()["serving"]
+    assert {k: serving[k] for k in ("processes", "chosen")} == {"processes": 1,
+                                                               "chosen": "--workers"}
+    assert serving["main"]["requests"] > 0 and serving["main"]["parks"] > 0
     assert "FUSE worker" not in m.text()
     assert m.unmount() == 0
 
@@ -183,6 +187,7 @@ def test_two_workers_serve_reads_and_writes_byte_exact_and_stats_show_each(mount
     assert errors == []
     stats = m.stats()
     assert [w["index"] for w in stats["workers"]] == [0, 1]
+    assert (stats["serving"]["processes"], stats["serving"]["chosen"]) == (2, "--workers")
     per = [w["namespaces"]["n1"]["ops"] for w in stats["workers"]]
     assert all(p.get("write", {}).get("ops", 0) > 0 for p in per), per  # both served
     total = sum(p["write"]["ops"] for p in per)
@@ -193,6 +198,53 @@ def test_two_workers_serve_reads_and_writes_byte_exact_and_stats_show_each(mount
     assert not any(_alive(p) for p in pids)  # drained and gone with the mount
     text = m.text()  # each writer's close flushed n1 (a worker's last unlock may come after)
     assert "disconnected from" in text and "final flush" not in text, text
+
+
+def _reads_and_writes(path: Path, seed: int, count: int) -> None:
+    """``count`` O_DIRECT 4 KiB writes, each read back, at LBAs of our own."""
+    import mmap
+
+    buf = mmap.mmap(-1, 4096)
+    fd = os.open(path, os.O_RDWR | os.O_DIRECT)
+    try:
+        for i in range(count):
+            offset = ((i * 16 + seed) % (SIZE_MIB * 256)) * 4096
+            buf[:8] = i.to_bytes(8, "little")
+            os.pwrite(fd, buf, offset)
+            os.preadv(fd, [buf], offset)
+    finally:
+        os.close(fd)
+
+
+@needs_fuse
+def test_a_workers_reads_and_writes_send_the_main_process_nothing(mounted):
+    """Issue #60: the messages a worker sends the main process (its report counts them by
+    kind) do not grow with its READs and WRITEs: 2,000 of them across the workers add no
+    forwarded WRITE and only the opens and closes of the files (and of stats.json, which
+    the main process serves) as forwarded requests."""
+    m = mounted(2)
+    before = m.stats()["workers"][1]
+    threads = [threading.Thread(target=_reads_and_writes, args=(m.path / "n1", seed, 250))
+               for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(STEP)
+
+    def reported_after() -> bool:  # a report made after the I/O (one each second)
+        time.sleep(1.0)  # (each look reads stats.json: a few forwarded requests)
+        return m.stats()["workers"][1]["to_main"]["report"] >= before["to_main"]["report"] + 3
+
+    wait_for(reported_after, "the worker's report after the I/O")
+    after = m.stats()["workers"][1]
+    sent = {kind: after["to_main"].get(kind, 0) - before["to_main"].get(kind, 0)
+            for kind in ("meta", "read", "write")}
+    assert after["requests"] - before["requests"] > 0  # it served its share
+    assert sent["write"] == 0, after
+    # 4 writers' LOOKUP, OPEN, GETATTR, FLUSH, RELEASE, and at most 10 reads of stats.json
+    # with theirs (a worker counted 7 per fio job, whatever its length): no lock or
+    # anything else per request, which would be over 500 here
+    assert sent["meta"] + sent["read"] <= 4 * 5 + 10 * 8, after
 
 
 @needs_fuse
