@@ -45,6 +45,8 @@ def auto_workers(cores: int) -> int:
     if cores <= FEW_CORES:
         return 1
     return min(cores // 2, MAX_AUTO_WORKERS)
+
+
 FUSE_SERVERS = ("builtin", "pyfuse3")
 """What can serve the FUSE requests: our own session on /dev/fuse (the default), or pyfuse3
 (an optional extra)."""
