@@ -219,7 +219,8 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int
     ok = (fio_result["exit"] == 0 and fio_result["error"] == 0
           and fio_result.get("total_err", 0) == 0 and not c["errors"] and not c["mismatches"]
           and d["losses"] == d["reconnects"] == len(outages)
-          and abs(d["rss_change"]) <= 0.2)
+          and d["rss_change"] <= 0.2)  # growth is bloat; memory given back (the client's
+                                        # session ended before the reading) is not
     print(f"  {'PASS' if ok else 'FAIL'}", flush=True)
     return ok, result
 
