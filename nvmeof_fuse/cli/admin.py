@@ -49,7 +49,9 @@ def add_parsers(sub: Any) -> None:
 # --- mount-all -------------------------------------------------------------------------
 
 
-def _discovery_records(t: DiscoveryTarget) -> list[dict]:
+def _discovery_records(t: DiscoveryTarget, args: argparse.Namespace) -> list[dict]:
+    """The log page of discovery controller ``t``, asked with mount-all's ``--tls`` and
+    ``--tls-key`` (a port that requires TLS requires it of its discovery controller too)."""
     import trio
 
     from nvmeof_fuse.host.discovery import discover
@@ -57,7 +59,8 @@ def _discovery_records(t: DiscoveryTarget) -> list[dict]:
     ns = argparse.Namespace(command="discover", transport=t.transport, traddr=t.traddr,
                             trsvcid=t.trsvcid, host_traddr=t.host_traddr,
                             hostnqn=t.hostnqn, hostid=t.hostid, hdr_digest=False,
-                            data_digest=False)
+                            data_digest=False, tls=args.tls, tls_key=args.tls_key,
+                            allow_insecure_secret_file=args.allow_insecure_secret_file)
     port = registry.capabilities(t.transport).discovery_port
     conn = connect_options(ns, nqn=DISCOVERY_NQN, default_port=port)
     return trio.run(discover, conn).to_dict().get("records", [])
@@ -71,7 +74,11 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
     for flag, value in (("-w", args.host_traddr), ("-q", args.hostnqn), ("-I", args.hostid)):
         if value is not None:
             common += [flag, value]
-    probe = mount_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
+    # the transport comes from each record: probe with one that takes every option given
+    # (-O tls_key_file= is for NVMe/TCP records only)
+    tls_fabric = next(name for name in registry.NAMES if registry.capabilities(name).tls)
+    fabric = ["-t", tls_fabric] if {"--tls", "--tls-key"} & set(common) else []
+    probe = mount_parser().parse_args(["mount", *fabric, *common, "-a", "192.0.2.1", "-n",
                                        "nqn.2014-08.org.example:probe", "/"])
     connect_options(probe, nqn=probe.nqn, default_port=registry.IO_PORT)  # secret files read
     mount_options(probe)
@@ -104,7 +111,7 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
     failed: list[Outcome] = []
     for t in targets:
         try:
-            records += _discovery_records(t)
+            records += _discovery_records(t, args)
         except (NVMeoFError, UsageError) as exc:
             failed.append(Outcome(DISCOVERY_NQN, t.transport, t.traddr, t.trsvcid or "", "",
                                   "failed", one_line(exc)))
