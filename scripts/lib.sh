@@ -137,6 +137,17 @@ ensure_tls_target() {
   fi
   for deb in "$d"/cache/archives/*.deb; do dpkg-deb -x "$deb" "$TLS_ROOT"; done
   rm -rf "$d/cache" "$d/lists"
+  # The closure must be whole: each program runs by trixie's loader with trixie's libraries only.
+  local lib=$TLS_ROOT/usr/lib/x86_64-linux-gnu prog
+  for prog in sbin/tlshd sbin/nvme; do
+    if ! "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$TLS_ROOT/usr/$prog" --version \
+         >"$err" 2>&1; then
+      printf 'no TLS target: %s from Debian %s does not run here: %s\n' "${prog#sbin/}" \
+        "$TLS_SUITE" "$(tail -n 1 "$err")" >"$TLS_UNAVAILABLE"
+      log "testbed: $(cat "$TLS_UNAVAILABLE") (the TLS VM tests skip)"
+      return 0
+    fi
+  done
   echo "$want" >"$stamp"
 }
 
