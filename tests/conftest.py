@@ -7,6 +7,8 @@ import pytest
 
 from nvmeof_fuse import ratelimit
 
+pytest_plugins = ["keyrings"]  # own_keyring: a keyring of the test process
+
 
 @pytest.fixture(autouse=True)
 def fresh_rate_limits():

@@ -7,6 +7,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+from collections.abc import Callable
 from typing import Any
 
 from nvmeof_fuse.cli import mountall
@@ -49,9 +50,14 @@ def add_parsers(sub: Any) -> None:
 # --- mount-all -------------------------------------------------------------------------
 
 
-def _discovery_records(t: DiscoveryTarget, args: argparse.Namespace) -> list[dict]:
-    """The log page of discovery controller ``t``, asked with mount-all's ``--tls`` and
-    ``--tls-key`` (a port that requires TLS requires it of its discovery controller too)."""
+DISCOVERY_SECURITY = ("tls", "tls_key", "keyring", "tls_key_identity", "dhchap_secret",
+                      "dhchap_ctrl_secret", "allow_insecure_secret_file", "config")
+"""mount-all's own options that secure its discovery connections (a discovery controller
+that requires TLS or DH-HMAC-CHAP), as connect-all's do; ``-O`` options go to the mounts."""
+
+
+def _discovery_records(t: DiscoveryTarget, args: argparse.Namespace | None = None
+                       ) -> list[dict]:
     import trio
 
     from nvmeof_fuse.host.discovery import discover
@@ -59,8 +65,9 @@ def _discovery_records(t: DiscoveryTarget, args: argparse.Namespace) -> list[dic
     ns = argparse.Namespace(command="discover", transport=t.transport, traddr=t.traddr,
                             trsvcid=t.trsvcid, host_traddr=t.host_traddr,
                             hostnqn=t.hostnqn, hostid=t.hostid, hdr_digest=False,
-                            data_digest=False, tls=args.tls, tls_key=args.tls_key,
-                            allow_insecure_secret_file=args.allow_insecure_secret_file)
+                            data_digest=False,
+                            **{k: getattr(args, k, None) for k in DISCOVERY_SECURITY})
+    ns.tls, ns.allow_insecure_secret_file = bool(ns.tls), bool(ns.allow_insecure_secret_file)
     port = registry.capabilities(t.transport).discovery_port
     conn = connect_options(ns, nqn=DISCOVERY_NQN, default_port=port)
     return trio.run(discover, conn).to_dict().get("records", [])
@@ -95,6 +102,27 @@ def _mount_one(o: Outcome, log_file: str | None) -> None:
         o.status, o.reason = "failed", one_line(exc)
 
 
+def _keyring_finder(hostnqn: str | None, hostid: str | None) -> Callable[[str], str | None]:
+    """For ``mount-all``: None when the kernel keyring holds this host's TLS PSK for a
+    subsystem (as its mount will look it up), else the identity it lacks."""
+    from nvmeof_fuse.host.connect_options import keyring_psk
+    from nvmeof_fuse.host.hostid import host_identity
+    from nvmeof_fuse.host.keyring import DEFAULT_KEYRING
+    from nvmeof_fuse.nvme.tls_psk import default_identities
+
+    host = host_identity(hostnqn, hostid).hostnqn
+
+    def missing(subnqn: str) -> str | None:
+        wanted = default_identities(host, subnqn)
+        try:
+            found = keyring_psk(DEFAULT_KEYRING, wanted)
+        except (NVMeoFError, ValueError):
+            found = None
+        return None if found is not None else wanted[1]
+
+    return missing
+
+
 def cmd_mount_all(args: argparse.Namespace) -> int:
     from nvmeof_fuse.fs.mount import read_mountinfo
 
@@ -116,7 +144,8 @@ def cmd_mount_all(args: argparse.Namespace) -> int:
             failed.append(Outcome(DISCOVERY_NQN, t.transport, t.traddr, t.trsvcid or "", "",
                                   "failed", one_line(exc)))
     mounts = [(m.mountpoint, m.fstype) for m in read_mountinfo()]
-    outcomes = failed + mountall.plan(records, args.root, mounts, common)
+    outcomes = failed + mountall.plan(records, args.root, mounts, common,
+                                      _keyring_finder(args.hostnqn, args.hostid))
     todo = [o for o in outcomes if o.status == "mount"]
     if todo:
         with concurrent.futures.ThreadPoolExecutor(min(len(todo), MAX_PARALLEL_MOUNTS)) as pool:

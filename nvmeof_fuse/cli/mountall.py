@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from nvmeof_fuse.errors import InvalidArgument
@@ -98,7 +98,8 @@ def check_mount_options(items: Iterable[str]) -> None:
 
 
 def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
-         common: list[str]) -> list[Outcome]:
+         common: list[str], keyring_psk: Callable[[str], str | None] | None = None,
+         ) -> list[Outcome]:
     """What to do with each discovery log entry (``records`` as ``DiscoveryLogPage.to_dict``).
 
     ``mounts`` are (mountpoint, fstype) pairs of the mounts now; ``common`` the
@@ -106,7 +107,9 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
     (the discovery controller itself) are left out.  There is one mount per subsystem:
     a further entry of a subsystem in the plan becomes a further path of its mount
     (``--path``, status ``path``); the same address twice, or a further path of a
-    subsystem already mounted, is skipped.
+    subsystem already mounted, is skipped.  An entry whose port requires TLS is mounted with
+    ``--tls`` when ``keyring_psk(subnqn)`` (the identity looked for; None: the keyring holds
+    its PSK) finds its key, and refused in one line naming the identity otherwise.
     """
     mounted = dict(mounts)  # mountpoint -> fstype, the last mount on a path winning
     root = os.path.abspath(root)
@@ -143,12 +146,12 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
             o.status = "already mounted"
         elif point in mounted:
             o.status, o.reason = "failed", f"a {mounted[point]} filesystem is mounted there"
-        elif (why := _tls_refusal(r, common)) is not None:
+        elif (why := _tls_refusal(r, common, keyring_psk)) is not None:
             o.status, o.reason = "failed", why
         else:
             o.argv = ["mount", "-t", trtype, "-a", traddr,
                       "-s", trsvcid or str(registry.capabilities(trtype).port),
-                      "-n", subnqn, *common, point]
+                      "-n", subnqn, *common, *_tls_from_keyring(r, common), point]
         if o.status in ("mount", "already mounted"):
             seen.add(subnqn)
             first[subnqn] = o
@@ -157,18 +160,40 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
     return out
 
 
-def _tls_refusal(record: dict, common: list[str]) -> str | None:
+TLS_OPTIONS = ("--tls", "--tls-key", "--keyring", "--tls-key-identity")
+"""Options that choose TLS and its key for every mount (``-O tls``, ``-O tls_key_file=``...)."""
+
+
+def _requires_tls(record: dict) -> bool:
+    return (record.get("tcp_sectype", "none") != "none"
+            and str(record.get("treq", "")).startswith("required"))
+
+
+def _tls_refusal(record: dict, common: list[str],
+                 keyring_psk: Callable[[str], str | None] | None) -> str | None:
     """Why an entry whose port requires TLS (TREQ required, TSAS SECTYPE tls or tls13)
-    cannot be mounted with ``common``; None when it can (its key is given: --tls-key)."""
-    sectype = record.get("tcp_sectype", "none")
-    if sectype == "none" or not str(record.get("treq", "")).startswith("required"):
+    cannot be mounted with ``common``; None when it can (its key is given, or in the
+    keyring)."""
+    if not _requires_tls(record):
         return None
+    sectype = record.get("tcp_sectype")
     if sectype != "tls13":
         return f"the port requires TLS ({sectype}); nvmeof-fuse speaks TLS 1.3 only"
-    if "--tls-key" in common:
+    if any(option in common for option in TLS_OPTIONS):
         return None
-    return ("the port requires TLS 1.3 (its TSAS): give the subsystem's PSK with -O "
-            "tls_key_file=FILE")
+    missing = keyring_psk(str(record.get("subnqn", ""))) if keyring_psk else "its PSK"
+    if missing is None:
+        return None
+    return (f"the port requires TLS 1.3 (its TSAS) and the keyring holds no {missing!r}: "
+            "load it (nvmeof-fuse gen-tls-key --insert) or give -O tls_key_file=FILE")
+
+
+def _tls_from_keyring(record: dict, common: list[str]) -> list[str]:
+    """``--tls`` for an entry that requires TLS and was given no TLS option: its PSK is in
+    the keyring (:func:`_tls_refusal` checked)."""
+    if _requires_tls(record) and not any(option in common for option in TLS_OPTIONS):
+        return ["--tls"]
+    return []
 
 
 def format_table(outcomes: list[Outcome]) -> str:

@@ -194,7 +194,10 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "data_digest": args.data_digest,
         "tls": getattr(args, "tls", False),
         "tls_key": getattr(args, "tls_key", None),
+        "keyring": getattr(args, "keyring", None),
+        "tls_key_identity": getattr(args, "tls_key_identity", None),
     }
+    _from_config_json(args, kwargs)
     if args.command == "mount":
         kwargs["keep_alive_tmo"] = _seconds("--keep-alive-tmo", args.keep_alive_tmo)
         kwargs["reconnect_delay"] = _seconds("--reconnect-delay", args.reconnect_delay, low=1)
@@ -220,6 +223,34 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
     opts = ConnectOptions(**kwargs)
     opts.validate()
     return opts
+
+
+CONFIG_JSON_FIELDS = {"tls": "tls", "tls_key": "tls_key", "keyring": "keyring",
+                      "tls_key_identity": "tls_key_identity", "dhchap_secret": "dhchap_key",
+                      "dhchap_ctrl_secret": "dhchap_ctrl_key"}
+"""ConnectOptions' fields that /etc/nvme/config.json may give, and its names for them."""
+
+
+def _from_config_json(args: argparse.Namespace, kwargs: dict[str, Any]) -> None:
+    """Fill in what config.json (``-J/--config``; ``none``: no file) holds for this port
+    where the command line gave nothing, as ``nvme connect`` does."""
+    from nvmeof_fuse.cli import nvmeconfig
+    from nvmeof_fuse.host.hostid import host_identity
+
+    path = getattr(args, "config", None)
+    if path == "none" or kwargs["traddr"] is None:
+        return
+    port = nvmeconfig.Port(host_identity(kwargs["hostnqn"], kwargs["hostid"]).hostnqn,
+                           kwargs["nqn"], kwargs["transport"], kwargs["traddr"],
+                           kwargs["trsvcid"])
+    found = nvmeconfig.load(path or nvmeconfig.CONFIG_JSON, port, required=path is not None,
+                            allow_insecure=kwargs["allow_insecure_secret_file"])
+    if found is None:
+        return
+    for name, theirs in CONFIG_JSON_FIELDS.items():
+        value = getattr(found, theirs)
+        if value is not None and not kwargs.get(name):
+            kwargs[name] = value
 
 
 def mount_options(args: argparse.Namespace) -> Any:
@@ -272,11 +303,22 @@ def add_connection(p: argparse.ArgumentParser, *, port_help: str,
                        help="DH-HMAC-CHAP controller secret, or its file: authenticate the "
                             "target too"),
         p.add_argument("--tls", action="store_true",
-                       help="NVMe/TCP: TLS 1.3 with a PSK on every connection (needs --tls-key)"),
+                       help="NVMe/TCP: TLS 1.3 with a PSK on every connection: --tls-key's, "
+                            "or else the kernel keyring's for this host and subsystem, as "
+                            "`nvme connect --tls` takes it"),
         p.add_argument("--tls-key", metavar="KEY|FILE",
                        help="NVMe/TCP: the TLS PSK as `nvme gen-tls-key` prints it "
                             "(NVMeTLSkey-1:hh:...:), or better the path of a file (mode 0600) "
                             "holding it; implies --tls"),
+        p.add_argument("--keyring", metavar="NAME|SERIAL",
+                       help="NVMe/TCP: the keyring --tls looks its PSK up in (default .nvme)"),
+        p.add_argument("--tls-key-identity", metavar="IDENTITY",
+                       help="NVMe/TCP: the PSK identity to offer: the keyring's key of that "
+                            "name, or with --tls-key its version-1 identity; implies --tls"),
+        p.add_argument("-J", "--config", metavar="FILE|none",
+                       help="libnvme's JSON configuration, whose TLS and DH-HMAC-CHAP settings "
+                            "for this port fill in what the command line does not give "
+                            "(default /etc/nvme/config.json; none: no file)"),
         p.add_argument("--allow-insecure-secret-file", action="store_true",
                        help="read secret files that group or others may access (refused "
                             "otherwise, as ssh refuses such keys)"),

@@ -3,9 +3,10 @@
 Options, defaults and output follow nvme-cli's newest (3.0, ``nvme keys gen-tls`` and
 ``check-tls``, which the old names forward to): ``gen-tls-key`` prints a configured PSK in
 the interchange format, ``check-tls-key`` checks one and, given a subsystem NQN, prints the
-PSK identity a host offers for it.  Loading keys into the kernel keyring (``--insert``) is
-not supported yet.  A key or secret may be given inline as nvme-cli takes it, in a file
-(mode 0600), or on stdin; messages never hold it.
+PSK identity a host offers for it; with ``--insert`` both load the TLS PSK derived for a
+host and subsystem into the kernel keyring under its identity, where the kernel initiator,
+tlshd and ``nvmeof-fuse mount --tls`` look it up.  A key or secret may be given inline as
+nvme-cli takes it, in a file (mode 0600), or on stdin; messages never hold it.
 """
 
 from __future__ import annotations
@@ -53,10 +54,11 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("-C", "--compat", action="store_true",
                    help="libnvme's older, non-RFC 8446 derivation, for targets that used it")
     p.add_argument("-i", "--insert", action="store_true",
-                   help="load the derived key into the kernel keyring (not supported yet)")
+                   help="load the TLS PSK derived for --hostnqn and --subsysnqn into the "
+                        "kernel keyring, under its PSK identity")
     p.add_argument("-k", "--keyring", default=".nvme", help="keyring for --insert")
     p.add_argument("-t", "--keytype", default="psk", help="key type for --insert")
-    p.add_argument("-f", "--keyfile", help="key file for --insert")
+    p.add_argument("-f", "--keyfile", help="key file to import or export (not supported yet)")
     p.add_argument("--allow-insecure-secret-file", action="store_true",
                    help="read key files that group or others may access")
 
@@ -120,10 +122,28 @@ def _identity_version(args: argparse.Namespace) -> int:
     return _small_int("--identity", args.identity, {0: "NVMe/TCP 1.0c", 1: "with the digest"})
 
 
-def _refuse_insert(args: argparse.Namespace) -> None:
-    if args.insert:
-        raise InvalidArgument("--insert is not supported yet: nvmeof-fuse does not load keys "
-                              "into the kernel keyring; nvme-cli's --insert does")
+def _refuse_keyfile(args: argparse.Namespace) -> None:
+    if args.keyfile is not None:
+        raise InvalidArgument("--keyfile is not supported yet: give the key with --keydata "
+                              "(or --secret)")
+
+
+def _insert(args: argparse.Namespace, configured: tls_psk.ConfiguredPsk, version: int) -> None:
+    """Derive the TLS PSK for ``--hostnqn`` and ``--subsysnqn`` and load it into
+    ``--keyring`` under its identity, printing what nvme-cli prints."""
+    from nvmeof_fuse.host import keyring
+
+    if args.subsysnqn is None:
+        raise InvalidArgument("--insert needs -c/--subsysnqn: the PSK identity names the "
+                              "subsystem")
+    try:
+        derived = tls_psk.derive(configured, _hostnqn(args), args.subsysnqn, version=version,
+                                 compat=args.compat)
+    except ValueError as exc:
+        raise InvalidArgument(f"cannot derive the TLS PSK: {exc}") from None
+    serial = keyring.add(keyring.find_keyring(args.keyring), derived.identity, derived.key,
+                         args.keytype)
+    print(f"Inserted TLS key {serial:08x}")
 
 
 def _refuse_key_as_keyring(args: argparse.Namespace) -> None:
@@ -170,10 +190,12 @@ def _configured_key(args: argparse.Namespace, key_len: int) -> bytes:
 
 def cmd_gen_tls_key(args: argparse.Namespace) -> int:
     hash_id = tls_psk.PskHash(_small_int("--hmac", args.hmac, {1: "SHA-256", 2: "SHA-384"}))
-    _identity_version(args)
-    _refuse_insert(args)
+    version = _identity_version(args)
+    _refuse_keyfile(args)
     key = _configured_key(args, tls_psk.HASH_LENGTHS[hash_id])
     print(tls_psk.format_interchange(key, hash_id))
+    if args.insert:
+        _insert(args, tls_psk.ConfiguredPsk(key, hash_id), version)
     return 0
 
 
@@ -195,9 +217,12 @@ def read_tls_key(value: str | None, option: str = "--keydata",
 def cmd_check_tls_key(args: argparse.Namespace) -> int:
     version = _identity_version(args)
     _refuse_key_as_keyring(args)
-    _refuse_insert(args)
+    _refuse_keyfile(args)
     configured = read_tls_key(args.keydata, allow_insecure=args.allow_insecure_secret_file)
     print(f"Key is valid (HMAC {int(configured.hash_id)}, length {len(configured.key)})")
+    if args.insert:
+        _insert(args, configured, version)
+        return 0
     if args.subsysnqn is None:
         return 0
     try:

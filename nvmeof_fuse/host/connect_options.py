@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from ..errors import InvalidArgument
 from ..nvme import tls_psk
 from ..transport import registry
-from . import auth
+from . import auth, keyring
 
 DEFAULT_COMPANION_QUEUES = 16
 """Four clients' worth of queue IDs (they cost the target nothing until a client connects)."""
@@ -81,7 +81,16 @@ class ConnectOptions:
     tls_key: str | None = field(default=None, repr=False)
     """The configured PSK (``NVMeTLSkey-1:hh:...:``, as ``nvme gen-tls-key`` prints it) or
     the path of a file holding it, read at each connect as DH-HMAC-CHAP secrets are; it
-    implies ``tls``."""
+    implies ``tls``.  Without it, ``tls`` takes the PSK from the kernel keyring."""
+    keyring: str | None = None
+    """The keyring ``tls`` looks its PSK up in (a name or a serial; nvme-cli's --keyring):
+    ``.nvme`` by default."""
+    tls_key_identity: str | None = None
+    """The PSK identity to offer (nvme-cli's --tls-key-identity): the keyring's key of that
+    name, or, with ``tls_key``, the identity version (0 or 1) the key derives it for."""
+    tls_psk_given: tls_psk.TlsPsk | None = field(default=None, repr=False)
+    """A PSK already resolved by the mount (from its keyring), handed to a companion client or
+    FUSE worker that may not read that keyring itself."""
 
     def validate(self) -> None:
         fabric = registry.capabilities(self.transport)
@@ -120,20 +129,27 @@ class ConnectOptions:
         for source in self.dhchap_sources():
             if source is not None:
                 source.load(self.allow_insecure_secret_file)
-        if self.tls or self.tls_key:
+        if self.uses_tls:
             if not fabric.tls:
                 raise InvalidArgument(f"--tls and --tls-key apply only to {registry.with_tls()}")
             self.configured_psk()
+            if self.tls_key is None and self.tls_psk_given is None:
+                try:
+                    keyring.find_keyring(self.keyring or keyring.DEFAULT_KEYRING)
+                except keyring.KeyringError as exc:
+                    raise keyring.KeyringError(f"--tls without --tls-key takes the PSK from "
+                                               f"the kernel keyring, but {exc}") from None
+
+    @property
+    def uses_tls(self) -> bool:
+        """Whether every connection is TLS: ``--tls``, or a key or identity that implies it."""
+        return bool(self.tls or self.tls_key or self.tls_key_identity or self.tls_psk_given)
 
     def configured_psk(self) -> tls_psk.ConfiguredPsk | None:
-        """The TLS PSK configured (its file read now); None without TLS.  Errors name the
-        option, never the key."""
-        if not (self.tls or self.tls_key):
-            return None
+        """The configured TLS PSK (its file read now); None without ``--tls-key``.  Errors
+        name the option, never the key."""
         if not self.tls_key:
-            raise InvalidArgument("--tls needs --tls-key: the PSK as `nvme gen-tls-key` "
-                                  "prints it (NVMeTLSkey-1:hh:...:), or better the path of a "
-                                  "file (mode 0600) holding it; the kernel keyring is not read")
+            return None
         source = auth.SecretSource.of(self.tls_key, "--tls-key")
         try:
             return tls_psk.parse_interchange(source.text(self.allow_insecure_secret_file))
@@ -141,16 +157,62 @@ class ConnectOptions:
             raise InvalidArgument(f"{source} {exc}") from None
 
     def tls_psk(self, hostnqn: str) -> tls_psk.TlsPsk | None:
-        """The PSK identity (version 0, as nvme-cli's default) and TLS PSK a connection's
-        handshake offers for this host and subsystem; None without TLS."""
+        """The PSK identity and TLS PSK a connection's handshake offers for this host and
+        subsystem (read again at each connection); None without TLS.
+
+        From ``--tls-key``: derived as nvme-cli derives it, for identity version 0 unless
+        ``--tls-key-identity`` is the key's version-1 identity.  Otherwise from the keyring:
+        the key named ``--tls-key-identity``, or the first of the kernel's default identities.
+        """
+        if self.tls_psk_given is not None:
+            return self.tls_psk_given
+        if not self.uses_tls:
+            return None
         configured = self.configured_psk()
         if configured is None:
-            return None
+            return self._keyring_psk(hostnqn)
         try:
-            return tls_psk.derive(configured, hostnqn, self.nqn)
+            derived = [tls_psk.derive(configured, hostnqn, self.nqn, version=v)
+                       for v in tls_psk.IDENTITY_VERSIONS]
         except ValueError as exc:
             raise InvalidArgument(f"--tls-key: {exc}") from None
+        if self.tls_key_identity is None:
+            return derived[0]
+        for psk in derived:
+            if psk.identity == self.tls_key_identity:
+                return psk
+        raise InvalidArgument("--tls-key-identity is neither identity --tls-key gives this "
+                              f"host and subsystem: {derived[0].identity!r} (version 0) or "
+                              f"{derived[1].identity!r} (version 1)")
+
+    def _keyring_psk(self, hostnqn: str) -> tls_psk.TlsPsk:
+        name = self.keyring or keyring.DEFAULT_KEYRING
+        wanted = ([self.tls_key_identity] if self.tls_key_identity
+                  else tls_psk.default_identities(hostnqn, self.nqn))
+        psk = keyring_psk(name, wanted)
+        if psk is not None:
+            return psk
+        looked = (f"{wanted[0]!r}" if self.tls_key_identity
+                  else f"for this host and subsystem ({wanted[1]!r}, or its SHA-384 or "
+                  "generated form)")
+        raise InvalidArgument(f"--tls: keyring {name} holds no TLS PSK {looked}: load one "
+                              "(`nvmeof-fuse gen-tls-key --insert`, as nvme-cli's), or give "
+                              "--tls-key")
 
     def dhchap_sources(self) -> tuple[auth.SecretSource | None, auth.SecretSource | None]:
         """Where the host's and the controller's DH-HMAC-CHAP secrets come from (not read)."""
         return auth.secret_sources(self.dhchap_secret, self.dhchap_ctrl_secret)
+
+
+def keyring_psk(name: str, identities: list[str]) -> tls_psk.TlsPsk | None:
+    """The TLS PSK under the first of ``identities`` that keyring ``name`` holds; None if it
+    holds none of them."""
+    ring = keyring.find_keyring(name)
+    for identity in identities:
+        key = keyring.search(ring, identity)
+        if key is not None:
+            try:
+                return tls_psk.keyring_psk(identity, keyring.read(key))
+            except ValueError as exc:
+                raise InvalidArgument(f"keyring {name}: key {identity!r} {exc}") from None
+    return None

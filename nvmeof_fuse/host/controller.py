@@ -52,7 +52,7 @@ from ..ratelimit import FailureStreak, RateLimitedLog
 from ..transport import registry
 from ..transport.base import Finished, Queue, Transport
 from ..transport.overdue import OverdueWatch
-from . import auth
+from . import auth, keyring
 from .connect_options import DEFAULT_COMPANION_QUEUES, ConnectOptions  # noqa: F401 (API)
 from .events import (
     IDENTIFY_IN_FLIGHT,
@@ -154,8 +154,9 @@ def out_of_tries(sqe: bytearray, tries: int, failure: BaseException) -> Transpor
 def make_transport(options: ConnectOptions) -> Transport:
     """The transport ``options`` name, looked up by name (the host names none itself)."""
     tls = None
-    if options.configured_psk() is not None:  # (checked now; read again at each connection)
+    if options.uses_tls:
         hostnqn = host_identity(options.hostnqn, options.hostid).hostnqn
+        options.tls_psk(hostnqn)  # checked now; looked up again at each connection
 
         def tls():
             return options.tls_psk(hostnqn)
@@ -1136,10 +1137,21 @@ class Controller:
         return "handshake pending" if getattr(self.transport, "tls", None) else None
 
     def _secret_sources(self) -> dict[str, str | None]:
-        """Where the secrets come from, for ``.nvmeof``: ``inline`` or a file's path."""
+        """Where the secrets come from, for ``.nvmeof``: ``inline`` or a file's path; with
+        TLS, where the PSK comes from and the identity offered (never the key)."""
         host, ctrl = self.options.dhchap_sources()
-        return {"dhchap_secret_source": host.shown if host else None,
-                "dhchap_ctrl_secret_source": ctrl.shown if ctrl else None}
+        sources = {"dhchap_secret_source": host.shown if host else None,
+                   "dhchap_ctrl_secret_source": ctrl.shown if ctrl else None}
+        if self.options.uses_tls:
+            if self.options.tls_psk_given is not None:
+                psk_source = "the mount's"
+            elif self.options.tls_key:
+                psk_source = auth.SecretSource.of(self.options.tls_key, "--tls-key").shown
+            else:
+                psk_source = f"keyring {self.options.keyring or keyring.DEFAULT_KEYRING}"
+            sources["tls_key_source"] = psk_source
+            sources["tls_identity"] = getattr(self.transport, "psk_identity", None)
+        return sources
 
     def describe(self) -> dict:
         ident = self.identify

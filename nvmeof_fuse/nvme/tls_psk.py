@@ -271,3 +271,37 @@ def derive(configured: ConfiguredPsk, hostnqn: str, subnqn: str, *, version: int
     identity = psk_identity(version, cipher, hostnqn, subnqn, digest)
     key = tls_psk(retained, cipher, version, digest if digest else identity, compat=compat)
     return TlsPsk(identity, key, cipher)
+
+
+# --- PSKs in the kernel keyring ----------------------------------------------------------
+
+KERNEL_DEFAULT_ORDER = ((False, PskHash.SHA384), (False, PskHash.SHA256),
+                        (True, PskHash.SHA384), (True, PskHash.SHA256))
+"""The identities the kernel offers when ``nvme connect --tls`` names no key
+(``nvme_tls_psk_default``): retained before generated, SHA-384 before SHA-256."""
+
+
+def default_identities(hostnqn: str, subnqn: str) -> list[str]:
+    """The version-0 identities the kernel looks up in its keyring, in its order."""
+    return [f"NVMe0{'G' if generated else 'R'}{cipher:02d} {hostnqn} {subnqn}"
+            for generated, cipher in KERNEL_DEFAULT_ORDER]
+
+
+def identity_cipher(identity: str) -> PskHash:
+    """The hash (and so the suite) a PSK identity names: ``NVMe<v><R|G><hh> ...``."""
+    head = identity.split(" ", 1)[0]
+    if (len(head) != 8 or not head.startswith("NVMe") or head[4] not in "01"
+            or head[5] not in "RG" or head[6:] not in ("01", "02")):
+        raise ValueError(f"is not an NVMe/TCP PSK identity (NVMe0R01 <hostnqn> <subnqn>, "
+                         f"NVMe1R02 ... <digest>): it begins {head[:16]!r}")
+    return PskHash(int(head[6:]))
+
+
+def keyring_psk(identity: str, key: bytes) -> TlsPsk:
+    """The TLS PSK a keyring holds under ``identity`` (what ``nvme gen-tls-key --insert``
+    loaded: already derived, used as is)."""
+    cipher = identity_cipher(identity)
+    if len(key) != HASH_LENGTHS[cipher]:
+        raise ValueError(f"holds {len(key)} bytes, but its identity names "
+                         f"{HASH_NAMES[cipher].upper()} ({HASH_LENGTHS[cipher]} bytes)")
+    return TlsPsk(identity, key, cipher)

@@ -194,7 +194,8 @@ def test_every_option_that_may_hold_a_secret_is_kept_out_of_the_daemons_argv():
     actions = mount.add_mount_arguments(mount.argparse.ArgumentParser(add_help=False))
     named = {a.dest for a in actions
              if a.nargs != 0 and re.search(r"secret|psk|(^|_)key($|_)|password", a.dest)}
-    assert named - {"secrets_fd"} == set(mount.SECRET_OPTIONS)  # secrets_fd: a number
+    not_secret = {"secrets_fd", "tls_key_identity"}  # a number; NQNs and a public digest
+    assert named - not_secret == set(mount.SECRET_OPTIONS)
 
 
 def test_secrets_reach_a_real_child_over_a_pipe_only(tmp_path):
@@ -309,4 +310,6 @@ def test_an_inline_tls_key_reaches_the_daemon_over_the_pipe_only(monkeypatch, ar
 
 
 def test_tls_without_a_key_is_one_line(capsys):
-    one_line_error(capsys, [*TCP_MOUNT, "--tls", "/mnt"], "--tls needs --tls-key")
+    one_line_error(capsys, [*TCP_MOUNT, "--tls", "--keyring", "nowhere", "/mnt"],
+                   "--tls without --tls-key takes the PSK from the kernel keyring, but keyring "
+                   "nowhere not found in /proc/keys")

@@ -77,3 +77,24 @@ def test_discover_over_tls_offers_the_discovery_nqns_identity(capsys):
                            "-q", HOSTNQN, "--tls-key", tls_psk.format_interchange(key, 1)]) == 0
         assert front.handshakes >= 1 and front.failures == []
     assert "Discovery Log Number of Records" in capsys.readouterr().out
+
+
+def test_mount_all_reads_a_discovery_controller_that_requires_tls(monkeypatch, capsys):
+    """``mount-all --tls-key``: its own discovery connection shakes hands (the key of the
+    discovery NQN's identity), as ``nvme connect-all --tls`` does (the fake target's log
+    lists no subsystem; ``-O`` options would go to the mounts)."""
+    from nvmeof_fuse.cli import admin
+
+    key = os.urandom(32)
+    psk = tls_psk.derive(tls_psk.ConfiguredPsk(key, 1), HOSTNQN,
+                         "nqn.2014-08.org.nvmexpress.discovery")
+    monkeypatch.setattr(admin, "_mount_one", lambda o, log_file: None)
+    with served_in_thread() as (target, _), \
+            TlsFront(target.port, {psk.identity: psk.key}, psk.suite) as front:
+        status = entry.main(["mount-all", "-t", "tcp", "-a", "127.0.0.1", "-s",
+                             str(front.port), "-q", HOSTNQN, "--tls-key",
+                             tls_psk.format_interchange(key, 1), "/tmp/nvmeof-fuse-all"])
+        assert front.handshakes >= 1 and front.failures == []
+    out = capsys.readouterr()
+    assert status == 0, out.err
+    assert out.out == "no NVMe subsystems in the discovery log page\n"  # read through TLS

@@ -77,11 +77,19 @@ def test_a_port_that_requires_tls_is_mounted_with_its_key_or_refused_in_one_line
     records = [tls(S1), tls(S2, "tls"), tls(s3, treq="not required"),
                {**rec("nqn.2014-08.org.example:s4", trtype="tcp"), "tcp_sectype": "none",
                 "treq": "required"}]
-    outcomes = plan(records, str(tmp_path), [], [])
+    identity = f"NVMe0R01 h {S1}"
+    outcomes = plan(records, str(tmp_path), [], [], lambda subnqn: identity)
     assert [(o.status, o.reason) for o in outcomes] == [
-        ("failed", "the port requires TLS 1.3 (its TSAS): give the subsystem's PSK with -O "
+        ("failed", f"the port requires TLS 1.3 (its TSAS) and the keyring holds no "
+                   f"'{identity}': load it (nvmeof-fuse gen-tls-key --insert) or give -O "
                    "tls_key_file=FILE"),
         ("failed", "the port requires TLS (tls); nvmeof-fuse speaks TLS 1.3 only"),
         ("mount", ""), ("mount", "")]
+    assert "--tls" not in outcomes[2].argv  # TLS is not required there
     keyed = plan(records, str(tmp_path), [], ["--tls-key", "/etc/nvme/tls-s1"])
     assert keyed[0].status == "mount" and "--tls-key" in keyed[0].argv
+    assert "--tls" not in keyed[0].argv  # the key implies it
+    in_keyring = plan(records, str(tmp_path), [], [], lambda subnqn: None)
+    assert in_keyring[0].status == "mount" and in_keyring[0].argv[-2] == "--tls"
+    asked = plan(records, str(tmp_path), [], ["--tls", "--keyring", "ring"], lambda s: identity)
+    assert asked[0].status == "mount" and asked[0].argv.count("--tls") == 1

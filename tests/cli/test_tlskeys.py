@@ -95,8 +95,10 @@ def test_gen_tls_key_reads_the_secret_from_a_file_or_stdin(capsys, tmp_path, std
     (["-m", "0"], "--hmac 0 is not one of 1 (SHA-256), 2 (SHA-384)"),
     (["-m", "sha256"], "--hmac 'sha256' is not an integer"),
     (["-I", "2"], "--identity 2 is not one of 0 (NVMe/TCP 1.0c), 1 (with the digest)"),
-    (["-i", "-c", SUBSYS], "--insert is not supported yet: nvmeof-fuse does not load keys into "
-                           "the kernel keyring"),
+    (["-i"], "--insert needs -c/--subsysnqn: the PSK identity names the subsystem"),
+    (["-i", "-c", SUBSYS, "-k", "no-such-keyring"], "keyring no-such-keyring not found in "
+                                                    "/proc/keys"),
+    (["-f", "/tmp/k"], "--keyfile is not supported yet"),
     (["-s", "pin:1234"], "--secret pin:... (nvme-cli 3.0's key from a PIN) is not supported yet"),
     (["-s", "abc"], "--secret is too short: 32 bytes in hexadecimal are 64 digits"),
     (["-s", HEX32[:-1]], "--secret is not hexadecimal (an even number of 0-9, a-f)"),
@@ -173,7 +175,8 @@ def test_check_tls_key_reads_the_key_from_a_file_stdin_or_the_terminal(capsys, t
     (["-d", BODY01], "--keydata is neither a TLS key nor the path of a file holding it"),
     (["-k", KEY01], "-k/--keyring names a keyring (nvme-cli 2.4 and later); give the key with "
                     "-d/--keydata"),
-    (["-d", KEY01, "-i", "-c", SUBSYS], "--insert is not supported yet"),
+    (["-d", KEY01, "-i", "-n", HOST], "--insert needs -c/--subsysnqn"),
+    (["-d", KEY01, "-i", "-c", SUBSYS, "-k", ".nvme-nowhere"], "keyring .nvme-nowhere not found"),
     (["-d", KEY01, "-I", "7"], "--identity 7 is not one of 0 (NVMe/TCP 1.0c), 1"),
     (["-d", KEY01, "-n", "", "-c", SUBSYS],
      "cannot derive the PSK identity: the host NQN is empty or holds a NUL"),
@@ -304,3 +307,23 @@ def test_the_key_never_reaches_argv_env_or_logs_of_a_process_we_start(monkeypatc
     assert entry.main(["check-tls-key", "-d", KEY01, "-n", HOST, "-c", SUBSYS, "-I", "1"]) == 0
     assert entry.main(["gen-tls-key", "-s", HEX32]) == 0
     assert all(BODY01 not in value for value in os.environ.values())
+
+
+def test_insert_loads_the_derived_psk_under_its_identity_as_nvme_cli_does(capsys, own_keyring):
+    """``--insert`` with ``-k SERIAL -t user`` (the ``psk`` type exists only with
+    nvme-keyring.ko): the key nvme-cli would load, under the identity it would use."""
+    from nvmeof_fuse.host import keyring
+
+    name, serial = own_keyring
+    out = run(capsys, ["check-tls-key", "-d", KEY01, "-n", HOST, "-c", SUBSYS, "-I", "1",
+                       "-i", "-k", name, "-t", "user"])
+    assert re.fullmatch(r"Key is valid \(HMAC 1, length 32\)", out[0])
+    inserted = int(out[1].removeprefix("Inserted TLS key "), 16)
+    assert keyring.search(serial, ID01, "user") == inserted
+    derived = tls_psk.derive(tls_psk.parse_interchange(KEY01), HOST, SUBSYS, version=1)
+    assert keyring.read(inserted) == derived.key
+    out = run(capsys, ["gen-tls-key", "-s", HEX32, "-n", HOST, "-c", SUBSYS, "-i",
+                       "-k", str(serial), "-t", "user"])
+    assert out[0] == KEY01 and out[1].startswith("Inserted TLS key ")
+    v0 = tls_psk.derive(tls_psk.parse_interchange(KEY01), HOST, SUBSYS)
+    assert keyring.read(keyring.search(serial, v0.identity, "user")) == v0.key

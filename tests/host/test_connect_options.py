@@ -1,6 +1,7 @@
 """ConnectOptions.validate: every bad value gets a message naming its option."""
 
 import dataclasses
+import re
 
 import pytest
 
@@ -88,9 +89,8 @@ def test_a_tls_key_inline_or_in_a_file_implies_tls(tmp_path):
 
 
 @pytest.mark.parametrize(("changes", "message"), [
-    ({"transport": "tcp", "tls": True}, "--tls needs --tls-key: the PSK as `nvme gen-tls-key` "
-     "prints it (NVMeTLSkey-1:hh:...:), or better the path of a file (mode 0600) holding it; "
-     "the kernel keyring is not read"),
+    ({"transport": "tcp", "tls": True, "keyring": "no-such-keyring"},
+     "keyring no-such-keyring not found in /proc/keys"),
     ({"tls_key": TLS_KEY}, "--tls and --tls-key apply only to -t tcp"),
     ({"tls": True}, "--tls and --tls-key apply only to -t tcp"),
     ({"transport": "tcp", "tls_key": TLS_KEY.replace("VRLb", "VRLc")},
@@ -113,3 +113,78 @@ def test_a_tls_key_file_others_may_read_is_refused(tmp_path):
     path.chmod(0o644)
     with pytest.raises(InvalidArgument, match="permissions 0644 are too open"):
         options(transport="tcp", tls_key=str(path)).validate()
+
+
+# --- TLS PSKs from the kernel keyring -----------------------------------------------------
+
+HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:h"
+
+
+@pytest.fixture
+def psk_keyring(own_keyring, monkeypatch):
+    """``own_keyring`` with ``user`` keys standing for ``psk`` ones (nvme-keyring.ko's type
+    exists only in the VM): add(identity, key) loads one."""
+    from nvmeof_fuse.host import keyring
+
+    monkeypatch.setattr(keyring, "PSK_KEY_TYPE", "user")
+    name, serial = own_keyring
+
+    def add(identity: str, key: bytes) -> None:
+        keyring.add(serial, identity, key)
+
+    return name, add
+
+
+def test_tls_takes_the_kernels_default_identity_from_the_keyring(psk_keyring):
+    """As ``nvme connect --tls`` without a key: retained before generated, SHA-384 first."""
+    name, add = psk_keyring
+    opts = options(transport="tcp", tls=True, keyring=name)
+    opts.validate()
+    with pytest.raises(InvalidArgument, match=re.escape(
+            f"--tls: keyring {name} holds no TLS PSK for this host and subsystem "
+            f"('NVMe0R01 {HOSTNQN} nqn.2014-08.org.example:t', or its SHA-384 or generated "
+            "form): load one")):
+        opts.tls_psk(HOSTNQN)
+    add(f"NVMe0G01 {HOSTNQN} nqn.2014-08.org.example:t", b"g" * 32)
+    assert opts.tls_psk(HOSTNQN).key == b"g" * 32
+    add(f"NVMe0R01 {HOSTNQN} nqn.2014-08.org.example:t", b"r" * 32)
+    psk = opts.tls_psk(HOSTNQN)  # looked up again at each connection
+    assert (psk.key, psk.suite) == (b"r" * 32, "TLS_AES_128_GCM_SHA256")
+    add(f"NVMe0R02 {HOSTNQN} nqn.2014-08.org.example:t", b"s" * 48)
+    psk = opts.tls_psk(HOSTNQN)
+    assert (psk.key, psk.suite) == (b"s" * 48, "TLS_AES_256_GCM_SHA384")
+    assert "sss" not in repr(opts)
+
+
+def test_tls_key_identity_names_the_keyrings_key_or_the_keys_version(psk_keyring):
+    name, add = psk_keyring
+    v1 = f"NVMe1R01 {HOSTNQN} nqn.2014-08.org.example:t digest="
+    opts = options(transport="tcp", tls_key_identity=v1, keyring=name)
+    assert opts.uses_tls
+    with pytest.raises(InvalidArgument, match=f"keyring {name} holds no TLS PSK '{v1}'"):
+        opts.tls_psk(HOSTNQN)
+    add(v1, b"k" * 48)
+    with pytest.raises(InvalidArgument, match="holds 48 bytes, but its identity names SHA256"):
+        opts.tls_psk(HOSTNQN)
+    add(v1, b"k" * 32)
+    assert opts.tls_psk(HOSTNQN).identity == v1
+    # with --tls-key: the identity picks the version the key is derived for
+    derived = options(transport="tcp", tls_key=TLS_KEY).tls_psk(HOSTNQN)
+    from nvmeof_fuse.nvme import tls_psk
+    v1_of_key = tls_psk.derive(tls_psk.parse_interchange(TLS_KEY), HOSTNQN,
+                               "nqn.2014-08.org.example:t", version=1)
+    for identity, want in ((derived.identity, derived), (v1_of_key.identity, v1_of_key)):
+        assert options(transport="tcp", tls_key=TLS_KEY,
+                       tls_key_identity=identity).tls_psk(HOSTNQN) == want
+    with pytest.raises(InvalidArgument, match="--tls-key-identity is neither identity "
+                       "--tls-key gives this host and subsystem: 'NVMe0R01 "):
+        options(transport="tcp", tls_key=TLS_KEY, tls_key_identity=v1).tls_psk(HOSTNQN)
+
+
+def test_a_psk_the_mount_resolved_is_used_as_given():
+    from nvmeof_fuse.nvme import tls_psk
+
+    given = tls_psk.TlsPsk("NVMe0R01 h s", b"x" * 32, tls_psk.PskHash.SHA256)
+    opts = options(transport="tcp", tls_psk_given=given)
+    opts.validate()
+    assert opts.uses_tls and opts.tls_psk(HOSTNQN) is given and "xxx" not in repr(opts)

@@ -147,7 +147,7 @@ def test_a_key_the_target_stopped_taking_ends_reconnecting(hostile, change, aler
     assert stopped, m.log()[-3000:]
     assert stopped[1] == (
         f"NVMe/TCP admin queue: the TLS handshake failed: {alert} with 127.0.0.1:"
-        f"{t.front.port} (the target refused the PSK: does it hold --tls-key's key for "
+        f"{t.front.port} (the target refused the PSK: does it hold the same PSK for "
         f"identity '{t.psk.identity}'?)"), m.log()[-3000:]
     named = lines_with(m, alert)
     assert len([li for li in named if not li.startswith("nvmeof-fuse: path ")]) == 1, \

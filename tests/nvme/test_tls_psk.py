@@ -282,3 +282,34 @@ def test_the_lower_level_calls_refuse_what_derive_never_passes():
         tls_psk.psk_identity(2, PskHash.SHA256, TEST_HOST, TEST_SUBSYS, "digest")
     with pytest.raises(ValueError, match="PSK identity version 3 is not 0 or 1"):
         tls_psk.tls_psk(PSK32, PskHash.SHA256, 3, "x")
+
+
+# --- PSKs in the kernel keyring ---------------------------------------------------------
+
+
+def test_default_identities_follow_the_kernels_order():
+    assert tls_psk.default_identities("nqn.h", "nqn.s") == [
+        "NVMe0R02 nqn.h nqn.s", "NVMe0R01 nqn.h nqn.s",
+        "NVMe0G02 nqn.h nqn.s", "NVMe0G01 nqn.h nqn.s"]
+
+
+@pytest.mark.parametrize(("identity", "cipher"), [
+    ("NVMe0R01 nqn.h nqn.s", PskHash.SHA256), ("NVMe1R02 nqn.h nqn.s digest=", PskHash.SHA384),
+    ("NVMe0G01 nqn.h nqn.s", PskHash.SHA256),
+])
+def test_a_keyring_psk_takes_its_suite_from_its_identity(identity, cipher):
+    psk = tls_psk.keyring_psk(identity, bytes(tls_psk.HASH_LENGTHS[cipher]))
+    assert (psk.identity, psk.cipher) == (identity, cipher)
+
+
+@pytest.mark.parametrize(("identity", "key", "message"), [
+    ("NVMe2R01 h s", bytes(32), "is not an NVMe/TCP PSK identity (NVMe0R01 <hostnqn> "
+     "<subnqn>, NVMe1R02 ... <digest>): it begins 'NVMe2R01'"),
+    ("NVMe0R03 h s", bytes(32), "it begins 'NVMe0R03'"),
+    ("NVMe0X01 h s", bytes(32), "it begins 'NVMe0X01'"),
+    ("nvme", bytes(32), "it begins 'nvme'"),
+    ("NVMe0R02 h s", bytes(32), "holds 32 bytes, but its identity names SHA384 (48 bytes)"),
+])
+def test_a_keyring_psk_that_does_not_fit_its_identity_is_refused(identity, key, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        tls_psk.keyring_psk(identity, key)

@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import subprocess
+import sys
 import threading
 
 import pytest
@@ -209,3 +210,38 @@ def test_the_real_target_through_a_tls_front_agrees_with_the_kernel_initiator(te
 
         trio.run(main)
         assert front.handshakes >= 2 and front.failures == []
+
+
+@pytest.mark.parametrize("version", [0, 1])
+def test_a_psk_we_insert_into_the_kernels_keyring_is_what_tls_takes_from_it(version):
+    """``check-tls-key --insert`` loads a ``psk`` key into nvme-keyring.ko's ``.nvme``; a
+    connection with ``--tls`` and no key finds it there (under the kernel's default identity,
+    or ``--tls-key-identity`` for version 1) and shakes hands with it over kTLS."""
+    from nvmeof_fuse.host.controller import ConnectOptions
+
+    subprocess.run(["modprobe", "nvme-keyring"], check=True, timeout=60)
+    key = tls_psk.format_interchange(os.urandom(32), 1)
+    derived = tls_psk.derive(tls_psk.parse_interchange(key), HOSTNQN, NQN, version=version)
+    out = subprocess.run([sys.executable, "-m", "nvmeof_fuse.cli", "check-tls-key", "-d", key,
+                          "-n", HOSTNQN, "-c", NQN, "-I", str(version), "-i"],
+                         capture_output=True, text=True, timeout=HANG_GUARD)
+    assert out.returncode == 0, out.stderr
+    serial = out.stdout.splitlines()[1].removeprefix("Inserted TLS key ")
+    with open("/proc/keys") as f:
+        line = next(li for li in f if li.startswith(serial))
+    assert f" psk       {derived.identity}: 32" in line
+    options = ConnectOptions(traddr="127.0.0.1", nqn=NQN, transport="tcp", tls=True,
+                             hostnqn=HOSTNQN, tls_key_identity=derived.identity if version
+                             else None)
+    options.validate()
+    psk = options.tls_psk(HOSTNQN)
+    assert psk == derived
+
+    async def test(target, front, transport, nursery):
+        queue = await transport.connect_queue(nursery, 1, 32, in_capsule_bytes=4096)
+        data = os.urandom(8192)
+        assert (await write(queue, transport, 8, data)).ok
+        got, completion = await read(queue, transport, 8, 8192)
+        assert completion.ok and got == data
+
+    run(test, psk)

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from ...errors import InvalidArgument
 from ...host.attached import Lease, NamespaceShape
 from ...host.controller import ConnectOptions
+from ...nvme import tls_psk
 
 RENEW_FOREVER = 365 * 86400.0  # s: bound of a lease wait when the mount never gives up
 
@@ -31,7 +33,19 @@ def options_from(reply: dict, timeout: float) -> ConnectOptions:
         companion_queues=0, keep_alive_tmo=0, timeout=timeout,
         reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
         fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),
-        dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"), tls_key=reply.get("tls_key"))
+        dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"), tls_key=reply.get("tls_key"),
+        tls_psk_given=given_psk(reply.get("tls_psk")))
+
+
+def given_psk(field: Any) -> tls_psk.TlsPsk | None:
+    """The TLS PSK the mount resolved from its keyring (``{"identity", "key"}``), checked."""
+    if field is None:
+        return None
+    try:
+        return tls_psk.keyring_psk(str(field["identity"]), bytes.fromhex(field["key"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise InvalidArgument("the mount's lease reply holds a malformed TLS PSK "
+                              f"({type(exc).__name__})") from None
 
 
 def renew_timeout(options: ConnectOptions) -> float:

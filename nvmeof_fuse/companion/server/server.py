@@ -528,7 +528,7 @@ class CompanionServer:
                 nsids, max_named=role.max_named if role is not None else None,
                 pinned=session.pinned),
             "namespace_count": len(self.controller.namespaces),
-            **self._secrets(opts),
+            **self._secrets(opts, ctrl.identity.hostnqn),
             **({"path": path} if choose else {}),
         }
 
@@ -572,16 +572,16 @@ class CompanionServer:
         return shapes
 
     @staticmethod
-    def _secrets(opts: Any) -> dict[str, str]:
-        """The DH-HMAC-CHAP secrets the client's queues authenticate with, as the mount does
-        (its secret files read, and checked, now).
+    def _secrets(opts: Any, hostnqn: str) -> dict[str, Any]:
+        """The DH-HMAC-CHAP secrets and TLS PSK the client's queues authenticate with, as the
+        mount does (its secret files read, and checked, now).
 
         Only a client of the mount's uid or root gets here: one that could read them anyway.
         They travel in the reply alone, never in a log line or an error.
         """
         from ...host.auth import SecretSource, secret_sources
 
-        found = {}
+        found: dict[str, Any] = {}
         sources = secret_sources(getattr(opts, "dhchap_secret", None),
                                  getattr(opts, "dhchap_ctrl_secret", None))
         allow = getattr(opts, "allow_insecure_secret_file", False)
@@ -591,6 +591,9 @@ class CompanionServer:
         tls_key = getattr(opts, "tls_key", None)
         if tls_key:  # the TLS PSK each of the client's connections offers, as the mount's
             found["tls_key"] = SecretSource.of(tls_key, "--tls-key").text(allow)
+        elif getattr(opts, "uses_tls", False):  # from the mount's keyring, which the client
+            psk = opts.tls_psk(hostnqn)           # may not read: the PSK it resolved
+            found["tls_psk"] = {"identity": psk.identity, "key": psk.key.hex()}
         return found
 
     async def lock(self, session: ClientSession, nsid: int, offset: int, length: int,

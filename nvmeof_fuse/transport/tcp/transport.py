@@ -108,6 +108,8 @@ class TcpTransport:
         """None: the kernel's record layer where it has one; False: always ours; True: the
         kernel's or a refusal."""
         self.record_layer: RecordLayer | None = None
+        self.psk_identity: str | None = None
+        """The PSK identity the last handshake offered, for ``.nvmeof`` (not a secret)."""
         """Where the last connection's records went (``.nvmeof/stats``)."""
         # Large write data by vmsplice/splice (see .splice) instead of a copy into the
         # socket.  Off by default: the copy was faster in the testbed's A/B
@@ -213,6 +215,7 @@ class TcpTransport:
             psk = self.tls() if callable(self.tls) else self.tls
         except NVMeoFError as exc:  # the key file, unreadable or changed for the worse
             raise ConnectError(f"NVMe/TCP {what}: {exc}") from None
+        self.psk_identity = psk.identity
         try:
             with trio.fail_after(self.connect_timeout):
                 secrets = await handshake(client(sock.fileno(), psk.identity, psk.key,
@@ -299,7 +302,7 @@ def _handshake_hint(reason: str, identity: str) -> str:
     if "closed the connection" in reason:
         return f" (does the port take TLS, and a PSK for identity '{identity}'?)"
     if _refused_key(reason):
-        return (f" (the target refused the PSK: does it hold --tls-key's key for identity "
+        return (f" (the target refused the PSK: does it hold the same PSK for identity "
                 f"'{identity}'?)")
     if any(text in reason for text in NOT_TLS):
         return " (the port does not speak TLS: leave out --tls)"

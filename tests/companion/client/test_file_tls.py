@@ -118,3 +118,37 @@ def test_a_reconnect_shakes_hands_anew_and_io_goes_on(tmp_path):
         with open(mnt / ".nvmeof" / "stats") as report:
             text = report.read()
     assert re.search(r"\n  reconnects +: [1-9]", text), text
+
+
+def test_a_mount_takes_its_psk_from_the_keyring_and_hands_it_to_a_files_own_queues(
+        tmp_path, monkeypatch, own_keyring):
+    """``--tls`` without a key, as ``nvme connect --tls``: the keyring's PSK under the
+    kernel's default identity (``user`` keys stand for ``psk`` ones on this host).  The
+    File's own queues get the PSK the mount resolved, not the keyring's name."""
+    from nvmeof_fuse.host import keyring
+
+    monkeypatch.setattr(keyring, "PSK_KEY_TYPE", "user")
+    monkeypatch.setattr(client, "served_here", lambda socket: None)  # lease its own queues
+    name, serial = own_keyring
+    psk = tls_psk.derive(tls_psk.ConfiguredPsk(os.urandom(32), 1), HOSTNQN, NQN)
+    keyring.add(serial, psk.identity, psk.key)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    with served_in_thread(io_queues=32, size=4 << 20) as (target, _), \
+            TlsFront(target.port, {psk.identity: psk.key}, psk.suite) as front, \
+            nvmeof_fuse.mount(str(mnt), traddr="127.0.0.1", nqn=NQN, transport="tcp",
+                              trsvcid=front.port, hostnqn=HOSTNQN, hostid=HOSTID, tls=True,
+                              keyring=name, keep_alive_tmo=0, nr_io_queues=2) as m:
+        data = os.urandom(65536)
+        before = front.handshakes
+        with File(m.path(1)) as f:
+            assert len(f.own_queues) > 0
+            assert f.write(np.frombuffer(data, np.uint8).copy(), file_offset=8192) == 65536
+        assert bytes(target.data[8192:8192 + 65536]) == data
+        assert front.handshakes > before  # the File's own queues shook hands with the PSK
+        with open(mnt / ".nvmeof" / "controller") as report:
+            controller = report.read()
+    assert re.search(rf"\ntls_key_source +: keyring {name}\n", controller), controller
+    assert re.search(rf"\ntls_identity +: {re.escape(psk.identity)}\n", controller)
+    assert psk.key.hex() not in controller
+    assert front.failures == []

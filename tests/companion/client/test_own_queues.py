@@ -696,3 +696,19 @@ def test_a_malformed_place_from_a_client_is_one_line(near_served, memory, why):
         assert ch.call("lease", want=1, memory={"numa_node": 1})["path"]["index"] == 1
     finally:
         ch.close()
+
+
+def test_a_tls_psk_the_mount_resolved_reaches_the_clients_options():
+    """A mount whose PSK is in its keyring hands the client the PSK (it may not read that
+    keyring); a malformed one is one line that never holds it."""
+    from nvmeof_fuse.companion.client.lease import given_psk
+    from nvmeof_fuse.errors import InvalidArgument
+
+    psk = given_psk({"identity": "NVMe0R01 h s", "key": "ab" * 32})
+    assert psk.key == b"\xab" * 32 and psk.suite == "TLS_AES_128_GCM_SHA256"
+    assert given_psk(None) is None
+    for bad in ({"identity": "NVMe0R02 h s", "key": "ab" * 32}, {"key": "ab"}, "x",
+                {"identity": "NVMe0R01 h s", "key": "zz"}):
+        with pytest.raises(InvalidArgument, match=r"^the mount's lease reply holds a malformed "
+                           r"TLS PSK \((ValueError|KeyError|TypeError)\)$"):
+            given_psk(bad)

@@ -119,7 +119,7 @@ def test_a_wrong_key_is_refused_in_one_line():
         assert one_line(info) == (
             f"NVMe/TCP admin queue: the TLS handshake failed: sslv3 alert illegal parameter "
             f"with 127.0.0.1:{front.port} (the target refused the PSK: does it hold "
-            f"--tls-key's key for identity '{host_psk.identity}'?)")
+            f"the same PSK for identity '{host_psk.identity}'?)")
         assert not target.icreqs
 
     run(test, host_psk=host_psk, front_psk=front_psk)
