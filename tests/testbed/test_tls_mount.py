@@ -4,11 +4,12 @@ acceptance).
 nvmet's port 4 (``TESTBED_TLS_PORT``) requires TLS 1.3 and hands each handshake to tlshd
 (ktls-utils, GnuTLS); the PSKs are in the kernel's ``.nvme`` keyring under their identities
 (trixie's tlshd and nvme-cli: docs/testbed.md).  The kernel initiator's, for ``nvme connect
---tls``, is put there by nvme-cli's own ``gen-tls-key --insert``, and must equal what our
-derivation gives; ours, which the daemon derives from its ``--tls-key`` as libnvme 1.16 does,
-by add_key.  libnvme before 1.16 (trixie's 1.13 among them) derives the TLS PSK the older way
-(nvme-cli's ``--compat`` now), so nvme-cli 2.13's key is checked against that.  The kernel
-initiator (its handshake by tlshd too) is the second opinion on the data, over TLS both ways.
+--tls``, is put there by nvme-cli's own ``gen-tls-key --insert``; ours, which the daemon
+derives from its ``--tls-key`` as libnvme 1.16 does, by add_key (nvmeof_fuse.host.keyring).
+libnvme before 1.16 (trixie's 1.13 among them) derives the TLS PSK the older way (our
+``--compat``), so nvme-cli 2.13's key is checked against that, and ``mount-all --tls`` takes
+one such key from the keyring.  The kernel initiator (its handshake by tlshd too) is the
+second opinion on the data, over TLS both ways.
 The daemon's records go through the guest kernel (kTLS).
 
 The module's daemon mount is made by ``mount-all`` from the TLS port's discovery log (its
@@ -27,16 +28,18 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-import keyring
 import pytest
 from kernel_initiator import HOSTNQN as KERNEL_HOSTNQN
 from kernel_initiator import connected, pread_direct, pwrite_direct
 from nvmet import on_port
 from vm import TLS_PORT, sh, target_away, wait_for
 
+from nvmeof_fuse.host import keyring
 from nvmeof_fuse.nvme import tls_psk
 
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000715b"
+COMPAT_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000715c"
+"""A host whose only PSK (the discovery NQN's) nvme-cli 2.13 loaded: the older derivation."""
 ROOT = "/tmp/nvmeof-tls"  # mount-all's root: the module's mount is ROOT/<subnqn>
 DISCOVERY_NQN = "nqn.2014-08.org.nvmexpress.discovery"
 FSTYPE = "fuse.nvmeof-fuse"
@@ -96,11 +99,14 @@ def tls(testbed, tmp_path_factory):
     configured = tls_psk.parse_interchange(ours)
     # the kernel initiator's PSK by libnvme 1.13, and its interchange form by nvme-cli
     assert insert_psk(testbed.nvme_tls, key, KERNEL_HOSTNQN, testbed.nqn) == ours
+    assert insert_psk(testbed.nvme_tls, key, COMPAT_HOSTNQN, DISCOVERY_NQN) == ours
+    nvme_keyring = keyring.find_keyring(keyring.DEFAULT_KEYRING)
     theirs = tls_psk.derive(configured, KERNEL_HOSTNQN, testbed.nqn, compat=True)
-    assert keyring.read_psk(theirs.identity) == theirs.key, "libnvme derives otherwise"
+    loaded = keyring.search(nvme_keyring, theirs.identity)
+    assert loaded and keyring.read(loaded) == theirs.key, "libnvme derives otherwise"
     for subnqn in (testbed.nqn, DISCOVERY_NQN):
         mine = tls_psk.derive(configured, HOSTNQN, subnqn)
-        keyring.add_psk(mine.identity, mine.key)
+        keyring.add(nvme_keyring, mine.identity, mine.key)
     psk = tls_psk.derive(configured, HOSTNQN, testbed.nqn)
     key_file = tmp_path_factory.mktemp("tls") / "tls.key"
     key_file.write_text(ours + "\n")
@@ -210,17 +216,23 @@ def test_discover_over_tls_lists_the_port_as_requiring_tls(testbed, tls):
     assert wait_for(lambda: tls.handshakes() > before, 30)
 
 
-def test_mount_all_refuses_a_tls_record_without_a_key_in_one_row(testbed, tls, tmp_path):
-    """The same discovery log, with no key for the mounts: a row that says which option is
-    missing, nothing mounted, exit status 1."""
+def test_mount_all_from_the_keyring_refuses_a_record_whose_psk_it_lacks(testbed, tls,
+                                                                         tmp_path):
+    """``mount-all --tls`` with no key: its discovery connection takes from ``.nvme`` the PSK
+    nvme-cli 2.13 loaded (libnvme's older derivation, which our ``--tls-key`` would not
+    give), and the log's record, whose PSK the keyring lacks for this host, is refused in
+    one row naming the identity: nothing mounted, exit status 1."""
     root = tmp_path / "root"
-    out = subprocess.run(["nvmeof-fuse", "mount-all", *discovery_args(tls), "-o", "json",
+    before = tls.handshakes()
+    out = subprocess.run(["nvmeof-fuse", "mount-all", "-t", "tcp", "-a", tls.addr, "-s",
+                          str(tls.port), "-q", COMPAT_HOSTNQN, "--tls", "-o", "json",
                           str(root)], capture_output=True, text=True, timeout=BOUND)
     assert out.returncode == 1, out.stdout + out.stderr
     [row] = [r for r in json.loads(out.stdout) if r["subnqn"] == testbed.nqn]
-    assert row["status"] == "failed" and row["reason"] == (
-        "the port requires TLS 1.3 (its TSAS): give the subsystem's PSK with -O "
-        "tls_key_file=FILE"), row
+    assert row["status"] == "failed" and row["reason"].startswith(
+        "the port requires TLS 1.3 (its TSAS) and the keyring holds no 'NVMe0R0"), row
+    assert f"{COMPAT_HOSTNQN} {testbed.nqn}'" in row["reason"], row
+    assert wait_for(lambda: tls.handshakes() > before, 30)
     assert not any(str(root) in line for line in open("/proc/mounts"))
 
 
