@@ -99,6 +99,58 @@ ensure_deps() {
   export PATH=$VENV/bin:$PATH
 }
 
+# The testbed's TLS target: nvmet hands its TLS handshakes to tlshd (ktls-utils), which Debian
+# packages from trixie on only, and the kernel initiator's `nvme connect --tls` and
+# `gen-tls-key --insert` need nvme-cli 2.x newer than Debian 12's 2.3.  The guest boots this
+# host's root, so trixie's binaries and their whole library closure, unpacked under TLS_ROOT,
+# run there through trixie's own loader (scripts/vm/testbed-guest).  apt, with directories of
+# its own, fetches them and checks their signatures and hashes; nothing is installed here.
+# nvme-cli comes without its dependencies: it depends on uuid-runtime, which pulls in systemd,
+# while the binary needs only libnvme (whose closure is fetched) and libc.
+TLS_ROOT=$STATE/trixie/root
+TLS_UNAVAILABLE=$STATE/trixie/unavailable  # one line: why there is no TLS target
+TLS_SUITE=trixie
+TLS_PACKAGES=(ktls-utils libnvme1t64)
+TLS_ALONE=(nvme-cli)
+ensure_tls_target() {
+  local d=$STATE/trixie want stamp
+  want="$TLS_SUITE ${TLS_PACKAGES[*]} ${TLS_ALONE[*]}"
+  stamp=$d/complete
+  [[ -f $stamp && $(cat "$stamp") == "$want" ]] && return 0
+  rm -rf "$d"
+  mkdir -p "$d"/{lists/partial,cache/archives/partial,etc}
+  touch "$d/status"
+  echo "deb [signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] http://deb.debian.org/debian $TLS_SUITE main" \
+    >"$d/etc/sources.list"
+  local apt=(apt-get -qq -o Dir::Etc::SourceList="$d/etc/sources.list"
+    -o Dir::Etc::SourceParts=/dev/null -o Dir::State::Lists="$d/lists"
+    -o Dir::State::status="$d/status" -o Dir::Cache="$d/cache" -o Debug::NoLocking=1
+    -o APT::Get::Download-Only=1 -o APT::Sandbox::User=root -o Acquire::Retries=1
+    -o Acquire::http::Timeout=30 -o APT::Update::Error-Mode=any)
+  local err=$d/apt.log deb
+  if ! { "${apt[@]}" update && "${apt[@]}" install -y --no-install-recommends "${TLS_PACKAGES[@]}" \
+         && (cd "$d/cache/archives" && "${apt[@]}" download "${TLS_ALONE[@]}"); } >"$err" 2>&1; then
+    printf 'no TLS target: fetching %s from Debian %s failed: %s\n' "${TLS_PACKAGES[*]} ${TLS_ALONE[*]}" \
+      "$TLS_SUITE" "$(grep -m1 -E '^(E|W):' "$err" || tail -n 1 "$err")" >"$TLS_UNAVAILABLE"
+    log "testbed: $(cat "$TLS_UNAVAILABLE") (the TLS VM tests skip; full log: $err)"
+    return 0
+  fi
+  for deb in "$d"/cache/archives/*.deb; do dpkg-deb -x "$deb" "$TLS_ROOT"; done
+  rm -rf "$d/cache" "$d/lists"
+  # The closure must be whole: each program runs by trixie's loader with trixie's libraries only.
+  local lib=$TLS_ROOT/usr/lib/x86_64-linux-gnu prog
+  for prog in sbin/tlshd sbin/nvme; do
+    if ! "$lib/ld-linux-x86-64.so.2" --library-path "$lib" "$TLS_ROOT/usr/$prog" --version \
+         >"$err" 2>&1; then
+      printf 'no TLS target: %s from Debian %s does not run here: %s\n' "${prog#sbin/}" \
+        "$TLS_SUITE" "$(tail -n 1 "$err")" >"$TLS_UNAVAILABLE"
+      log "testbed: $(cat "$TLS_UNAVAILABLE") (the TLS VM tests skip)"
+      return 0
+    fi
+  done
+  echo "$want" >"$stamp"
+}
+
 # The `nvmeof` reference initiator, the benches' peer on RDMA, at the version they were measured with.
 NVMEOF_VERSION=2026.10.22
 ensure_nvmeof() {

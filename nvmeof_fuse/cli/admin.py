@@ -81,7 +81,11 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
     for flag, value in (("-w", args.host_traddr), ("-q", args.hostnqn), ("-I", args.hostid)):
         if value is not None:
             common += [flag, value]
-    probe = mount_parser().parse_args(["mount", *common, "-a", "192.0.2.1", "-n",
+    # the transport comes from each record: probe with one that takes every option given
+    # (-O tls_key_file= is for NVMe/TCP records only)
+    tls_fabric = next(name for name in registry.NAMES if registry.capabilities(name).tls)
+    fabric = ["-t", tls_fabric] if {"--tls", "--tls-key"} & set(common) else []
+    probe = mount_parser().parse_args(["mount", *fabric, *common, "-a", "192.0.2.1", "-n",
                                        "nqn.2014-08.org.example:probe", "/"])
     connect_options(probe, nqn=probe.nqn, default_port=registry.IO_PORT)  # secret files read
     mount_options(probe)

@@ -6,14 +6,16 @@
       (a front in a process of its own: the PSK as JSON on stdin, ``READY PORT`` on stdout,
       served until stdin closes)
 
-The testbed's nvmet has no TLS port (tlshd, which it hands handshakes to, is not in Debian
-12), so TLS ends in a front before nvmet's plain port: tests/tls_front.KernelRelayFront, the
+Our core's TLS ends in a front before nvmet's plain port: tests/tls_front.KernelRelayFront, the
 handshake by OpenSSL, then the records in the kernel (kTLS) and the bytes spliced to nvmet in
 the kernel.  The relay costs something of its own, so the fair peer of our core through the
 kTLS front is our core through the same front in plain mode (no TLS, the same splice relay);
 our core straight to nvmet shows what the relay costs.  Columns: our core direct, through
 the plain relay, through the kTLS relay; with ``--mount``, fio on the FUSE file through
-either relay.  The kernel initiator's ``nvme connect --tls`` column is n/a: it needs tlshd.
+either relay.  Where the testbed has nvmet's own TLS port (``TESTBED_TLS_PORT``, tlshd doing
+its handshakes, and trixie's nvme-cli as ``TESTBED_NVME_TLS``: docs/testbed.md), fio on the
+kernel initiator's device over ``nvme connect --tls`` to that port, beside the same over
+plain ``nvme connect`` to the plain port (kernel CPU is in no process: no CPU per I/O there).
 
 CPU per I/O: our core's process (user + system: kTLS seals and opens in its syscalls), the
 front's process (its splices; on the kTLS side it opens and seals too), and for the FUSE
@@ -57,15 +59,18 @@ from nvmeof_fuse.procstat import cpu_seconds
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:7e57b0e1-0000-4000-8000-0000000007f5"
 FRONT_READY = 180.0
 """Seconds a front's process may take to say READY (imports are slow under TCG)."""
+KERNEL_HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:7e57b0e1-0000-4000-8000-0000000007f6"
+KERNEL_COLUMNS = ("kernel", "kernel_tls")
 CORE_COLUMNS = ("direct", "relay", "ktls")
 FUSE_COLUMNS = ("fuse_relay", "fuse_ktls")
-TITLES = {"kernel_tls": "kernel --tls", "direct": "core direct",
+NVMET = "/sys/kernel/config/nvmet"
+TITLES = {"kernel": "kernel plain", "kernel_tls": "kernel --tls", "direct": "core direct",
           "relay": "core plain relay", "ktls": "core kTLS relay",
           "fuse_relay": "FUSE plain relay", "fuse_ktls": "FUSE kTLS relay"}
-RATIOS = (("ktls", "relay"), ("ktls", "direct"), ("relay", "direct"),
-          ("fuse_ktls", "fuse_relay"))
-KERNEL_TLS = ("n/a: the kernel's nvme connect --tls needs tlshd (ktls-utils), which Debian 12 "
-              "does not package; nvmet's TLS port needs it too")
+RATIOS = (("kernel_tls", "kernel"), ("ktls", "relay"), ("ktls", "direct"),
+          ("relay", "direct"), ("fuse_ktls", "fuse_relay"))
+NO_TLS_PORT = ("n/a: no nvmet TLS port here (TESTBED_TLS_PORT and TESTBED_NVME_TLS unset: "
+               "tlshd and nvme connect --tls come with the testbed, docs/testbed.md)")
 FIO_SPECS = {"seq_read": ("seqread", "read", "1M", 16),
              "seq_write": ("seqwrite", "write", "1M", 16),
              "rand_read_qd1": ("randread1", "randread", "4k", 1),
@@ -245,6 +250,99 @@ def mount_daemons(mnt: Path) -> list[int]:
     return pids
 
 
+# -- the kernel initiator: nvme connect --tls to nvmet's TLS port, beside plain ----------------
+
+def nvmet_port_of(trsvcid: int) -> str:
+    """nvmet's configfs port whose service id is ``trsvcid``."""
+    for port in sorted(os.listdir(f"{NVMET}/ports")):
+        with open(f"{NVMET}/ports/{port}/addr_trsvcid") as f:
+            if f.read().strip() == str(trsvcid):
+                return f"{NVMET}/ports/{port}"
+    raise RuntimeError(f"no nvmet port has service id {trsvcid}")
+
+
+@contextlib.contextmanager
+def kernel_connected(nvme: str, args: argparse.Namespace, port: int, *extra: str):
+    """The kernel initiator connected to ``port`` (``extra``: ``--tls``); the /dev node of
+    namespace ``args.nsid``; disconnected after."""
+    import glob
+    import time
+
+    before = set(os.listdir("/sys/class/nvme"))
+    subprocess.run([nvme, "connect", "-t", "tcp", "-a", args.traddr, "-s", str(port), "-n",
+                    args.nqn, "-q", KERNEL_HOSTNQN, *extra], check=True, capture_output=True,
+                   text=True, timeout=120)
+    new = set(os.listdir("/sys/class/nvme")) - before
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            found = [os.path.dirname(p) for c in new
+                     for p in glob.glob(f"/sys/class/nvme/{c}/nvme*n*/nsid")
+                     if Path(p).read_text().strip() == str(args.nsid)]
+            dev = f"/dev/{os.path.basename(found[0])}" if found else ""
+            if dev and os.path.exists(dev):
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"nvme connect {' '.join(extra)}: no namespace {args.nsid}")
+            time.sleep(0.2)
+        yield dev
+    finally:
+        for ctrl in new:
+            subprocess.run(["nvme", "disconnect", "-d", ctrl], capture_output=True, timeout=120,
+                           check=False)
+
+
+def kernel_column(args: argparse.Namespace, nvme: str, port: int, *extra: str) -> dict:
+    """fio's jobs on the kernel initiator's device, connected to ``port``."""
+    out: dict = {"metrics": {}, "errors": {}, "tls": "tlshd (kTLS)" if extra else "off"}
+    with kernel_connected(nvme, args, port, *extra) as dev:
+        for job in jobs(args):
+            name, rw, bs, qd = FIO_SPECS[job.key]
+            run = subprocess.run(fio_command(dev, name, rw, bs, qd, args.seconds),
+                                 capture_output=True, text=True, timeout=args.seconds + 120,
+                                 check=False)
+            try:
+                result = fio_json(run.stdout)["jobs"][0]
+                if result.get("error"):
+                    raise ValueError(f"fio error {result['error']}")
+            except (ValueError, KeyError, IndexError) as e:
+                out["errors"][job.key] = (run.stderr.strip().splitlines() or [_reason(e)])[-1]
+                continue
+            out["metrics"][job.key] = fio_job_figure(result, write=job.write,
+                                                     mb_per_s=job.size >= (1 << 20))
+    return out
+
+
+def kernel_columns(args: argparse.Namespace, results: dict) -> None:
+    """The kernel initiator plain and over TLS, into ``results`` (n/a with the reason where
+    the testbed has no TLS port).  The subsystem is on the TLS port while they run, the
+    kernel's PSK in ``.nvme`` by nvme-cli's own ``gen-tls-key --insert``."""
+    nvme, tls_port = os.environ.get("TESTBED_NVME_TLS"), os.environ.get("TESTBED_TLS_PORT")
+    if not nvme or not tls_port:
+        results["errors"]["kernel_tls"] = os.environ.get("TESTBED_TLS_UNAVAILABLE") \
+            or NO_TLS_PORT
+        return
+    try:
+        subprocess.run([nvme, "gen-tls-key", "--hmac=1", "--identity=0",
+                        f"--hostnqn={KERNEL_HOSTNQN}", f"--subsysnqn={args.nqn}", "--insert"],
+                       check=True, capture_output=True, text=True, timeout=60)
+        link = f"{nvmet_port_of(int(tls_port))}/subsystems/{args.nqn}"
+        os.symlink(f"{NVMET}/subsystems/{args.nqn}", link)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        results["errors"]["kernel_tls"] = _reason(e)
+        return
+    try:
+        for column, port, extra in (("kernel", args.trsvcid, ()),
+                                    ("kernel_tls", int(tls_port), ("--tls",))):
+            print(f"bench tls: {TITLES[column]}", file=sys.stderr, flush=True)
+            try:
+                results["columns"][column] = kernel_column(args, nvme, port, *extra)
+            except Exception as e:  # noqa: BLE001 - a column that fails shows as n/a
+                results["errors"][column] = _reason(e)
+    finally:
+        os.unlink(link)
+
+
 # -- the run and its table ------------------------------------------------------------------------
 
 def run(args: argparse.Namespace) -> dict:
@@ -254,8 +352,8 @@ def run(args: argparse.Namespace) -> dict:
 
     key = os.urandom(32)
     psk = tls_psk.derive(tls_psk.ConfiguredPsk(key, 1), HOSTNQN, args.nqn)
-    results: dict = {"suite": psk.suite, "seconds": args.seconds, "kernel_tls": KERNEL_TLS,
-                     "columns": {}, "errors": {}}
+    results: dict = {"suite": psk.suite, "seconds": args.seconds, "columns": {}, "errors": {}}
+    kernel_columns(args, results)
     backend = f"{args.traddr}:{args.trsvcid}"
     with tempfile.TemporaryDirectory(prefix="bench-tls.") as tmp:
         work = Path(tmp)
@@ -321,35 +419,36 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def render(results: dict) -> str:
     """The table ``run``'s results print as: figures, ratios, CPU per I/O, the goal."""
-    columns = [c for c in (*CORE_COLUMNS, *FUSE_COLUMNS)
+    columns = [c for c in (*KERNEL_COLUMNS, *CORE_COLUMNS, *FUSE_COLUMNS)
                if c in results["columns"] or c in results["errors"]]
     got = {c: results["columns"].get(c, {}) for c in columns}
     ratios = [(a, b) for a, b in RATIOS if a in columns and b in columns]
-    heads = ["metric", TITLES["kernel_tls"], *(TITLES[c] for c in columns),
-             *(f"{a}/{b}" for a, b in ratios)]
+    heads = ["metric", *(TITLES[c] for c in columns), *(f"{a}/{b}" for a, b in ratios)]
     keys = [k for k in METRICS if any(k in got[c].get("metrics", {}) for c in columns)]
     rows = []
     for key in keys:
         vals = {c: got[c].get("metrics", {}).get(key) for c in columns}
-        rows.append([f"{METRICS[key][0]} ({METRICS[key][1]})", "n/a",
+        rows.append([f"{METRICS[key][0]} ({METRICS[key][1]})",
                      *(_fmt(vals[c]) for c in columns),
                      *(ratio(vals[a], vals[b]) for a, b in ratios)])
+    cpu_columns = [c for c in columns if c not in KERNEL_COLUMNS]
     cpu_rows = []
     for key in keys:
         cells = []
-        for c in columns:
+        for c in cpu_columns:
             mine, front = (got[c].get(f, {}).get(key) for f in ("cpu_us_per_io",
                                                                   "front_us_per_io"))
             cells.append("n/a" if mine is None else f"{mine:,}" if front is None
                          else f"{mine:,} + {front:,}")
-        cpu_rows.append([METRICS[key][0], "n/a", *cells])
+        cpu_rows.append([METRICS[key][0], *cells])
     lines = [f"NVMe/TCP with TLS 1.3 ({results['suite']}), {results['seconds']:g} s per job; "
-             "TLS ends in a front before nvmet's plain port (tests/tls_front.py):"]
+             "the kernel initiator to nvmet's TLS port (tlshd), our core's TLS ends in a "
+             "front before nvmet's plain port (tests/tls_front.py):"]
     lines += text_grid(heads, rows)
     lines += ["", "CPU per I/O, us (our core's process, or the FUSE mount's daemons; "
               "+ the front's process):"]
-    lines += text_grid(heads[:2 + len(columns)], cpu_rows)
-    lines += ["", f"kernel --tls: {results['kernel_tls']}"]
+    lines += text_grid(["metric", *(TITLES[c] for c in cpu_columns)], cpu_rows)
+    lines.append("")
     if "kernel_gcm" in results:
         lines.append(f"the kernel's AES-GCM (kTLS's): {results['kernel_gcm']}")
     lines += [f"{TITLES[c]}: tls {got[c]['tls']}" for c in columns if "tls" in got[c]]

@@ -26,7 +26,7 @@ def test_a_run_fills_the_plain_columns_and_names_why_ktls_is_not_there(tmp_path)
             "(the front's failures: ['this kernel has no kTLS (modprobe tls)'])")
     text = bench_tls.render(results)
     assert "core plain relay" in text and "kernel --tls" in text
-    assert "needs tlshd" in text
+    assert "n/a kernel --tls: n/a: no nvmet TLS port here" in text
     assert "goal, our core over kTLS at 1 MiB >= 0.8x over plain TCP" in text
     for line in text.splitlines():
         if line.startswith("1 MiB seq read QD16 (MB/s)"):

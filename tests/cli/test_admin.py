@@ -108,3 +108,19 @@ def test_mount_all_failures_are_rows(capsys, host, spawned, tmp_path):
 def test_mount_all_errors(capsys, host, spawned, tmp_path, argv, match):
     one_line_error(capsys, ["mount-all", *argv, str(tmp_path)], match)
     assert host.connects == [] and spawned == []
+
+
+def test_mount_all_asks_its_discovery_controller_over_tls_with_its_key(host, spawned, tmp_path):
+    """``--tls --tls-key`` reach the discovery connection (a TLS-only port's discovery
+    controller takes nothing else); the mounts take their key as ``-O tls_key_file=``."""
+    key = tmp_path / "tls.key"
+    key.write_text("NVMeTLSkey-1:01:ERERERERERERERERERERERERERERERERERERERERERHYIEm8:\n")
+    key.chmod(0o600)
+    host.page = Page(rec(S1, trtype="tcp"))
+    assert entry.main(["mount-all", "-t", "tcp", "-a", "192.0.2.1", "--tls", "--tls-key",
+                       str(key), "-O", f"tls_key_file={key}", str(tmp_path / "root")]) == 0
+    [discovery] = host.connects
+    assert discovery.tls and discovery.tls_key == str(key)
+    assert discovery.configured_psk() is not None
+    [argv] = spawned
+    assert entry.parse_args(argv[3:]).tls_key == str(key)

@@ -26,6 +26,12 @@ class Testbed:
     out: str
     rail_addr: str = ""
     """rdma on the second Soft-RoCE device (rxe1), nvmet port 3 (issue #59)."""
+    tls_port: int = 0
+    """nvmet port 4's service id: tcp with TLS 1.3 required, tlshd doing its handshakes
+    (issue #58); 0 where the testbed has no TLS target (``tls_unavailable`` says why)."""
+    tls_unavailable: str = ""
+    nvme_tls: str = ""
+    """trixie's nvme-cli (2.13: ``connect --tls``, ``gen-tls-key --insert``)."""
 
 
 SLOW_IN_CI = {
@@ -81,7 +87,9 @@ def testbed() -> Testbed:
                     pytrace=False)
     return Testbed(env["TESTBED_NQN"], env["TESTBED_RDMA_ADDR"], env["TESTBED_TCP_ADDR"],
                    int(env["TESTBED_PORT"]), env["TESTBED_OUT"],
-                   env.get("TESTBED_RAIL_ADDR", ""))
+                   env.get("TESTBED_RAIL_ADDR", ""),
+                   int(env.get("TESTBED_TLS_PORT", 0)) if "TESTBED_NVME_TLS" in env else 0,
+                   env.get("TESTBED_TLS_UNAVAILABLE", ""), env.get("TESTBED_NVME_TLS", ""))
 
 
 @pytest.fixture(scope="module", params=["rdma", "tcp"])

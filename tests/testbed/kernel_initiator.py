@@ -12,8 +12,8 @@ from collections.abc import Iterator
 HOSTNQN = "nqn.2014-08.org.nvmexpress:uuid:00000000-0000-4000-8000-00000000cafe"
 
 
-def nvme(*args: str, timeout: float = 60) -> str:
-    return subprocess.run(["nvme", *args], check=True, capture_output=True, text=True,
+def nvme(*args: str, timeout: float = 60, program: str = "nvme") -> str:
+    return subprocess.run([program, *args], check=True, capture_output=True, text=True,
                           timeout=timeout).stdout
 
 
@@ -31,11 +31,13 @@ def _controllers(nqn: str, transport: str) -> set[str]:
 
 @contextlib.contextmanager
 def connected(transport: str, addr: str, port: int, nqn: str, *, namespaces: int = 2,
-              hostnqn: str = HOSTNQN, extra: tuple[str, ...] = ()) -> Iterator[dict[int, str]]:
-    """``nvme connect`` with ``extra`` options; yields {nsid: /dev/nvmeXnY}; disconnects on exit."""
+              hostnqn: str = HOSTNQN, extra: tuple[str, ...] = (),
+              program: str = "nvme") -> Iterator[dict[int, str]]:
+    """``nvme connect`` with ``extra`` options (by ``program``: another nvme-cli, such as
+    the testbed's for ``--tls``); yields {nsid: /dev/nvmeXnY}; disconnects on exit."""
     before = _controllers(nqn, transport)
     nvme("connect", "-t", transport, "-a", addr, "-s", str(port), "-n", nqn, "-q", hostnqn,
-         *extra)
+         *extra, program=program)
     try:
         deadline = time.monotonic() + 30
         while True:

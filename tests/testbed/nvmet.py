@@ -145,3 +145,16 @@ def nguid_text(nguid: str) -> str:
     UUID: 8-4-4-4-12 lower-case hex digits."""
     h = nguid.lower()
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+@contextlib.contextmanager
+def on_port(nqn: str, port: int) -> Iterator[None]:
+    """Subsystem ``nqn`` (already made) is on nvmet port ``port`` while inside: nvmet
+    enables a port with its first subsystem and disables it with its last."""
+    link = f"{NVMET}/ports/{port}/subsystems/{nqn}"
+    os.symlink(f"{NVMET}/subsystems/{nqn}", link)
+    try:
+        yield
+    finally:
+        if os.path.lexists(link):
+            os.unlink(link)

@@ -4,7 +4,8 @@ CONFIG_TLS=m; the development hosts have no kTLS at all).
 The target is our fake NVMe/TCP target behind a TLS front of OpenSSL's own server side and
 record layer (tests/tls_front.py), run inside the VM: so what this proves is our kTLS setup
 (the crypto_info we hand the kernel, sequence numbers, what the kernel does with a record that
-is not application data) against OpenSSL, not against nvmet's TLS port (tlshd).
+is not application data) against OpenSSL, and the faults nvmet cannot be made to commit;
+nvmet's own TLS port (tlshd) is test_tls_mount.py's.
 """
 
 from __future__ import annotations
@@ -171,7 +172,7 @@ def test_an_alert_over_ktls_fails_the_queue_naming_it():
 def test_the_real_target_through_a_tls_front_agrees_with_the_kernel_initiator(testbed,
                                                                               tmp_path):
     """Our initiator with the records in the kernel, through a TLS front (OpenSSL's) to
-    nvmet's plain NVMe/TCP port, as the issue allows where tlshd cannot be had: what it
+    nvmet's plain NVMe/TCP port (OpenSSL's record layer, not tlshd's): what it
     writes the kernel initiator (plain NVMe/TCP) reads back, and the other way."""
     from kernel_initiator import connected, pread_direct, pwrite_direct
 

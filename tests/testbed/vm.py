@@ -14,6 +14,7 @@ NVMET = "/sys/kernel/config/nvmet"
 RDMA_PORT = 1  # scripts/vm/testbed-guest: port 1 is rdma, port 2 tcp
 TCP_PORT = 2
 RAIL_PORT = 3  # rdma on the second rail (rxe1, TESTBED_RAIL_ADDR)
+TLS_PORT = 4  # tcp with TLS 1.3 required (TESTBED_TLS_PORT), empty until a test links a subsystem
 NVMET_PORTS = {"rdma": RDMA_PORT, "tcp": TCP_PORT}  # by transport
 
 

@@ -38,6 +38,8 @@ from .libssl import (
 )
 
 KEYLOG_LABELS = {b"CLIENT_TRAFFIC_SECRET_0": "client", b"SERVER_TRAFFIC_SECRET_0": "server"}
+UNEXPECTED_EOF = "unexpected eof while reading"
+"""OpenSSL 3's reason for a close without close_notify (1.1 gave SSL_ERROR_SYSCALL)."""
 REFUSED_KEY = ("decrypt error", "handshake failure", "unknown psk identity", "bad record mac",
                "illegal parameter", "insufficient security")
 """Alerts a target sends when it does not take our PSK (OpenSSL's reason texts)."""
@@ -183,6 +185,10 @@ class Connection:
             raise HandshakeError(f"the TLS handshake failed: {errno.errorcode.get(code, code)}")
         if err == SSL_ERROR_ZERO_RETURN:
             raise HandshakeError("the peer ended TLS during the handshake")
+        if err == SSL_ERROR_SSL and reason == UNEXPECTED_EOF:
+            # OpenSSL 3's word for a close without an alert: what nvmet does when tlshd
+            # refuses a PSK (its handshake fails and the kernel closes the socket)
+            raise HandshakeError("the peer closed the connection during the TLS handshake")
         if err == SSL_ERROR_SSL and reason:
             raise HandshakeError(f"the TLS handshake failed: {reason}")
         raise HandshakeError(f"the TLS handshake failed (OpenSSL error {err})")
@@ -215,8 +221,8 @@ class Connection:
         if err in (SSL_ERROR_WANT_READ, SSL_ERROR_WANT_WRITE):
             return -1
         reason = libssl.last_error()
-        if err in (SSL_ERROR_ZERO_RETURN, SSL_ERROR_SYSCALL) or reason == "unexpected eof " \
-                "while reading":  # a close without close_notify, as the kernel's
+        if err in (SSL_ERROR_ZERO_RETURN, SSL_ERROR_SYSCALL) or reason == UNEXPECTED_EOF:
+            # a close without close_notify, as the kernel's
             return 0
         raise HandshakeError(f"SSL_read failed: {reason}")
 

@@ -120,6 +120,26 @@ def test_a_peer_that_closes():
     conn.close()
 
 
+def test_a_peer_that_reads_the_client_hello_and_closes():
+    """nvmet's way to refuse a PSK (tlshd's handshake fails, the kernel closes the socket,
+    no alert): OpenSSL 3 calls it an unexpected EOF; the line says the peer closed."""
+    a, b = pair()
+    conn = th.client(a.fileno(), IDENTITY, bytes(32), "TLS_AES_128_GCM_SHA256")
+
+    def peer():
+        b.setblocking(True)
+        b.recv(1 << 16)
+        b.close()
+
+    thread = threading.Thread(target=peer)
+    thread.start()
+    with pytest.raises(th.HandshakeError) as info:
+        th.handshake_blocking(conn, a.fileno(), 5)
+    thread.join()
+    assert str(info.value) == "the peer closed the connection during the TLS handshake"
+    conn.close()
+
+
 def test_a_stalled_handshake_is_bounded():
     a, b = pair()
     conn = th.client(a.fileno(), IDENTITY, bytes(32), "TLS_AES_128_GCM_SHA256")
