@@ -50,8 +50,9 @@ def add_parsers(sub: Any) -> None:
 # --- mount-all -------------------------------------------------------------------------
 
 
-DISCOVERY_SECURITY = ("tls", "tls_key", "keyring", "tls_key_identity", "dhchap_secret",
-                      "dhchap_ctrl_secret", "allow_insecure_secret_file", "config")
+DISCOVERY_SECURITY = ("tls", "tls_key", "tls_compat", "keyring", "tls_key_identity",
+                      "dhchap_secret", "dhchap_ctrl_secret", "allow_insecure_secret_file",
+                      "config")
 """mount-all's own options that secure its discovery connections (a discovery controller
 that requires TLS or DH-HMAC-CHAP), as connect-all's do; ``-O`` options go to the mounts."""
 
@@ -67,7 +68,8 @@ def _discovery_records(t: DiscoveryTarget, args: argparse.Namespace | None = Non
                             hostnqn=t.hostnqn, hostid=t.hostid, hdr_digest=False,
                             data_digest=False,
                             **{k: getattr(args, k, None) for k in DISCOVERY_SECURITY})
-    ns.tls, ns.allow_insecure_secret_file = bool(ns.tls), bool(ns.allow_insecure_secret_file)
+    for flag in ("tls", "tls_compat", "allow_insecure_secret_file"):
+        setattr(ns, flag, bool(getattr(ns, flag)))
     port = registry.capabilities(t.transport).discovery_port
     conn = connect_options(ns, nqn=DISCOVERY_NQN, default_port=port)
     return trio.run(discover, conn).to_dict().get("records", [])
@@ -84,7 +86,7 @@ def _common_mount_args(args: argparse.Namespace) -> tuple[list[str], str | None]
     # the transport comes from each record: probe with one that takes every option given
     # (-O tls_key_file= is for NVMe/TCP records only)
     tls_fabric = next(name for name in registry.NAMES if registry.capabilities(name).tls)
-    fabric = ["-t", tls_fabric] if {"--tls", "--tls-key"} & set(common) else []
+    fabric = ["-t", tls_fabric] if set(mountall.TLS_OPTIONS) & set(common) else []
     probe = mount_parser().parse_args(["mount", *fabric, *common, "-a", "192.0.2.1", "-n",
                                        "nqn.2014-08.org.example:probe", "/"])
     connect_options(probe, nqn=probe.nqn, default_port=registry.IO_PORT)  # secret files read

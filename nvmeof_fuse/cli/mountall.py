@@ -160,7 +160,7 @@ def plan(records: Iterable[dict], root: str, mounts: Iterable[tuple[str, str]],
     return out
 
 
-TLS_OPTIONS = ("--tls", "--tls-key", "--keyring", "--tls-key-identity")
+TLS_OPTIONS = ("--tls", "--tls-key", "--tls-compat", "--keyring", "--tls-key-identity")
 """Options that choose TLS and its key for every mount (``-O tls``, ``-O tls_key_file=``...)."""
 
 

@@ -43,6 +43,7 @@ KEYS: dict[str, tuple[str, bool]] = {
     "allow_insecure_secret_file": ("--allow-insecure-secret-file", False),
     "tls": ("--tls", False),
     "tls_key_file": ("--tls-key", True),  # the path of a file: see SECRET_KEYS
+    "tls_compat": ("--tls-compat", False),
     "keyring": ("--keyring", True),
     "config": ("--config", True),
     "tls_key_identity": ("--tls-key-identity", True),

@@ -203,6 +203,7 @@ def connect_options(args: argparse.Namespace, *, nqn: str, default_port: int) ->
         "data_digest": args.data_digest,
         "tls": getattr(args, "tls", False),
         "tls_key": getattr(args, "tls_key", None),
+        "tls_compat": getattr(args, "tls_compat", False),
         "keyring": getattr(args, "keyring", None),
         "tls_key_identity": getattr(args, "tls_key_identity", None),
     }
@@ -320,6 +321,10 @@ def add_connection(p: argparse.ArgumentParser, *, port_help: str,
                        help="NVMe/TCP: the TLS PSK as `nvme gen-tls-key` prints it "
                             "(NVMeTLSkey-1:hh:...:), or better the path of a file (mode 0600) "
                             "holding it; implies --tls"),
+        p.add_argument("--tls-compat", action="store_true",
+                       help="NVMe/TCP: derive --tls-key's PSK the older way, as nvme-cli "
+                            "before 2.16 (libnvme before 1.16, Debian 13's 2.13) loads it "
+                            "for a target (nvme-cli's compat derivation)"),
         p.add_argument("--keyring", metavar="NAME|SERIAL",
                        help="NVMe/TCP: the keyring --tls looks its PSK up in (default .nvme)"),
         p.add_argument("--tls-key-identity", metavar="IDENTITY",

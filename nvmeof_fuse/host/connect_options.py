@@ -82,6 +82,9 @@ class ConnectOptions:
     """The configured PSK (``NVMeTLSkey-1:hh:...:``, as ``nvme gen-tls-key`` prints it) or
     the path of a file holding it, read at each connect as DH-HMAC-CHAP secrets are; it
     implies ``tls``.  Without it, ``tls`` takes the PSK from the kernel keyring."""
+    tls_compat: bool = False
+    """Derive ``tls_key``'s TLS PSK the older way, as libnvme before 1.16 (nvme-cli before
+    2.16) loads it into a target's keyring: nvme-cli's ``--compat``."""
     keyring: str | None = None
     """The keyring ``tls`` looks its PSK up in (a name or a serial; nvme-cli's --keyring):
     ``.nvme`` by default."""
@@ -172,7 +175,8 @@ class ConnectOptions:
         if configured is None:
             return self._keyring_psk(hostnqn)
         try:
-            derived = [tls_psk.derive(configured, hostnqn, self.nqn, version=v)
+            derived = [tls_psk.derive(configured, hostnqn, self.nqn, version=v,
+                                      compat=self.tls_compat)
                        for v in tls_psk.IDENTITY_VERSIONS]
         except ValueError as exc:
             raise InvalidArgument(f"--tls-key: {exc}") from None

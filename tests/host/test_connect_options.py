@@ -188,3 +188,17 @@ def test_a_psk_the_mount_resolved_is_used_as_given():
     opts = options(transport="tcp", tls_psk_given=given)
     opts.validate()
     assert opts.uses_tls and opts.tls_psk(HOSTNQN) is given and "xxx" not in repr(opts)
+
+
+def test_tls_compat_derives_the_psk_as_libnvme_before_1_16():
+    """``--tls-compat``: the PSK nvme-cli before 2.16 loads into a target's keyring for the
+    same key (libnvme's older derivation: our check-tls-key --compat)."""
+    from nvmeof_fuse.nvme import tls_psk
+
+    configured = tls_psk.parse_interchange(TLS_KEY)
+    for compat in (False, True):
+        got = options(transport="tcp", tls_key=TLS_KEY, tls_compat=compat).tls_psk(HOSTNQN)
+        assert got == tls_psk.derive(configured, HOSTNQN, "nqn.2014-08.org.example:t",
+                                     compat=compat)
+    assert (options(transport="tcp", tls_key=TLS_KEY).tls_psk(HOSTNQN).key
+            != options(transport="tcp", tls_key=TLS_KEY, tls_compat=True).tls_psk(HOSTNQN).key)

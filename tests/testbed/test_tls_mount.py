@@ -236,6 +236,22 @@ def test_mount_all_from_the_keyring_refuses_a_record_whose_psk_it_lacks(testbed,
     assert not any(str(root) in line for line in open("/proc/mounts"))
 
 
+def test_tls_compat_offers_the_psk_an_older_nvme_cli_loaded(testbed, tls):
+    """``--tls-key KEY --tls-compat``: the PSK that nvme-cli 2.13 loaded for the same key
+    (libnvme's older derivation) is the one offered, so nvmet's tlshd takes it; without
+    ``--tls-compat`` the same key offers the current derivation's, which it refuses."""
+    args = ["-t", "tcp", "-a", tls.addr, "-s", str(tls.port), "-q", COMPAT_HOSTNQN,
+            "--tls-key", tls.key_file]
+    before = tls.handshakes()
+    page = json.loads(ok("nvmeof-fuse", "discover", *args, "--tls-compat", "-o", "json"))
+    assert any(r.get("subnqn") == testbed.nqn for r in page["records"]), page
+    assert wait_for(lambda: tls.handshakes() > before, 30)
+    out = subprocess.run(["nvmeof-fuse", "discover", *args], capture_output=True, text=True,
+                         timeout=BOUND)
+    assert out.returncode != 0 and out.stderr.count("\n") == 1, out.stderr
+    assert "the peer closed the connection during the TLS handshake" in out.stderr, out.stderr
+
+
 def test_dd_through_the_tls_mount_agrees_with_the_kernel_initiator_over_tls(testbed, tls, mnt,
                                                                            tmp_path):
     """dd O_DIRECT through the mount (records in the kernel, handshakes with tlshd) and the

@@ -34,6 +34,7 @@ def options_from(reply: dict, timeout: float) -> ConnectOptions:
         reconnect_delay=reply["reconnect_delay"], ctrl_loss_tmo=reply["ctrl_loss_tmo"],
         fast_io_fail_tmo=reply["fast_io_fail_tmo"], dhchap_secret=reply.get("dhchap_secret"),
         dhchap_ctrl_secret=reply.get("dhchap_ctrl_secret"), tls_key=reply.get("tls_key"),
+        tls_compat=bool(reply.get("tls_compat", False)),
         tls_psk_given=given_psk(reply.get("tls_psk")))
 
 

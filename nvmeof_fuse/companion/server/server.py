@@ -591,6 +591,7 @@ class CompanionServer:
         tls_key = getattr(opts, "tls_key", None)
         if tls_key:  # the TLS PSK each of the client's connections offers, as the mount's
             found["tls_key"] = SecretSource.of(tls_key, "--tls-key").text(allow)
+            found["tls_compat"] = bool(getattr(opts, "tls_compat", False))
         elif getattr(opts, "uses_tls", False):  # from the mount's keyring, which the client
             psk = opts.tls_psk(hostnqn)           # may not read: the PSK it resolved
             found["tls_psk"] = {"identity": psk.identity, "key": psk.key.hex()}
