@@ -210,18 +210,11 @@ def fuse_column(args: argparse.Namespace, front: Front, key_file: str | None,
         daemons = mount_daemons(mnt)
         target = str(mnt / f"n{args.nsid}")
         for job in jobs(args):
-            name, rw, bs, qd = FIO_SPECS[job.key]
             before = process_cpu(daemons), front.cpu()
-            run = subprocess.run([*fio_command(target, name, rw, bs, qd, args.seconds),
-                                  "--size=128M"], capture_output=True, text=True,
-                                 timeout=args.seconds + 120, check=False)
+            result, error = fio_job(target, job, args, "--size=128M")
             after = process_cpu(daemons), front.cpu()
-            try:
-                result = fio_json(run.stdout)["jobs"][0]
-                if result.get("error"):
-                    raise ValueError(f"fio error {result['error']}")
-            except (ValueError, KeyError, IndexError) as e:
-                out["errors"][job.key] = (run.stderr.strip().splitlines() or [_reason(e)])[-1]
+            if result is None:
+                out["errors"][job.key] = error
                 continue
             out["metrics"][job.key] = fio_job_figure(result, write=job.write,
                                                      mb_per_s=job.size >= (1 << 20))
@@ -292,21 +285,31 @@ def kernel_connected(nvme: str, args: argparse.Namespace, port: int, *extra: str
                            check=False)
 
 
+def fio_job(target: str, job, args: argparse.Namespace, *extra: str
+            ) -> tuple[dict | None, str | None]:
+    """fio's ``job`` on ``target``: its result (fio's job), or None and the line that says
+    why."""
+    name, rw, bs, qd = FIO_SPECS[job.key]
+    run = subprocess.run([*fio_command(target, name, rw, bs, qd, args.seconds), *extra],
+                         capture_output=True, text=True, timeout=args.seconds + 120,
+                         check=False)
+    try:
+        result = fio_json(run.stdout)["jobs"][0]
+        if result.get("error"):
+            raise ValueError(f"fio error {result['error']}")
+    except (ValueError, KeyError, IndexError) as e:
+        return None, (run.stderr.strip().splitlines() or [_reason(e)])[-1]
+    return result, None
+
+
 def kernel_column(args: argparse.Namespace, nvme: str, port: int, *extra: str) -> dict:
     """fio's jobs on the kernel initiator's device, connected to ``port``."""
     out: dict = {"metrics": {}, "errors": {}, "tls": "tlshd (kTLS)" if extra else "off"}
     with kernel_connected(nvme, args, port, *extra) as dev:
         for job in jobs(args):
-            name, rw, bs, qd = FIO_SPECS[job.key]
-            run = subprocess.run(fio_command(dev, name, rw, bs, qd, args.seconds),
-                                 capture_output=True, text=True, timeout=args.seconds + 120,
-                                 check=False)
-            try:
-                result = fio_json(run.stdout)["jobs"][0]
-                if result.get("error"):
-                    raise ValueError(f"fio error {result['error']}")
-            except (ValueError, KeyError, IndexError) as e:
-                out["errors"][job.key] = (run.stderr.strip().splitlines() or [_reason(e)])[-1]
+            result, error = fio_job(dev, job, args)
+            if result is None:
+                out["errors"][job.key] = error
                 continue
             out["metrics"][job.key] = fio_job_figure(result, write=job.write,
                                                      mb_per_s=job.size >= (1 << 20))
