@@ -127,16 +127,16 @@ def _settings(entry: dict, host: dict, where: str) -> PortSettings:
     tls = entry.get("tls")
     if tls is not None and not isinstance(tls, bool):
         raise InvalidArgument(f"{where}: tls is not true or false")
-    checks = (("tls_key", tls_psk.parse_interchange), ("dhchap_key", auth.parse_secret),
-              ("dhchap_ctrl_key", auth.parse_secret))
-    for key, parse in checks:
-        value = text(key) if key != "dhchap_key" else text(key) or text(key, host)
+    secrets = {"tls_key": text("tls_key"),
+               "dhchap_key": text("dhchap_key") or text("dhchap_key", host),
+               "dhchap_ctrl_key": text("dhchap_ctrl_key")}
+    checks = {"tls_key": tls_psk.parse_interchange, "dhchap_key": auth.parse_secret,
+              "dhchap_ctrl_key": auth.parse_secret}
+    for key, value in secrets.items():
         if value is not None:
             try:
-                parse(value)
+                checks[key](value)
             except ValueError as exc:
                 raise InvalidArgument(f"{where}: {key} {exc}") from None
     return PortSettings(tls=tls, keyring=text("keyring"),
-                        tls_key_identity=text("tls_key_identity"), tls_key=text("tls_key"),
-                        dhchap_key=text("dhchap_key") or text("dhchap_key", host),
-                        dhchap_ctrl_key=text("dhchap_ctrl_key"))
+                        tls_key_identity=text("tls_key_identity"), **secrets)

@@ -174,10 +174,10 @@ class ConnectOptions:
         configured = self.configured_psk()
         if configured is None:
             return self._keyring_psk(hostnqn)
-        try:
+        versions = (0,) if self.tls_key_identity is None else tls_psk.IDENTITY_VERSIONS
+        try:  # (only the version asked for: this runs at each connection)
             derived = [tls_psk.derive(configured, hostnqn, self.nqn, version=v,
-                                      compat=self.tls_compat)
-                       for v in tls_psk.IDENTITY_VERSIONS]
+                                      compat=self.tls_compat) for v in versions]
         except ValueError as exc:
             raise InvalidArgument(f"--tls-key: {exc}") from None
         if self.tls_key_identity is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import os
 import platform
 
@@ -46,14 +47,15 @@ def _numbers() -> tuple[int, int]:
                            "here: give the key with --tls-key") from None
 
 
+@functools.cache
 def _libc() -> ctypes.CDLL:
-    return ctypes.CDLL(None, use_errno=True)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    return libc
 
 
 def _call(number: int, *args: object) -> int:
-    syscall = _libc().syscall
-    syscall.restype = ctypes.c_long
-    result = syscall(ctypes.c_long(number), *args)
+    result = _libc().syscall(ctypes.c_long(number), *args)
     if result < 0:
         raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
     return result
