@@ -4,7 +4,8 @@ Mounts the testbed's subsystem over TRANSPORT with ``-c 1 -l 120``, runs fio (ra
 QD16, crc32c verify with verify_backlog) on ``n1`` for SOAK_SECONDS while a companion client
 (``nvmeof_fuse.File`` on ``n2``, an ``nvmeof_fuse.empty`` buffer) re-reads a known pattern in a
 loop, and takes the subsystem off its port once per SOAK_OUTAGES entry (seconds each), spread
-over the run.  Prints what happened and writes it to ``$TESTBED_OUT/soak-TRANSPORT.json``.
+over the run (``none``: no outage).  Prints what happened, and where the CPU went, and writes
+it to ``$TESTBED_OUT/soak-TRANSPORT.json``.
 With SOAK_WORKERS (``"1 2"``), one soak per count in turn on a mount of that many FUSE
 workers (``soak-TRANSPORT-wN.json``), in one boot, and the bytes each moved against the
 first's.
@@ -17,11 +18,14 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "testbed"))
 
 from vm import NVMET_PORTS, sh, target_away, wait_for  # noqa: E402
+
+from nvmeof_fuse.procstat import cpu_seconds, process_tree  # noqa: E402
 
 CHILD = os.path.join(REPO, "tests", "testbed", "companion_child.py")
 MNT = "/tmp/nvmeof-soak"
@@ -49,6 +53,58 @@ def moved(mnt: str, name: str) -> int:
     return sum(op["bytes"] for op in stats(mnt)[name]["ops"].values())
 
 
+MACHINE_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+
+
+def machine_cpu() -> dict[str, float]:
+    """The machine's CPU seconds so far by kind (the first line of ``/proc/stat``)."""
+    with open("/proc/stat") as f:
+        ticks = f.readline().split()[1:1 + len(MACHINE_FIELDS)]
+    tick = os.sysconf("SC_CLK_TCK")
+    return {k: int(t) / tick for k, t in zip(MACHINE_FIELDS, ticks, strict=True)}
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants (0 for those gone)."""
+    total = 0.0
+    for member in process_tree(pid):
+        try:
+            total += cpu_seconds(member)
+        except OSError:
+            pass
+    return total
+
+
+def cpu_snapshot(mnt: str, daemon: int, fio: int, reader: int) -> dict[str, Any]:
+    """Where the CPU went so far: the machine's by kind, the daemon's main process, its FUSE
+    workers, fio and the companion reader, beside the bytes n1 and n2 moved."""
+    workers = process_tree(daemon) - {daemon}
+    return {"at": time.monotonic(), "machine": machine_cpu(),
+            "main": cpu_seconds(daemon), "workers": sum(tree_cpu(w) for w in workers),
+            "fio": cpu_seconds(fio, with_children=True),  # (its job's, also once reaped)
+            "reader": tree_cpu(reader),
+            "n1_bytes": moved(mnt, "n1"), "n2_bytes": moved(mnt, "n2")}
+
+
+def cpu_use(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`cpu_snapshot` saw between two snapshots: seconds, each side's CPU seconds
+    and per MB that n1 moved (fio's), and how busy the machine was."""
+    wall = last["at"] - first["at"]
+    machine = {k: last["machine"][k] - first["machine"][k] for k in MACHINE_FIELDS}
+    total = sum(machine.values())
+    sides = {k: last[k] - first[k] for k in ("main", "workers", "fio", "reader")}
+    busy = total - machine["idle"] - machine["iowait"]
+    sides["rest"] = busy - sum(sides.values())  # kernel threads, softirqs, the target
+    mb = (last["n1_bytes"] - first["n1_bytes"]) / 1e6
+    return {"seconds": round(wall, 1), "n1_mb": round(mb, 1),
+            "n2_mb": round((last["n2_bytes"] - first["n2_bytes"]) / 1e6, 1),
+            "busy": round(busy / max(total, 1e-9), 3),
+            "machine_s": {k: round(v, 1) for k, v in machine.items()},
+            "cpu_s": {k: round(v, 1) for k, v in sides.items()},
+            "cpu_ms_per_n1_mb": {k: round(1e3 * v / max(mb, 1e-9), 2)
+                                 for k, v in sides.items()}}
+
+
 def count(path: str, text: str) -> int:
     with open(path) as f:
         return f.read().count(text)
@@ -60,38 +116,58 @@ def main() -> int:
         print(f"soak: transport must be rdma or tcp, not {transport!r}", file=sys.stderr)
         return 2
     seconds = float(os.environ.get("SOAK_SECONDS") or 240)
-    outages = [float(s) for s in (os.environ.get("SOAK_OUTAGES") or "3 6 9").split()]
+    outages_text = os.environ.get("SOAK_OUTAGES") or "3 6 9"
+    outages = [] if outages_text == "none" else [float(s) for s in outages_text.split()]
     counts = os.environ.get("SOAK_WORKERS", "").split()
     if not all(c.isdigit() and int(c) >= 1 for c in counts):
         print(f"soak: SOAK_WORKERS is worker counts (1 or more), not {counts!r}",
               file=sys.stderr)
         return 2
     results = []
+    runs: dict[int, int] = {}
     for workers in [int(c) for c in counts] or [0]:  # (0: as before, no --workers)
-        ok, result = soak(transport, seconds, outages, workers)
+        runs[workers] = runs.get(workers, 0) + 1
+        ok, result = soak(transport, seconds, outages, workers, runs[workers])
         results.append((ok, result))
     if len(results) > 1:
-        base = results[0][1]
-        for _, result in results[1:]:
-            ratio = moved_bytes(result) / max(1, moved_bytes(base))
-            print(f"{result['workers']} workers moved {ratio:.2f}x the bytes of "
-                  f"{base['workers']} ({moved_bytes(result) / 1e6:,.0f} MB against "
-                  f"{moved_bytes(base) / 1e6:,.0f} MB, fio's reads and writes)")
+        compare([result for _, result in results])
     return 0 if all(ok for ok, _ in results) else 1
+
+
+def compare(results: list[dict]) -> None:
+    """Each count of workers' bytes against the first count's, summed over its soaks (with
+    the counts alternating, ``1 2 2 1``, a boot that slows as it runs weighs on each
+    alike), and each soak's CPU per MB of n1 by side."""
+    order = " ".join(str(r["workers"]) for r in results)
+    by_count: dict[int, list[dict]] = {}
+    for result in results:
+        by_count.setdefault(result["workers"], []).append(result)
+    (first, base), *others = by_count.items()
+    base_bytes = sum(moved_bytes(r) for r in base)
+    for count, runs in others:
+        mb = sum(moved_bytes(r) for r in runs)
+        print(f"{count} workers moved {mb / max(1, base_bytes):.2f}x the bytes of {first} "
+              f"({mb / 1e6:,.0f} MB against {base_bytes / 1e6:,.0f} MB, fio's reads and "
+              f"writes; {len(runs)} and {len(base)} soaks, in the order {order})")
+    for result in results:
+        if result["cpu"]:
+            print(f"  {result['workers']} workers, CPU ms per MB of n1: " + ", ".join(
+                f"{k} {v:g}" for k, v in result["cpu"]["cpu_ms_per_n1_mb"].items()))
 
 
 def moved_bytes(result: dict) -> int:
     return result["fio"].get("read_bytes", 0) + result["fio"].get("written_bytes", 0)
 
 
-def soak(transport: str, seconds: float, outages: list[float], workers: int
+def soak(transport: str, seconds: float, outages: list[float], workers: int, run: int = 1
          ) -> tuple[bool, dict]:
-    """One soak on a mount of ``workers`` FUSE workers (0: no ``--workers``): whether it
-    passed, and what happened (also written to the output folder)."""
+    """One soak on a mount of ``workers`` FUSE workers (0: no ``--workers``), the ``run``-th
+    with that count: whether it passed, and what happened (also written to the output
+    folder)."""
     out_dir = os.environ["TESTBED_OUT"]
     nqn, port = os.environ["TESTBED_NQN"], os.environ["TESTBED_PORT"]
     addr = os.environ["TESTBED_RDMA_ADDR" if transport == "rdma" else "TESTBED_TCP_ADDR"]
-    name = f"{transport}-w{workers}" if workers else transport
+    name = (f"{transport}-w{workers}" if workers else transport) + (f"-{run}" if run > 1 else "")
     log = os.path.join(out_dir, f"soak-{name}-daemon.log")
     stop = f"/tmp/soak-{name}.stop"
     os.makedirs(MNT, exist_ok=True)
@@ -126,6 +202,10 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int
                "rss_kib": rss_kib(daemon), "note": note}
         timeline.append(row)
         print("  " + " ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
+        if fio.poll() is None:  # (once fio is done, its CPU is no longer seen)
+            cpu.append(cpu_snapshot(MNT, daemon, fio.pid, reader.pid))
+
+    cpu: list[dict[str, Any]] = []  # the first taken once warmed up, the last while fio ran
 
     try:
         # WARM_UP s of load, from fio's first bytes: under TCG, fio and the client may take
@@ -133,6 +213,7 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int
         wait_for(lambda: moved(MNT, "n1") > 0, 120)
         time.sleep(WARM_UP)
         rss_before = rss_kib(daemon)
+        cpu.clear()
         sample("warmed up")
         # outages spread over the run, the last one ending well before fio does
         gap = (seconds - WARM_UP - 30) / max(1, len(outages))
@@ -161,6 +242,8 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int
         if fio.poll() is None:
             fio.kill()
     final = stats(MNT)
+    serving = [{k: v for k, v in process.items() if k != "namespaces"}
+               for process in final.get("workers", [])] or [final.get("serving", {})]
     rss_after = rss_kib(daemon)
     subprocess.run(["fusermount3", "-u", MNT], capture_output=True, timeout=120)
     with open(reader_out) as f:
@@ -193,6 +276,8 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int
                    "rss_kib_after": rss_after,
                    "rss_change": round(rss_after / rss_before - 1, 3),
                    "log_tracebacks": count(log, "Traceback")},
+        "cpu": cpu_use(cpu[0], cpu[-1]) if len(cpu) > 1 else None,
+        "serving": serving,  # each serving process's counts (with workers)
         "timeline": timeline,
     }
     with open(os.path.join(out_dir, f"soak-{name}.json"), "w") as f:
@@ -216,6 +301,11 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int
           f"MiB after ({d['rss_change']:+.1%}; {d['rss_kib_mounted'] / 1024:.1f} MiB "
           f"once mounted, {d['rss_kib_peak'] / 1024:.1f} MiB at most during), "
           f"{d['log_tracebacks']} tracebacks in its log")
+    if result["cpu"]:
+        use = result["cpu"]
+        print(f"  CPU over {use['seconds']:g} s ({use['n1_mb']:,.0f} MB on n1, machine "
+              f"{use['busy']:.0%} busy), ms per MB of n1: " + ", ".join(
+                  f"{k} {v:g}" for k, v in use["cpu_ms_per_n1_mb"].items()))
     ok = (fio_result["exit"] == 0 and fio_result["error"] == 0
           and fio_result.get("total_err", 0) == 0 and not c["errors"] and not c["mismatches"]
           and d["losses"] == d["reconnects"] == len(outages)
