@@ -113,6 +113,9 @@ class AttachedController(Controller):
         self.polled_queues: list = []
         """Queues handed to callers' threads (:mod:`nvmeof_fuse.transport.rdma.polled`):
         not in ``io_queues``; replaced (never changed) on each reconnect."""
+        self.on_live_again: Callable[[Lease], None] | None = None
+        """Told, on the loop, of the lease our queues serve on each time a reconnect made
+        them live again (a multipath mount's lease may have moved them to another path)."""
 
     async def start(self) -> None:
         self._change_state(CONNECTING)
@@ -248,6 +251,8 @@ class AttachedController(Controller):
                 continue
             if not self._change_state(LIVE):
                 return  # closed meanwhile
+            if self.on_live_again is not None:
+                self.on_live_again(lease)
             self._failing_io = ""
             self.reconnects += 1
             limited.log("connected again", logging.INFO, "leased queues %s connected again to "

@@ -80,9 +80,10 @@ class DirectQueues:
         self._timeout = timeout
         self._wish = dict(wish or {})  # where our memory is, or a path: asked each lease
         self.path: str = path_words(reply.get("path"))
-        """Which path our queues are on, its device and how near our memory (a multipath
+        """Which path our queues serve on, its device and how near our memory (a multipath
         mount's), or empty."""
-        self.on_path: Any = None  # called with :attr:`path` when a new lease changed it
+        self._leased_path = self.path  # the last lease's: :attr:`path` once they serve there
+        self.on_path: Any = None  # called with :attr:`path` when our queues serve elsewhere
         self._first: Lease | None = lease_from(reply)
         self.qids: tuple[int, ...] = self._first.qids
         self._nsids = [shape.nsid for shape in self._first.namespaces]  # asked for again
@@ -151,6 +152,7 @@ class DirectQueues:
         self._transport = make_transport(options)
         async with attach(options, self._lease, self._transport, polled=POLLED_QUEUES) as ctrl:
             self._ctrl = self.polled.ctrl = ctrl
+            ctrl.on_live_again = self._serving_again
             # a namespace replaced (told before our queues are connected again): no polled
             # read goes to it; the loop's path refuses it
             ctrl.events.replaced_listeners.append(
@@ -224,12 +226,17 @@ class DirectQueues:
             return lease
         reply = await self._ask("lease", self.renew_timeout, want=len(self.qids),
                                 nsids=self._nsids, **self._wish)
-        path = path_words(reply.get("path"))
-        if path != self.path:
-            self.path = path
-            if self.on_path is not None:
-                self.on_path(path)
+        self._leased_path = path_words(reply.get("path"))
         return lease_from(reply)
+
+    def _serving_again(self, lease: Lease) -> None:
+        """Our queues serve again (on the loop): on the path of the lease they connected on,
+        which :attr:`path` names from now on.  Not before: until they connect there, reads
+        go through the daemon, and the bytes they move would not be that path's."""
+        if self._leased_path != self.path:
+            self.path = self._leased_path
+            if self.on_path is not None:
+                self.on_path(self.path)
 
     async def _report_now_and_then(self) -> None:
         """Report our byte counts each second when they changed; while we hold delegations,

@@ -664,6 +664,45 @@ def test_stats_count_the_bytes_of_the_clients_own_queues_by_path(near_served, cu
         assert stats["sessions"][0]["client_queue_read_bytes"] == 4096 + 8192
 
 
+def test_placement_names_the_new_path_once_the_queues_serve_there(near_served, cuda,
+                                                                   monkeypatch):
+    """While the queues connect on the nearer path, reads go through the daemon: placement
+    names the new path only once they serve there, so its bytes count on that path."""
+    ctrl, fabric, server, mnt = near_served
+    connecting, let_go = threading.Event(), threading.Event()
+    connect_queue, calls = fabric.connect_queue, []
+
+    async def held_on_reconnect(*args, **kwargs):
+        calls.append(args)
+        if len(calls) > len(OWN):  # leased on the new path: connecting there
+            connecting.set()
+            with trio.fail_after(30):
+                while not let_go.is_set():
+                    await trio.sleep(0.01)
+        return await connect_queue(*args, **kwargs)
+
+    monkeypatch.setattr(fabric, "connect_queue", held_on_reconnect)
+    out = np.zeros(8192, dtype=np.uint8)
+    with File(str(mnt / "n1"), near=0) as f:
+
+        def nearer_back() -> None:
+            ctrl.index, ctrl.back = 0, SimpleNamespace(name="path 0 (rdma 10.0.0.1:4420)")
+            ctrl.changed.set()
+
+        trio.from_thread.run_sync(nearer_back, trio_token=server.trio_token)
+        assert connecting.wait(30)
+        assert f.placement["path"].startswith("direct via path 1 ")  # not serving on 0 yet
+        assert f.read(out) == 8192  # through the daemon meanwhile
+        let_go.set()
+        assert wait_for(lambda: f.placement["path"].startswith("direct via path 0 "))
+        assert f.read(out) == 8192
+        stats = f.stats()
+    assert stats["client_queue_bytes_by_path"] == {
+        "0": {"client_queue_read_bytes": 8192, "client_queue_write_bytes": 0}}
+    assert stats["staged_read_bytes"] == 8192
+    assert bytes(out) == bytes(ctrl.disks[1][:8192])
+
+
 @pytest.mark.parametrize("options, message", [
     ({"near": "gpu0"}, "near='gpu0' is not a place"),
     ({"near": 9}, r"near=9: no CUDA device 9 \(cuDeviceGet failed"),
