@@ -224,8 +224,9 @@ class DirectQueues:
         if self._first is not None:
             lease, self._first = self._first, None
             return lease
+        # our counts so far go with it: the daemon counts what it hears next on the new path
         reply = await self._ask("lease", self.renew_timeout, want=len(self.qids),
-                                nsids=self._nsids, **self._wish)
+                                nsids=self._nsids, moved=self.moved(), **self._wish)
         self._leased_path = path_words(reply.get("path"))
         return lease_from(reply)
 

@@ -320,7 +320,8 @@ class CompanionServer:
         if op == "unregister":
             session.unregister(f(header, "region"))
             return {}
-        if op == "lease":
+        if op == "lease":  # a lease again first counts the bytes moved on the last one's path
+            session.report(header.get("moved") or {})
             return await self.lease(session, f(header, "want"), role=self._claimed(header),
                                     nsids=protocol.nsids_field(header), **lease_wish(header))
         if op in self._role_requests:  # one only a role's sessions send

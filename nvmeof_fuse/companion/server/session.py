@@ -72,8 +72,8 @@ class CompanionStats:
     """The sessions of each role (:mod:`.roles`): its counter now and ``_total`` ever."""
     by_path: dict[int, dict[str, int]] = field(default_factory=dict)
     """Bytes over the clients' own queues by the path (its index) they were leased on, on a
-    multipath mount: counted as the clients report them (each second), on the path leased
-    then."""
+    multipath mount: counted as the clients report them (each second, and with a lease
+    request, before it moves them to another path), on the path leased then."""
 
     def snapshot(self) -> dict[str, Any]:
         """The counters, each role's right after the clients'; on a multipath mount the

@@ -703,6 +703,29 @@ def test_placement_names_the_new_path_once_the_queues_serve_there(near_served, c
     assert bytes(out) == bytes(ctrl.disks[1][:8192])
 
 
+def test_bytes_not_yet_reported_when_the_queues_move_count_on_the_path_they_moved_on(
+        near_served, cuda, monkeypatch):
+    """The client reports its counts each second: those of its last second on the old
+    path go with its next lease request, before the daemon counts on the new one."""
+    ctrl, fabric, server, mnt = near_served
+    monkeypatch.setattr(direct, "REPORT_INTERVAL", 3600.0)  # no report but the lease's
+    out = np.zeros(4096, dtype=np.uint8)
+    with File(str(mnt / "n1"), near=0) as f:
+        assert f.read(out) == 4096  # on path 1, not reported yet
+
+        def nearer_back() -> None:
+            ctrl.index, ctrl.back = 0, SimpleNamespace(name="path 0 (rdma 10.0.0.1:4420)")
+            ctrl.changed.set()
+
+        trio.from_thread.run_sync(nearer_back, trio_token=server.trio_token)
+        assert wait_for(lambda: f.placement["path"].startswith("direct via path 0 "))
+        assert f.read(out, 2048) == 2048
+        stats = f.stats()
+    assert stats["client_queue_bytes_by_path"] == {
+        "0": {"client_queue_read_bytes": 2048, "client_queue_write_bytes": 0},
+        "1": {"client_queue_read_bytes": 4096, "client_queue_write_bytes": 0}}
+
+
 @pytest.mark.parametrize("options, message", [
     ({"near": "gpu0"}, "near='gpu0' is not a place"),
     ({"near": 9}, r"near=9: no CUDA device 9 \(cuDeviceGet failed"),
@@ -733,6 +756,17 @@ def test_a_malformed_place_from_a_client_is_one_line(near_served, memory, why):
             ch.call("lease", want=1, memory=memory)
         assert "\n" not in str(caught.value) and len(str(caught.value)) < 200
         assert ch.call("lease", want=1, memory={"numa_node": 1})["path"]["index"] == 1
+    finally:
+        ch.close()
+
+
+def test_a_lease_with_malformed_counts_is_one_line(near_served):
+    ctrl, fabric, server, mnt = near_served
+    ch = SocketChannel("\0" + server.info()["socket"][1:], 10)
+    try:
+        with pytest.raises(CompanionError, match=r"^companion field 'moved' must be an "
+                                                 r"object, got 'x'$"):
+            ch.call("lease", want=1, moved="x")
     finally:
         ch.close()
 
