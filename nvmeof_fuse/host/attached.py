@@ -113,9 +113,10 @@ class AttachedController(Controller):
         self.polled_queues: list = []
         """Queues handed to callers' threads (:mod:`nvmeof_fuse.transport.rdma.polled`):
         not in ``io_queues``; replaced (never changed) on each reconnect."""
-        self.on_live_again: Callable[[Lease], None] | None = None
-        """Told, on the loop, of the lease our queues serve on each time a reconnect made
-        them live again (a multipath mount's lease may have moved them to another path)."""
+        self.on_serving: Callable[[Lease | None], None] | None = None
+        """Told, on the loop, when our queues stop serving (None: a reconnect begins), and
+        of the lease they serve on each time a reconnect made them live again (a multipath
+        mount's lease may have moved them to another path)."""
 
     async def start(self) -> None:
         self._change_state(CONNECTING)
@@ -228,6 +229,8 @@ class AttachedController(Controller):
     async def _reconnect(self, reason: str) -> None:
         """Renew the lease (waits for the owner's reconnect), then connect the queues again."""
         opts = self.options
+        if self.on_serving is not None:
+            self.on_serving(None)
         await self._drop_queues()
         attempts = reconnect_attempts(opts.ctrl_loss_tmo, opts.reconnect_delay)
         tried = 0
@@ -251,8 +254,8 @@ class AttachedController(Controller):
                 continue
             if not self._change_state(LIVE):
                 return  # closed meanwhile
-            if self.on_live_again is not None:
-                self.on_live_again(lease)
+            if self.on_serving is not None:
+                self.on_serving(lease)
             self._failing_io = ""
             self.reconnects += 1
             limited.log("connected again", logging.INFO, "leased queues %s connected again to "

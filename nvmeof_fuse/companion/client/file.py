@@ -304,7 +304,8 @@ class File:
         return {"shared": shared, "host": host, "cuda": cuda, **path}
 
     def _moved_path(self, path: str) -> None:
-        """Our queues' lease moved to another path (a loss, or a nearer one back)."""
+        """Our queues stopped serving to reconnect, or serve on a path again (a loss, or a
+        nearer one back)."""
         log.info("nvmeof_fuse: %s: queues now %s", self.path, path)
         self._place("path", path)
 
@@ -314,7 +315,7 @@ class File:
         ``host``: other host memory, ``cuda``), whether data is placed directly, and if
         not, why: one line each; on a multipath mount, ``path``: which path this file's
         own queues are on, its device and how near the memory is (``direct via path 1
-        (mlx5_1, PIX to GPU 0000:9a:00.0)``)."""
+        (mlx5_1, PIX to GPU 0000:9a:00.0)``), or that they reconnect meanwhile."""
         return dict(self._placement)
 
     def _place(self, kind: str, how: str, warning: str = "") -> None:

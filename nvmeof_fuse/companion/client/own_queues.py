@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 limited = RateLimitedLog(log)
 
 REPORT_INTERVAL = 1.0  # s between reports of this client's byte counts to the daemon
+RECONNECTING = "through the mount daemon while this file's queues reconnect"
+"""What :attr:`DirectQueues.path` says between a loss of our queues and their return."""
 __all__ = ["POLLED_MAX_BYTES", "POLLED_QUEUES", "DirectQueues", "PolledRead", "lease_from",
            "open_direct", "options_from"]
 
@@ -152,7 +154,7 @@ class DirectQueues:
         self._transport = make_transport(options)
         async with attach(options, self._lease, self._transport, polled=POLLED_QUEUES) as ctrl:
             self._ctrl = self.polled.ctrl = ctrl
-            ctrl.on_live_again = self._serving_again
+            ctrl.on_serving = self._serving
             # a namespace replaced (told before our queues are connected again): no polled
             # read goes to it; the loop's path refuses it
             ctrl.events.replaced_listeners.append(
@@ -230,14 +232,17 @@ class DirectQueues:
         self._leased_path = path_words(reply.get("path"))
         return lease_from(reply)
 
-    def _serving_again(self, lease: Lease) -> None:
-        """Our queues serve again (on the loop): on the path of the lease they connected on,
-        which :attr:`path` names from now on.  Not before: until they connect there, reads
-        go through the daemon, and the bytes they move would not be that path's."""
-        if self._leased_path != self.path:
-            self.path = self._leased_path
+    def _serving(self, lease: Lease | None) -> None:
+        """Our queues stopped serving (``lease`` None: they reconnect, and reads go through
+        the daemon meanwhile), or serve again, on the path of the lease they connected on,
+        which :attr:`path` names from then on (on the loop).  Not before: until they connect
+        there, the bytes they move would not be that path's.  Only a multipath mount names
+        paths."""
+        path = (RECONNECTING if self.path else "") if lease is None else self._leased_path
+        if path != self.path:
+            self.path = path
             if self.on_path is not None:
-                self.on_path(self.path)
+                self.on_path(path)
 
     async def _report_now_and_then(self) -> None:
         """Report our byte counts each second when they changed; while we hold delegations,

@@ -691,7 +691,7 @@ def test_placement_names_the_new_path_once_the_queues_serve_there(near_served, c
 
         trio.from_thread.run_sync(nearer_back, trio_token=server.trio_token)
         assert connecting.wait(30)
-        assert f.placement["path"].startswith("direct via path 1 ")  # not serving on 0 yet
+        assert f.placement["path"] == direct.RECONNECTING  # not serving on 0 yet
         assert f.read(out) == 8192  # through the daemon meanwhile
         let_go.set()
         assert wait_for(lambda: f.placement["path"].startswith("direct via path 0 "))
