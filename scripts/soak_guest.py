@@ -1,11 +1,11 @@
 """The reliability soak, inside the testbed VM (run by ``scripts/soak``; see there).
 
 Mounts the testbed's subsystem over TRANSPORT with ``-c 1 -l 120``, runs fio (randrw, 4k-256k,
-QD16, crc32c verify with verify_backlog) on ``n1`` for SOAK_SECONDS while a companion client
-(``nvmeof_fuse.File`` on ``n2``, an ``nvmeof_fuse.empty`` buffer) re-reads a known pattern in a
-loop, and takes the subsystem off its port once per SOAK_OUTAGES entry (seconds each), spread
-over the run (``none``: no outage).  Prints what happened, and where the CPU went, and writes
-it to ``$TESTBED_OUT/soak-TRANSPORT.json``.
+QD16, crc32c verify with verify_backlog and serialize_overlap) on ``n1`` for SOAK_SECONDS while a
+companion client (``nvmeof_fuse.File`` on ``n2``, an ``nvmeof_fuse.empty`` buffer) re-reads a
+known pattern in a loop, and takes the subsystem off its port once per SOAK_OUTAGES entry
+(seconds each), spread over the run (``none``: no outage).  Prints what happened, and where the
+CPU went, and writes it to ``$TESTBED_OUT/soak-TRANSPORT.json``.
 With SOAK_WORKERS (``"1 2"``), one soak per count in turn on a mount of that many FUSE
 workers (``soak-TRANSPORT-wN.json``), in one boot, and the bytes each moved against the
 first's.
@@ -190,16 +190,24 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int, run
          "--iodepth=16", "--ioengine=libaio", "--direct=1", "--size=64M", "--time_based",
          f"--runtime={seconds:.0f}", "--verify=crc32c", "--verify_backlog=64",
          "--verify_fatal=1", "--continue_on_error=io", "--output-format=json",
+         # writes in flight at once on the same LBAs (past a wrap of the file) land in
+         # either order with FUSE workers, as with any server of two threads: fio's verify
+         # then needs them one after the other
+         "--serialize_overlap=1",
          f"--output={fio_out}"], stderr=subprocess.PIPE, text=True)
     started = time.monotonic()
     timeline = []
 
     def sample(note: str = "") -> None:
-        conn = stats(MNT)["connection"]
+        doc = stats(MNT)
+        conn = doc["connection"]
+        n1 = sum(op["bytes"] for op in doc["n1"]["ops"].values())
         row = {"t": round(time.monotonic() - started), "state": conn["state"],
                "losses": conn["losses"], "reconnects": conn["reconnects"],
                **{k: v for k, v in conn.items() if k.startswith("bounce_")},
-               "rss_kib": rss_kib(daemon), "note": note}
+               "rss_kib": rss_kib(daemon), "n1_mb": round(n1 / 1e6),
+               "forwarded": sum(w.get("forwarded", 0) for w in doc.get("workers", [])),
+               "note": note}
         timeline.append(row)
         print("  " + " ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
         if fio.poll() is None:  # (once fio is done, its CPU is no longer seen)

@@ -372,7 +372,10 @@ def ride_out_an_rdma_outage(mp, testbed, tmp_path, name: str) -> float:
                      f"--filename={mnt}/n1", "--rw=randwrite",
                      "--bssplit=4k/50:64k/50", "--iodepth=8", "--size=16M", "--rate=2m",
                      "--time_based", f"--runtime={OUTAGE + 8}", "--verify=crc32c",
-                     "--verify_backlog=64", "--verify_fatal=1")
+                     # past a wrap two writes in flight may overlap, and land in either
+                     # order (two paths; NVMe orders no two commands): verify needs them
+                     # one by one
+                     "--verify_backlog=64", "--verify_fatal=1", "--serialize_overlap=1")
         start = written(mnt, "n1")
         assert wait_for(lambda: written(mnt, "n1") > start + (1 << 20), 120), "fio wrote nothing"
         before = ios(mnt)
@@ -409,7 +412,7 @@ def test_io_leaves_a_path_whose_ana_group_goes_inaccessible_and_comes_back(mp):
     writer = fio("--name=ana", f"--filename={mnt}/n1", "--rw=randwrite",
                  "--bssplit=4k/50:64k/50", "--iodepth=8", "--size=16M", "--rate=2m",
                  "--time_based", "--runtime=14", "--verify=crc32c", "--verify_backlog=64",
-                 "--verify_fatal=1")
+                 "--verify_fatal=1", "--serialize_overlap=1")
     start = written(mnt, "n1")
     assert wait_for(lambda: written(mnt, "n1") > start + (1 << 20), 120), "fio wrote nothing"
     with ana(RDMA_PORT, "inaccessible"):
@@ -562,7 +565,7 @@ def test_with_two_workers_fio_verify_rides_out_the_rdma_port_going_away(testbed,
                      "--bssplit=4k/50:64k/50", "--iodepth=8", "--size=8M", "--numjobs=2",
                      "--offset_increment=8M", "--rate=1m", "--time_based",
                      f"--runtime={OUTAGE + 8}", "--verify=crc32c", "--verify_backlog=64",
-                     "--verify_fatal=1", "--group_reporting")
+                     "--verify_fatal=1", "--group_reporting", "--serialize_overlap=1")
         start = written(mnt, "n1")
         assert wait_for(lambda: written(mnt, "n1") > start + (1 << 20), 120), "fio wrote nothing"
         with target_away(testbed.nqn, RDMA_PORT):
