@@ -6,9 +6,9 @@ companion client (``nvmeof_fuse.File`` on ``n2``, an ``nvmeof_fuse.empty`` buffe
 known pattern in a loop, and takes the subsystem off its port once per SOAK_OUTAGES entry
 (seconds each), spread over the run (``none``: no outage).  Prints what happened, and where the
 CPU went, and writes it to ``$TESTBED_OUT/soak-TRANSPORT.json``.
-With SOAK_WORKERS (``"1 2"``), one soak per count in turn on a mount of that many FUSE
-workers (``soak-TRANSPORT-wN.json``), in one boot, and the bytes each moved against the
-first's.
+With SOAK_WORKERS (``"1 2 2 1"``), one soak per count in turn on a mount of that many FUSE
+workers (``soak-TRANSPORT-wN.json``, ``-wN-2.json`` for a count's second), in one boot, and
+the bytes each count moved, summed over its soaks, against the first count's.
 """
 
 from __future__ import annotations
@@ -48,9 +48,10 @@ def stats(mnt: str) -> dict:
         return json.load(f)
 
 
-def moved(mnt: str, name: str) -> int:
-    """Bytes read and written on namespace ``name`` so far."""
-    return sum(op["bytes"] for op in stats(mnt)[name]["ops"].values())
+def moved(mnt: str, name: str, doc: dict | None = None) -> int:
+    """Bytes read and written on namespace ``name`` so far (in ``doc``, a ``stats.json``
+    already read)."""
+    return sum(op["bytes"] for op in (doc or stats(mnt))[name]["ops"].values())
 
 
 MACHINE_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
@@ -191,7 +192,7 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int, run
          f"--runtime={seconds:.0f}", "--verify=crc32c", "--verify_backlog=64",
          "--verify_fatal=1", "--continue_on_error=io", "--output-format=json",
          # writes in flight at once on the same LBAs (past a wrap of the file) land in
-         # either order with FUSE workers, as with any server of two threads: fio's verify
+         # either order (NVMe orders no two commands; so do two FUSE workers): fio's verify
          # then needs them one after the other
          "--serialize_overlap=1",
          f"--output={fio_out}"], stderr=subprocess.PIPE, text=True)
@@ -201,11 +202,10 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int, run
     def sample(note: str = "") -> None:
         doc = stats(MNT)
         conn = doc["connection"]
-        n1 = sum(op["bytes"] for op in doc["n1"]["ops"].values())
         row = {"t": round(time.monotonic() - started), "state": conn["state"],
                "losses": conn["losses"], "reconnects": conn["reconnects"],
                **{k: v for k, v in conn.items() if k.startswith("bounce_")},
-               "rss_kib": rss_kib(daemon), "n1_mb": round(n1 / 1e6),
+               "rss_kib": rss_kib(daemon), "n1_mb": round(moved(MNT, "n1", doc) / 1e6),
                "forwarded": sum(w.get("forwarded", 0) for w in doc.get("workers", [])),
                "note": note}
         timeline.append(row)
