@@ -62,3 +62,27 @@ def cpu_seconds(pid: int, with_children: bool = False) -> float:
                 continue
             ticks += int(child_fields[_UTIME]) + int(child_fields[_STIME])
     return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def processes_cpu(pids: set[int]) -> float:
+    """User and system CPU seconds of the processes ``pids`` together (those gone meanwhile
+    count nothing)."""
+    total = 0.0
+    for pid in pids:
+        try:
+            total += cpu_seconds(pid)
+        except OSError:  # gone meanwhile
+            continue
+    return total
+
+
+MACHINE_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
+"""The kinds of CPU time in ``/proc/stat``'s first line, in its order (proc(5))."""
+
+
+def machine_cpu() -> dict[str, float]:
+    """The whole machine's CPU seconds since boot by kind (:data:`MACHINE_FIELDS`)."""
+    with open("/proc/stat") as f:
+        ticks = f.readline().split()[1:1 + len(MACHINE_FIELDS)]
+    hz = os.sysconf("SC_CLK_TCK")
+    return {kind: int(t) / hz for kind, t in zip(MACHINE_FIELDS, ticks, strict=True)}

@@ -25,7 +25,13 @@ sys.path.insert(0, os.path.join(REPO, "tests", "testbed"))
 
 from vm import NVMET_PORTS, sh, target_away, wait_for  # noqa: E402
 
-from nvmeof_fuse.procstat import cpu_seconds, process_tree  # noqa: E402
+from nvmeof_fuse.procstat import (  # noqa: E402
+    MACHINE_FIELDS,
+    cpu_seconds,
+    machine_cpu,
+    process_tree,
+    processes_cpu,
+)
 
 CHILD = os.path.join(REPO, "tests", "testbed", "companion_child.py")
 MNT = "/tmp/nvmeof-soak"
@@ -54,37 +60,16 @@ def moved(mnt: str, name: str, doc: dict | None = None) -> int:
     return sum(op["bytes"] for op in (doc or stats(mnt))[name]["ops"].values())
 
 
-MACHINE_FIELDS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")
-
-
-def machine_cpu() -> dict[str, float]:
-    """The machine's CPU seconds so far by kind (the first line of ``/proc/stat``)."""
-    with open("/proc/stat") as f:
-        ticks = f.readline().split()[1:1 + len(MACHINE_FIELDS)]
-    tick = os.sysconf("SC_CLK_TCK")
-    return {k: int(t) / tick for k, t in zip(MACHINE_FIELDS, ticks, strict=True)}
-
-
-def tree_cpu(pid: int) -> float:
-    """CPU seconds of ``pid`` and its live descendants (0 for those gone)."""
-    total = 0.0
-    for member in process_tree(pid):
-        try:
-            total += cpu_seconds(member)
-        except OSError:
-            pass
-    return total
-
-
-def cpu_snapshot(mnt: str, daemon: int, fio: int, reader: int) -> dict[str, Any]:
+def cpu_snapshot(doc: dict, daemon: int, fio: int, reader: int) -> dict[str, Any]:
     """Where the CPU went so far: the machine's by kind, the daemon's main process, its FUSE
-    workers, fio and the companion reader, beside the bytes n1 and n2 moved."""
-    workers = process_tree(daemon) - {daemon}
+    workers, fio and the companion reader, beside the bytes n1 and n2 moved (``doc``: the
+    mount's ``stats.json`` just read)."""
     return {"at": time.monotonic(), "machine": machine_cpu(),
-            "main": cpu_seconds(daemon), "workers": sum(tree_cpu(w) for w in workers),
+            "main": cpu_seconds(daemon),
+            "workers": processes_cpu(process_tree(daemon) - {daemon}),
             "fio": cpu_seconds(fio, with_children=True),  # (its job's, also once reaped)
-            "reader": tree_cpu(reader),
-            "n1_bytes": moved(mnt, "n1"), "n2_bytes": moved(mnt, "n2")}
+            "reader": processes_cpu(process_tree(reader)),
+            "n1_bytes": moved(MNT, "n1", doc), "n2_bytes": moved(MNT, "n2", doc)}
 
 
 def cpu_use(first: dict[str, Any], last: dict[str, Any]) -> dict[str, Any]:
@@ -192,12 +177,13 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int, run
          f"--runtime={seconds:.0f}", "--verify=crc32c", "--verify_backlog=64",
          "--verify_fatal=1", "--continue_on_error=io", "--output-format=json",
          # writes in flight at once on the same LBAs (past a wrap of the file) land in
-         # either order (NVMe orders no two commands; so do two FUSE workers): fio's verify
+         # either order (NVMe orders no two commands, nor do two FUSE workers): fio's verify
          # then needs them one after the other
          "--serialize_overlap=1",
          f"--output={fio_out}"], stderr=subprocess.PIPE, text=True)
     started = time.monotonic()
     timeline = []
+    cpu: list[dict[str, Any]] = []  # the first taken once warmed up, the last while fio ran
 
     def sample(note: str = "") -> None:
         doc = stats(MNT)
@@ -211,9 +197,7 @@ def soak(transport: str, seconds: float, outages: list[float], workers: int, run
         timeline.append(row)
         print("  " + " ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
         if fio.poll() is None:  # (once fio is done, its CPU is no longer seen)
-            cpu.append(cpu_snapshot(MNT, daemon, fio.pid, reader.pid))
-
-    cpu: list[dict[str, Any]] = []  # the first taken once warmed up, the last while fio ran
+            cpu.append(cpu_snapshot(doc, daemon, fio.pid, reader.pid))
 
     try:
         # WARM_UP s of load, from fio's first bytes: under TCG, fio and the client may take

@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from nvmeof_fuse.procstat import cpu_seconds, process_tree
+from nvmeof_fuse.procstat import machine_cpu, process_tree, processes_cpu
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH = ROOT / "scripts" / "benches" / "bench.py"
@@ -64,23 +64,11 @@ READS = ("randread", "read")
 """The jobs loadgen runs (it only reads): the others run with fio only."""
 
 
-def _cpu_seconds(pids: set[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            total += cpu_seconds(pid)
-        except OSError:  # gone meanwhile
-            continue
-    return total
-
-
 def _host_busy() -> tuple[float, float]:
     """(busy, all) CPU seconds of the whole host since boot, from /proc/stat."""
-    with open("/proc/stat") as f:
-        ticks = [int(v) for v in f.readline().split()[1:]]
-    idle = ticks[3] + ticks[4]  # idle, iowait
-    hz = os.sysconf("SC_CLK_TCK")
-    return (sum(ticks[:8]) - idle) / hz, sum(ticks[:8]) / hz
+    kinds = machine_cpu()
+    total = sum(kinds.values())
+    return total - kinds["idle"] - kinds["iowait"], total
 
 
 def _is_mounted(path: str) -> bool:
@@ -123,7 +111,7 @@ class Server:
                   "the workers' queues")
 
     def cpu(self) -> float:
-        return _cpu_seconds(process_tree(self.proc.pid))
+        return processes_cpu(process_tree(self.proc.pid))
 
     def to_main(self) -> tuple[int, ...]:
         """(requests the main process read, requests its workers read, messages those sent
